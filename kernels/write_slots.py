@@ -1,0 +1,181 @@
+"""Ragged slot writes: token t of ``key``/``value`` goes to flat pool slot ``slot_mapping[t]``.
+
+Slots are arbitrary, so a chunk may start in the middle of a block and span any number of
+blocks. A negative slot is padding and is skipped. K and V are written by one launch, cast to
+the pools' dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import _checks
+from kernels._runtime import interpreter_active
+
+
+@triton.jit
+def _write_slots_kernel(
+    key_ptr,
+    value_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    slot_mapping_ptr,
+    num_tokens,
+    num_kv_heads,
+    head_dim,
+    stride_key_tok,
+    stride_key_head,
+    stride_key_dim,
+    stride_value_tok,
+    stride_value_head,
+    stride_value_dim,
+    stride_kp_slot,
+    stride_kp_head,
+    stride_kp_dim,
+    stride_vp_slot,
+    stride_vp_head,
+    stride_vp_dim,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program writes BLOCK_T tokens, every head: the (head, dim) plane is one flat tile.
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
+    write = t_mask & (slot >= 0)
+    offs_hd = tl.arange(0, BLOCK_HD)
+    head = offs_hd // BLOCK_D
+    dim = offs_hd % BLOCK_D
+    hd_mask = (head < num_kv_heads) & (dim < head_dim)
+    mask = write[:, None] & hd_mask[None, :]
+    tok = offs_t.to(tl.int64)[:, None]
+
+    key = tl.load(
+        key_ptr
+        + tok * stride_key_tok
+        + head[None, :] * stride_key_head
+        + dim[None, :] * stride_key_dim,
+        mask=mask,
+        other=0.0,
+    )
+    tl.store(
+        k_pool_ptr
+        + slot[:, None] * stride_kp_slot
+        + head[None, :] * stride_kp_head
+        + dim[None, :] * stride_kp_dim,
+        key.to(k_pool_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    value = tl.load(
+        value_ptr
+        + tok * stride_value_tok
+        + head[None, :] * stride_value_head
+        + dim[None, :] * stride_value_dim,
+        mask=mask,
+        other=0.0,
+    )
+    tl.store(
+        v_pool_ptr
+        + slot[:, None] * stride_vp_slot
+        + head[None, :] * stride_vp_head
+        + dim[None, :] * stride_vp_dim,
+        value.to(v_pool_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def _check_arguments(
+    key: Tensor,
+    value: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    slot_mapping: Tensor,
+    check_values: bool,
+) -> None:
+    _checks.check_rank("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
+    _checks.check_rank("value", value, 3, "(num_tokens, num_kv_heads, head_dim)")
+    _checks.check_rank("k_pool", k_pool, 3, "(num_slots, num_kv_heads, head_dim)")
+    _checks.check_rank("v_pool", v_pool, 3, "(num_slots, num_kv_heads, head_dim)")
+    _checks.check_rank("slot_mapping", slot_mapping, 1, "(n,)")
+    _checks.check_same_device(
+        key=key, value=value, k_pool=k_pool, v_pool=v_pool, slot_mapping=slot_mapping
+    )
+    for name, tensor in (("key", key), ("value", value), ("k_pool", k_pool), ("v_pool", v_pool)):
+        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
+    _checks.check_dtype("slot_mapping", slot_mapping, _checks.INDEX_DTYPES)
+    if value.shape != key.shape:
+        raise ValueError(
+            f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}"
+        )
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(
+            f"v_pool shape {tuple(v_pool.shape)} must equal k_pool shape {tuple(k_pool.shape)}"
+        )
+    _checks.check_head_dim("key", key.shape[2])
+    if k_pool.shape[1:] != key.shape[1:]:
+        raise ValueError(
+            f"k_pool heads/head_dim {tuple(k_pool.shape[1:])} must match "
+            f"key's {tuple(key.shape[1:])}"
+        )
+    if slot_mapping.shape[0] > key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for only {key.shape[0]} tokens"
+        )
+    if k_pool.data_ptr() == v_pool.data_ptr() and k_pool.numel() > 0:
+        raise ValueError("k_pool and v_pool must be separate tensors, not the same memory")
+    if check_values and slot_mapping.numel():
+        slots = slot_mapping[slot_mapping >= 0]
+        if slots.numel() and int(slots.max()) >= k_pool.shape[0]:
+            raise ValueError(
+                f"slot_mapping holds slot {int(slots.max())} past the pool's "
+                f"{k_pool.shape[0]} slots"
+            )
+        if slots.unique().numel() != slots.numel():
+            raise ValueError("slot_mapping writes one slot twice; the result would be ambiguous")
+
+
+def write_slots(
+    key: Tensor,
+    value: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    slot_mapping: Tensor,
+    *,
+    check_values: bool = True,
+) -> None:
+    """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
+
+    Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches.
+    ``check_values=False`` skips the checks that read slot values (no device sync).
+    """
+    _check_arguments(key, value, k_pool, v_pool, slot_mapping, check_values)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    block_d = triton.next_power_of_2(head_dim)
+    block_hd = triton.next_power_of_2(num_kv_heads) * block_d
+    # Under the interpreter a program is a few numpy ops: give each one many tokens.
+    budget = 1 << 16 if interpreter_active() else 1 << 13
+    block_t = max(1, min(triton.next_power_of_2(num_tokens), budget // block_hd))
+    grid = lambda meta: (triton.cdiv(num_tokens, meta["BLOCK_T"]),)
+    _write_slots_kernel[grid](
+        key,
+        value,
+        k_pool,
+        v_pool,
+        slot_mapping,
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        *key.stride(),
+        *value.stride(),
+        *k_pool.stride(),
+        *v_pool.stride(),
+        BLOCK_T=block_t,
+        BLOCK_HD=block_hd,
+        BLOCK_D=block_d,
+    )

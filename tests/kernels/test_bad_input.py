@@ -1,0 +1,195 @@
+"""Bad input to each public kernel function: a clear ValueError/TypeError naming the argument,
+raised before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from tests.kernels.paged_case import make_paged_case
+
+
+def attention_args(**overrides):
+    case = make_paged_case(q_lens=[4, 6], k_lens=[9, 20], block_size=8)
+    args = {
+        "q": case.q,
+        "k_cache": case.k_cache,
+        "v_cache": case.v_cache,
+        "block_table": case.block_table,
+        "cu_seqlens_q": case.cu_seqlens_q,
+        "seq_lens_k": case.seq_lens_k,
+        "max_seqlen_q": case.max_seqlen_q,
+    }
+    args.update(overrides)
+    return args
+
+
+def call_attention(args):
+    positional = [
+        args.pop(name)
+        for name in ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k")
+    ]
+    return kernels.paged_attention(*positional, **args)
+
+
+ATTENTION_CASES = [
+    pytest.param(lambda a: {"q": a["q"][0]}, ValueError, "q", id="q-rank"),
+    pytest.param(lambda a: {"k_cache": a["k_cache"][0]}, ValueError, "k_cache", id="k-rank"),
+    pytest.param(lambda a: {"q": a["q"].double()}, TypeError, "q", id="q-dtype"),
+    pytest.param(lambda a: {"v_cache": a["v_cache"].half()}, TypeError, "v_cache", id="v-dtype"),
+    pytest.param(lambda a: {"q": a["q"][:, :3]}, ValueError, "num_heads", id="heads-not-multiple"),
+    pytest.param(
+        lambda a: {"q": a["q"][:, :, :32]}, ValueError, "head_dim", id="head-dim-mismatch"
+    ),
+    pytest.param(
+        lambda a: {
+            "q": torch.zeros(10, 4, 320),
+            "k_cache": torch.zeros(4, 8, 2, 320),
+            "v_cache": torch.zeros(4, 8, 2, 320),
+        },
+        ValueError,
+        "head_dim",
+        id="head-dim-unsupported",
+    ),
+    pytest.param(
+        lambda a: {"block_table": a["block_table"].long()},
+        TypeError,
+        "block_table",
+        id="table-int64",
+    ),
+    pytest.param(
+        lambda a: {"seq_lens_k": a["seq_lens_k"].long()}, TypeError, "seq_lens_k", id="lens-int64"
+    ),
+    pytest.param(
+        lambda a: {"block_table": a["block_table"][:, :2]},
+        ValueError,
+        "block_table",
+        id="table-too-narrow",
+    ),
+    pytest.param(
+        lambda a: {"seq_lens_k": torch.tensor([9, -1], dtype=torch.int32)},
+        ValueError,
+        "seq_lens_k",
+        id="negative-length",
+    ),
+    pytest.param(
+        lambda a: {"cu_seqlens_q": torch.tensor([0, 4], dtype=torch.int32)},
+        ValueError,
+        "cu_seqlens_q",
+        id="cu-seqlens-shape",
+    ),
+    pytest.param(
+        lambda a: {"cu_seqlens_q": torch.tensor([0, 7, 10], dtype=torch.int32)},
+        ValueError,
+        "max_seqlen_q",
+        id="max-seqlen-too-small",
+    ),
+    pytest.param(
+        lambda a: {"block_table": torch.full_like(a["block_table"], 99)},
+        ValueError,
+        "block_table",
+        id="table-out-of-range",
+    ),
+    pytest.param(
+        lambda a: {"k_cache": a["k_cache"].to("meta")}, ValueError, "device", id="mixed-devices"
+    ),
+    pytest.param(lambda a: {"out": a["q"][:2]}, ValueError, "out", id="out-shape"),
+    pytest.param(
+        lambda a: {"key_limits": torch.zeros(3, dtype=torch.int32)},
+        ValueError,
+        "key_limits",
+        id="key-limits-shape",
+    ),
+    pytest.param(
+        lambda a: {"key_gap": torch.zeros(2, 2)}, TypeError, "key_gap", id="key-gap-dtype"
+    ),
+    pytest.param(lambda a: {"block_n": 24}, ValueError, "block_n", id="tile-not-pow2"),
+    pytest.param(lambda a: {"max_seqlen_q": 2.0}, TypeError, "max_seqlen_q", id="max-seqlen-type"),
+    pytest.param(lambda a: {"q": a["q"].numpy()}, TypeError, "q", id="q-not-tensor"),
+]
+
+
+@pytest.mark.parametrize("override, error, word", ATTENTION_CASES)
+def test_paged_attention_rejects(override, error, word) -> None:
+    args = attention_args()
+    sentinel = torch.full_like(args["q"], 7.0)
+    args["out"] = sentinel
+    args.update(override(args))
+    with pytest.raises(error, match=word):
+        call_attention(args)
+    assert torch.equal(sentinel, torch.full_like(sentinel, 7.0)), "a rejected call wrote out"
+
+
+def write_args():
+    k_pool = torch.zeros(32, 2, 16)
+    v_pool = torch.zeros(32, 2, 16)
+    key = torch.ones(4, 2, 16)
+    value = torch.ones(4, 2, 16)
+    slots = torch.tensor([0, 5, 9, 31])
+    return [key, value, k_pool, v_pool, slots]
+
+
+WRITE_CASES = [
+    pytest.param(0, lambda t: t[0], ValueError, "key", id="key-rank"),
+    pytest.param(1, lambda t: t[:, :1], ValueError, "value", id="value-shape"),
+    pytest.param(2, lambda t: t[:, :1], ValueError, "k_pool", id="pool-heads"),
+    pytest.param(4, lambda t: t.float(), TypeError, "slot_mapping", id="slots-float"),
+    pytest.param(4, lambda t: torch.arange(6), ValueError, "slot_mapping", id="slots-too-many"),
+    pytest.param(
+        4, lambda t: torch.tensor([0, 32]), ValueError, "slot_mapping", id="slot-past-pool"
+    ),
+    pytest.param(4, lambda t: torch.tensor([3, 3]), ValueError, "slot_mapping", id="slot-twice"),
+    pytest.param(0, lambda t: t.to("meta"), ValueError, "device", id="mixed-devices"),
+    pytest.param(0, lambda t: t.double(), TypeError, "key", id="key-dtype"),
+]
+
+
+@pytest.mark.parametrize("index, change, error, word", WRITE_CASES)
+def test_write_slots_rejects_and_changes_nothing(index, change, error, word) -> None:
+    args = write_args()
+    args[index] = change(args[index])
+    k_before, v_before = args[2].clone(), args[3].clone()
+    with pytest.raises(error, match=word):
+        kernels.write_slots(*args)
+    if args[2].device.type != "meta":
+        assert torch.equal(args[2], k_before) and torch.equal(args[3], v_before)
+
+
+def test_write_slots_rejects_one_tensor_for_both_pools() -> None:
+    key, value, k_pool, _, slots = write_args()
+    with pytest.raises(ValueError, match="v_pool"):
+        kernels.write_slots(key, value, k_pool, k_pool, slots)
+
+
+def gather_args():
+    k_cache = torch.zeros(5, 8, 2, 16)
+    v_cache = torch.zeros(5, 8, 2, 16)
+    ids = torch.tensor([1, 2, 3], dtype=torch.int32)
+    stage_k = torch.full((24, 2, 16), 3.0)
+    stage_v = torch.full((24, 2, 16), 3.0)
+    return [k_cache, v_cache, ids, stage_k, stage_v]
+
+
+GATHER_CASES = [
+    pytest.param(0, lambda t: t[0], {}, ValueError, "k_cache", id="cache-rank"),
+    pytest.param(2, lambda t: t.float(), {}, TypeError, "block_ids", id="ids-float"),
+    pytest.param(2, lambda t: torch.tensor([1, 9]), {}, ValueError, "block_ids", id="id-range"),
+    pytest.param(3, lambda t: t[:16], {}, ValueError, "stage_k", id="stage-too-short"),
+    pytest.param(4, lambda t: t[:, :1], {}, ValueError, "stage_v", id="stage-shape"),
+    pytest.param(3, lambda t: t[:, :, :8], {}, ValueError, "stage_k", id="stage-head-dim"),
+    pytest.param(2, lambda t: t, {"first_block": 4}, ValueError, "first_block", id="first-range"),
+    pytest.param(2, lambda t: t, {"first_block": 1.0}, TypeError, "first_block", id="first-type"),
+    pytest.param(1, lambda t: t.to("meta"), {}, ValueError, "device", id="mixed-devices"),
+]
+
+
+@pytest.mark.parametrize("index, change, kwargs, error, word", GATHER_CASES)
+def test_gather_blocks_rejects_and_changes_nothing(index, change, kwargs, error, word) -> None:
+    args = gather_args()
+    args[index] = change(args[index])
+    with pytest.raises(error, match=word):
+        kernels.gather_blocks(*args, **kwargs)
+    for stage in args[3:]:
+        if stage.device.type != "meta":
+            assert torch.equal(stage, torch.full_like(stage, 3.0))

@@ -1,0 +1,259 @@
+"""kernels.paged_attention against the float64 oracle on awkward shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kernels
+import reference
+from tests.helpers import DEVICE, ON_GPU, nan_like
+from tests.kernels.paged_case import PagedCase, make_paged_case, tolerance_anchor
+
+# fp32 runs with ieee dot precision, so it must match float64 closely. fp16/bf16 are anchored
+# on PyTorch's own error at that precision (kernel error <= 2x torch's, plus a small floor).
+FP32_ATOL = 2e-5
+LOW_PRECISION_DTYPES = [
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(
+        torch.bfloat16,
+        id="bf16",
+        marks=pytest.mark.skipif(not ON_GPU, reason="the interpreter computes bf16 wrongly"),
+    ),
+]
+
+
+def run_and_compare(case: PagedCase, *, causal: bool = False, **kwargs) -> None:
+    out = nan_like(case.q)
+    got = kernels.paged_attention(
+        *case.args(), max_seqlen_q=case.max_seqlen_q, causal=causal, out=out, **kwargs
+    )
+    assert got is out
+    oracle_kwargs = {k: v for k, v in kwargs.items() if k in ("key_limits", "key_gap")}
+    want = reference.paged_attention(
+        *case.args(),
+        max_seqlen_q=case.max_seqlen_q,
+        causal=causal,
+        out=torch.empty(case.q.shape, dtype=torch.float64, device=case.q.device),
+        **oracle_kwargs,
+    )
+    assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
+    if got.numel() == 0:
+        return
+    error = (got.double() - want).abs().max().item()
+    if case.q.dtype == torch.float32:
+        assert error <= FP32_ATOL, f"max error {error:.3e}"
+    else:
+        anchor = tolerance_anchor(case, want, causal=causal)
+        assert error <= 2 * anchor + 1e-3, f"max error {error:.3e}, torch's own {anchor:.3e}"
+
+
+BLOCK_SIZES = [1, 7, 16, 24, 64, 1560]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=lambda b: f"B{b}")
+def test_varlen_batch_any_block_size(block_size: int) -> None:
+    # One sequence with a single key, one longer than four blocks, one with no queries.
+    long = max(4 * block_size + 3, 40) if block_size < 1560 else 2 * block_size + 5
+    case = make_paged_case(
+        q_lens=[3, 40, 0, 17],
+        k_lens=[1, long, 9, 2 * block_size + 1],
+        block_size=block_size,
+        device=DEVICE,
+    )
+    run_and_compare(case)
+
+
+@pytest.mark.parametrize("table_order", ["sequential", "permuted", "repeated"])
+@pytest.mark.parametrize("block_size", [7, 16], ids=lambda b: f"B{b}")
+def test_table_orders(table_order: str, block_size: int) -> None:
+    case = make_paged_case(
+        q_lens=[9, 21],
+        k_lens=[50, 33],
+        block_size=block_size,
+        table_order=table_order,
+        device=DEVICE,
+    )
+    run_and_compare(case)
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [
+        pytest.param(16, 16, id="contiguous-B16-N16"),
+        pytest.param(64, 32, id="contiguous-B64-N32"),
+        pytest.param(256, 64, id="contiguous-B256-N64"),
+        pytest.param(1560, 64, id="general-B1560-N64"),
+        pytest.param(24, 16, id="general-B24-N16"),
+        pytest.param(16, 64, id="general-B16-N64"),
+    ],
+)
+def test_contiguous_and_general_paths(block_size: int, block_n: int) -> None:
+    tiles = kernels.choose_tiles(
+        block_size=block_size, head_dim=64, max_seqlen_q=32, dtype=torch.float32, block_n=block_n
+    )
+    assert tiles["CONTIGUOUS_TILES"] == (block_size % block_n == 0)
+    case = make_paged_case(
+        q_lens=[32, 5],
+        k_lens=[3 * block_size + 11, block_size + 1],
+        block_size=block_size,
+        device=DEVICE,
+    )
+    run_and_compare(case, block_m=16, block_n=block_n)
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads", [pytest.param(8, 2, id="gqa8-2"), pytest.param(5, 1, id="gqa5-1")]
+)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 96], ids=lambda d: f"D{d}")
+def test_gqa_and_head_dims(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    case = make_paged_case(
+        q_lens=[7, 12],
+        k_lens=[30, 19],
+        block_size=7,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        device=DEVICE,
+    )
+    run_and_compare(case)
+
+
+def test_head_dim_256() -> None:
+    case = make_paged_case(
+        q_lens=[5],
+        k_lens=[20],
+        block_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=256,
+        device=DEVICE,
+    )
+    run_and_compare(case)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION_DTYPES)
+@pytest.mark.parametrize("block_size", [7, 16], ids=lambda b: f"B{b}")
+def test_low_precision(dtype: torch.dtype, block_size: int) -> None:
+    case = make_paged_case(
+        q_lens=[11, 30],
+        k_lens=[45, 70],
+        block_size=block_size,
+        head_dim=80,
+        dtype=dtype,
+        device=DEVICE,
+    )
+    run_and_compare(case)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16], ids=lambda b: f"B{b}")
+def test_causal_bottom_right(block_size: int) -> None:
+    # q shorter than, equal to and longer than k: bottom-right alignment in each.
+    case = make_paged_case(
+        q_lens=[5, 20, 30], k_lens=[20, 20, 12], block_size=block_size, device=DEVICE
+    )
+    run_and_compare(case, causal=True)
+
+
+def test_key_limits_and_gap() -> None:
+    case = make_paged_case(q_lens=[6, 10], k_lens=[40, 25], block_size=7, device=DEVICE)
+    key_limits = torch.tensor(
+        [0, 1, 5, 40, 17, 3] + [25, 24, 1, 2, 9, 13, 0, 25, 7, 11], dtype=torch.int32, device=DEVICE
+    )
+    key_gap = torch.tensor([[3, 30], [0, 0]], dtype=torch.int32, device=DEVICE)
+    run_and_compare(case, key_limits=key_limits, key_gap=key_gap)
+    run_and_compare(case, causal=True, key_limits=key_limits)
+
+
+def test_key_gap_skips_whole_tiles() -> None:
+    # With 16-key tiles the gap [16, 48) covers two whole tiles, which must not be read: NaN
+    # written there afterwards cannot reach the output.
+    case = make_paged_case(q_lens=[8], k_lens=[64], block_size=16, device=DEVICE)
+    key_gap = torch.tensor([[16, 48]], dtype=torch.int32, device=DEVICE)
+    want = reference.paged_attention(*case.args(), max_seqlen_q=8, key_gap=key_gap)
+    hidden = case.block_table[0, 1:3].long()
+    case.k_cache[hidden] = float("nan")
+    case.v_cache[hidden] = float("nan")
+    got = kernels.paged_attention(
+        *case.args(), max_seqlen_q=8, key_gap=key_gap, block_m=16, block_n=16, out=nan_like(case.q)
+    )
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+def test_zero_length_keys_give_zeros() -> None:
+    case = make_paged_case(q_lens=[4, 3], k_lens=[0, 5], block_size=4, device=DEVICE)
+    out = kernels.paged_attention(*case.args(), max_seqlen_q=4, out=nan_like(case.q))
+    assert torch.equal(out[:4], torch.zeros_like(out[:4]))
+    run_and_compare(case)
+
+
+def test_softmax_scale() -> None:
+    case = make_paged_case(q_lens=[9], k_lens=[20], block_size=7, device=DEVICE)
+    got = kernels.paged_attention(*case.args(), max_seqlen_q=9, softmax_scale=0.3)
+    want = reference.paged_attention(*case.args(), max_seqlen_q=9, softmax_scale=0.3)
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+def test_strided_inputs() -> None:
+    # q and the caches as non-contiguous views: strides must be honoured, not assumed.
+    case = make_paged_case(q_lens=[9], k_lens=[30], block_size=7, device=DEVICE)
+    wide_q = torch.randn(9, 4, 2 * 64, device=DEVICE)[:, :, ::2]
+    wide_q.copy_(case.q)
+    case.q = wide_q
+    case.k_cache = torch.cat([case.k_cache, case.k_cache], dim=2)[:, :, ::2]
+    case.v_cache = torch.cat([case.v_cache, case.v_cache], dim=2)[:, :, ::2]
+    assert not case.q.is_contiguous() and not case.k_cache.is_contiguous()
+    run_and_compare(case)
+
+
+def test_offsets_past_int32() -> None:
+    # The used blocks sit past 2**31 elements into the cache: offsets computed in int32 wrap.
+    block_size, heads, dim = 16, 1, 64
+    per_block = block_size * heads * dim
+    num_blocks = 2**31 // per_block + 8
+    # torch.empty does not touch memory; only the blocks written below become resident.
+    k_cache = torch.empty(num_blocks, block_size, heads, dim, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.empty_like(k_cache)
+    far = [num_blocks - 3, num_blocks - 1, 2]
+    assert far[0] * per_block > 2**31
+    table = torch.tensor([far + [0]], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    for block in far:
+        k_cache[block] = torch.randn(block_size, heads, dim, generator=gen).half()
+        v_cache[block] = torch.randn(block_size, heads, dim, generator=gen).half()
+    q = torch.randn(10, 2, dim, generator=gen).half().to(DEVICE)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    got = kernels.paged_attention(q, k_cache, v_cache, table, cu, lens, max_seqlen_q=10)
+    want = reference.paged_attention(q, k_cache, v_cache, table, cu, lens, max_seqlen_q=10)
+    assert (got.double() - want.double()).abs().max().item() < 2e-3
+
+
+@given(
+    block_size=st.sampled_from([1, 3, 7, 16, 24, 33, 64]),
+    q_lens=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    extra_k=st.lists(st.integers(0, 90), min_size=3, max_size=3),
+    heads=st.sampled_from([(4, 4), (4, 2), (6, 3), (5, 1)]),
+    head_dim=st.sampled_from([16, 64, 80]),
+    table_order=st.sampled_from(["sequential", "permuted", "repeated"]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_oracle(
+    block_size, q_lens, extra_k, heads, head_dim, table_order, causal, seed
+) -> None:
+    k_lens = [q + extra for q, extra in zip(q_lens, extra_k, strict=False)]
+    case = make_paged_case(
+        q_lens=q_lens,
+        k_lens=k_lens,
+        block_size=block_size,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        table_order=table_order,
+        seed=seed,
+        device=DEVICE,
+    )
+    run_and_compare(case, causal=causal)

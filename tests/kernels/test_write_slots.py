@@ -1,0 +1,119 @@
+"""kernels.write_slots: ragged writes land exactly where the mapping says, nowhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kernels
+from tests.helpers import DEVICE
+
+
+def make_pools(num_slots: int, heads: int, dim: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    k_pool = torch.randn(num_slots, heads, dim, generator=gen).to(dtype).to(DEVICE)
+    v_pool = torch.randn(num_slots, heads, dim, generator=gen).to(dtype).to(DEVICE)
+    return k_pool, v_pool
+
+
+def expected_pools(k_pool, v_pool, key, value, slot_mapping):
+    """The oracle: a Python loop over tokens."""
+    k_want, v_want = k_pool.clone(), v_pool.clone()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_want[slot] = key[t].to(k_pool.dtype)
+            v_want[slot] = value[t].to(v_pool.dtype)
+    return k_want, v_want
+
+
+def check_write(key, value, k_pool, v_pool, slot_mapping) -> None:
+    k_want, v_want = expected_pools(k_pool, v_pool, key, value, slot_mapping)
+    kernels.write_slots(key, value, k_pool, v_pool, slot_mapping)
+    # torch.equal: every slot outside the mapping must be bit-for-bit unchanged.
+    assert torch.equal(k_pool, k_want)
+    assert torch.equal(v_pool, v_want)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16, 24, 1560], ids=lambda b: f"B{b}")
+def test_chunk_starting_mid_block(block_size: int) -> None:
+    num_blocks, heads, dim = 5, 2, 80
+    k_pool, v_pool = make_pools(num_blocks * block_size, heads, dim)
+    start = block_size // 2 + block_size  # in the middle of block 1
+    length = min(2 * block_size + 3, num_blocks * block_size - start)
+    key = torch.randn(length, heads, dim, device=DEVICE)
+    value = torch.randn(length, heads, dim, device=DEVICE)
+    slots = torch.arange(start, start + length, dtype=torch.int64, device=DEVICE)
+    check_write(key, value, k_pool, v_pool, slots)
+
+
+def test_negative_slots_are_skipped_and_mapping_may_be_short() -> None:
+    k_pool, v_pool = make_pools(40, 3, 64)
+    key = torch.randn(10, 3, 64, device=DEVICE)
+    value = torch.randn(10, 3, 64, device=DEVICE)
+    # Only 7 of the 10 tokens are mapped; two of those are padding.
+    slots = torch.tensor([5, -1, 17, 39, -1, 0, 22], dtype=torch.int64, device=DEVICE)
+    check_write(key, value, k_pool, v_pool, slots)
+
+
+@pytest.mark.parametrize(
+    "src, pool",
+    [
+        pytest.param(torch.float32, torch.float16, id="fp32-to-fp16"),
+        pytest.param(torch.float16, torch.float32, id="fp16-to-fp32"),
+    ],
+)
+def test_casts_to_pool_dtype(src: torch.dtype, pool: torch.dtype) -> None:
+    k_pool, v_pool = make_pools(30, 2, 16, dtype=pool)
+    key = torch.randn(8, 2, 16, device=DEVICE).to(src)
+    value = torch.randn(8, 2, 16, device=DEVICE).to(src)
+    slots = torch.tensor([3, 4, 5, 11, 12, 29, 0, 1], dtype=torch.int32, device=DEVICE)
+    check_write(key, value, k_pool, v_pool, slots)
+
+
+def test_strided_pool_view() -> None:
+    # A flat view of a 4-D cache whose head axis is strided.
+    base = torch.zeros(6, 4, 4, 32, device=DEVICE)
+    k_pool = base[:, :, ::2].flatten(0, 1)
+    v_pool = torch.zeros_like(k_pool)
+    assert not k_pool.is_contiguous() and k_pool.data_ptr() == base.data_ptr()
+    key = torch.randn(5, 2, 32, device=DEVICE)
+    value = torch.randn(5, 2, 32, device=DEVICE)
+    slots = torch.tensor([23, 2, 9, 10, 11], dtype=torch.int64, device=DEVICE)
+    check_write(key, value, k_pool, v_pool, slots)
+    assert torch.equal(base[:, :, 1::2], torch.zeros_like(base[:, :, 1::2]))
+
+
+def test_slots_past_int32_offsets() -> None:
+    heads, dim = 1, 64
+    num_slots = 2**31 // (heads * dim) + 64
+    k_pool = torch.empty(num_slots, heads, dim, dtype=torch.float16, device=DEVICE)
+    v_pool = torch.empty_like(k_pool)
+    slots = torch.tensor([num_slots - 1, num_slots - 40, 3], dtype=torch.int64, device=DEVICE)
+    assert slots[0] * heads * dim > 2**31
+    key = torch.randn(3, heads, dim, device=DEVICE).half()
+    value = torch.randn(3, heads, dim, device=DEVICE).half()
+    kernels.write_slots(key, value, k_pool, v_pool, slots)
+    for t, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_pool[slot], key[t])
+        assert torch.equal(v_pool[slot], value[t])
+
+
+@given(
+    num_slots=st.integers(1, 200),
+    heads=st.sampled_from([1, 2, 3, 8]),
+    dim=st.sampled_from([16, 64, 80, 128]),
+    data=st.data(),
+)
+def test_property_matches_loop(num_slots: int, heads: int, dim: int, data) -> None:
+    chosen = data.draw(st.lists(st.integers(0, num_slots - 1), unique=True, max_size=num_slots))
+    padded = data.draw(
+        st.lists(st.sampled_from([-1, -7]), max_size=4).map(lambda pad: chosen + pad)
+    )
+    padded = data.draw(st.permutations(padded))
+    extra_tokens = data.draw(st.integers(0, 3))
+    k_pool, v_pool = make_pools(num_slots, heads, dim)
+    key = torch.randn(len(padded) + extra_tokens, heads, dim, device=DEVICE)
+    value = torch.randn_like(key)
+    check_write(key, value, k_pool, v_pool, torch.tensor(padded, dtype=torch.int64, device=DEVICE))
