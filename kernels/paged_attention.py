@@ -63,6 +63,7 @@ def _paged_attention_kernel(
     stride_o_dim,
     stride_table_row,
     stride_table_col,
+    gaps_per_row,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -72,6 +73,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_KEY_LIMITS: tl.constexpr,
     HAS_KEY_GAP: tl.constexpr,
+    GAPS: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -110,8 +112,12 @@ def _paged_attention_kernel(
     key_limit = tl.where(m_mask, key_limit, 0)
     keys_end = tl.max(key_limit, axis=0)
     if HAS_KEY_GAP:
-        gap_lo = tl.load(key_gap_ptr + 2 * seq)
-        gap_hi = tl.load(key_gap_ptr + 2 * seq + 1)
+        # Up to GAPS hidden ranges [lo, hi) per row; missing ones load as the empty [0, 0).
+        offs_g = tl.arange(0, GAPS)
+        g_mask = offs_g < gaps_per_row
+        gap_row = key_gap_ptr + seq * 2 * gaps_per_row + 2 * offs_g
+        gap_lo = tl.load(gap_row, mask=g_mask, other=0)
+        gap_hi = tl.load(gap_row + 1, mask=g_mask, other=0)
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -122,7 +128,8 @@ def _paged_attention_kernel(
         tile_needed = True
         if HAS_KEY_GAP:
             # A tile that lies wholly inside the gap contributes nothing: skip its loads.
-            tile_needed = (n_start < gap_lo) | (n_start + BLOCK_N > gap_hi)
+            inside = (n_start >= gap_lo) & (n_start + BLOCK_N <= gap_hi)
+            tile_needed = tl.max(inside.to(tl.int32), axis=0) == 0
         if tile_needed:
             offs_n = n_start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < keys_end
@@ -158,7 +165,9 @@ def _paged_attention_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = offs_n[None, :] < key_limit[:, None]
             if HAS_KEY_GAP:
-                visible = visible & ((offs_n[None, :] < gap_lo) | (offs_n[None, :] >= gap_hi))
+                in_gap = (offs_n[:, None] >= gap_lo[None, :]) & (offs_n[:, None] < gap_hi[None, :])
+                hidden = tl.max(in_gap.to(tl.int32), axis=1) > 0
+                visible = visible & ~hidden[None, :]
             scores = tl.where(visible, scores, float("-inf"))
 
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -304,10 +313,13 @@ def _check_arguments(
                 f"key_limits must have shape ({q.shape[0]},), got {tuple(key_limits.shape)}"
             )
     if key_gap is not None:
-        _checks.check_rank("key_gap", key_gap, 2, "(batch, 2)")
+        _checks.check_tensor("key_gap", key_gap)
         _checks.check_dtype("key_gap", key_gap, (torch.int32,))
-        if tuple(key_gap.shape) != (batch, 2):
-            raise ValueError(f"key_gap must have shape ({batch}, 2), got {tuple(key_gap.shape)}")
+        if key_gap.dim() not in (2, 3) or key_gap.shape[0] != batch or key_gap.shape[-1] != 2:
+            raise ValueError(
+                f"key_gap must have shape ({batch}, 2) or ({batch}, gaps, 2), "
+                f"got {tuple(key_gap.shape)}"
+            )
     if check_values:
         _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
 
@@ -368,9 +380,11 @@ def paged_attention(
     """Attention of packed queries ``q (total_q, H, D)`` over a paged cache.
 
     ``key_limits`` (int32 ``(total_q,)``) caps the keys each query sees (exclusive), e.g. for
-    mixed causal/full masks; ``key_gap`` (int32 ``(batch, 2)``) hides keys ``lo <= j < hi`` of
-    each row, e.g. the boundary tokens of an exact window. ``block_m``/``block_n`` override the
-    tile. ``check_values=False`` skips the checks that read tensor values (no device sync).
+    mixed causal/full masks; ``key_gap`` (int32 ``(batch, 2)`` or ``(batch, gaps, 2)``) hides
+    keys ``lo <= j < hi`` of each row, e.g. the boundary tokens of an exact window, or the
+    unwritten slots between a video run that ends mid-block and the action blocks.
+    ``block_m``/``block_n`` override the tile. ``check_values=False`` skips the checks that
+    read tensor values (no device sync).
     """
     _check_arguments(
         q,
@@ -402,6 +416,9 @@ def paged_attention(
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out
     upcast = interpreter_active() or q.dtype == torch.float32
+    if key_gap is not None:
+        key_gap = key_gap.reshape(batch, -1, 2).contiguous()
+    gaps_per_row = 1 if key_gap is None else key_gap.shape[1]
     grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), batch, q.shape[1])
     _paged_attention_kernel[grid](
         q,
@@ -422,7 +439,9 @@ def paged_attention(
         *v_cache.stride(),
         *out.stride(),
         *block_table.stride(),
+        gaps_per_row,
         CAUSAL=causal,
+        GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **tiles,

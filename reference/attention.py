@@ -19,14 +19,15 @@ def attention_mask(
     *,
     causal: bool = False,
     key_limits: Tensor | None = None,
-    key_gap: tuple[int, int] | None = None,
+    key_gap: list[tuple[int, int]] | tuple[int, int] | None = None,
     device: torch.device | str = "cpu",
 ) -> Tensor:
     """Boolean ``(q_len, k_len)`` mask, True where query i may attend key j.
 
     ``causal`` is FlashAttention's bottom-right alignment: query i sees keys
     ``j <= i + k_len - q_len``. ``key_limits`` (``(q_len,)``) is an exclusive upper bound on the
-    keys each query sees. ``key_gap = (lo, hi)`` hides keys ``lo <= j < hi`` from every query.
+    keys each query sees. ``key_gap = (lo, hi)``, or a list of such pairs, hides keys
+    ``lo <= j < hi`` from every query.
     """
     rows = torch.arange(q_len, device=device)[:, None]
     cols = torch.arange(k_len, device=device)[None, :]
@@ -36,8 +37,9 @@ def attention_mask(
     if key_limits is not None:
         mask &= cols < key_limits.to(device=device, dtype=torch.int64)[:, None]
     if key_gap is not None:
-        lo, hi = key_gap
-        mask &= (cols < lo) | (cols >= hi)
+        gaps = [key_gap] if isinstance(key_gap[0], int) else key_gap
+        for lo, hi in gaps:
+            mask &= (cols < lo) | (cols >= hi)
     return mask
 
 
@@ -117,7 +119,7 @@ def paged_attention(
             hi - lo,
             k_len,
             key_limits=None if key_limits is None else key_limits[lo:hi],
-            key_gap=None if key_gap is None else tuple(key_gap[i].tolist()),
+            key_gap=None if key_gap is None else key_gap[i].reshape(-1, 2).tolist(),
             device=q.device,
         )
         result[lo:hi] = dense_attention(

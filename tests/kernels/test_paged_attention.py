@@ -167,6 +167,19 @@ def test_key_limits_and_gap() -> None:
     run_and_compare(case, causal=True, key_limits=key_limits)
 
 
+@pytest.mark.parametrize("block_n", [16, 64], ids=lambda n: f"N{n}")
+def test_several_key_gaps_per_row(block_n: int) -> None:
+    # Three gaps per row (one empty, two touching): e.g. an exact window's boundary tokens plus
+    # the unwritten hole between a mid-block video end and the action blocks.
+    case = make_paged_case(q_lens=[5, 9], k_lens=[90, 70], block_size=16, device=DEVICE)
+    key_gap = torch.tensor(
+        [[[10, 37], [50, 64], [64, 66]], [[0, 0], [0, 16], [69, 70]]],
+        dtype=torch.int32,
+        device=DEVICE,
+    )
+    run_and_compare(case, key_gap=key_gap, block_m=16, block_n=block_n)
+
+
 def test_key_gap_skips_whole_tiles() -> None:
     # With 16-key tiles the gap [16, 48) covers two whole tiles, which must not be read: NaN
     # written there afterwards cannot reach the output.
