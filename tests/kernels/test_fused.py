@@ -1,0 +1,167 @@
+"""The fused write+attend custom op: schema, idempotent registration, one compiled graph, and
+bit-for-bit agreement with calling the kernels directly."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import kernels
+from kernels import fused
+from tests.helpers import DEVICE
+
+LAYERS, BLOCKS, BLOCK, KV_HEADS, HEADS, DIM, WIDTH = 3, 12, 16, 2, 4, 32, 5
+
+
+def make_state(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, BLOCKS, BLOCK, KV_HEADS, DIM)
+    k_pools = torch.randn(shape, generator=gen).to(DEVICE)
+    v_pools = torch.randn(shape, generator=gen).to(DEVICE)
+    stage_k = torch.full((LAYERS, WIDTH * BLOCK, KV_HEADS, DIM), float("nan"), device=DEVICE)
+    stage_v = stage_k.clone()
+    return k_pools, v_pools, stage_k, stage_v
+
+
+def make_forward(step: int, *, staged: bool, layer: int = 0):
+    """A forward whose block table, slots and history length all depend on ``step``."""
+    gen = torch.Generator().manual_seed(100 + step)
+    num_q, num_action = 20, 3
+    table = (torch.randperm(BLOCKS - 1, generator=gen)[:WIDTH] + 1).to(torch.int32).view(1, -1)
+    history = 17 + 9 * step
+    # Video tokens continue the history (possibly mid-block); action tokens go after them.
+    positions = torch.arange(history, history + num_q)
+    video_slots = table[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    action_positions = torch.arange(num_action) + (history + num_q)
+    action_slots = table[0, action_positions // BLOCK].long() * BLOCK + action_positions % BLOCK
+    inputs = fused.LayerInputs(
+        layer=torch.tensor(layer),
+        video_slots=video_slots.to(DEVICE),
+        action_slots=action_slots.to(DEVICE),
+        block_table=table.to(DEVICE),
+        cu_seqlens_q=torch.tensor([0, num_q], dtype=torch.int32, device=DEVICE),
+        seq_lens_k=torch.tensor([history + num_q + num_action], dtype=torch.int32, device=DEVICE),
+        key_gap=torch.tensor([[[3, 9]]], dtype=torch.int32, device=DEVICE),
+        stage_from=torch.tensor(0 if staged else -1),
+        max_seqlen_q=num_q,
+        softmax_scale=DIM**-0.5,
+    )
+    tensors = [
+        torch.randn(n, h, DIM, generator=gen).to(DEVICE)
+        for n, h in (
+            (num_q, HEADS),
+            (num_q, KV_HEADS),
+            (num_q, KV_HEADS),
+            (num_action, KV_HEADS),
+            (num_action, KV_HEADS),
+        )
+    ]
+    return tensors, inputs
+
+
+def direct_calls(tensors, inputs, k_pools, v_pools, stage_k, stage_v):
+    """The same work as the op, done by calling the three kernels by hand."""
+    query, key, value, action_key, action_value = tensors
+    layer = int(inputs.layer)
+    k_cache, v_cache = k_pools[layer], v_pools[layer]
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    kernels.write_slots(key, value, k_flat, v_flat, inputs.video_slots)
+    kernels.write_slots(action_key, action_value, k_flat, v_flat, inputs.action_slots)
+    if int(inputs.stage_from) < 0:
+        cache_k, cache_v, table = k_cache, v_cache, inputs.block_table
+    else:
+        kernels.gather_blocks(
+            k_cache,
+            v_cache,
+            inputs.block_table[0],
+            stage_k[layer],
+            stage_v[layer],
+            first_block=int(inputs.stage_from),
+        )
+        cache_k, cache_v = stage_k[layer].unsqueeze(0), stage_v[layer].unsqueeze(0)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    return kernels.paged_attention(
+        query,
+        cache_k,
+        cache_v,
+        table,
+        inputs.cu_seqlens_q,
+        inputs.seq_lens_k,
+        max_seqlen_q=inputs.max_seqlen_q,
+        softmax_scale=inputs.softmax_scale,
+        key_gap=inputs.key_gap,
+    )
+
+
+def test_schema_declares_mutations_without_defaults() -> None:
+    schema = fused.write_attend_op._schema
+    mutated = {arg.name for arg in schema.arguments if arg.alias_info and arg.alias_info.is_write}
+    assert mutated == set(fused.MUTATED_ARGS)
+    for arg in schema.arguments:
+        assert not arg.has_default_value(), f"{arg.name} has a default"
+
+
+def test_reimport_is_idempotent() -> None:
+    before = fused.write_attend_op
+    reloaded = importlib.reload(fused)
+    assert reloaded.write_attend_op is before
+    assert torch.ops.paged_video.write_attend.default is before
+
+
+def test_fake_returns_query_shape() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    state = make_state()
+    tensors, inputs = make_forward(0, staged=False)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in (*tensors, *state)]
+        out = fused.write_attend(*fake, inputs)
+    assert out.shape == tensors[0].shape and out.dtype == tensors[0].dtype
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+def test_matches_direct_kernel_calls_bit_for_bit(staged: bool) -> None:
+    for step in range(2):
+        tensors, inputs = make_forward(step, staged=staged, layer=step + 1)
+        state_op, state_direct = make_state(), make_state()
+        got = fused.write_attend(*tensors, *state_op, inputs)
+        want = direct_calls(tensors, inputs, *state_direct)
+        assert torch.equal(got, want)
+        for a, b in zip(state_op, state_direct, strict=True):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), "mutated state differs"
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+def test_compiles_once_across_changing_values(staged: bool) -> None:
+    k_pools, v_pools, stage_k, stage_v = make_state()
+
+    def block(tensors, inputs):
+        query, key, value, action_key, action_value = tensors
+        out = fused.write_attend(
+            query * 1.5,
+            key,
+            value,
+            action_key,
+            action_value,
+            k_pools,
+            v_pools,
+            stage_k,
+            stage_v,
+            inputs,
+        )
+        return out.sum(dim=1)
+
+    counter = CompileCounter()
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    for step in range(3):
+        # Block tables, slots, history lengths and the layer all change value.
+        tensors, inputs = make_forward(step, staged=staged, layer=step)
+        want = direct_calls(
+            [tensors[0] * 1.5, *tensors[1:]], inputs, *[t.clone() for t in make_state()]
+        )
+        got = compiled(tensors, inputs)
+        torch.testing.assert_close(got, want.sum(dim=1), rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1
