@@ -24,3 +24,8 @@ def enable_interpreter_if_no_gpu() -> None:
 def interpreter_active() -> bool:
     """True when Triton kernels run under the interpreter (numpy on the CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_torch_path(tensor: torch.Tensor) -> bool:
+    """True for CPU tensors when Triton cannot run them (no interpreter): use plain PyTorch."""
+    return tensor.device.type == "cpu" and not interpreter_active()

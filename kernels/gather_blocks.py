@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks
-from kernels._runtime import interpreter_active
+from kernels import _checks, torch_path
+from kernels._runtime import interpreter_active, use_torch_path
 
 
 @triton.jit
@@ -165,6 +165,9 @@ def gather_blocks(
     _check_arguments(k_cache, v_cache, block_ids, stage_k, stage_v, first_block, check_values)
     entries = block_ids.shape[0] - first_block
     if entries == 0:
+        return
+    if use_torch_path(k_cache):
+        torch_path.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block)
         return
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     block_d = triton.next_power_of_2(head_dim)

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks
-from kernels._runtime import interpreter_active
+from kernels import _checks, torch_path
+from kernels._runtime import interpreter_active, use_torch_path
 
 LOG2E = 1.4426950408889634
 
@@ -415,6 +415,20 @@ def paged_attention(
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out
+    if use_torch_path(q):
+        return torch_path.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            cu_seqlens_q,
+            seq_lens_k,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            out=out,
+            key_limits=key_limits,
+            key_gap=key_gap,
+        )
     upcast = interpreter_active() or q.dtype == torch.float32
     if key_gap is not None:
         key_gap = key_gap.reshape(batch, -1, 2).contiguous()

@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks
-from kernels._runtime import interpreter_active
+from kernels import _checks, torch_path
+from kernels._runtime import interpreter_active, use_torch_path
 
 
 @triton.jit
@@ -154,6 +154,9 @@ def write_slots(
     _check_arguments(key, value, k_pool, v_pool, slot_mapping, check_values)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
+        return
+    if use_torch_path(key):
+        torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping)
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     block_d = triton.next_power_of_2(head_dim)
