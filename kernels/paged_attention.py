@@ -125,62 +125,54 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_row
 
     for n_start in range(0, keys_end, BLOCK_N):
-        tile_needed = True
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < keys_end
         if HAS_KEY_GAP:
-            # A tile that lies wholly inside the gap contributes nothing: skip its loads.
-            inside = (n_start >= gap_lo) & (n_start + BLOCK_N <= gap_hi)
-            tile_needed = tl.max(inside.to(tl.int32), axis=0) == 0
-        if tile_needed:
-            offs_n = n_start + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < keys_end
-            if CONTIGUOUS_TILES:
-                block = tl.load(table_row + (n_start // block_size) * stride_table_col)
-                slot = (n_start % block_size) + tl.arange(0, BLOCK_N)
-                block = block.to(tl.int64)
-                k_rows = block * stride_k_block + slot.to(tl.int64) * stride_k_slot
-                v_rows = block * stride_v_block + slot.to(tl.int64) * stride_v_slot
-            else:
-                # Masked lanes read no table entry: padding past the sequence is never touched.
-                block = tl.load(
-                    table_row + (offs_n // block_size) * stride_table_col, mask=n_mask, other=0
-                ).to(tl.int64)
-                slot = (offs_n % block_size).to(tl.int64)
-                k_rows = block * stride_k_block + slot * stride_k_slot
-                v_rows = block * stride_v_block + slot * stride_v_slot
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_ptr + k_rows[:, None] + kv_head * stride_k_head + offs_d[None, :] * stride_k_dim,
-                mask=kv_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                v_ptr + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :] * stride_v_dim,
-                mask=kv_mask,
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            # Hidden keys are never loaded: they may be unwritten slots holding NaN.
+            in_gap = (offs_n[:, None] >= gap_lo[None, :]) & (offs_n[:, None] < gap_hi[None, :])
+            n_mask = n_mask & (tl.max(in_gap.to(tl.int32), axis=1) == 0)
+        if CONTIGUOUS_TILES:
+            block = tl.load(table_row + (n_start // block_size) * stride_table_col)
+            slot = (n_start % block_size) + tl.arange(0, BLOCK_N)
+            block = block.to(tl.int64)
+            k_rows = block * stride_k_block + slot.to(tl.int64) * stride_k_slot
+            v_rows = block * stride_v_block + slot.to(tl.int64) * stride_v_slot
+        else:
+            # Masked lanes read no table entry: padding past the sequence is never touched.
+            block = tl.load(
+                table_row + (offs_n // block_size) * stride_table_col, mask=n_mask, other=0
+            ).to(tl.int64)
+            slot = (offs_n % block_size).to(tl.int64)
+            k_rows = block * stride_k_block + slot * stride_k_slot
+            v_rows = block * stride_v_block + slot * stride_v_slot
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr + k_rows[:, None] + kv_head * stride_k_head + offs_d[None, :] * stride_k_dim,
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :] * stride_v_dim,
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
 
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = offs_n[None, :] < key_limit[:, None]
-            if HAS_KEY_GAP:
-                in_gap = (offs_n[:, None] >= gap_lo[None, :]) & (offs_n[:, None] < gap_hi[None, :])
-                hidden = tl.max(in_gap.to(tl.int32), axis=1) > 0
-                visible = visible & ~hidden[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = n_mask[None, :] & (offs_n[None, :] < key_limit[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
 
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-            # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of -inf
-            # so exp2 gives 0, not NaN.
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            probs = tl.math.exp2(scores - safe_max[:, None])
-            rescale = tl.math.exp2(row_max - safe_max)
-            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(
-                probs.to(v.dtype), v, input_precision=DOT_PRECISION
-            )
-            row_max = new_max
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of -inf
+        # so exp2 gives 0, not NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.math.exp2(scores - safe_max[:, None])
+        rescale = tl.math.exp2(row_max - safe_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
 
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
