@@ -1,12 +1,16 @@
-"""Where the kernels run: on a GPU, or under Triton's interpreter on a CPU.
+"""Where the kernels run: on a GPU, under Triton's interpreter, or as plain PyTorch on a CPU.
 
-Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated*, so this module is imported by
-``kernels/__init__.py`` before any kernel module.
+Triton (3.9) reads ``TRITON_INTERPRET`` when it is first imported (its own library functions are
+decorated then) and again when each kernel is decorated, so this module is imported by
+``kernels/__init__.py`` before any kernel module, and the interpreter can only be switched on
+here if nothing imported triton before (``torch._dynamo`` does). Otherwise a CPU gets the
+plain-PyTorch path.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -16,8 +20,12 @@ def _gpu_visible() -> bool:
 
 
 def enable_interpreter_if_no_gpu() -> None:
-    """Switch the interpreter on when no GPU is visible and the user has not chosen."""
-    if "TRITON_INTERPRET" not in os.environ and not _gpu_visible():
+    """Switch the interpreter on when no GPU is visible and the user has not chosen.
+
+    Too late once triton is imported: setting the variable then would interpret our kernels
+    but not triton's library functions they call, which fails.
+    """
+    if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not _gpu_visible():
         os.environ["TRITON_INTERPRET"] = "1"
 
 

@@ -35,7 +35,7 @@ MUTATED_ARGS = ("k_pools", "v_pools", "stage_k", "stage_v")
 class LayerInputs(NamedTuple):
     """Per-forward inputs of the fused op, shared by every layer but ``layer``.
 
-    ``key_gap`` is ``(rows, gaps, 2)`` int32 of hidden key ranges (``[0, 0)`` when unused);
+    ``key_gap`` is ``(rows, 2)`` or ``(rows, gaps, 2)`` int32 of hidden key ranges, or None;
     ``stage_from`` is the first block-table entry to restage, or -1 to attend without staging.
     """
 
@@ -45,7 +45,7 @@ class LayerInputs(NamedTuple):
     block_table: Tensor
     cu_seqlens_q: Tensor
     seq_lens_k: Tensor
-    key_gap: Tensor
+    key_gap: Tensor | None
     stage_from: Tensor
     max_seqlen_q: int
     softmax_scale: float
@@ -67,7 +67,7 @@ def _write_attend_impl(
     block_table: Tensor,
     cu_seqlens_q: Tensor,
     seq_lens_k: Tensor,
-    key_gap: Tensor,
+    key_gap: Tensor | None,
     stage_from: Tensor,
     max_seqlen_q: int,
     softmax_scale: float,

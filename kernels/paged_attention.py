@@ -209,7 +209,8 @@ def choose_tiles(
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
     short_q = max(16, triton.next_power_of_2(max(1, max_seqlen_q)))
     if interpreter_active():
-        default_m, default_n, warps, stages = min(256, short_q), 256, 4, 1
+        # 1024 x 512 scores stay under Triton's 2**20-element block limit.
+        default_m, default_n, warps, stages = min(1024, short_q), 512, 4, 1
     elif head_dim > 128 or dtype == torch.float32:
         default_m, default_n, warps, stages = min(64, short_q), 32, 4, 2
     else:
