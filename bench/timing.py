@@ -1,0 +1,97 @@
+"""Timing: ``triton.testing.do_bench`` on a GPU, a wall-clock loop on a CPU; the ceilings.
+
+CPU figures time the Triton interpreter (numpy) or the kernels' plain-PyTorch path, not a GPU
+kernel: they show the harness works and nothing about speed. Every row records which kind it
+is (``figures``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call: the median and the 20th and 80th percentiles."""
+
+    p50_ms: float
+    p20_ms: float
+    p80_ms: float
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    """``rep_ms``/``warmup_ms`` feed ``do_bench`` on a GPU; ``cpu_reps`` timed calls on a CPU."""
+
+    rep_ms: int = 100
+    warmup_ms: int = 25
+    cpu_reps: int = 3
+
+
+def figures_kind(device: torch.device) -> str:
+    """What this run's timings measure: ``"gpu"``, ``"cpu-interpreter"`` (Triton's
+    interpreter) or ``"cpu-torch"`` (the kernels' plain-PyTorch path, interpreter off)."""
+    if device.type == "cuda":
+        return "gpu"
+    return "cpu-interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "cpu-torch"
+
+
+def measure(fn: Callable[[], object], device: torch.device, settings: TimingSettings) -> Timing:
+    """Time ``fn`` (already warmed up by the caller's correctness check)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        p50, p20, p80 = triton.testing.do_bench(
+            fn, warmup=settings.warmup_ms, rep=settings.rep_ms, quantiles=list(QUANTILES)
+        )
+        return Timing(p50, p20, p80)
+    elapsed_ms = []
+    for _ in range(settings.cpu_reps):
+        start = time.perf_counter()
+        fn()
+        elapsed_ms.append((time.perf_counter() - start) * 1e3)
+    p50, p20, p80 = np.quantile(elapsed_ms, QUANTILES)
+    return Timing(float(p50), float(p20), float(p80))
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """A measured roof: ``tflops`` of a large matmul in one dtype, or ``gbps`` of a copy."""
+
+    name: str
+    dtype: str
+    timing: Timing
+    tflops: float | None = None
+    gbps: float | None = None
+
+
+def matmul_ceiling(
+    dtype_name: str, dtype: torch.dtype, device: torch.device, settings: TimingSettings
+) -> Ceiling:
+    """TFLOP/s of a square matmul: 8192 on a GPU, 256 on a CPU."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    fn = lambda: torch.matmul(a, b)
+    fn()
+    timing = measure(fn, device, settings)
+    return Ceiling("matmul", dtype_name, timing, tflops=2 * n**3 / timing.p50_ms / 1e9)
+
+
+def copy_ceiling(device: torch.device, settings: TimingSettings) -> Ceiling:
+    """GB/s (bytes read plus written) of a device copy: 1 GiB on a GPU, 16 MiB on a CPU."""
+    size = (1 << 30) if device.type == "cuda" else (1 << 24)
+    src = torch.empty(size, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    fn = lambda: dst.copy_(src)
+    fn()
+    timing = measure(fn, device, settings)
+    return Ceiling("copy", "", timing, gbps=2 * size / timing.p50_ms / 1e6)

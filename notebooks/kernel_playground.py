@@ -1,0 +1,154 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+# ---
+
+# %% [markdown]
+# # Kernel playground
+#
+# Change the cache block size or the attention tile, run `kernels.paged_attention` on a
+# realistic paged workload (randomly permuted blocks, sink + recent window), compare it with
+# the float64 oracle and see where the error sits.
+#
+# `NOTEBOOK_SMALL=1` shrinks everything (CI runs this file as a script that way);
+# `NOTEBOOK_OUT` is where the figures go (default `out/notebooks`).
+
+# %%
+import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+import kernels  # without a GPU, importing it switches Triton's interpreter on
+from bench.workload import Geometry, make_workload, oracle_attention
+
+SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
+OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
+OUT.mkdir(parents=True, exist_ok=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# %% [markdown]
+# ## The knobs
+#
+# `BLOCK_M`/`BLOCK_N` are powers of two >= 16, or `None` for the launcher's choice. A block
+# size that is a multiple of `BLOCK_N` takes the contiguous path (one table read per key tile);
+# any other size looks the block up per key row.
+
+# %%
+BLOCK_SIZE = 24
+BLOCK_M, BLOCK_N = None, None
+if SMALL or DEVICE == "cpu":
+    geometry = Geometry(
+        chunk_size=16 if SMALL else 48,
+        frames=2,
+        sink_chunks=1,
+        window_chunks=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        dtype="fp32",
+    )
+else:  # the shipped model
+    geometry = Geometry(
+        chunk_size=1560,
+        frames=3,
+        sink_chunks=9,
+        window_chunks=9,
+        heads=40,
+        kv_heads=40,
+        head_dim=128,
+        dtype="bf16",
+    )
+print(geometry, "queries", geometry.q_tokens, "keys", geometry.kv_tokens)
+
+# %%
+workload = make_workload(geometry, BLOCK_SIZE, device=DEVICE)
+tiles = kernels.choose_tiles(
+    block_size=BLOCK_SIZE,
+    head_dim=geometry.head_dim,
+    max_seqlen_q=geometry.q_tokens,
+    dtype=geometry.torch_dtype,
+    block_m=BLOCK_M,
+    block_n=BLOCK_N,
+)
+print("tiles:", tiles)
+print("block table of sequence 0:", workload.block_table[0].tolist())
+
+
+def run_kernel(w, block_m=None, block_n=None):
+    return kernels.paged_attention(
+        w.q,
+        w.k_cache,
+        w.v_cache,
+        w.block_table,
+        w.cu_seqlens_q,
+        w.seq_lens_k,
+        max_seqlen_q=w.geometry.q_tokens,
+        block_m=block_m,
+        block_n=block_n,
+    )
+
+
+out = run_kernel(workload, BLOCK_M, BLOCK_N)
+want = oracle_attention(workload)
+error = (out.double() - want).abs()
+scale = want.abs().max().item()
+worst = error.max().item()
+print(f"max |error| {worst:.3g}, relative to max |oracle| {worst / scale:.3g}")
+
+# %% [markdown]
+# ## Where the error is
+#
+# Left: the largest error over `head_dim` for every query token and head. Right: how the
+# per-element errors are spread (a wrong block shows as a band of query tokens or a second
+# mode far to the right).
+
+# %%
+per_token = error.amax(dim=2).cpu().numpy()  # (queries, heads)
+figure, (heat, spread) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+image = heat.imshow(per_token.T, aspect="auto", interpolation="nearest", cmap="viridis")
+heat.set_xlabel("query token")
+heat.set_ylabel("head")
+heat.set_yticks(range(geometry.heads))
+tile = f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
+heat.set_title(f"max |kernel - oracle|, block {BLOCK_SIZE}, tile {tile}")
+figure.colorbar(image, ax=heat)
+flat = error.flatten().cpu().numpy()
+spread.hist(np.log10(flat[flat > 0]), bins=60)
+spread.set_xlabel("log10 |error| (exact elements left out)")
+spread.set_ylabel("elements")
+spread.set_title(f"{(flat == 0).mean():.0%} of elements exact")
+figure.savefig(OUT / "playground_error.png", dpi=100)
+
+# %% [markdown]
+# ## Block sizes and tiles side by side
+#
+# The same attention for every combination: only the layout and the tiling change, so every
+# cell should sit at rounding level.
+
+# %%
+block_sizes = [8, 16, 24, 64] if SMALL else [8, 16, 24, 32, 64, 128, 520]
+tile_choices = [(None, None), (16, 16), (32, 64)]
+relative = np.zeros((len(block_sizes), len(tile_choices)))
+for i, block_size in enumerate(block_sizes):
+    w = make_workload(geometry, block_size, device=DEVICE)
+    for j, (block_m, block_n) in enumerate(tile_choices):
+        got = run_kernel(w, block_m, block_n).double()
+        relative[i, j] = (got - want).abs().max().item() / scale
+
+figure, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+image = ax.imshow(np.log10(relative + 1e-300), cmap="magma", aspect="auto")
+labels = ["auto" if m is None else f"{m}x{n}" for m, n in tile_choices]
+ax.set_xticks(range(len(tile_choices)), labels)
+ax.set_yticks(range(len(block_sizes)), [str(b) for b in block_sizes])
+ax.set_xlabel("tile (BLOCK_M x BLOCK_N)")
+ax.set_ylabel("block size")
+ax.set_title("log10 relative max error")
+figure.colorbar(image, ax=ax)
+figure.savefig(OUT / "playground_grid.png", dpi=100)
+print(relative)

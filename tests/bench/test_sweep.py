@@ -1,0 +1,205 @@
+"""The sweep harness on a CPU: it runs, its CSV has every column, wrong providers are refused."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+import reference
+from bench.providers import PROVIDERS, Bench, Provider
+from bench.results import COLUMNS, KERNELS, read_rows
+from bench.sweep import SweepConfig, WrongResultError, max_error, run_sweep, tolerance
+from bench.timing import TimingSettings, figures_kind, measure
+from bench.workload import Geometry
+
+TINY = Geometry(
+    chunk_size=8,
+    frames=1,
+    sink_chunks=1,
+    window_chunks=2,
+    heads=2,
+    kv_heads=1,
+    head_dim=16,
+    dtype="fp32",
+)
+QUICK = TimingSettings(cpu_reps=1)
+
+
+def tiny_config(**overrides: object) -> SweepConfig:
+    settings = dict(geometries=(TINY,), block_sizes=(8, 5), timing=QUICK, device="cpu")
+    settings.update(overrides)
+    return SweepConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    csv_path = tmp_path_factory.mktemp("sweep") / "sweep.csv"
+    return run_sweep(tiny_config(), csv_path, progress=False)
+
+
+def test_csv_has_every_column_and_a_checked_row_per_kernel(tiny_sweep):
+    with open(tiny_sweep.csv_path, newline="") as stream:
+        assert tuple(csv.DictReader(stream).fieldnames) == COLUMNS
+    rows = read_rows(tiny_sweep.csv_path)
+    assert len(rows) == len(tiny_sweep.rows)
+    measured = [r for r in rows if r["kernel"] != "ceiling"]
+    assert {(r["kernel"], r["block_size"]) for r in measured if r["provider"] == "triton"} == {
+        (kernel, block) for kernel in KERNELS for block in (8, 5)
+    }
+    for row in measured:
+        assert row["p20_ms"] <= row["p50_ms"] <= row["p80_ms"], row
+        assert row["gbps"] > 0 and row["gbps_vs_copy"] > 0
+        assert row["max_error"] <= tolerance(row["kernel"], row["dtype"])
+        assert (row["tflops"] is not None) == (row["kernel"] in ("paged_attention", "staged"))
+        assert row["q_tokens"] == 8 and row["kv_tokens"] == 24 and row["kv_heads"] == 1
+        assert row["figures"] == figures_kind(torch.device("cpu"))  # interpreter or torch path
+        assert row["torch"] == torch.__version__ and row["commit"] and row["timestamp"]
+    ceilings = {r["provider"]: r for r in rows if r["kernel"] == "ceiling"}
+    assert ceilings["matmul"]["tflops"] > 0 and ceilings["copy"]["gbps"] > 0
+
+
+def test_baselines_run_beside_the_kernels(tiny_sweep):
+    providers = {(r["kernel"], r["provider"]) for r in tiny_sweep.rows}
+    for expected in [
+        ("paged_attention", "reference"),
+        ("paged_attention", "sdpa"),
+        ("paged_attention", "sdpa+gather"),
+        ("staged", "triton+sdpa"),
+        ("gather_blocks", "torch"),
+        ("write_slots", "torch"),
+    ]:
+        assert expected in providers
+    skipped = {(s.kernel, s.provider) for s in tiny_sweep.skipped}
+    assert ("paged_attention", "flex") in skipped  # compiled flex is GPU-only
+
+
+def _wrong_attention(workload, tile):
+    """Drops each sequence's last key: close to right, but wrong."""
+    w = workload
+    return Bench(
+        lambda: reference.paged_attention(
+            w.q,
+            w.k_cache,
+            w.v_cache,
+            w.block_table,
+            w.cu_seqlens_q,
+            w.seq_lens_k - 1,
+            max_seqlen_q=w.geometry.q_tokens,
+        )
+    )
+
+
+def _wrong_write(workload, tile):
+    """Writes every token but the last."""
+    g = workload.geometry
+    k_pool = workload.k_cache.reshape(-1, g.kv_heads, g.head_dim).clone()
+    v_pool = workload.v_cache.reshape(-1, g.kv_heads, g.head_dim).clone()
+    slots = workload.write_slot_mapping[:-1]
+
+    def run():
+        k_pool[slots] = workload.new_keys[:-1]
+        v_pool[slots] = workload.new_values[:-1]
+        return k_pool, v_pool
+
+    return Bench(run)
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        Provider("paged_attention", "wrong", _wrong_attention, baseline=True),
+        Provider("write_slots", "wrong", _wrong_write),
+    ],
+    ids=lambda p: p.kernel,
+)
+def test_a_wrong_provider_raises_and_writes_no_row(tmp_path, wrong):
+    csv_path = tmp_path / "sweep.csv"
+    config = tiny_config(kernels=(wrong.kernel,), block_sizes=(8,))
+    with pytest.raises(WrongResultError, match=f"{wrong.kernel}/wrong"):
+        run_sweep(config, csv_path, providers=[*PROVIDERS, wrong], progress=False)
+    rows = read_rows(csv_path)
+    assert not [r for r in rows if r["provider"] == "wrong"]
+    assert [r for r in rows if r["provider"] == "triton"]  # the right ones before it were kept
+
+
+def test_a_failing_baseline_is_skipped_but_a_failing_kernel_raises(tmp_path):
+    def broken(workload, tile):
+        raise RuntimeError("no such backend")
+
+    baseline = Provider("gather_blocks", "broken", broken, baseline=True)
+    config = tiny_config(kernels=("gather_blocks",), block_sizes=(8,))
+    result = run_sweep(config, tmp_path / "a.csv", providers=[baseline], progress=False)
+    assert [s.reason for s in result.skipped] == ["failed: RuntimeError: no such backend"]
+    assert [r["kernel"] for r in result.rows] == ["ceiling", "ceiling"]
+
+    ours = Provider("gather_blocks", "broken", broken)
+    with pytest.raises(RuntimeError, match="no such backend"):
+        run_sweep(config, tmp_path / "b.csv", providers=[ours], progress=False)
+
+
+def test_provider_filter_keeps_only_the_named_providers(tmp_path):
+    config = tiny_config(kernels=("gather_blocks", "write_slots"), providers=("torch",))
+    result = run_sweep(config, tmp_path / "sweep.csv", progress=False)
+    measured = [r for r in result.rows if r["kernel"] != "ceiling"]
+    assert {r["provider"] for r in measured} == {"torch"}
+    assert {r["kernel"] for r in measured} == {"gather_blocks", "write_slots"}
+
+
+def test_tiles_are_swept_for_the_triton_attention_only(tmp_path):
+    from bench.providers import Tile
+
+    config = tiny_config(
+        kernels=("paged_attention",),
+        providers=("triton", "sdpa"),
+        block_sizes=(16,),
+        tiles=(None, Tile(16, 16)),
+    )
+    result = run_sweep(config, tmp_path / "sweep.csv", progress=False)
+    tiles = sorted((r["provider"], r["tile"]) for r in result.rows if r["kernel"] != "ceiling")
+    assert tiles == [("sdpa", ""), ("triton", "16x16"), ("triton", "auto")]
+
+
+def test_max_error_flags_nan_shape_and_value_differences():
+    want = torch.tensor([1.0, -2.0, 4.0])
+    assert max_error(want.clone(), want) == 0.0
+    assert max_error(want + torch.tensor([0.0, 0.0, 0.4]), want) == pytest.approx(0.1)
+    assert max_error(torch.tensor([1.0, math.nan, 4.0]), want) == math.inf
+    assert max_error(want[:2], want) == math.inf
+    assert max_error((want, want), (want, want + 1)) == pytest.approx(1 / 5)
+
+
+def test_cpu_timing_reports_ordered_quantiles():
+    calls = []
+    timing = measure(lambda: calls.append(1), torch.device("cpu"), TimingSettings(cpu_reps=5))
+    assert len(calls) == 5
+    assert 0 <= timing.p20_ms <= timing.p50_ms <= timing.p80_ms
+
+
+def test_a_batch_of_two_rows_with_gqa_checks_out_for_every_kernel(tmp_path):
+    two_rows = Geometry(
+        chunk_size=6,
+        frames=2,
+        sink_chunks=1,
+        window_chunks=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        dtype="fp32",
+        batch=2,
+    )
+    config = tiny_config(geometries=(two_rows,), block_sizes=(5,), providers=("triton", "sdpa"))
+    result = run_sweep(config, tmp_path / "sweep.csv", progress=False)
+    measured = {(r["kernel"], r["provider"]) for r in result.rows if r["kernel"] != "ceiling"}
+    assert {k for k, p in measured if p == "triton"} == set(KERNELS)
+    assert all(r["batch"] == 2 for r in result.rows if r["kernel"] != "ceiling")
+
+
+def test_figures_say_what_was_timed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert figures_kind(torch.device("cpu")) == "cpu-interpreter"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert figures_kind(torch.device("cpu")) == "cpu-torch"
+    assert figures_kind(torch.device("cuda")) == "gpu"
