@@ -1,0 +1,67 @@
+"""The paging configuration: the chunk window's geometry and the switches, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paging._validate import require_bool, require_int
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """Geometry of the chunk window over a paged KV cache (DESIGN section 4).
+
+    ``chunk_size`` (``C``) is tokens per frame, the eviction unit; ``block_size`` (``B``) is
+    tokens per block, the paging unit; the two are independent. The window keeps the first
+    ``sink_chunks`` frames forever and the last ``window_chunks`` frames, the current
+    forward's own included, so a forward may be at most ``window_chunks`` frames long.
+    ``max_forward_chunks`` and ``max_action_tokens`` bound a forward: they size the pool, the
+    scratch regions and the fixed block-table width.
+
+    ``reset_at_boundary`` drops everything after the sink at every commit instead of sliding.
+    ``reuse_history_staging`` allocates per-layer history staging buffers and lets a forward
+    keep the staged history. ``exact_window`` hands attention the plan's ``key_gap`` so the
+    out-of-window boundary tokens that whole-block reads add are masked. ``compaction`` removes
+    evicted table entries; switching it off is for checking that compaction changes nothing.
+    """
+
+    block_size: int
+    chunk_size: int
+    window_chunks: int
+    sink_chunks: int = 0
+    max_forward_chunks: int = 1
+    max_action_tokens: int = 0
+    reset_at_boundary: bool = False
+    reuse_history_staging: bool = False
+    exact_window: bool = False
+    compaction: bool = True
+
+    def __post_init__(self) -> None:
+        require_int("block_size", self.block_size, minimum=1)
+        require_int("chunk_size", self.chunk_size, minimum=1)
+        require_int("window_chunks", self.window_chunks, minimum=1)
+        require_int("sink_chunks", self.sink_chunks, minimum=0)
+        require_int("max_forward_chunks", self.max_forward_chunks, minimum=1)
+        require_int("max_action_tokens", self.max_action_tokens, minimum=0)
+        for name in ("reset_at_boundary", "reuse_history_staging", "exact_window", "compaction"):
+            require_bool(name, getattr(self, name))
+        if self.max_forward_chunks > self.window_chunks:
+            raise ValueError(
+                f"max_forward_chunks must be <= window_chunks ({self.window_chunks}): the window "
+                f"includes the current forward's own frames, got {self.max_forward_chunks}"
+            )
+
+    @property
+    def sink_tokens(self) -> int:
+        """``S``: tokens of the sink, kept forever."""
+        return self.sink_chunks * self.chunk_size
+
+    @property
+    def window_tokens(self) -> int:
+        """``W``: the most recent tokens kept, the current forward's own included."""
+        return self.window_chunks * self.chunk_size
+
+    @property
+    def max_forward_tokens(self) -> int:
+        """Video tokens of the largest forward."""
+        return self.max_forward_chunks * self.chunk_size

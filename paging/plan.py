@@ -1,0 +1,236 @@
+"""Forward plans: where a forward's tokens are written and which blocks its attention reads.
+
+A plan is made for (session, branch, tokens, commit?, action tokens) and does nothing until
+``prepare``, which runs once per forward for every layer: it allocates a committing forward's
+blocks and builds the fixed-shape tensors the kernels consume. Read positions ("keys") are the
+row's logical key coordinates: key ``j`` lives in ``block_table[0, j // B]`` at ``j % B``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from paging import window
+from paging.staging import StagingDecision
+
+if TYPE_CHECKING:
+    from paging.cache import PagedKVCache
+    from paging.session import Sequence, Session
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """The tensors of one attention call over the cache, one row per sequence.
+
+    The queries are the rows' video tokens, packed in row order. ``video_slots`` and
+    ``action_slots`` (int64) say where each video and action token's K/V is written, in that
+    order. ``block_table`` (``(batch, width)`` int32) lists each row's visible blocks, padded
+    with the null block; ``cu_seqlens_q`` (``(batch + 1,)``) and ``seq_lens_k`` (``(batch,)``)
+    are int32. ``key_gap`` (``(batch, 2)`` int32) is each row's ``[lo, hi)`` of keys that
+    whole-block reads add but the window does not keep; ``exact_window`` says whether attention
+    is handed it.
+    """
+
+    video_slots: Tensor
+    action_slots: Tensor
+    block_table: Tensor
+    cu_seqlens_q: Tensor
+    seq_lens_k: Tensor
+    key_gap: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    exact_window: bool
+
+    def attention_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for ``paged_attention`` after ``q, k_cache, v_cache``."""
+        return {
+            "block_table": self.block_table,
+            "cu_seqlens_q": self.cu_seqlens_q,
+            "seq_lens_k": self.seq_lens_k,
+            "max_seqlen_q": self.max_seqlen_q,
+            "key_gap": self.key_gap if self.exact_window else None,
+        }
+
+
+class PlanState(enum.Enum):
+    NEW = "new"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    CANCELLED = "cancelled"
+
+
+class ForwardPlan:
+    """One forward of one sequence; made by ``PagedKVCache.plan``, which validates it.
+
+    A *committing* forward writes its video after the history into the session's own blocks;
+    a *scratch* forward continues the history's tail block when it is partly filled and then
+    uses the sequence's scratch blocks, and changes no committed state. Action tokens continue
+    the read right after the video: in the free tail of the video's last block, then in scratch
+    blocks after the video's (a committing forward's from scratch block 0).
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        session: Session,
+        branch: str,
+        num_tokens: int,
+        *,
+        committing: bool,
+        action_tokens: int,
+    ) -> None:
+        self.cache = cache
+        self.session = session
+        self.branch = branch
+        self.num_tokens = num_tokens
+        self.committing = committing
+        self.action_tokens = action_tokens
+        self.state = PlanState.NEW
+        self.inputs: AttentionInputs | None = None
+        self.staging: StagingDecision | None = None
+        # Model positions committed before this forward (its first token's position).
+        self.history: int | None = None
+        self._staging_key: tuple | None = None
+
+    @property
+    def sequence(self) -> Sequence:
+        return self.session.sequences[self.branch]
+
+    @property
+    def stage_from(self) -> int:
+        """First visible block to restage into the staging buffers; -1 when not staging."""
+        return -1 if self.staging is None else self.staging.first_block
+
+    def prepare(self) -> AttentionInputs:
+        """Allocate (committing forward) and build the tensors; later calls return the same."""
+        if self.inputs is not None:
+            return self.inputs
+        if self.state is PlanState.CANCELLED:
+            raise ValueError("plan: this plan was cancelled; make a new one")
+        self.cache.check_open(self.session)
+        sequence = self.sequence
+        if sequence.pending is not None:
+            raise ValueError(
+                f"plan: a committing forward is pending on branch {self.branch!r} of session "
+                f"{self.session.id}; commit or cancel it before preparing another forward"
+            )
+        self.inputs = self._build(sequence)
+        self.history = sequence.absolute
+        self.state = PlanState.PREPARED
+        return self.inputs
+
+    def _build(self, sequence: Sequence) -> AttentionInputs:
+        config = self.cache.config
+        b = config.block_size
+        n, actions = self.num_tokens, self.action_tokens
+        history = sequence.committed
+        end = history + n
+        last_entry = -(-end // b)
+        if self.committing:
+            new_blocks = self.cache.pool.allocate(last_entry - sequence.history_entries)
+            sequence.block_table.extend(new_blocks)
+            sequence.pending = self
+            table_entries = last_entry
+        else:
+            table_entries = sequence.history_entries
+        scratch = self.cache.scratch_blocks(self.session, self.branch)
+
+        def blocks(first: int, stop: int) -> list[int]:
+            """Block ids of entries ``[first, stop)``: the table's, then scratch blocks."""
+            from_table = sequence.block_table[first : min(stop, table_entries)]
+            lo, hi = max(first, table_entries) - table_entries, max(0, stop - table_entries)
+            return from_table + list(scratch[lo:hi])
+
+        # Every resident block holding a kept token, in position order: the sink's, then the
+        # recent range's from the block where it starts; the two may share a block.
+        sink_end = min(config.sink_tokens, end)
+        sink_entries = -(-sink_end // b)
+        recent = window.recent_start(config, end, sequence.evicted)
+        first_recent = max(recent // b, sink_entries)
+        visible = blocks(0, sink_entries) + blocks(first_recent, last_entry)
+        video_keys = len(visible) * b - (last_entry * b - end)
+        video_blocks = len(visible)
+
+        spill = max(0, actions - (-video_keys % b))
+        first_action = last_entry - table_entries
+        visible += scratch[first_action : first_action + -(-spill // b)]
+        seq_len = video_keys + actions
+
+        if sink_end < recent < end:
+            gap_end = recent if recent // b < sink_entries else sink_entries * b + recent % b
+        else:
+            gap_end = sink_end
+
+        width = window.table_width(config)
+        table = torch.zeros((1, width), dtype=torch.int32)
+        table[0, : len(visible)] = torch.tensor(visible, dtype=torch.int32)
+        keys = torch.arange(video_keys - n, seq_len)
+        slots = table[0].to(torch.int64)[keys // b] * b + keys % b
+        video_slots, action_slots = slots[:n], slots[n:]
+
+        if self.cache.staging is not None:
+            self.staging = self._decide_staging(sequence, visible, video_blocks, seq_len)
+        device = self.cache.device
+        return AttentionInputs(
+            video_slots=video_slots.to(device),
+            action_slots=action_slots.to(device),
+            block_table=table.to(device),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+            seq_lens_k=torch.tensor([seq_len], dtype=torch.int32, device=device),
+            key_gap=torch.tensor([[sink_end, gap_end]], dtype=torch.int32, device=device),
+            max_seqlen_q=n,
+            max_seqlen_k=width * b,
+            exact_window=config.exact_window,
+        )
+
+    def _decide_staging(
+        self, sequence: Sequence, visible: list[int], video_blocks: int, seq_len: int
+    ) -> StagingDecision:
+        """Keep the staged history when nothing but this forward's own blocks can differ."""
+        b = self.cache.config.block_size
+        history, end = sequence.committed, sequence.committed + self.num_tokens
+        # Visible blocks that hold history only: those before the block the chunk starts in.
+        # Their contents change only by a commit, which changes ``absolute``.
+        history_blocks = video_blocks - (-(-end // b) - history // b)
+        self._staging_key = (
+            self.session.id,
+            self.branch,
+            sequence.absolute,
+            seq_len,
+            tuple(visible[:history_blocks]),
+        )
+        aligned = history % b == 0 and end % b == 0
+        return self.cache.staging.decide(
+            self._staging_key,
+            reusable=aligned and self.action_tokens == 0,
+            history_blocks=history_blocks,
+            num_blocks=len(visible),
+        )
+
+    def commit(self) -> bool:
+        """After a successful committing forward: complete its chunks, evict, compact.
+
+        Returns whether anything was committed: a scratch plan, a plan never prepared, or one
+        already committed or cancelled changes nothing.
+        """
+        if not self.committing or self.state is not PlanState.PREPARED:
+            return False
+        self.cache.check_open(self.session)
+        self.sequence.commit(self.num_tokens, self.cache.pool)
+        self.state = PlanState.COMMITTED
+        return True
+
+    def cancel(self) -> None:
+        """Abandon the plan (e.g. its forward failed): a committing one returns its new blocks."""
+        if self.state is PlanState.COMMITTED:
+            raise ValueError("plan: already committed; it cannot be cancelled")
+        if self.state is PlanState.PREPARED and self.committing and not self.session.closed:
+            self.sequence.drop_pending(self.cache.pool)
+        if self.cache.staging is not None and self._staging_key is not None:
+            self.cache.staging.forget(self._staging_key)
+        self.state = PlanState.CANCELLED

@@ -1,0 +1,339 @@
+"""A model-like driver of a ``PagedKVCache`` that checks every forward against the window oracle.
+
+``Rollout`` writes each forward's K/V where its plan says (as ``write_slots`` would), mirrors
+every write in a ``SlotLedger`` keyed by token identity, and then checks the plan slot by slot:
+each key the attention reads must hold exactly the token the oracle's model position implies,
+from the forward that wrote it last. Tokens are ``(kind, session, branch, index, writer)``
+tuples, ``writer`` being the serial number of the forward that wrote them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import paging
+import reference
+from kernels import paged_attention as kernel_attention
+from paging import NULL_BLOCK, ForwardPlan, PagedKVCache, PagingConfig, Session, window
+from reference import SlotLedger, WindowGeometry
+
+ATOL = 2e-5
+# The kernel runs under Triton's interpreter on CPUs: only forwards this small use it.
+KERNEL_PAIRS = 1024
+
+
+def geometry_of(config: PagingConfig) -> WindowGeometry:
+    return WindowGeometry(
+        chunk_size=config.chunk_size,
+        block_size=config.block_size,
+        sink_chunks=config.sink_chunks,
+        window_chunks=config.window_chunks,
+        reset_at_boundary=config.reset_at_boundary,
+    )
+
+
+class CountingList(list):
+    """A block table that counts the entries read through it (indexing, slicing, iterating)."""
+
+    touched = 0
+
+    def __getitem__(self, index):
+        self.touched += len(range(*index.indices(len(self)))) if isinstance(index, slice) else 1
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        self.touched += len(self)
+        return super().__iter__()
+
+
+def snapshot(cache: PagedKVCache) -> tuple:
+    """Everything a failed call must leave as it was: free count, tables, committed state."""
+    pool = cache.pool
+    return (
+        pool.num_free,
+        [pool.is_held(block) for block in range(pool.num_blocks + 2)],
+        {
+            (sid, branch): (
+                list.copy(seq.block_table),
+                seq.committed,
+                seq.compacted,
+                seq.evicted,
+                seq.pending,
+            )
+            for sid, session in cache.sessions.items()
+            for branch, seq in session.sequences.items()
+        },
+    )
+
+
+def resident_model_positions(seq: paging.Sequence, config: PagingConfig) -> list[int]:
+    """Model positions the sequence's table still holds live (resident and not dead)."""
+    b, s = config.block_size, config.sink_tokens
+    positions = []
+    for entry, block in enumerate(list.copy(seq.block_table)):
+        if block == NULL_BLOCK:
+            continue
+        for p in range(entry * b, min((entry + 1) * b, seq.committed)):
+            if not s <= p < s + seq.evicted:
+                positions.append(p if p < s else p + seq.compacted)
+    return positions
+
+
+@dataclass
+class ForwardRecord:
+    """What one forward wrote and read, for tests to inspect."""
+
+    plan: ForwardPlan
+    serial: int
+    history: int
+    read_tokens: list
+    touched: int
+    kernel_checked: bool = False
+
+
+class Rollout:
+    """Drive one cache like a model: plan, prepare, write, check; commit after success.
+
+    ``kernel_budget`` forwards (small ones only) attend through the Triton kernel, the rest
+    through the float64 gather oracle; forwards with more than ``attention_limit`` query-key
+    pairs skip the attention check (the slot-by-slot checks always run).
+    """
+
+    def __init__(
+        self,
+        config: PagingConfig,
+        *,
+        branches: tuple[str, ...] = ("main",),
+        session_capacity: int = 1,
+        num_heads: int = 2,
+        num_kv_heads: int = 1,
+        head_dim: int = 4,
+        kernel_budget: int = 0,
+        attention_limit: int = 1 << 20,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry_of(config)
+        self.cache = PagedKVCache(
+            config,
+            num_layers=1,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            session_capacity=session_capacity,
+            branches=branches,
+            dtype=torch.float32,
+        )
+        self.cache.k_pools.fill_(float("nan"))
+        self.cache.v_pools.fill_(float("nan"))
+        self.num_heads = num_heads
+        self.ledger = SlotLedger()
+        self.values: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self.writer_of: dict[tuple[int, str, int], int] = {}
+        self.serial = 0
+        self.kernel_budget = kernel_budget
+        self.attention_limit = attention_limit
+        self.width = self.cache.table_width
+        # What the staging buffer holds, row by row, as tokens (``gather_blocks`` emulated).
+        self.staged: list[tuple | None] = [None] * self.cache.max_seqlen_k
+        self.max_seqlen_k = self.cache.max_seqlen_k
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # -- driving -------------------------------------------------------------------------
+    def open(self) -> Session:
+        session = self.cache.open_session()
+        for seq in session.sequences.values():
+            seq.block_table = CountingList(seq.block_table)
+        return session
+
+    def forward(
+        self,
+        session: Session,
+        branch: str = "main",
+        chunks: int = 1,
+        *,
+        commit: bool = False,
+        actions: int = 0,
+        check: bool = True,
+    ) -> ForwardRecord:
+        """Plan, prepare (twice: idempotent), write K/V, check the plan; no commit yet."""
+        n = chunks * self.config.chunk_size
+        plan = self.cache.plan(session, branch, n, commit=commit, action_tokens=actions)
+        table = session.sequences[branch].block_table
+        table.touched = 0
+        inputs = plan.prepare()
+        touched = table.touched
+        assert plan.prepare() is inputs
+        self.serial += 1
+        video = [("video", session.id, branch, plan.history + t, self.serial) for t in range(n)]
+        action = [("action", session.id, branch, j, self.serial) for j in range(actions)]
+        self._write(inputs.video_slots, video)
+        self._write(inputs.action_slots, action)
+        record = ForwardRecord(plan, self.serial, plan.history, [], touched)
+        if check:
+            self.check(record)
+        return record
+
+    def commit(self, record: ForwardRecord) -> bool:
+        plan = record.plan
+        committed = plan.commit()
+        if committed:
+            for p in range(plan.history, plan.history + plan.num_tokens):
+                self.writer_of[(plan.session.id, plan.branch, p)] = record.serial
+        return committed
+
+    def step(self, session: Session, branch: str = "main", chunks: int = 1, **kwargs):
+        """One committing forward, committed."""
+        record = self.forward(session, branch, chunks, commit=True, **kwargs)
+        assert self.commit(record)
+        return record
+
+    def _write(self, slots: Tensor, tokens: list[tuple]) -> None:
+        shape = (len(tokens), *self.cache.k_pools.shape[3:])
+        k = torch.randn(shape, generator=self.generator)
+        v = torch.randn(shape, generator=self.generator)
+        layer = self.cache.layer(0)
+        layer.k_flat[slots] = k
+        layer.v_flat[slots] = v
+        self.ledger.write(slots.tolist(), tokens)
+        for i, token in enumerate(tokens):
+            self.values[token] = (k[i], v[i])
+
+    # -- checking ------------------------------------------------------------------------
+    def expected_tokens(self, record: ForwardRecord) -> list[tuple]:
+        """The tokens the oracle says the forward reads, in key order (actions last)."""
+        plan = record.plan
+        sid, branch, h = plan.session.id, plan.branch, record.history
+        video = [
+            ("video", sid, branch, p, record.serial if p >= h else self.writer_of[(sid, branch, p)])
+            for p in reference.block_read_positions(self.geometry, h, plan.num_tokens)
+        ]
+        actions = [("action", sid, branch, j, record.serial) for j in range(plan.action_tokens)]
+        return video + actions
+
+    def check(self, record: ForwardRecord) -> None:
+        plan, inputs = record.plan, record.plan.inputs
+        b, n, actions = self.config.block_size, plan.num_tokens, plan.action_tokens
+        row = inputs.block_table[0].tolist()
+        seq_len = int(inputs.seq_lens_k[0])
+        slots = reference.slots_read(row, seq_len, b)
+        tokens = self.ledger.read(slots)
+        record.read_tokens = tokens
+
+        # Fixed shapes, and the lengths that go with them.
+        assert inputs.block_table.shape == (1, self.width) and self.width == self.cache.table_width
+        assert inputs.block_table.dtype == torch.int32
+        assert inputs.max_seqlen_k == self.max_seqlen_k == self.width * b
+        assert 0 < seq_len <= inputs.max_seqlen_k
+        assert inputs.cu_seqlens_q.tolist() == [0, n] and inputs.max_seqlen_q == n
+        assert all(block == NULL_BLOCK for block in row[math.ceil(seq_len / b) :])
+        assert inputs.video_slots.shape == (n,) and inputs.action_slots.shape == (actions,)
+
+        # No unwritten slot is read, and every read slot holds the token its position implies.
+        assert None not in tokens, f"unwritten slot read at key {tokens.index(None)}"
+        layer = self.cache.layer(0)
+        assert not torch.isnan(layer.k_flat[slots]).any()
+        assert not torch.isnan(layer.v_flat[slots]).any()
+        assert tokens == self.expected_tokens(record)
+
+        # Every kept token is read; at most B - 1 extra tokens per boundary.
+        kept = reference.kept_positions(self.geometry, record.history, n)
+        read = [token[3] for token in tokens[: seq_len - actions]]
+        assert read == sorted(read) and set(kept) <= set(read)
+        extras = set(read) - set(kept)
+        sink_excess = {p for p in extras if p < math.ceil(self.config.sink_tokens / b) * b}
+        assert len(sink_excess) <= b - 1 and len(extras - sink_excess) <= b - 1
+
+        # key_gap: the reads minus the gap are exactly the kept tokens.
+        lo, hi = inputs.key_gap[0].tolist()
+        assert 0 <= lo <= hi <= seq_len - actions
+        assert read[:lo] + read[hi:] == kept
+
+        # Finding the blocks touched only the table entries that can hold kept tokens.
+        h, end = record.history, record.history + n
+        visible = math.ceil(len(read) / b)
+        scratch_video = 0 if plan.committing else math.ceil(end / b) - math.ceil(h / b)
+        assert record.touched == visible - scratch_video
+        assert visible <= window.max_video_blocks(self.config)
+
+        if plan.staging is not None:
+            self.check_staging(record, row, tokens)
+        if n * seq_len <= self.attention_limit:
+            self.check_attention(record, tokens, (lo, hi))
+
+    def check_staging(self, record: ForwardRecord, row: list[int], tokens: list) -> None:
+        """Restage from ``stage_from`` as ``gather_blocks`` would: the buffer must then hold
+        exactly the keys the forward reads, so a wrongly kept history cannot pass."""
+        b, staging = self.config.block_size, record.plan.staging
+        assert staging.num_blocks == math.ceil(len(tokens) / b)
+        assert 0 <= staging.first_block < staging.num_blocks
+        for j in range(staging.first_block, staging.num_blocks):
+            self.staged[j * b : (j + 1) * b] = self.ledger.read(range(row[j] * b, (row[j] + 1) * b))
+        assert self.staged[: len(tokens)] == tokens
+
+    def check_attention(self, record: ForwardRecord, tokens: list, gap: tuple[int, int]) -> None:
+        """End to end: attention over the pool equals dense attention over the oracle's keys."""
+        inputs = record.plan.inputs
+        keep = list(range(len(tokens)))
+        if inputs.exact_window:
+            keep = [j for j in keep if not gap[0] <= j < gap[1]]
+        keys = torch.stack([self.values[tokens[j]][0] for j in keep])
+        values = torch.stack([self.values[tokens[j]][1] for j in keep])
+        q = torch.randn(
+            record.plan.num_tokens, self.num_heads, keys.shape[-1], generator=self.generator
+        )
+        want = reference.dense_attention(q, keys, values)
+        layer = self.cache.layer(0)
+        use_kernel = self.kernel_budget > 0 and len(tokens) * q.shape[0] <= KERNEL_PAIRS
+        attend = kernel_attention if use_kernel else reference.paged_attention
+        got = attend(q, layer.k, layer.v, **inputs.attention_kwargs())
+        record.kernel_checked = use_kernel
+        self.kernel_budget -= use_kernel
+        assert not torch.isnan(got).any()
+        assert torch.allclose(got.double(), want, atol=ATOL, rtol=0)
+
+    # -- whole-cache invariants ----------------------------------------------------------
+    def check_pool(self) -> None:
+        """free + held = total, no block in two tables, every held block in some table."""
+        pool = self.cache.pool
+        held = [
+            block
+            for session in self.cache.sessions.values()
+            for seq in session.sequences.values()
+            for block in list.copy(seq.block_table)
+            if block != NULL_BLOCK
+        ]
+        assert len(held) == len(set(held)), "a block is in two tables (or twice in one)"
+        assert all(pool.is_held(block) for block in held)
+        assert pool.num_free + pool.num_held == pool.num_blocks
+        assert pool.num_held == len(held), "a held block is in no table (leak)"
+        assert not pool.is_held(NULL_BLOCK)
+
+    def check_residency(self) -> None:
+        """Each sequence holds exactly the oracle's resident positions, each with its token."""
+        config, b = self.config, self.config.block_size
+        bound = window.blocks_per_sequence(config) + window.compaction_unit(config) // b - 1
+        for session in self.cache.sessions.values():
+            for branch, seq in session.sequences.items():
+                if seq.pending is not None:
+                    continue
+                assert seq.committed + seq.compacted == seq.absolute
+                assert seq.completed_chunks * config.chunk_size == seq.absolute
+                assert len(seq.block_table) == seq.history_entries
+                if config.compaction:
+                    assert len(seq.block_table) <= bound
+                positions = resident_model_positions(seq, config)
+                assert positions == reference.resident_positions(self.geometry, seq.absolute)
+                self.check_resident_tokens(session, branch, seq, positions)
+
+    def check_resident_tokens(self, session, branch, seq, positions) -> None:
+        b, s = self.config.block_size, self.config.sink_tokens
+        table = list.copy(seq.block_table)
+        for p in positions:
+            storage = p if p < s else p - seq.compacted
+            slot = table[storage // b] * b + storage % b
+            writer = self.writer_of[(session.id, branch, p)]
+            assert self.ledger.read([slot]) == [("video", session.id, branch, p, writer)]

@@ -1,0 +1,52 @@
+"""The block pool: null block 0, free count, all-or-nothing allocation, no double free."""
+
+from __future__ import annotations
+
+import pytest
+
+from paging import NULL_BLOCK, BlockPool, PoolExhaustedError
+
+
+def test_hands_out_every_block_but_the_null_block() -> None:
+    pool = BlockPool(5)
+    blocks = pool.allocate(5)
+    assert sorted(blocks) == [1, 2, 3, 4, 5] and NULL_BLOCK not in blocks
+    assert (pool.num_free, pool.num_held) == (0, 5)
+
+
+def test_free_count_and_reuse() -> None:
+    pool = BlockPool(4)
+    first = pool.allocate(3)
+    assert pool.num_free == 1
+    pool.free(first[:2])
+    assert (pool.num_free, pool.num_held) == (3, 1)
+    again = pool.allocate(3)
+    assert len(set(again)) == 3 and first[2] not in again
+
+
+def test_exhaustion_is_clear_and_changes_nothing() -> None:
+    pool = BlockPool(4)
+    held = pool.allocate(3)
+    with pytest.raises(PoolExhaustedError, match=r"count=2 .*1 of num_blocks=4 free"):
+        pool.allocate(2)
+    assert pool.num_free == 1 and all(pool.is_held(b) for b in held)
+    assert pool.allocate(1) != []
+
+
+@pytest.mark.parametrize("case", ["null", "unknown", "twice"])
+def test_freeing_what_is_not_held_raises_and_changes_nothing(case: str) -> None:
+    pool = BlockPool(4)
+    held = pool.allocate(2)
+    bad = {"null": [NULL_BLOCK], "unknown": [9], "twice": [held[0], held[0]]}[case]
+    with pytest.raises(ValueError, match="blocks"):
+        pool.free([held[1], *bad])
+    assert pool.num_free == 2 and all(pool.is_held(b) for b in held)
+
+
+def test_double_free_across_calls_raises() -> None:
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(ValueError, match="not held"):
+        pool.free([block])
+    assert pool.num_free == 2
