@@ -115,12 +115,7 @@ def _build_triton_paged(workload: Workload, tile: Tile | None) -> Bench:
 
     def run() -> Tensor:
         return kernels.paged_attention(
-            w.q,
-            w.k_cache,
-            w.v_cache,
-            w.block_table,
-            w.cu_seqlens_q,
-            w.seq_lens_k,
+            *w.attention_args(),
             max_seqlen_q=w.geometry.q_tokens,
             out=out,
             check_values=False,
@@ -133,15 +128,7 @@ def _build_triton_paged(workload: Workload, tile: Tile | None) -> Bench:
 def _build_reference_paged(workload: Workload, tile: Tile | None) -> Bench:
     w = workload
     return Bench(
-        lambda: reference.paged_attention(
-            w.q,
-            w.k_cache,
-            w.v_cache,
-            w.block_table,
-            w.cu_seqlens_q,
-            w.seq_lens_k,
-            max_seqlen_q=w.geometry.q_tokens,
-        )
+        lambda: reference.paged_attention(*w.attention_args(), max_seqlen_q=w.geometry.q_tokens)
     )
 
 

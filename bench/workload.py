@@ -89,6 +89,17 @@ class Workload:
     def blocks_per_sequence(self) -> int:
         return self.block_table.shape[1]
 
+    def attention_args(self) -> tuple[Tensor, ...]:
+        """The positional arguments of ``paged_attention`` (kernel or oracle) for this case."""
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_table,
+            self.cu_seqlens_q,
+            self.seq_lens_k,
+        )
+
     @property
     def block_ids(self) -> Tensor:
         """Every sequence's blocks, row after row (int32), as ``gather_blocks`` takes them."""

@@ -82,12 +82,7 @@ print("block table of sequence 0:", workload.block_table[0].tolist())
 
 def run_kernel(w, block_m=None, block_n=None):
     return kernels.paged_attention(
-        w.q,
-        w.k_cache,
-        w.v_cache,
-        w.block_table,
-        w.cu_seqlens_q,
-        w.seq_lens_k,
+        *w.attention_args(),
         max_seqlen_q=w.geometry.q_tokens,
         block_m=block_m,
         block_n=block_n,
