@@ -313,3 +313,47 @@ def test_shipped_geometry_reduced_heads() -> None:
     sequence = session.sequences["main"]
     # 21 chunks committed, 9 in the sink and 9 in the window: 3 skipped (DESIGN's formula).
     assert sequence.evicted + sequence.compacted == 3 * 1560
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+def test_real_plans_compile_once(staged: bool) -> None:
+    # Forwards from real plans: new block ids, new slots, longer history, another layer each
+    # time; the compiled block must not recompile.
+    from torch._dynamo.testing import CompileCounter
+
+    from kernels.fused import write_attend
+
+    config = PagingConfig(
+        **RAGGED,
+        sink_chunks=1,
+        window_chunks=3,
+        max_forward_chunks=1,
+        max_action_tokens=4,
+        reuse_history_staging=staged,
+    )
+    rollout = ModelRollout(config, layers=3)
+    cache = rollout.cache
+    session = rollout.open()
+
+    def block(q, k, v, ak, av, inputs):
+        out = write_attend(
+            q, k, v, ak, av, cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v, inputs
+        )
+        return out * 2.0
+
+    counter = CompileCounter()
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    for step in range(3):
+        plan = cache.plan(session, "main", 24, commit=True, action_tokens=4)
+        call = ForwardCall(cache, plan, softmax_scale=rollout.scale)
+        layer = step % 3
+        q, k, v = rollout._random(24, 4), rollout._random(24, 2), rollout._random(24, 2)
+        ak, av = rollout._random(4, 2), rollout._random(4, 2)
+        got = compiled(q, k, v, ak, av, call.layer(layer))
+        rollout._check_row(plan, layer, q, k, v, ak, av, got / 2.0)
+        for other in range(3):  # every layer gets this forward's history
+            if other != layer:
+                call.attend(other, q, k, v, ak, av)
+            rollout._remember(plan, other, k, v)
+        call.commit()
+    assert counter.frame_count == 1
