@@ -1,7 +1,8 @@
 """Host-side paging for the chunk-window KV cache: pool, sessions, eviction, forward plans.
 
-Builds the tensors the kernels consume (slot mappings, fixed-width block tables, lengths);
-imports nothing of ``kernels``. The contract is DESIGN section 4.
+Builds the tensors the kernels consume (slot mappings, fixed-width block tables, lengths).
+Only ``paging.forward`` (one forward through the fused op) imports ``kernels``; it is not
+imported here, so bookkeeping alone never loads Triton. The contract is DESIGN section 4.
 """
 
 from paging.batch import batch_plans
