@@ -13,25 +13,6 @@ from typing import IO
 import torch
 import triton
 
-PARAMETER_COLUMNS = (
-    "block_size",
-    "tile",
-    "chunk_size",
-    "frames",
-    "sink_chunks",
-    "window_chunks",
-    "batch",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "q_tokens",
-    "kv_tokens",
-)
-# Values of the "kernel" column (besides "ceiling"); the attention ones are rated in TFLOP/s.
-KERNELS = ("paged_attention", "staged", "gather_blocks", "write_slots")
-ATTENTION_KERNELS = ("paged_attention", "staged")
-
 # The parameters that fix one forward's shape (everything but the block size and the tile).
 GEOMETRY_COLUMNS = (
     "chunk_size",
@@ -44,6 +25,10 @@ GEOMETRY_COLUMNS = (
     "head_dim",
     "dtype",
 )
+PARAMETER_COLUMNS = ("block_size", "tile", *GEOMETRY_COLUMNS, "q_tokens", "kv_tokens")
+# Values of the "kernel" column (besides "ceiling"); the attention ones are rated in TFLOP/s.
+KERNELS = ("paged_attention", "staged", "gather_blocks", "write_slots")
+ATTENTION_KERNELS = ("paged_attention", "staged")
 MEASURE_COLUMNS = (
     "p50_ms",
     "p20_ms",
