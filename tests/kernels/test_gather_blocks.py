@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -12,10 +14,20 @@ from kernels import _copy_tiles
 from tests.helpers import DEVICE
 
 
+@contextlib.contextmanager
+def tiling(gpu: bool):
+    """With ``gpu``, launch with the GPU's tile geometry (small tiles, column chunks) even when
+    interpreted; otherwise with this machine's."""
+    with pytest.MonkeyPatch.context() as patch:
+        if gpu:
+            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
+        yield
+
+
 @pytest.fixture
-def gpu_tiles(monkeypatch):
-    """Launch with the GPU's tile geometry (small tiles, column chunks), even when interpreted."""
-    monkeypatch.setattr(_copy_tiles, "interpreter_active", lambda: False)
+def gpu_tiles():
+    with tiling(True):
+        yield
 
 
 def make_caches(num_blocks: int, block_size: int, heads: int, dim: int, dtype=torch.float32):
@@ -97,7 +109,8 @@ def test_property_matches_loop(block_size, num_blocks, heads, dim, data) -> None
     spare_rows = data.draw(st.integers(0, 2 * block_size))
     k_cache, v_cache = make_caches(num_blocks, block_size, heads, dim)
     block_ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
-    check_gather(k_cache, v_cache, block_ids, len(ids) * block_size + spare_rows, first_block)
+    with tiling(data.draw(st.booleans(), label="gpu tiles")):
+        check_gather(k_cache, v_cache, block_ids, len(ids) * block_size + spare_rows, first_block)
 
 
 def poison_unlisted(k_cache, v_cache, block_ids) -> None:
@@ -125,10 +138,8 @@ def test_gpu_tiles_any_block_size(block_size, heads, dim, first_block, gpu_tiles
     check_gather(k_cache, v_cache, block_ids, 4 * block_size + 5, first_block)
 
 
-@pytest.mark.parametrize("tiling", ["default", "gpu"])
-def test_caches_and_staging_with_different_strides(tiling: str, request) -> None:
-    if tiling == "gpu":
-        request.getfixturevalue("gpu_tiles")
+@pytest.mark.parametrize("gpu", [False, True], ids=["default-tiles", "gpu-tiles"])
+def test_caches_and_staging_with_different_strides(gpu: bool) -> None:
     block_size, heads, dim = 7, 5, 80
     k_cache, _ = make_caches(5, block_size, heads, dim)
     # v_cache head-major inside each block; the staging buffers are strided views.
@@ -141,7 +152,8 @@ def test_caches_and_staging_with_different_strides(tiling: str, request) -> None
     for j, block in enumerate(block_ids.tolist()[1:], start=1):
         k_want[j * block_size : (j + 1) * block_size] = k_cache[block]
         v_want[j * block_size : (j + 1) * block_size] = v_cache[block]
-    kernels.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block=1)
+    with tiling(gpu):
+        kernels.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block=1)
     torch.testing.assert_close(stage_k, k_want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(stage_v, v_want, rtol=0, atol=0, equal_nan=True)
     assert stage_k[:block_size].isnan().all() and stage_v[-2:].isnan().all()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -12,10 +14,20 @@ from kernels import _copy_tiles
 from tests.helpers import DEVICE
 
 
+@contextlib.contextmanager
+def tiling(gpu: bool):
+    """With ``gpu``, launch with the GPU's tile geometry (small tiles, column chunks) even when
+    interpreted; otherwise with this machine's."""
+    with pytest.MonkeyPatch.context() as patch:
+        if gpu:
+            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
+        yield
+
+
 @pytest.fixture
-def gpu_tiles(monkeypatch):
-    """Launch with the GPU's tile geometry (small tiles, column chunks), even when interpreted."""
-    monkeypatch.setattr(_copy_tiles, "interpreter_active", lambda: False)
+def gpu_tiles():
+    with tiling(True):
+        yield
 
 
 def make_pools(num_slots: int, heads: int, dim: int, dtype=torch.float32):
@@ -130,7 +142,9 @@ def test_property_matches_loop(num_slots: int, heads: int, dim: int, data) -> No
     k_pool, v_pool = make_pools(num_slots, heads, dim)
     key = torch.randn(len(padded) + extra_tokens, heads, dim, device=DEVICE)
     value = torch.randn_like(key)
-    check_write(key, value, k_pool, v_pool, torch.tensor(padded, dtype=torch.int64, device=DEVICE))
+    slots = torch.tensor(padded, dtype=torch.int64, device=DEVICE)
+    with tiling(data.draw(st.booleans(), label="gpu tiles")):
+        check_write(key, value, k_pool, v_pool, slots)
 
 
 @pytest.mark.parametrize(
@@ -147,6 +161,14 @@ def test_gpu_tiles_pad_no_lane_of_a_flat_plane(heads: int, dim: int, chunk: int,
     assert tiles.block_c == chunk
     assert tiles.col_programs * tiles.block_c == heads * dim
     assert tiles.block_t * tiles.block_c == _copy_tiles.GPU_TILE
+
+
+def test_gpu_tiles_of_strided_planes_take_whole_heads(gpu_tiles) -> None:
+    tiles = _copy_tiles.copy_tiles(1000, 40, 128, flat=False)
+    # 40 heads = 5 x 8: no padded head, 4 tokens per program.
+    assert (tiles.block_c, tiles.col_programs, tiles.block_t) == (8 * 128, 5, 4)
+    tiles = _copy_tiles.copy_tiles(1000, 5, 80, flat=False)
+    assert (tiles.block_c, tiles.col_programs) == (1 * 128, 5)
 
 
 @pytest.mark.parametrize(
@@ -167,10 +189,8 @@ def test_gpu_tiles_ragged_token_count(heads: int, dim: int, tokens: int, gpu_til
     check_write(key, value, k_pool, v_pool, slots)
 
 
-@pytest.mark.parametrize("tiling", ["default", "gpu"])
-def test_key_value_and_pools_with_different_strides(tiling: str, request) -> None:
-    if tiling == "gpu":
-        request.getfixturevalue("gpu_tiles")
+@pytest.mark.parametrize("gpu", [False, True], ids=["default-tiles", "gpu-tiles"])
+def test_key_value_and_pools_with_different_strides(gpu: bool) -> None:
     heads, dim, tokens = 5, 80, 13
     # key contiguous, value head-major, k_pool's heads strided, v_pool contiguous.
     key = torch.randn(tokens, heads, dim, device=DEVICE)
@@ -179,19 +199,19 @@ def test_key_value_and_pools_with_different_strides(tiling: str, request) -> Non
     k_pool = base[:, ::2]
     v_pool = torch.full((20, heads, dim), float("nan"), device=DEVICE)
     slots = torch.tensor([19, 0, -1, 7, 8, 9, 3, -4, 12, 11, 1, 2, 15], device=DEVICE)
-    check_write(key, value, k_pool, v_pool, slots)
+    with tiling(gpu):
+        check_write(key, value, k_pool, v_pool, slots)
     assert base[:, 1::2].isnan().all()
 
 
-@pytest.mark.parametrize("tiling", ["default", "gpu"])
-def test_flat_planes_with_padded_token_strides(tiling: str, request) -> None:
+@pytest.mark.parametrize("gpu", [False, True], ids=["default-tiles", "gpu-tiles"])
+def test_flat_planes_with_padded_token_strides(gpu: bool) -> None:
     # Each token's plane is contiguous but tokens are spaced apart: still the flat path.
-    if tiling == "gpu":
-        request.getfixturevalue("gpu_tiles")
     heads, dim, tokens = 3, 80, 21
     key = torch.randn(tokens, heads + 1, dim, device=DEVICE)[:, :heads]
     value = torch.randn(tokens, 2, heads, dim, device=DEVICE)[:, 1]
     k_pool, v_pool = nan_pools(30, heads, dim)
     assert all(_copy_tiles.plane_is_flat(t) for t in (key, value, k_pool, v_pool))
     slots = torch.randperm(30, device=DEVICE)[:tokens]
-    check_write(key, value, k_pool, v_pool, slots)
+    with tiling(gpu):
+        check_write(key, value, k_pool, v_pool, slots)
