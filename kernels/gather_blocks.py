@@ -50,16 +50,19 @@ def _gather_blocks_kernel(
     # Program (r, c) copies plane chunk c of BLOCK_T staging rows from first_row on; staging
     # row i is slot i % block_size of block block_ids[i // block_size]. Rows run across block
     # edges, so any block size fills whole tiles. K and V are loaded before either is stored.
-    row = first_row + tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    chunk = tl.program_id(1)
+    # One int64 division per program; per row, an int32 one within the tile's span.
+    start = first_row + tl.program_id(0).to(tl.int64) * BLOCK_T
+    first_entry = start // block_size
+    local = (start - first_entry * block_size).to(tl.int32) + tl.arange(0, BLOCK_T)
+    row = start + tl.arange(0, BLOCK_T)
     r_mask = row < end_row
-    entry = row // block_size
-    block = tl.load(block_ids_ptr + entry, mask=r_mask, other=0).to(tl.int64)
-    slot = (row - entry * block_size).to(tl.int64)[:, None]
+    entry = first_entry + local // block_size
+    block = tl.load(block_ids_ptr + entry, mask=r_mask, other=0).to(tl.int64)[:, None]
+    slot = (local % block_size).to(tl.int64)[:, None]
+    chunk = tl.program_id(1)
     real = plane_mask(chunk, num_kv_heads, head_dim, BLOCK_C, BLOCK_D, FLAT)
     mask = r_mask[:, None] & real[None, :]
-    block = block[:, None]
-    row = row.to(tl.int64)[:, None]
+    row = row[:, None]
 
     kc_cols = plane_offsets(chunk, stride_kc_head, stride_kc_dim, BLOCK_C, BLOCK_D, FLAT)
     vc_cols = plane_offsets(chunk, stride_vc_head, stride_vc_dim, BLOCK_C, BLOCK_D, FLAT)
