@@ -12,7 +12,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import _checks, torch_path
-from kernels._runtime import interpreter_active, use_torch_path
+from kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
+from kernels._runtime import use_torch_path
 
 
 @triton.jit
@@ -22,7 +23,8 @@ def _gather_blocks_kernel(
     block_ids_ptr,
     stage_k_ptr,
     stage_v_ptr,
-    first_block,
+    first_row,
+    end_row,
     block_size,
     num_kv_heads,
     head_dim,
@@ -40,53 +42,49 @@ def _gather_blocks_kernel(
     stride_sv_tok,
     stride_sv_head,
     stride_sv_dim,
-    BLOCK_S: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
-    # Program (e, s) copies slots s*BLOCK_S.. of entry first_block + e, every head.
-    entry = first_block + tl.program_id(0)
-    block = tl.load(block_ids_ptr + entry).to(tl.int64)
-    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = offs_s < block_size
-    offs_hd = tl.arange(0, BLOCK_HD)
-    head = offs_hd // BLOCK_D
-    dim = offs_hd % BLOCK_D
-    mask = s_mask[:, None] & ((head < num_kv_heads) & (dim < head_dim))[None, :]
-    slot = offs_s.to(tl.int64)[:, None]
-    row = entry.to(tl.int64) * block_size + slot
+    # Program (r, c) copies plane chunk c of BLOCK_T staging rows from first_row on; staging
+    # row i is slot i % block_size of block block_ids[i // block_size]. Rows run across block
+    # edges, so any block size fills whole tiles. K and V are loaded before either is stored.
+    # One int64 division per program; per row, an int32 one within the tile's span.
+    start = first_row + tl.program_id(0).to(tl.int64) * BLOCK_T
+    first_entry = start // block_size
+    local = (start - first_entry * block_size).to(tl.int32) + tl.arange(0, BLOCK_T)
+    row = start + tl.arange(0, BLOCK_T)
+    r_mask = row < end_row
+    entry = first_entry + local // block_size
+    block = tl.load(block_ids_ptr + entry, mask=r_mask, other=0).to(tl.int64)[:, None]
+    slot = (local % block_size).to(tl.int64)[:, None]
+    chunk = tl.program_id(1)
+    real = plane_mask(chunk, num_kv_heads, head_dim, BLOCK_C, BLOCK_D, FLAT)
+    mask = r_mask[:, None] & real[None, :]
+    row = row[:, None]
 
+    kc_cols = plane_offsets(chunk, stride_kc_head, stride_kc_dim, BLOCK_C, BLOCK_D, FLAT)
+    vc_cols = plane_offsets(chunk, stride_vc_head, stride_vc_dim, BLOCK_C, BLOCK_D, FLAT)
     k = tl.load(
-        k_cache_ptr
-        + block * stride_kc_block
-        + slot * stride_kc_slot
-        + head[None, :] * stride_kc_head
-        + dim[None, :] * stride_kc_dim,
+        k_cache_ptr + block * stride_kc_block + slot * stride_kc_slot + kc_cols[None, :],
         mask=mask,
         other=0.0,
     )
+    v = tl.load(
+        v_cache_ptr + block * stride_vc_block + slot * stride_vc_slot + vc_cols[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    sk_cols = plane_offsets(chunk, stride_sk_head, stride_sk_dim, BLOCK_C, BLOCK_D, FLAT)
+    sv_cols = plane_offsets(chunk, stride_sv_head, stride_sv_dim, BLOCK_C, BLOCK_D, FLAT)
     tl.store(
-        stage_k_ptr
-        + row * stride_sk_tok
-        + head[None, :] * stride_sk_head
-        + dim[None, :] * stride_sk_dim,
+        stage_k_ptr + row * stride_sk_tok + sk_cols[None, :],
         k.to(stage_k_ptr.dtype.element_ty),
         mask=mask,
     )
-    v = tl.load(
-        v_cache_ptr
-        + block * stride_vc_block
-        + slot * stride_vc_slot
-        + head[None, :] * stride_vc_head
-        + dim[None, :] * stride_vc_dim,
-        mask=mask,
-        other=0.0,
-    )
     tl.store(
-        stage_v_ptr
-        + row * stride_sv_tok
-        + head[None, :] * stride_sv_head
-        + dim[None, :] * stride_sv_dim,
+        stage_v_ptr + row * stride_sv_tok + sv_cols[None, :],
         v.to(stage_v_ptr.dtype.element_ty),
         mask=mask,
     )
@@ -170,18 +168,18 @@ def gather_blocks(
         torch_path.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block)
         return
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    block_d = triton.next_power_of_2(head_dim)
-    block_hd = triton.next_power_of_2(num_kv_heads) * block_d
-    budget = 1 << 16 if interpreter_active() else 1 << 13
-    block_s = max(1, min(triton.next_power_of_2(block_size), budget // block_hd))
-    grid = lambda meta: (entries, triton.cdiv(block_size, meta["BLOCK_S"]))
+    flat = all(plane_is_flat(t) for t in (k_cache, v_cache, stage_k, stage_v))
+    rows = entries * block_size
+    tiles = copy_tiles(rows, num_kv_heads, head_dim, flat)
+    grid = (triton.cdiv(rows, tiles.block_t), tiles.col_programs)
     _gather_blocks_kernel[grid](
         k_cache,
         v_cache,
         block_ids,
         stage_k,
         stage_v,
-        first_block,
+        first_block * block_size,
+        block_ids.shape[0] * block_size,
         block_size,
         num_kv_heads,
         head_dim,
@@ -189,7 +187,5 @@ def gather_blocks(
         *v_cache.stride(),
         *stage_k.stride(),
         *stage_v.stride(),
-        BLOCK_S=block_s,
-        BLOCK_HD=block_hd,
-        BLOCK_D=block_d,
+        **tiles.constexprs(),
     )

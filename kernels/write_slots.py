@@ -12,7 +12,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import _checks, torch_path
-from kernels._runtime import interpreter_active, use_torch_path
+from kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
+from kernels._runtime import use_torch_path
 
 
 @triton.jit
@@ -38,50 +39,35 @@ def _write_slots_kernel(
     stride_vp_head,
     stride_vp_dim,
     BLOCK_T: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
-    # One program writes BLOCK_T tokens, every head: the (head, dim) plane is one flat tile.
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # Program (t, c) copies plane chunk c of BLOCK_T tokens: K and V are both loaded before
+    # either is stored, so the two round trips to memory overlap.
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chunk = tl.program_id(1)
     t_mask = offs_t < num_tokens
     slot = tl.load(slot_mapping_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
     write = t_mask & (slot >= 0)
-    offs_hd = tl.arange(0, BLOCK_HD)
-    head = offs_hd // BLOCK_D
-    dim = offs_hd % BLOCK_D
-    hd_mask = (head < num_kv_heads) & (dim < head_dim)
-    mask = write[:, None] & hd_mask[None, :]
-    tok = offs_t.to(tl.int64)[:, None]
+    real = plane_mask(chunk, num_kv_heads, head_dim, BLOCK_C, BLOCK_D, FLAT)
+    mask = write[:, None] & real[None, :]
+    tok = offs_t[:, None]
+    slot = slot[:, None]
 
-    key = tl.load(
-        key_ptr
-        + tok * stride_key_tok
-        + head[None, :] * stride_key_head
-        + dim[None, :] * stride_key_dim,
-        mask=mask,
-        other=0.0,
-    )
+    key_cols = plane_offsets(chunk, stride_key_head, stride_key_dim, BLOCK_C, BLOCK_D, FLAT)
+    value_cols = plane_offsets(chunk, stride_value_head, stride_value_dim, BLOCK_C, BLOCK_D, FLAT)
+    key = tl.load(key_ptr + tok * stride_key_tok + key_cols[None, :], mask=mask, other=0.0)
+    value = tl.load(value_ptr + tok * stride_value_tok + value_cols[None, :], mask=mask, other=0.0)
+    kp_cols = plane_offsets(chunk, stride_kp_head, stride_kp_dim, BLOCK_C, BLOCK_D, FLAT)
+    vp_cols = plane_offsets(chunk, stride_vp_head, stride_vp_dim, BLOCK_C, BLOCK_D, FLAT)
     tl.store(
-        k_pool_ptr
-        + slot[:, None] * stride_kp_slot
-        + head[None, :] * stride_kp_head
-        + dim[None, :] * stride_kp_dim,
+        k_pool_ptr + slot * stride_kp_slot + kp_cols[None, :],
         key.to(k_pool_ptr.dtype.element_ty),
         mask=mask,
     )
-    value = tl.load(
-        value_ptr
-        + tok * stride_value_tok
-        + head[None, :] * stride_value_head
-        + dim[None, :] * stride_value_dim,
-        mask=mask,
-        other=0.0,
-    )
     tl.store(
-        v_pool_ptr
-        + slot[:, None] * stride_vp_slot
-        + head[None, :] * stride_vp_head
-        + dim[None, :] * stride_vp_dim,
+        v_pool_ptr + slot * stride_vp_slot + vp_cols[None, :],
         value.to(v_pool_ptr.dtype.element_ty),
         mask=mask,
     )
@@ -159,12 +145,9 @@ def write_slots(
         torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping)
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
-    block_hd = triton.next_power_of_2(num_kv_heads) * block_d
-    # Under the interpreter a program is a few numpy ops: give each one many tokens.
-    budget = 1 << 16 if interpreter_active() else 1 << 13
-    block_t = max(1, min(triton.next_power_of_2(num_tokens), budget // block_hd))
-    grid = lambda meta: (triton.cdiv(num_tokens, meta["BLOCK_T"]),)
+    flat = all(plane_is_flat(t) for t in (key, value, k_pool, v_pool))
+    tiles = copy_tiles(num_tokens, num_kv_heads, head_dim, flat)
+    grid = (triton.cdiv(num_tokens, tiles.block_t), tiles.col_programs)
     _write_slots_kernel[grid](
         key,
         value,
@@ -178,7 +161,5 @@ def write_slots(
         *value.stride(),
         *k_pool.stride(),
         *v_pool.stride(),
-        BLOCK_T=block_t,
-        BLOCK_HD=block_hd,
-        BLOCK_D=block_d,
+        **tiles.constexprs(),
     )

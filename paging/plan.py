@@ -17,6 +17,7 @@ from torch import Tensor
 
 from paging import window
 from paging.staging import StagingDecision
+from paging.transfer import to_device
 
 if TYPE_CHECKING:
     from paging.cache import PagedKVCache
@@ -175,14 +176,25 @@ class ForwardPlan:
 
         if self.cache.staging is not None:
             self.staging = self._decide_staging(sequence, visible, video_blocks, seq_len)
-        device = self.cache.device
+        # One asynchronous copy for all of them: preparing never waits for the GPU.
+        video_slots, action_slots, table, cu_seqlens_q, seq_lens_k, key_gap = to_device(
+            (
+                video_slots,
+                action_slots,
+                table,
+                torch.tensor([0, n], dtype=torch.int32),
+                torch.tensor([seq_len], dtype=torch.int32),
+                torch.tensor([[sink_end, gap_end]], dtype=torch.int32),
+            ),
+            self.cache.device,
+        )
         return AttentionInputs(
-            video_slots=video_slots.to(device),
-            action_slots=action_slots.to(device),
-            block_table=table.to(device),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-            seq_lens_k=torch.tensor([seq_len], dtype=torch.int32, device=device),
-            key_gap=torch.tensor([[sink_end, gap_end]], dtype=torch.int32, device=device),
+            video_slots=video_slots,
+            action_slots=action_slots,
+            block_table=table,
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens_k=seq_lens_k,
+            key_gap=key_gap,
             max_seqlen_q=n,
             max_seqlen_k=width * b,
             exact_window=config.exact_window,

@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kernels
+from kernels import _copy_tiles
 from tests.helpers import DEVICE
+
+
+@contextlib.contextmanager
+def tiling(gpu: bool):
+    """With ``gpu``, launch with the GPU's tile geometry (small tiles, column chunks) even when
+    interpreted; otherwise with this machine's."""
+    with pytest.MonkeyPatch.context() as patch:
+        if gpu:
+            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
+        yield
+
+
+@pytest.fixture
+def gpu_tiles():
+    with tiling(True):
+        yield
 
 
 def make_caches(num_blocks: int, block_size: int, heads: int, dim: int, dtype=torch.float32):
@@ -90,4 +109,51 @@ def test_property_matches_loop(block_size, num_blocks, heads, dim, data) -> None
     spare_rows = data.draw(st.integers(0, 2 * block_size))
     k_cache, v_cache = make_caches(num_blocks, block_size, heads, dim)
     block_ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
-    check_gather(k_cache, v_cache, block_ids, len(ids) * block_size + spare_rows, first_block)
+    with tiling(data.draw(st.booleans(), label="gpu tiles")):
+        check_gather(k_cache, v_cache, block_ids, len(ids) * block_size + spare_rows, first_block)
+
+
+def poison_unlisted(k_cache, v_cache, block_ids) -> None:
+    """NaN in every cache block not in ``block_ids``: reading a wrong block shows."""
+    unlisted = torch.ones(k_cache.shape[0], dtype=torch.bool, device=DEVICE)
+    unlisted[block_ids.long()] = False
+    k_cache[unlisted] = float("nan")
+    v_cache[unlisted] = float("nan")
+
+
+@pytest.mark.parametrize(
+    "block_size, heads, dim",
+    [
+        pytest.param(1, 40, 128, id="B1-40x128"),  # 4 rows per program, 5 chunks of 1024
+        pytest.param(7, 40, 128, id="B7-40x128"),  # tiles straddle block edges
+        pytest.param(24, 5, 80, id="B24-5x80"),  # 256 rows per program, 25 chunks of 16
+        pytest.param(1560, 1, 16, id="B1560-1x16"),
+    ],
+)
+@pytest.mark.parametrize("first_block", [0, 1])
+def test_gpu_tiles_any_block_size(block_size, heads, dim, first_block, gpu_tiles) -> None:
+    k_cache, v_cache = make_caches(6, block_size, heads, dim)
+    block_ids = torch.tensor([3, 5, 3, 1], dtype=torch.int32, device=DEVICE)
+    poison_unlisted(k_cache, v_cache, block_ids[first_block:])
+    check_gather(k_cache, v_cache, block_ids, 4 * block_size + 5, first_block)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["default-tiles", "gpu-tiles"])
+def test_caches_and_staging_with_different_strides(gpu: bool) -> None:
+    block_size, heads, dim = 7, 5, 80
+    k_cache, _ = make_caches(5, block_size, heads, dim)
+    # v_cache head-major inside each block; the staging buffers are strided views.
+    v_cache = torch.randn(5, heads, block_size, dim, device=DEVICE).transpose(1, 2)
+    block_ids = torch.tensor([4, 2, 0], dtype=torch.int64, device=DEVICE)
+    rows = 3 * block_size + 2
+    stage_k = torch.full((rows, 2 * heads, dim), float("nan"), device=DEVICE)[:, 1::2]
+    stage_v = torch.full((heads, rows, dim), float("nan"), device=DEVICE).transpose(0, 1)
+    k_want, v_want = stage_k.clone(), stage_v.clone()
+    for j, block in enumerate(block_ids.tolist()[1:], start=1):
+        k_want[j * block_size : (j + 1) * block_size] = k_cache[block]
+        v_want[j * block_size : (j + 1) * block_size] = v_cache[block]
+    with tiling(gpu):
+        kernels.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block=1)
+    torch.testing.assert_close(stage_k, k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(stage_v, v_want, rtol=0, atol=0, equal_nan=True)
+    assert stage_k[:block_size].isnan().all() and stage_v[-2:].isnan().all()

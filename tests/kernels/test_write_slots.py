@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kernels
+from kernels import _copy_tiles
 from tests.helpers import DEVICE
+
+
+@contextlib.contextmanager
+def tiling(gpu: bool):
+    """With ``gpu``, launch with the GPU's tile geometry (small tiles, column chunks) even when
+    interpreted; otherwise with this machine's."""
+    with pytest.MonkeyPatch.context() as patch:
+        if gpu:
+            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
+        yield
+
+
+@pytest.fixture
+def gpu_tiles():
+    with tiling(True):
+        yield
 
 
 def make_pools(num_slots: int, heads: int, dim: int, dtype=torch.float32):
@@ -31,9 +50,16 @@ def expected_pools(k_pool, v_pool, key, value, slot_mapping):
 def check_write(key, value, k_pool, v_pool, slot_mapping) -> None:
     k_want, v_want = expected_pools(k_pool, v_pool, key, value, slot_mapping)
     kernels.write_slots(key, value, k_pool, v_pool, slot_mapping)
-    # torch.equal: every slot outside the mapping must be bit-for-bit unchanged.
-    assert torch.equal(k_pool, k_want)
-    assert torch.equal(v_pool, v_want)
+    # Bit-for-bit, NaN matching NaN: every slot outside the mapping must be unchanged.
+    assert torch.equal(k_pool.isnan(), k_want.isnan())
+    assert torch.equal(v_pool.isnan(), v_want.isnan())
+    torch.testing.assert_close(k_pool, k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_pool, v_want, rtol=0, atol=0, equal_nan=True)
+
+
+def nan_pools(num_slots: int, heads: int, dim: int, dtype=torch.float32):
+    k_pool = torch.full((num_slots, heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+    return k_pool, k_pool.clone()
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16, 24, 1560], ids=lambda b: f"B{b}")
@@ -116,4 +142,76 @@ def test_property_matches_loop(num_slots: int, heads: int, dim: int, data) -> No
     k_pool, v_pool = make_pools(num_slots, heads, dim)
     key = torch.randn(len(padded) + extra_tokens, heads, dim, device=DEVICE)
     value = torch.randn_like(key)
-    check_write(key, value, k_pool, v_pool, torch.tensor(padded, dtype=torch.int64, device=DEVICE))
+    slots = torch.tensor(padded, dtype=torch.int64, device=DEVICE)
+    with tiling(data.draw(st.booleans(), label="gpu tiles")):
+        check_write(key, value, k_pool, v_pool, slots)
+
+
+@pytest.mark.parametrize(
+    "heads, dim, chunk",
+    [
+        pytest.param(40, 128, 1024, id="40x128"),  # 5120 = 5 x 1024: five chunks, none padded
+        pytest.param(5, 80, 16, id="5x80"),  # 400 = 25 x 16: no large power-of-two divisor
+        pytest.param(3, 80, 16, id="3x80"),
+        pytest.param(1, 8, 8, id="1x8"),
+    ],
+)
+def test_gpu_tiles_pad_no_lane_of_a_flat_plane(heads: int, dim: int, chunk: int, gpu_tiles) -> None:
+    tiles = _copy_tiles.copy_tiles(1000, heads, dim, flat=True)
+    assert tiles.block_c == chunk
+    assert tiles.col_programs * tiles.block_c == heads * dim
+    assert tiles.block_t * tiles.block_c == _copy_tiles.GPU_TILE
+
+
+def test_gpu_tiles_of_strided_planes_take_whole_heads(gpu_tiles) -> None:
+    tiles = _copy_tiles.copy_tiles(1000, 40, 128, flat=False)
+    # 40 heads = 5 x 8: no padded head, 4 tokens per program.
+    assert (tiles.block_c, tiles.col_programs, tiles.block_t) == (8 * 128, 5, 4)
+    tiles = _copy_tiles.copy_tiles(1000, 5, 80, flat=False)
+    assert (tiles.block_c, tiles.col_programs) == (1 * 128, 5)
+
+
+@pytest.mark.parametrize(
+    "heads, dim, tokens",
+    [
+        pytest.param(40, 128, 9, id="40x128-T9"),  # 4 tokens per program: 9 = 2 x 4 + 1
+        pytest.param(5, 80, 300, id="5x80-T300"),  # 256 tokens per program, 25 chunks of 16
+        pytest.param(2, 80, 37, id="2x80-T37"),
+    ],
+)
+def test_gpu_tiles_ragged_token_count(heads: int, dim: int, tokens: int, gpu_tiles) -> None:
+    # NaN-poisoned pools: a slot written by mistake, or a lane left unwritten, shows.
+    k_pool, v_pool = nan_pools(tokens + 11, heads, dim)
+    key = torch.randn(tokens, heads, dim, device=DEVICE)
+    value = torch.randn(tokens, heads, dim, device=DEVICE)
+    slots = torch.randperm(tokens + 11, device=DEVICE)[:tokens]
+    slots[::5] = -1
+    check_write(key, value, k_pool, v_pool, slots)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["default-tiles", "gpu-tiles"])
+def test_key_value_and_pools_with_different_strides(gpu: bool) -> None:
+    heads, dim, tokens = 5, 80, 13
+    # key contiguous, value head-major, k_pool's heads strided, v_pool contiguous.
+    key = torch.randn(tokens, heads, dim, device=DEVICE)
+    value = torch.randn(heads, tokens, dim, device=DEVICE).transpose(0, 1)
+    base = torch.full((20, 2 * heads, dim), float("nan"), device=DEVICE)
+    k_pool = base[:, ::2]
+    v_pool = torch.full((20, heads, dim), float("nan"), device=DEVICE)
+    slots = torch.tensor([19, 0, -1, 7, 8, 9, 3, -4, 12, 11, 1, 2, 15], device=DEVICE)
+    with tiling(gpu):
+        check_write(key, value, k_pool, v_pool, slots)
+    assert base[:, 1::2].isnan().all()
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["default-tiles", "gpu-tiles"])
+def test_flat_planes_with_padded_token_strides(gpu: bool) -> None:
+    # Each token's plane is contiguous but tokens are spaced apart: still the flat path.
+    heads, dim, tokens = 3, 80, 21
+    key = torch.randn(tokens, heads + 1, dim, device=DEVICE)[:, :heads]
+    value = torch.randn(tokens, 2, heads, dim, device=DEVICE)[:, 1]
+    k_pool, v_pool = nan_pools(30, heads, dim)
+    assert all(_copy_tiles.plane_is_flat(t) for t in (key, value, k_pool, v_pool))
+    slots = torch.randperm(30, device=DEVICE)[:tokens]
+    with tiling(gpu):
+        check_write(key, value, k_pool, v_pool, slots)
