@@ -66,15 +66,23 @@ def test_sweep_then_plot_and_table_from_the_csv(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "sdpa+gather" in printed
     assert ("CPU timings" in printed) != torch.cuda.is_available()
-    assert sorted(p.name for p in out.glob("*.png")) == ["paged_attention.png", "write_slots.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "paged_attention.png",
+        "speedup.png",
+        "write_slots.png",
+    ]
     rows = read_rows(out / "sweep.csv")
     assert {r["kernel"] for r in rows} == {"ceiling", "paged_attention", "write_slots"}
 
     redrawn = tmp_path / "redrawn"
     assert main(["plot", str(out / "sweep.csv"), "--out", str(redrawn)]) == 0
     assert (redrawn / "paged_attention.png").stat().st_size > 10_000
-    assert main(["table", str(out / "sweep.csv")]) == 0
+    assert main(["table", str(out / "sweep.csv"), "--long"]) == 0
     assert re.search(r"^write_slots\s+triton\s+24\s", capsys.readouterr().out, re.MULTILINE)
+    assert main(["table", str(out / "sweep.csv")]) == 0
+    ratios = capsys.readouterr().out
+    assert re.search(r"^paged_attention\s+24\s+\S+\s+sdpa", ratios, re.MULTILINE)
+    assert re.search(r"^write_slots\s+24\s+\S+\s+torch\s+\S+\s+\S+x\s+\S+%", ratios, re.M)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="times the CPU run of the README command")
@@ -92,8 +100,10 @@ def test_the_readme_main_job_runs_the_small_preset(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^paged_attention\s+triton\s+8\s", done.stdout, re.MULTILINE)
+    assert "speedup = fastest baseline" in done.stdout
     assert {p.name for p in (tmp_path / "out").iterdir()} == {
         "sweep.csv",
+        "speedup.png",
         "paged_attention.png",
         "staged.png",
         "gather_blocks.png",
