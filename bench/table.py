@@ -163,7 +163,8 @@ def format_pivot(rows: Sequence[Row]) -> str:
 
 
 def ratio_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
-    """Per (kernel, geometry, block size) in the rows' order: this project's fastest row, the
+    """Per (kernel, geometry, block size), kernel by kernel, block sizes in the order they ran:
+    this project's fastest row, the
     fastest baseline, ``speedup = baseline / ours`` and, for the copy kernels, the fraction of
     a device copy of the same bytes (``copy / ours``, the bound's time over ours)."""
     cases: dict[tuple[object, ...], list[Row]] = {}
@@ -187,7 +188,8 @@ def ratio_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
                 "of_copy": bound["p50_ms"] / ours["p50_ms"] if bound else None,
             }
         )
-    return result
+    kernels = list(dict.fromkeys(c["row"]["kernel"] for c in result))
+    return sorted(result, key=lambda c: kernels.index(c["row"]["kernel"]))
 
 
 GOAL = 1.0
@@ -206,7 +208,7 @@ def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
     varying = _varying([c["row"] for c in cases])
     show_copy = any(c["of_copy"] is not None for c in cases)
     header = ["kernel", "block", *varying, "ours ms", "baseline", "baseline ms", "speedup"]
-    header += (["of copy"] if show_copy else []) + (["goal"] if goal else [])
+    header += (["% of copy"] if show_copy else []) + (["goal"] if goal else [])
     body = []
     for case in cases:
         ours, baseline, speedup = case["row"], case["baseline"], case["speedup"]
