@@ -166,3 +166,24 @@ def test_bad_paths_end_in_one_line_naming_the_argument(tmp_path, capsys):
         last = _last_line(capsys.readouterr().err)
         assert "error:" in last and named in last, (argv, last)
     assert not list(tmp_path.glob("*.png"))  # refused: nothing drawn
+
+
+def test_a_csv_from_before_the_new_columns_still_reads(tmp_path, capsys):
+    """``compare OLD.csv NEW.csv`` must take a CSV written before backend/role/noise existed."""
+    from bench.results import COLUMNS, LATER_COLUMNS
+
+    old_columns = [c for c in COLUMNS if c not in LATER_COLUMNS]
+    rows = [measured("write_slots", "triton", 16, 0.5), measured("write_slots", "torch", 16, 1.0)]
+    lines = [",".join(old_columns)]
+    lines += [",".join("" if r[c] is None else str(r[c]) for c in old_columns) for r in rows]
+    csv_path = tmp_path / "old.csv"
+    csv_path.write_text("\n".join(lines) + "\n")
+    read = read_rows(csv_path)
+    assert [(r["provider"], r["role"], r["noise"]) for r in read] == [
+        ("triton", "ours", ""),
+        ("torch", "baseline", ""),
+    ]
+    assert main(["table", str(csv_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "noise: unknown" in printed
+    assert re.search(r"^write_slots\s+16\s+0\.500\s+torch\s+1\.00\s+2\.00x$", printed, re.M)
