@@ -213,12 +213,14 @@ def _out_folder(parser: argparse.ArgumentParser, out: Path | None) -> None:
         parser.error(f"--out {out}: is a file; --out takes a folder (the CSV goes inside)")
 
 
-def _rows_of(parser: argparse.ArgumentParser, name: str, path: Path) -> list[Row]:
+def _rows_of(
+    parser: argparse.ArgumentParser, name: str, path: Path, *, skipped: bool = False
+) -> list[Row]:
     """The rows of the results CSV ``path``, or a one-line error naming the argument."""
     if not path.exists():
         parser.error(f"{name} {path}: no such file")
     try:
-        return read_rows(path)
+        return read_rows(path, skipped=skipped)
     except (ValueError, OSError, UnicodeDecodeError) as error:
         parser.error(f"{name}: {error}")
 
@@ -324,7 +326,7 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _table(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    rows = _rows_of(parser, "csv", args.csv)
+    rows = _rows_of(parser, "csv", args.csv, skipped=True)
     if args.long:
         print(format_table(rows))
     elif args.pivot:

@@ -78,7 +78,7 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
     metric, unit = ("tflops", "TFLOP/s") if kernel in ATTENTION_KERNELS else ("gbps", "GB/s")
     groups: dict[tuple[object, ...], list[Row]] = defaultdict(list)
     for row in rows:
-        if row["kernel"] == kernel and row.get("role") != "best-of":
+        if row["kernel"] == kernel and row.get("role") != "best-of" and not row.get("skipped"):
             groups[tuple(row[c] for c in GEOMETRY_COLUMNS)].append(row)
     columns = min(3, len(groups))
     lines = math.ceil(len(groups) / columns)
@@ -114,7 +114,9 @@ def plot_rows(rows: Sequence[Row], out_dir: str | Path) -> list[Path]:
     kernel in ``rows`` into ``out_dir``; returns the paths, the headline first."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kernels = dict.fromkeys(r["kernel"] for r in rows if r["kernel"] != "ceiling")
+    kernels = dict.fromkeys(
+        r["kernel"] for r in rows if r["kernel"] != "ceiling" and not r.get("skipped")
+    )
     paths = []
     if any(case["speedup"] is not None for case in ratio_cases(rows)):
         path = out_dir / "speedup.png"

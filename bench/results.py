@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import math
 import platform
 import subprocess
 from collections.abc import Iterator
@@ -45,8 +46,10 @@ MEASURE_COLUMNS = (
     "torch_error",
     "error_limit",
 )
-# ``phase``: "start" or "end" on the ceiling rows. ``noise``: the run's verdict, the same on
-# every row ("steady", or "noisy: why"), filled in when the run ends (empty: cut short).
+# ``skipped``: why a provider did not run (its row has no measurements; ``read_rows`` leaves
+# such rows out unless asked). ``phase``: "start" or "end" on the ceiling rows. ``noise``: the
+# run's verdict, the same on every row ("steady", or "noisy: why"), filled in when the run ends
+# (empty: cut short).
 RUN_COLUMNS = ("phase", "noise")
 PROVENANCE_COLUMNS = ("figures", "device", "torch", "triton", "commit", "timestamp")
 COLUMNS = (
@@ -56,14 +59,31 @@ COLUMNS = (
     "role",
     *PARAMETER_COLUMNS,
     *MEASURE_COLUMNS,
+    "skipped",
     *RUN_COLUMNS,
     *PROVENANCE_COLUMNS,
 )
 # Columns a CSV written before they existed may lack; reading fills them in.
-LATER_COLUMNS = frozenset({"backend", "role", "torch_error", "error_limit", *RUN_COLUMNS})
+LATER_COLUMNS = frozenset(
+    {"backend", "role", "torch_error", "error_limit", "skipped", *RUN_COLUMNS}
+)
 INTEGER_COLUMNS = frozenset(PARAMETER_COLUMNS) - {"tile", "dtype"}
 
 Row = dict[str, object]
+
+
+def sig3(value: object) -> str:
+    """``value`` to three significant digits in fixed-point notation (``1230``, ``0.0123``)."""
+    if value is None:
+        return "-"
+    number = float(value)
+    if not math.isfinite(number):
+        return str(number)
+    if number == 0:
+        return "0"
+    rounded = float(f"{number:.3g}")
+    decimals = max(0, 2 - math.floor(math.log10(abs(rounded))))
+    return f"{rounded:.{decimals}f}"
 
 
 def git_commit() -> str:
@@ -137,8 +157,9 @@ def _default_role(provider: str) -> str:
     return {"triton": "ours", "reference": "oracle"}.get(provider, "baseline")
 
 
-def read_rows(path: str | Path) -> list[Row]:
-    """Rows of a results CSV, numbers parsed (empty cells become None).
+def read_rows(path: str | Path, *, skipped: bool = False) -> list[Row]:
+    """Rows of a results CSV, numbers parsed (empty cells become None); the rows of providers
+    that did not run (their ``skipped`` reason set) only when ``skipped``.
 
     Raises ``ValueError`` naming ``path`` when it is a folder or not a results CSV.
     """
@@ -156,7 +177,8 @@ def read_rows(path: str | Path) -> list[Row]:
             row.update(_parse(raw))
             if not row["role"] and row["kernel"] != "ceiling":
                 row["role"] = _default_role(str(row["provider"]))
-            rows.append(row)
+            if skipped or not row["skipped"]:
+                rows.append(row)
         return rows
 
 
@@ -196,10 +218,10 @@ def noise_verdict(rows: list[Row]) -> str:
         start, end = phases.get("start"), phases["end"]
         if start and end and max(start, end) / min(start, end) - 1 > CEILING_DRIFT:
             what = f"{name} {dtype}".strip()
-            reasons.append(f"{what} ceiling {start:.3g} at start, {end:.3g} at end")
+            reasons.append(f"{what} ceiling {sig3(start)} at start, {sig3(end)} at end")
     above = []
     for row in rows:
-        if row["kernel"] == "ceiling" or row["role"] == "best-of":
+        if row["kernel"] == "ceiling" or row["role"] == "best-of" or row.get("skipped"):
             continue
         if row["kernel"] in ATTENTION_KERNELS:
             value, name, dtype = row["tflops"], "matmul", row["dtype"]

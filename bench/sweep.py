@@ -34,6 +34,7 @@ from bench.providers import (
 )
 from bench.results import (
     ATTENTION_KERNELS,
+    GEOMETRY_COLUMNS,
     KERNELS,
     CsvWriter,
     Row,
@@ -97,6 +98,9 @@ class Skip:
 
 @dataclass
 class SweepResult:
+    """``rows``: the ceilings and the measured rows; ``skipped``: what did not run, and why (the
+    CSV has a row for each too, with its ``skipped`` reason)."""
+
     rows: list[Row]
     skipped: list[Skip]
     csv_path: Path
@@ -309,6 +313,23 @@ def _measured_row(
     }
 
 
+def _skipped_row(
+    kernel: str, name: str, role: str, workload: Workload, reason: str, shared: Row
+) -> Row:
+    g = workload.geometry
+    return {
+        "kernel": kernel,
+        "provider": name,
+        "role": role,
+        "block_size": workload.block_size,
+        **{column: getattr(g, column) for column in GEOMETRY_COLUMNS},
+        "q_tokens": g.q_tokens,
+        "kv_tokens": g.kv_tokens,
+        "skipped": reason,
+        **shared,
+    }
+
+
 def _best_sdpa_row(rows: Sequence[Row]) -> Row | None:
     """``sdpa-best``: the fastest forced SDPA backend among ``rows`` (one case), naming it."""
     forced = [r for r in rows if r["provider"] in SDPA_BACKENDS]
@@ -354,12 +375,20 @@ def run_sweep(
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     result = SweepResult(rows=[], skipped=[], csv_path=csv_path)
     dtypes = list(dict.fromkeys(g.dtype for g in config.geometries))
+    written: list[Row] = []
     with open(csv_path, "w", newline="") as stream:
         writer = CsvWriter(stream)
 
         def record(row: Row) -> None:
             writer.write(row)
+            written.append(row)
             result.rows.append(row)
+
+        def record_skip(kernel: str, name: str, role: str, workload: Workload, why: str) -> None:
+            row = _skipped_row(kernel, name, role, workload, why, shared)
+            writer.write(row)
+            written.append(row)
+            result.skipped.append(Skip(kernel, name, workload.block_size, why))
 
         ceilings = _measure_ceilings(dtypes, device, config.timing)
         for ceiling in ceilings:
@@ -393,8 +422,7 @@ def run_sweep(
                             record(row)
                             case_rows.append(row)
                     if reason is not None:
-                        skip = Skip(provider.kernel, provider.name, block_size, reason)
-                        result.skipped.append(skip)
+                        record_skip(provider.kernel, provider.name, provider.role, workload, reason)
                     bar.update()
                 for kernel in dict.fromkeys(p.kernel for p, _ in runs if p.name in SDPA_BACKENDS):
                     best = _best_sdpa_row([r for r in case_rows if r["kernel"] == kernel])
@@ -402,13 +430,13 @@ def run_sweep(
                         record(best)
                     else:
                         why = "no forced SDPA backend ran (see their reasons)"
-                        result.skipped.append(Skip(kernel, SDPA_BEST, block_size, why))
+                        record_skip(kernel, SDPA_BEST, "best-of", workload, why)
                 del workload  # free this case's tensors before the next one is allocated
 
         for ceiling in _measure_ceilings(dtypes, device, config.timing):
             record(_ceiling_row(ceiling, "end", shared))
     verdict = noise_verdict(result.rows)
-    for row in result.rows:
+    for row in written:
         row["noise"] = verdict
-    write_rows(csv_path, result.rows)
+    write_rows(csv_path, written)
     return result

@@ -6,24 +6,9 @@ notation, errors in scientific notation.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, STEADY, Row
-
-
-def sig3(value: object) -> str:
-    """``value`` to three significant digits in fixed-point notation (``1230``, ``0.0123``)."""
-    if value is None:
-        return "-"
-    number = float(value)
-    if not math.isfinite(number):
-        return str(number)
-    if number == 0:
-        return "0"
-    rounded = float(f"{number:.3g}")
-    decimals = max(0, 2 - math.floor(math.log10(abs(rounded))))
-    return f"{rounded:.{decimals}f}"
+from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, STEADY, Row, sig3
 
 
 def sci3(value: object) -> str:
@@ -94,7 +79,21 @@ def aligned(table: list[list[str]]) -> list[str]:
 
 
 def _measured(rows: Sequence[Row]) -> list[Row]:
-    return [r for r in rows if r["kernel"] != "ceiling"]
+    return [r for r in rows if r["kernel"] != "ceiling" and not r.get("skipped")]
+
+
+def skip_lines(rows: Sequence[Row]) -> list[str]:
+    """One line per (kernel, provider, reason) of the rows that did not run, with their block
+    sizes."""
+    reasons: dict[tuple[object, object, object], list[str]] = {}
+    for r in rows:
+        if r.get("skipped"):
+            key = (r["kernel"], r["provider"], r["skipped"])
+            reasons.setdefault(key, []).append(str(r["block_size"]))
+    return [
+        f"skipped {kernel}/{provider} (block sizes {', '.join(dict.fromkeys(blocks))}): {why}"
+        for (kernel, provider, why), blocks in reasons.items()
+    ]
 
 
 def _varying(measured: Sequence[Row]) -> list[str]:
@@ -133,7 +132,7 @@ def format_table(rows: Sequence[Row]) -> str:
         ]
         for r in measured
     ]
-    return "\n".join(lines + aligned([header, *body]))
+    return "\n".join(lines + aligned([header, *body]) + skip_lines(rows))
 
 
 def format_pivot(rows: Sequence[Row]) -> str:
@@ -225,6 +224,7 @@ def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
             line.append("BELOW 1.0x" if speedup is not None and speedup < GOAL else "")
         body.append(line)
     lines += aligned([header, *body])
+    lines += skip_lines(rows)
     if goal:
         below = sum(1 for c in cases if c["speedup"] is not None and c["speedup"] < GOAL)
         rated = sum(1 for c in cases if c["speedup"] is not None)

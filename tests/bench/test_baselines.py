@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import reference
+from bench.cli import main
 from bench.providers import (
     PROVIDERS,
     SDPA_BACKENDS,
@@ -81,7 +82,7 @@ def test_a_forced_backend_that_refuses_raises_with_torchs_reason():
     assert out.shape == q.shape
 
 
-def test_the_sweep_reports_each_backend_run_or_skipped(tmp_path):
+def test_the_sweep_reports_each_backend_run_or_skipped(tmp_path, capsys):
     result = run_sweep(
         _config(providers=("triton", "sdpa-best", "flash_attn", "flex")),
         tmp_path / "sweep.csv",
@@ -96,6 +97,14 @@ def test_the_sweep_reports_each_backend_run_or_skipped(tmp_path):
     assert rows["sdpa-best"]["backend"] == "sdpa-flash"  # the one that ran, by name
     assert rows["sdpa-best"]["role"] == "best-of" and rows["triton"]["role"] == "ours"
     assert rows["sdpa-best"]["p50_ms"] == rows["sdpa-flash"]["p50_ms"]
+    # The CSV has a row for each skip too, with its reason and no figures.
+    skips = [r for r in read_rows(tmp_path / "sweep.csv", skipped=True) if r["skipped"]]
+    assert {r["provider"]: r["skipped"] for r in skips} == reasons
+    assert all(r["p50_ms"] is None and r["block_size"] == 8 and r["heads"] == 2 for r in skips)
+    assert main(["table", str(tmp_path / "sweep.csv"), "--long"]) == 0
+    assert f"skipped paged_attention/sdpa-cudnn (block sizes 8): {reasons['sdpa-cudnn']}" in (
+        capsys.readouterr().out
+    )
 
 
 def test_sdpa_best_is_the_fastest_backend_of_the_case():

@@ -90,7 +90,7 @@ def test_noise_verdict_reads_the_ceilings_at_both_ends():
     assert noise_verdict(ROWS) == "steady"
     assert noise_verdict(ROWS[:-2]) == ""  # cut short: no end ceilings, nothing to say
     drifted = [*ROWS[:-1], ceiling("copy", "end", 3000.0)]  # 4000 -> 3000: 33% apart
-    assert noise_verdict(drifted).startswith("noisy: copy ceiling 4e+03 at start, 3e+03 at end")
+    assert noise_verdict(drifted) == "noisy: copy ceiling 4000 at start, 3000 at end"
     within = [*ROWS[:-1], ceiling("copy", "end", 3500.0)]  # 14% apart
     assert noise_verdict(within) == "steady"
     too_fast = [*ROWS, measured("write_slots", "torch", 64, 1 / 5000)]  # 5000 GB/s > 4000
