@@ -1,9 +1,11 @@
 """The sweep: every (geometry, block size, kernel, provider, tile) is checked, then timed.
 
-A provider whose result disagrees with the oracle raises ``WrongResultError`` before anything is
-timed, so a wrong kernel never produces a figure or a CSV row. "Disagrees" is anchored on
-torch's own error: an attention result may be off the float64 oracle by at most twice what
-torch's SDPA is off in the same dtype, plus a small floor (``accuracy_limit``).
+A result that disagrees with the oracle is never timed: this project's kernel (or the oracle)
+raises ``WrongResultError``, so a wrong kernel never produces a figure; a baseline is skipped
+with the error in its reason (a wrong baseline must not stop a GPU run's other figures).
+"Disagrees" is anchored on torch's own error: an attention result may be off the float64 oracle
+by at most twice what torch's SDPA is off in the same dtype, plus a small floor
+(``accuracy_limit``).
 
 Rows are written as they are measured. The ceilings (a large matmul per dtype, a large copy)
 are measured at the start and again at the end; the run's noise verdict (``noise_verdict``) is
@@ -224,8 +226,8 @@ def _check_then_time(
     device: torch.device,
     settings: TimingSettings,
 ) -> Checked | str:
-    """The provider checked, then timed; or why a baseline could not run. Raises on a wrong
-    result. A ``bound`` is timed unchecked."""
+    """The provider checked, then timed; or why a baseline could not run or was wrong. Raises
+    on a wrong result of ours. A ``bound`` is timed unchecked."""
     try:
         bench = provider.build(workload, tile)
         output = bench.to_reference_layout(bench.run())
@@ -242,12 +244,13 @@ def _check_then_time(
     error = max_error(output, expected)
     limit = accuracy_limit(provider.kernel, workload.geometry.dtype, torch_error)
     if not error <= limit:
-        g = workload.geometry
         anchor = "" if torch_error is None else f" (torch SDPA's error {torch_error:.3g})"
+        wrong = f"max error {error:.3g} > limit {limit:.3g}{anchor}; not timed"
+        if provider.skippable:
+            return f"wrong result: {wrong}"
         raise WrongResultError(
             f"{provider.kernel}/{provider.name} (block_size={workload.block_size}, tile={tile}, "
-            f"{g}) disagrees with the oracle: max error {error:.3g} > limit {limit:.3g}"
-            f"{anchor}; not timed"
+            f"{workload.geometry}) disagrees with the oracle: {wrong}"
         )
     return Checked(measure(bench.run, device, settings), backend, error, torch_error, limit)
 

@@ -117,7 +117,7 @@ def _wrong_write(workload, tile):
 @pytest.mark.parametrize(
     "wrong",
     [
-        Provider("paged_attention", "wrong", _wrong_attention, role="baseline"),
+        Provider("paged_attention", "wrong", _wrong_attention),
         Provider("write_slots", "wrong", _wrong_write),
     ],
     ids=lambda p: p.kernel,
@@ -130,6 +130,18 @@ def test_a_wrong_provider_raises_and_writes_no_row(tmp_path, wrong):
     rows = read_rows(csv_path)
     assert not [r for r in rows if r["provider"] == "wrong"]
     assert [r for r in rows if r["provider"] == "triton"]  # the right ones before it were kept
+
+
+def test_a_wrong_baseline_is_skipped_with_its_error_and_not_timed(tmp_path):
+    wrong = Provider("paged_attention", "wrong", _wrong_attention, role="baseline")
+    config = tiny_config(kernels=("paged_attention",), block_sizes=(8,))
+    result = run_sweep(
+        config, tmp_path / "sweep.csv", providers=[*PROVIDERS, wrong], progress=False
+    )
+    (reason,) = [s.reason for s in result.skipped if s.provider == "wrong"]
+    assert reason.startswith("wrong result: max error ") and "not timed" in reason
+    assert not [r for r in result.rows if r["provider"] == "wrong"]
+    assert [r for r in result.rows if r["provider"] == "triton"]
 
 
 def test_a_failing_baseline_is_skipped_but_a_failing_kernel_raises(tmp_path):
