@@ -20,7 +20,7 @@ from bench.plot import plot_rows
 from bench.providers import PROVIDER_NAMES, Tile  # importing the kernels picks the interpreter
 from bench.results import KERNELS, Row, read_rows
 from bench.sweep import SweepConfig, WrongResultError, run_sweep
-from bench.table import format_pivot, format_ratios, format_table
+from bench.table import format_pivot, format_ratios, format_table, skip_lines
 from bench.timing import TimingSettings
 from bench.workload import DTYPES, Geometry
 
@@ -303,11 +303,9 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(format_table(result.rows))
-    reasons: dict[tuple[str, str, str], list[int]] = {}
-    for skip in result.skipped:
-        reasons.setdefault((skip.kernel, skip.provider, skip.reason), []).append(skip.block_size)
-    for (kernel, provider, reason), block_sizes in reasons.items():
-        print(f"skipped {kernel}/{provider} (block sizes {block_sizes}): {reason}")
+    skipped = [{**vars(skip), "skipped": skip.reason} for skip in result.skipped]
+    for line in skip_lines(skipped):
+        print(line)
     print()
     print(format_ratios(result.rows))
     print(f"wrote {result.csv_path}")
