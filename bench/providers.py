@@ -1,5 +1,11 @@
 """Who computes each benchmarked kernel: this project's Triton kernels and the baselines.
 
+The attention baselines are torch SDPA with each backend forced (cuDNN, Flash, Efficient; one
+that refuses raises with torch's reasons and the sweep reports it skipped), compiled
+FlexAttention over the pool with a paged block mask, and ``flash_attn`` when importable. The
+copy kernels have a bound besides: a device copy of the same bytes. ``Bench.backend`` names
+what actually ran, for the CSV.
+
 Building a provider does all its set-up (layout changes, pre-gathering, staging buffers, block
 masks) and returns a ``Bench`` whose ``run`` closure is the timed region alone. ``run`` returns
 the kernel's result; ``to_reference_layout`` turns it into the oracle's layout, untimed.
