@@ -308,10 +308,20 @@ def flex_paged_inputs(workload: Workload) -> tuple[Tensor, Tensor, Tensor, objec
     return q, pool_as_sequence(w.k_cache), pool_as_sequence(w.v_cache), block_mask
 
 
+# Compiles one flex graph may make: one per block size (mask shape, key tile) of a sweep. Past
+# dynamo's default of 8 it would fall back to eager flex, which materialises every score.
+FLEX_RECOMPILES = 64
+
+
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., Tensor]:
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across versions
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), FLEX_RECOMPILES))
     return torch.compile(flex_attention, dynamic=False)
 
 
