@@ -78,9 +78,11 @@ def test_the_table_prints_medians_ratio_and_marks_the_goal(tmp_path, capsys):
         re.M,
     )
     assert re.search(
-        r"^write_slots\s+16\s+0\.500\s+torch\s+1\.00\s+2\.00x\s+80\.0%\s*$", printed, re.M
+        r"^write_slots\s+16\s+0\.500\s+torch\s+1\.00\s+2\.00x\s+80\.0%\s+BELOW 85% of copy$",
+        printed,
+        re.M,
     )
-    assert "goal 1.00x: 1 of 3 rows below" in printed
+    assert "goal 1.00x: 1 of 3 rows below; 85% of copy: 1 of 1 below" in printed
     assert "noise: steady" in printed
     assert main(["table", str(csv_path)]) == 0
     assert "BELOW" not in capsys.readouterr().out
