@@ -189,3 +189,21 @@ def test_a_csv_from_before_the_new_columns_still_reads(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "noise: unknown" in printed
     assert re.search(r"^write_slots\s+16\s+0\.500\s+torch\s+1\.00\s+2\.00x$", printed, re.M)
+
+
+def test_the_headline_plot_draws_the_ratio_with_the_one_line_on_a_log_axis_when_needed():
+    from bench.plot import draw_kernel, draw_speedup
+
+    ax = draw_speedup(ROWS).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    one = next(line for label, line in lines.items() if label.startswith("1.0"))
+    assert set(one.get_ydata()) == {1.0}
+    attention = next(line for label, line in lines.items() if label.startswith("paged_attention"))
+    assert list(attention.get_xdata()) == [16, 1560]
+    assert list(attention.get_ydata()) == pytest.approx([1.5, 0.75])
+    assert ax.get_yscale() == "linear"  # 0.75 .. 2: no decade spanned
+
+    slow = [*ROWS, *_case_rows(64, ours=300.0, flash=3.0, cudnn=3.5)]  # 0.01x
+    assert draw_speedup(slow).axes[0].get_yscale() == "log"
+    kernel_axes = draw_kernel(slow, "paged_attention").axes[0]
+    assert kernel_axes.get_yscale() == "log"  # TFLOP/s from 0.33 to 50
