@@ -1,8 +1,9 @@
 """``python -m bench sweep|plot|table|compare``: run a checked sweep, redraw its plots, print its
 ratio table, compare two runs.
 
-Each subcommand is a pair: ``_add_<name>(commands)`` declares it and sets its handler,
-``_<name>(parser, args) -> exit status`` runs it; ``SUBCOMMANDS`` lists the declarations.
+Each subcommand is a pair: ``_add_<name>(commands)`` declares it and sets its handler (and
+itself as ``command_parser``, for errors), ``_<name>(parser, args) -> exit status`` runs it;
+``SUBCOMMANDS`` lists the declarations.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         description="Lists are comma-separated; every list of the geometry is swept (product), "
         "block sizes in the order given. Options left out take the preset's value.",
     )
-    sweep.set_defaults(handler=_sweep)
+    sweep.set_defaults(handler=_sweep, command_parser=sweep)
     sweep.add_argument("--preset", choices=sorted(PRESETS), default="shipped")
     sweep.add_argument("--out", type=Path, default=Path("out"), help="folder for CSV and PNGs")
     sweep.add_argument(
@@ -160,7 +161,7 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
 
 def _add_plot(commands: argparse._SubParsersAction) -> None:
     plot = commands.add_parser("plot", help="draw the PNGs of a results CSV")
-    plot.set_defaults(handler=_plot)
+    plot.set_defaults(handler=_plot, command_parser=plot)
     plot.add_argument("csv", type=Path)
     plot.add_argument("--out", type=Path, help="folder for the PNGs (default: the CSV's)")
 
@@ -170,7 +171,7 @@ def _add_table(commands: argparse._SubParsersAction) -> None:
         "table",
         help="print a results CSV: per (kernel, block size), ours against the fastest baseline",
     )
-    table.set_defaults(handler=_table)
+    table.set_defaults(handler=_table, command_parser=table)
     table.add_argument("csv", type=Path)
     table.add_argument("--goal", action="store_true", help="mark the rows below 1.0x")
     form = table.add_mutually_exclusive_group()
@@ -186,7 +187,7 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
         help="per case of two results CSVs: new/old medians, a change only where the p20-p80 "
         "ranges do not overlap",
     )
-    compare.set_defaults(handler=_compare)
+    compare.set_defaults(handler=_compare, command_parser=compare)
     compare.add_argument("old", type=Path, help="results CSV before the change")
     compare.add_argument("new", type=Path, help="results CSV after the change")
 
@@ -200,7 +201,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(commands)
@@ -344,4 +345,4 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.handler(parser, args)
+    return args.handler(args.command_parser, args)

@@ -53,6 +53,10 @@ def format_compare(old_rows: Sequence[Row], new_rows: Sequence[Row]) -> str:
             f"commit {str(first.get('commit', '?'))[:12]}, {first.get('timestamp', '?')}; "
             + (noise_line(rows) if rows else "no rows")
         )
+    for column in ("figures", "device"):
+        kinds = {str(r[column]) for r in (*old_rows[:1], *new_rows[:1])}
+        if len(kinds) > 1:
+            lines.append(f"warning: the runs differ in {column} ({' vs '.join(sorted(kinds))})")
     if not pairs:
         return "\n".join([*lines, "no case appears in both CSVs"])
     measured = [new for _, new, _ in pairs]
