@@ -1,4 +1,10 @@
-"""``python -m bench sweep|plot|table``: run a checked sweep, redraw its plots, print a table."""
+"""``python -m bench sweep|plot|table|compare``: run a checked sweep, redraw its plots, print its
+ratio table, compare two runs.
+
+Each subcommand is a pair: ``_add_<name>(commands)`` declares it and sets its handler (and
+itself as ``command_parser``, for errors), ``_<name>(parser, args) -> exit status`` runs it;
+``SUBCOMMANDS`` lists the declarations.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from bench.compare import format_compare
 from bench.plot import plot_rows
 from bench.providers import PROVIDER_NAMES, Tile  # importing the kernels picks the interpreter
-from bench.results import KERNELS, read_rows
+from bench.results import KERNELS, Row, read_rows
 from bench.sweep import SweepConfig, WrongResultError, run_sweep
-from bench.table import format_pivot, format_table
+from bench.table import format_pivot, format_ratios, format_table, skip_lines
 from bench.timing import TimingSettings
 from bench.workload import DTYPES, Geometry
 
@@ -100,16 +107,14 @@ def _tile(text: str) -> Tile | None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def _add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep = commands.add_parser(
         "sweep",
         help="run a sweep: check every provider against the oracle, time it, write CSV + plots",
-        description="Lists are comma-separated; every list of the geometry is swept (product). "
-        "Options left out take the preset's value.",
+        description="Lists are comma-separated; every list of the geometry is swept (product), "
+        "block sizes in the order given. Options left out take the preset's value.",
     )
+    sweep.set_defaults(handler=_sweep, command_parser=sweep)
     sweep.add_argument("--preset", choices=sorted(PRESETS), default="shipped")
     sweep.add_argument("--out", type=Path, default=Path("out"), help="folder for CSV and PNGs")
     sweep.add_argument(
@@ -144,19 +149,81 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=_non_negative_int, default=0)
     sweep.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench rep (GPU)")
     sweep.add_argument("--cpu-reps", type=_positive_int, default=3, help="timed calls on a CPU")
+    sweep.add_argument(
+        "--time-limit",
+        type=_positive_int,
+        help="seconds after which no new run starts (the rest are reported skipped); the "
+        "end-of-run ceilings are still measured",
+    )
     sweep.add_argument("--no-plot", action="store_true", help="write the CSV only")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _add_plot(commands: argparse._SubParsersAction) -> None:
     plot = commands.add_parser("plot", help="draw the PNGs of a results CSV")
+    plot.set_defaults(handler=_plot, command_parser=plot)
     plot.add_argument("csv", type=Path)
     plot.add_argument("--out", type=Path, help="folder for the PNGs (default: the CSV's)")
 
-    table = commands.add_parser("table", help="print the table of a results CSV")
-    table.add_argument("csv", type=Path)
-    table.add_argument(
-        "--pivot", action="store_true", help="short form: block sizes down, providers across"
+
+def _add_table(commands: argparse._SubParsersAction) -> None:
+    table = commands.add_parser(
+        "table",
+        help="print a results CSV: per (kernel, block size), ours against the fastest baseline",
     )
+    table.set_defaults(handler=_table, command_parser=table)
+    table.add_argument("csv", type=Path)
+    table.add_argument("--goal", action="store_true", help="mark the rows below 1.0x")
+    form = table.add_mutually_exclusive_group()
+    form.add_argument("--long", action="store_true", help="every measured row instead")
+    form.add_argument(
+        "--pivot", action="store_true", help="throughput: block sizes down, providers across"
+    )
+
+
+def _add_compare(commands: argparse._SubParsersAction) -> None:
+    compare = commands.add_parser(
+        "compare",
+        help="per case of two results CSVs: new/old medians, a change only where the p20-p80 "
+        "ranges do not overlap",
+    )
+    compare.set_defaults(handler=_compare, command_parser=compare)
+    compare.add_argument("old", type=Path, help="results CSV before the change")
+    compare.add_argument("new", type=Path, help="results CSV after the change")
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_sweep,
+    _add_plot,
+    _add_table,
+    _add_compare,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(commands)
     return parser
+
+
+def _out_folder(parser: argparse.ArgumentParser, out: Path | None) -> None:
+    """Refuse an ``--out`` that names something other than a folder."""
+    if out is not None and out.exists() and not out.is_dir():
+        parser.error(f"--out {out}: is a file; --out takes a folder (the CSV goes inside)")
+
+
+def _rows_of(
+    parser: argparse.ArgumentParser, name: str, path: Path, *, skipped: bool = False
+) -> list[Row]:
+    """The rows of the results CSV ``path``, or a one-line error naming the argument."""
+    if not path.exists():
+        parser.error(f"{name} {path}: no such file")
+    try:
+        return read_rows(path, skipped=skipped)
+    except (ValueError, OSError, UnicodeDecodeError) as error:
+        parser.error(f"{name}: {error}")
 
 
 def _resolve_device(parser: argparse.ArgumentParser, requested: str) -> str:
@@ -205,7 +272,8 @@ def _geometries(parser: argparse.ArgumentParser, settings: dict[str, object]) ->
     ]
 
 
-def _run_sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    _out_folder(parser, args.out)
     settings = {
         name: getattr(args, name) if getattr(args, name) is not None else preset_value
         for name, preset_value in PRESETS[args.preset].items()
@@ -228,6 +296,7 @@ def _run_sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         device=device,
         seed=args.seed,
         timing=TimingSettings(rep_ms=args.rep_ms, cpu_reps=args.cpu_reps),
+        time_limit_s=args.time_limit,
     )
     try:
         result = run_sweep(config, args.out / "sweep.csv", progress=not args.no_progress)
@@ -235,11 +304,11 @@ def _run_sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(format_table(result.rows))
-    reasons: dict[tuple[str, str, str], list[int]] = {}
-    for skip in result.skipped:
-        reasons.setdefault((skip.kernel, skip.provider, skip.reason), []).append(skip.block_size)
-    for (kernel, provider, reason), block_sizes in reasons.items():
-        print(f"skipped {kernel}/{provider} (block sizes {block_sizes}): {reason}")
+    skipped = [{**vars(skip), "skipped": skip.reason} for skip in result.skipped]
+    for line in skip_lines(skipped):
+        print(line)
+    print()
+    print(format_ratios(result.rows))
     print(f"wrote {result.csv_path}")
     if not args.no_plot:
         for path in plot_rows(result.rows, args.out):
@@ -247,20 +316,33 @@ def _run_sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     return 0
 
 
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    _out_folder(parser, args.out)
+    rows = _rows_of(parser, "csv", args.csv)
+    for path in plot_rows(rows, args.out or args.csv.parent):
+        print(f"wrote {path}")
+    return 0
+
+
+def _table(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    rows = _rows_of(parser, "csv", args.csv, skipped=True)
+    if args.long:
+        print(format_table(rows))
+    elif args.pivot:
+        print(format_pivot(rows))
+    else:
+        print(format_ratios(rows, goal=args.goal))
+    return 0
+
+
+def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    old = _rows_of(parser, "old", args.old)
+    new = _rows_of(parser, "new", args.new)
+    print(format_compare(old, new))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "sweep":
-        return _run_sweep(parser, args)
-    if not args.csv.is_file():
-        parser.error(f"csv: no such file {args.csv}")
-    try:
-        rows = read_rows(args.csv)
-    except ValueError as error:
-        parser.error(f"csv: {error}")
-    if args.command == "plot":
-        for path in plot_rows(rows, args.out or args.csv.parent):
-            print(f"wrote {path}")
-    else:
-        print(format_pivot(rows) if args.pivot else format_table(rows))
-    return 0
+    return args.handler(args.command_parser, args)

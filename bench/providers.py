@@ -1,5 +1,11 @@
 """Who computes each benchmarked kernel: this project's Triton kernels and the baselines.
 
+The attention baselines are torch SDPA with each backend forced (cuDNN, Flash, Efficient; one
+that refuses raises with torch's reasons and the sweep reports it skipped), compiled
+FlexAttention over the pool with a paged block mask, and ``flash_attn`` when importable. The
+copy kernels have a bound besides: a device copy of the same bytes. ``Bench.backend`` names
+what actually ran, for the CSV.
+
 Building a provider does all its set-up (layout changes, pre-gathering, staging buffers, block
 masks) and returns a ``Bench`` whose ``run`` closure is the timed region alone. ``run`` returns
 the kernel's result; ``to_reference_layout`` turns it into the oracle's layout, untimed.
@@ -10,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,27 +55,40 @@ def _always_supported(workload: Workload) -> str | None:
 
 @dataclass
 class Bench:
-    """A ready-to-time closure and how to compare what it returns."""
+    """A ready-to-time closure, how to compare what it returns, and what it runs (``backend``)."""
 
     run: Callable[[], Output]
     to_reference_layout: Callable[[Output], Output] = _unchanged
+    backend: str = ""
+
+
+Builder = Callable[[Workload, "Tile | None"], Bench]
 
 
 @dataclass(frozen=True)
 class Provider:
     """One way of computing ``kernel``.
 
-    ``unsupported`` returns why a workload cannot run (or None). A ``baseline`` that fails to
-    build or run is reported and skipped; this project's kernels raise. ``tunable`` providers
-    take the sweep's tile overrides.
+    ``unsupported`` returns why a workload cannot run (or None). ``role`` (see
+    ``bench.results.ROLES``): a ``baseline`` or ``bound`` that fails to build or run is reported
+    and skipped; this project's kernels and the oracle raise. A ``bound`` is timed but not
+    checked (it computes something else with the same bytes). ``tunable`` providers take the
+    sweep's tile overrides; ``late`` ones (long compiles) run after every other provider of the
+    sweep, so a run cut short has measured the rest.
     """
 
     kernel: str
     name: str
-    build: Callable[[Workload, Tile | None], Bench]
+    build: Builder
     unsupported: Callable[[Workload], str | None] = _always_supported
-    baseline: bool = False
+    role: str = "ours"
     tunable: bool = False
+    late: bool = False
+
+    @property
+    def skippable(self) -> bool:
+        """Whether a failure to build or run is a skip (baselines) rather than an error."""
+        return self.role in ("baseline", "bound")
 
 
 def _tile_arguments(tile: Tile | None) -> dict[str, int]:
@@ -93,8 +113,47 @@ def _sequence_view(stage: Tensor, workload: Workload) -> Tensor:
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """SDPA with torch's own backend choice (the best one available for these inputs)."""
+    """SDPA with torch's own backend choice."""
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# The SDPA backends forced one at a time: provider name -> ``SDPBackend`` member name.
+SDPA_BACKENDS = {
+    "sdpa-cudnn": "CUDNN_ATTENTION",
+    "sdpa-flash": "FLASH_ATTENTION",
+    "sdpa-efficient": "EFFICIENT_ATTENTION",
+}
+# Backends torch implements on CUDA only (on a CPU it answers "No viable backend").
+CUDA_ONLY_SDPA = frozenset({"sdpa-cudnn", "sdpa-efficient"})
+SDPA_BEST = "sdpa-best"
+
+
+def forced_sdpa(name: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """SDPA restricted to the backend of provider ``name``; a refusal raises ``RuntimeError``
+    carrying torch's own reasons (which it otherwise only warns)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, SDPA_BACKENDS[name])
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel(backend):
+                    return _sdpa(q, k, v)
+            except RuntimeError as error:
+                reasons = [str(w.message).strip() for w in caught if str(w.message).strip()]
+                why = "; ".join(reasons) or str(error).strip()
+                raise RuntimeError(f"{SDPA_BACKENDS[name]} refused: {why}") from error
+
+    return run
+
+
+def sdpa_unsupported(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run on ``device`` before trying it (None: try it)."""
+    if name in CUDA_ONLY_SDPA and device.type != "cuda":
+        return f"{SDPA_BACKENDS[name]} runs on CUDA only (torch has no CPU kernel for it)"
+    return None
 
 
 def _stage_buffers(workload: Workload) -> tuple[Tensor, Tensor]:
@@ -122,13 +181,14 @@ def _build_triton_paged(workload: Workload, tile: Tile | None) -> Bench:
             **tiles,
         )
 
-    return Bench(run)
+    return Bench(run, backend="triton paged_attention")
 
 
 def _build_reference_paged(workload: Workload, tile: Tile | None) -> Bench:
     w = workload
     return Bench(
-        lambda: reference.paged_attention(*w.attention_args(), max_seqlen_q=w.geometry.q_tokens)
+        lambda: reference.paged_attention(*w.attention_args(), max_seqlen_q=w.geometry.q_tokens),
+        backend="reference float64",
     )
 
 
@@ -140,12 +200,34 @@ def _reference_unsupported(workload: Workload) -> str | None:
     return None
 
 
-def _build_sdpa_pregathered(workload: Workload, tile: Tile | None) -> Bench:
+def pregathered(workload: Workload) -> tuple[Tensor, Tensor, Tensor]:
+    """Heads-first q and the sequence's K/V gathered into contiguous tensors (untimed)."""
     q = _heads_first_queries(workload)
     rows = workload.block_ids.long()
     k = _sequence_view(workload.k_cache[rows], workload).contiguous()
     v = _sequence_view(workload.v_cache[rows], workload).contiguous()
-    return Bench(lambda: _sdpa(q, k, v), _packed_from_heads_first(workload.geometry))
+    return q, k, v
+
+
+def torch_sdpa_output(workload: Workload) -> Tensor:
+    """Torch's SDPA (its own backend choice) on pre-gathered K/V in the workload's dtype, packed
+    as the oracle is: the error every attention provider is measured against."""
+    q, k, v = pregathered(workload)
+    return _packed_from_heads_first(workload.geometry)(_sdpa(q, k, v))
+
+
+def _forced_sdpa_provider(name: str) -> Provider:
+    def build(workload: Workload, tile: Tile | None) -> Bench:
+        q, k, v = pregathered(workload)
+        sdpa = forced_sdpa(name)
+        return Bench(
+            lambda: sdpa(q, k, v), _packed_from_heads_first(workload.geometry), SDPA_BACKENDS[name]
+        )
+
+    def unsupported(workload: Workload) -> str | None:
+        return sdpa_unsupported(name, workload.q.device)
+
+    return Provider("paged_attention", name, build, unsupported, role="baseline")
 
 
 def _build_sdpa_with_gather(workload: Workload, tile: Tile | None) -> Bench:
@@ -158,25 +240,37 @@ def _build_sdpa_with_gather(workload: Workload, tile: Tile | None) -> Bench:
         v = _sequence_view(w.v_cache[rows], w)
         return _sdpa(q, k, v)
 
-    return Bench(run, _packed_from_heads_first(w.geometry))
+    return Bench(run, _packed_from_heads_first(w.geometry), "index + sdpa (torch's choice)")
 
 
-def flex_key_tile(block_size: int) -> int | None:
-    """FlexAttention's key tile for a paged block mask of ``block_size`` (None: impossible).
+# FlexAttention's key tile must be a power of two of at least 16.
+FLEX_MIN_TILE = 16
+# Key block of the paged block mask when the cache block is not a multiple of 16 keys.
+FLEX_UNALIGNED_MASK_BLOCK = 128
 
-    The block mask's key block is one cache block, and it must be a multiple of the kernel's
-    key tile, a power of two of at least 16.
+
+def flex_mask_block(block_size: int) -> int:
+    """Keys per block of the paged block mask for cache blocks of ``block_size``.
+
+    The cache block itself when it is a multiple of 16 (each mask block is then one cache block,
+    full or empty); otherwise 128 pool slots, so a mask block may straddle cache blocks and those
+    at the boundaries of the sequence's blocks are partial (decided by the mask function).
     """
-    largest_power_of_two = block_size & -block_size
-    return None if largest_power_of_two < 16 else min(64, largest_power_of_two)
+    return block_size if block_size % FLEX_MIN_TILE == 0 else FLEX_UNALIGNED_MASK_BLOCK
+
+
+def flex_key_tile(block_size: int) -> int:
+    """FlexAttention's key tile for cache blocks of ``block_size``: it divides the mask block."""
+    mask_block = flex_mask_block(block_size)
+    return min(64, mask_block & -mask_block)
 
 
 def flex_paged_inputs(workload: Workload) -> tuple[Tensor, Tensor, Tensor, object]:
     """Queries, the whole pool as one key sequence, and a block mask that pages it.
 
     Key index ``j`` of the flex call is pool slot ``j``; the mask admits the slots holding the
-    sequence's keys, and its key blocks are the cache blocks, so blocks outside the table are
-    skipped whole.
+    sequence's keys (non-causal attention does not depend on the keys' order), and its key
+    blocks are ``flex_mask_block`` slots, so blocks outside the table are skipped whole.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -184,10 +278,13 @@ def flex_paged_inputs(workload: Workload) -> tuple[Tensor, Tensor, Tensor, objec
     g = w.geometry
     device = w.q.device
     num_slots = w.k_cache.shape[0] * w.block_size
+    mask_block = flex_mask_block(w.block_size)
     positions = torch.arange(g.kv_tokens, device=device)
     slots = w.block_table.long()[:, positions // w.block_size] * w.block_size
     slots += positions % w.block_size
-    slot_position = torch.full((g.batch, num_slots), -1, dtype=torch.int32, device=device)
+    # Padded to whole mask blocks, so the mask function never indexes past the end.
+    padded_slots = math.ceil(num_slots / mask_block) * mask_block
+    slot_position = torch.full((g.batch, padded_slots), -1, dtype=torch.int32, device=device)
     slot_position.scatter_(1, slots, positions.int().expand(g.batch, -1).contiguous())
 
     def holds_a_key(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -200,7 +297,7 @@ def flex_paged_inputs(workload: Workload) -> tuple[Tensor, Tensor, Tensor, objec
         g.q_tokens,
         num_slots,
         device=device,
-        BLOCK_SIZE=(128, w.block_size),
+        BLOCK_SIZE=(128, mask_block),
     )
 
     def pool_as_sequence(cache: Tensor) -> Tensor:
@@ -211,10 +308,20 @@ def flex_paged_inputs(workload: Workload) -> tuple[Tensor, Tensor, Tensor, objec
     return q, pool_as_sequence(w.k_cache), pool_as_sequence(w.v_cache), block_mask
 
 
+# Compiles one flex graph may make: one per block size (mask shape, key tile) of a sweep. Past
+# dynamo's default of 8 it would fall back to eager flex, which materialises every score.
+FLEX_RECOMPILES = 64
+
+
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., Tensor]:
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across versions
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), FLEX_RECOMPILES))
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -228,14 +335,13 @@ def _build_flex(workload: Workload, tile: Tile | None) -> Bench:
             q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options
         ),
         _packed_from_heads_first(workload.geometry),
+        f"flex mask_block={flex_mask_block(workload.block_size)} BLOCK_N={options['BLOCK_N']}",
     )
 
 
 def _flex_unsupported(workload: Workload) -> str | None:
     if workload.q.device.type != "cuda":
         return "compiled FlexAttention is timed on a GPU only (a CPU compile takes tens of seconds)"
-    if flex_key_tile(workload.block_size) is None:
-        return f"block_size {workload.block_size} is not a multiple of FlexAttention's 16-key tile"
     return None
 
 
@@ -250,6 +356,7 @@ def _build_flash_attn(workload: Workload, tile: Tile | None) -> Bench:
             q, w.k_cache, w.v_cache, cache_seqlens=w.seq_lens_k, block_table=w.block_table
         ),
         lambda out: out.reshape(g.batch * g.q_tokens, g.heads, g.head_dim),
+        "flash_attn_with_kvcache",
     )
 
 
@@ -323,7 +430,7 @@ def _build_staged_triton(workload: Workload, tile: Tile | None) -> Bench:
             **tiles,
         )
 
-    return Bench(run)
+    return Bench(run, backend="triton gather_blocks + paged_attention")
 
 
 def _build_staged_sdpa(workload: Workload, tile: Tile | None) -> Bench:
@@ -337,7 +444,7 @@ def _build_staged_sdpa(workload: Workload, tile: Tile | None) -> Bench:
         gather()
         return _sdpa(q, k, v)
 
-    return Bench(run, _packed_from_heads_first(w.geometry))
+    return Bench(run, _packed_from_heads_first(w.geometry), "gather_blocks + sdpa (torch's choice)")
 
 
 # --- gather_blocks ---------------------------------------------------------------------------
@@ -353,7 +460,7 @@ def _build_gather_triton(workload: Workload, tile: Tile | None) -> Bench:
         )
         return stage_k, stage_v
 
-    return Bench(run)
+    return Bench(run, backend="triton gather_blocks")
 
 
 def _build_gather_torch(workload: Workload, tile: Tile | None) -> Bench:
@@ -368,7 +475,7 @@ def _build_gather_torch(workload: Workload, tile: Tile | None) -> Bench:
         torch.index_select(w.v_cache, 0, rows, out=v_blocks)
         return stage_k, stage_v
 
-    return Bench(run)
+    return Bench(run, backend="torch.index_select")
 
 
 # --- write_slots -----------------------------------------------------------------------------
@@ -390,7 +497,7 @@ def _build_write_triton(workload: Workload, tile: Tile | None) -> Bench:
         )
         return k_pool, v_pool
 
-    return Bench(run)
+    return Bench(run, backend="triton write_slots")
 
 
 def _build_write_torch(workload: Workload, tile: Tile | None) -> Bench:
@@ -402,21 +509,56 @@ def _build_write_torch(workload: Workload, tile: Tile | None) -> Bench:
         v_pool.index_copy_(0, w.write_slot_mapping, w.new_values)
         return k_pool, v_pool
 
-    return Bench(run)
+    return Bench(run, backend="torch.index_copy_")
 
 
+# --- the bound of the copy kernels: a plain device copy of the same bytes ----------------------
+
+
+def _copy_bound(copied_bytes: Callable[[Workload], int]) -> Builder:
+    """A contiguous ``Tensor.copy_`` reading and writing as many bytes as the kernel must: the
+    bandwidth the copy kernels aim for. Its result is not the kernel's and is not checked."""
+
+    def build(workload: Workload, tile: Tile | None) -> Bench:
+        source = torch.empty(copied_bytes(workload), dtype=torch.uint8, device=workload.q.device)
+        source.random_(0, 255)
+        target = torch.empty_like(source)
+        return Bench(lambda: target.copy_(source), backend="Tensor.copy_ of the same bytes")
+
+    return build
+
+
+def _staged_bytes(workload: Workload) -> int:
+    """Bytes ``gather_blocks`` copies: every visible block of K and V."""
+    g = workload.geometry
+    item = workload.k_cache.element_size()
+    return 2 * g.batch * workload.staged_tokens * g.kv_heads * g.head_dim * item
+
+
+def _chunk_bytes(workload: Workload) -> int:
+    """Bytes ``write_slots`` copies: the new chunk's K and V."""
+    return 2 * workload.new_keys.numel() * workload.new_keys.element_size()
+
+
+BASELINE = "baseline"
 PROVIDERS: tuple[Provider, ...] = (
     Provider("paged_attention", "triton", _build_triton_paged, tunable=True),
-    Provider("paged_attention", "reference", _build_reference_paged, _reference_unsupported),
-    Provider("paged_attention", "sdpa", _build_sdpa_pregathered, baseline=True),
-    Provider("paged_attention", "sdpa+gather", _build_sdpa_with_gather, baseline=True),
-    Provider("paged_attention", "flex", _build_flex, _flex_unsupported, baseline=True),
-    Provider("paged_attention", "flash_attn", _build_flash_attn, _flash_attn_unsupported, True),
+    Provider(
+        "paged_attention", "reference", _build_reference_paged, _reference_unsupported, "oracle"
+    ),
+    *(_forced_sdpa_provider(name) for name in SDPA_BACKENDS),
+    Provider("paged_attention", "sdpa+gather", _build_sdpa_with_gather, role=BASELINE),
+    Provider("paged_attention", "flash_attn", _build_flash_attn, _flash_attn_unsupported, BASELINE),
+    Provider("paged_attention", "flex", _build_flex, _flex_unsupported, BASELINE, late=True),
     Provider("staged", "triton", _build_staged_triton, tunable=True),
-    Provider("staged", "triton+sdpa", _build_staged_sdpa, baseline=True),
+    Provider("staged", "triton+sdpa", _build_staged_sdpa, role=BASELINE),
     Provider("gather_blocks", "triton", _build_gather_triton),
-    Provider("gather_blocks", "torch", _build_gather_torch, baseline=True),
+    Provider("gather_blocks", "torch", _build_gather_torch, role=BASELINE),
+    Provider("gather_blocks", "copy", _copy_bound(_staged_bytes), role="bound"),
     Provider("write_slots", "triton", _build_write_triton),
-    Provider("write_slots", "torch", _build_write_torch, baseline=True),
+    Provider("write_slots", "torch", _build_write_torch, role=BASELINE),
+    Provider("write_slots", "copy", _copy_bound(_chunk_bytes), role="bound"),
 )
-PROVIDER_NAMES = tuple(dict.fromkeys(p.name for p in PROVIDERS))
+# ``sdpa-best`` is no provider of its own: the sweep repeats the fastest forced SDPA backend of
+# each case under that name. Asking for it runs the three.
+PROVIDER_NAMES = (*dict.fromkeys(p.name for p in PROVIDERS), SDPA_BEST)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import math
 import platform
 import subprocess
 from collections.abc import Iterator
@@ -29,6 +30,10 @@ PARAMETER_COLUMNS = ("block_size", "tile", *GEOMETRY_COLUMNS, "q_tokens", "kv_to
 # Values of the "kernel" column (besides "ceiling"); the attention ones are rated in TFLOP/s.
 KERNELS = ("paged_attention", "staged", "gather_blocks", "write_slots")
 ATTENTION_KERNELS = ("paged_attention", "staged")
+# What a provider is to the comparison: this project's kernel, a baseline it must beat, the
+# fastest of several baselines repeated under one name (``sdpa-best``), a bound (a plain device
+# copy of the same bytes, not a result) or the float64 oracle (correctness only).
+ROLES = ("ours", "baseline", "best-of", "bound", "oracle")
 MEASURE_COLUMNS = (
     "p50_ms",
     "p20_ms",
@@ -38,12 +43,47 @@ MEASURE_COLUMNS = (
     "tflops_vs_matmul",
     "gbps_vs_copy",
     "max_error",
+    "torch_error",
+    "error_limit",
 )
+# ``skipped``: why a provider did not run (its row has no measurements; ``read_rows`` leaves
+# such rows out unless asked). ``phase``: "start" or "end" on the ceiling rows. ``noise``: the
+# run's verdict, the same on every row ("steady", or "noisy: why"), filled in when the run ends
+# (empty: cut short).
+RUN_COLUMNS = ("phase", "noise")
 PROVENANCE_COLUMNS = ("figures", "device", "torch", "triton", "commit", "timestamp")
-COLUMNS = ("kernel", "provider", *PARAMETER_COLUMNS, *MEASURE_COLUMNS, *PROVENANCE_COLUMNS)
+COLUMNS = (
+    "kernel",
+    "provider",
+    "backend",
+    "role",
+    *PARAMETER_COLUMNS,
+    *MEASURE_COLUMNS,
+    "skipped",
+    *RUN_COLUMNS,
+    *PROVENANCE_COLUMNS,
+)
+# Columns a CSV written before they existed may lack; reading fills them in.
+LATER_COLUMNS = frozenset(
+    {"backend", "role", "torch_error", "error_limit", "skipped", *RUN_COLUMNS}
+)
 INTEGER_COLUMNS = frozenset(PARAMETER_COLUMNS) - {"tile", "dtype"}
 
 Row = dict[str, object]
+
+
+def sig3(value: object) -> str:
+    """``value`` to three significant digits in fixed-point notation (``1230``, ``0.0123``)."""
+    if value is None:
+        return "-"
+    number = float(value)
+    if not math.isfinite(number):
+        return str(number)
+    if number == 0:
+        return "0"
+    rounded = float(f"{number:.3g}")
+    decimals = max(0, 2 - math.floor(math.log10(abs(rounded))))
+    return f"{rounded:.{decimals}f}"
 
 
 def git_commit() -> str:
@@ -101,14 +141,45 @@ def _format(value: object) -> str:
     return str(value)
 
 
-def read_rows(path: str | Path) -> list[Row]:
-    """Rows of a results CSV, numbers parsed (empty cells become None)."""
+def write_rows(path: str | Path, rows: list[Row]) -> None:
+    """Write a whole results CSV at once (replacing the file only when it is complete)."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", newline="") as stream:
+        writer = CsvWriter(stream)
+        for row in rows:
+            writer.write(row)
+    partial.replace(path)
+
+
+def _default_role(provider: str) -> str:
+    """The role of a row from a CSV written before the ``role`` column existed."""
+    return {"triton": "ours", "reference": "oracle"}.get(provider, "baseline")
+
+
+def read_rows(path: str | Path, *, skipped: bool = False) -> list[Row]:
+    """Rows of a results CSV, numbers parsed (empty cells become None); the rows of providers
+    that did not run (their ``skipped`` reason set) only when ``skipped``.
+
+    Raises ``ValueError`` naming ``path`` when it is a folder or not a results CSV.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a results CSV (e.g. {path / 'sweep.csv'})")
     with open(path, newline="") as stream:
         reader = csv.DictReader(stream)
-        missing = set(COLUMNS) - set(reader.fieldnames or ())
+        missing = set(COLUMNS) - LATER_COLUMNS - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path} is not a results CSV: missing columns {sorted(missing)}")
-        return [dict(_parse(row)) for row in reader]
+        rows = []
+        for raw in reader:
+            row = {name: None if name in MEASURE_COLUMNS else "" for name in LATER_COLUMNS}
+            row.update(_parse(raw))
+            if not row["role"] and row["kernel"] != "ceiling":
+                row["role"] = _default_role(str(row["provider"]))
+            if skipped or not row["skipped"]:
+                rows.append(row)
+        return rows
 
 
 def _parse(row: dict[str, str]) -> Iterator[tuple[str, object]]:
@@ -121,3 +192,45 @@ def _parse(row: dict[str, str]) -> Iterator[tuple[str, object]]:
             yield name, float(text)
         else:
             yield name, text
+
+
+# Start and end ceilings further apart than this (relative to the lower) make a run noisy.
+CEILING_DRIFT = 0.2
+STEADY = "steady"
+
+
+def noise_verdict(rows: list[Row]) -> str:
+    """``"steady"``, ``"noisy: why"``, or ``""`` when the run has no end ceilings (cut short).
+
+    Noisy when a ceiling measured at the start and at the end of the run disagree by more than
+    ``CEILING_DRIFT``, or a measured row is faster than the higher of its two ceilings (the
+    matmul of its dtype for attention, the copy for the copy kernels).
+    """
+    ceilings: dict[tuple[object, object], dict[str, float]] = {}
+    for row in rows:
+        if row["kernel"] == "ceiling":
+            value = row["tflops"] if row["provider"] == "matmul" else row["gbps"]
+            ceilings.setdefault((row["provider"], row["dtype"]), {})[str(row["phase"])] = value
+    if not ceilings or any("end" not in phases for phases in ceilings.values()):
+        return ""
+    reasons = []
+    for (name, dtype), phases in ceilings.items():
+        start, end = phases.get("start"), phases["end"]
+        if start and end and max(start, end) / min(start, end) - 1 > CEILING_DRIFT:
+            what = f"{name} {dtype}".strip()
+            reasons.append(f"{what} ceiling {sig3(start)} at start, {sig3(end)} at end")
+    above = []
+    for row in rows:
+        if row["kernel"] == "ceiling" or row["role"] == "best-of" or row.get("skipped"):
+            continue
+        if row["kernel"] in ATTENTION_KERNELS:
+            value, name, dtype = row["tflops"], "matmul", row["dtype"]
+        else:
+            value, name, dtype = row["gbps"], "copy", ""
+        roof = max(ceilings.get((name, dtype), {}).values(), default=None)
+        if value is not None and roof and value > roof:
+            above.append(f"{row['kernel']}/{row['provider']} B={row['block_size']}")
+    if above:
+        shown = ", ".join(above[:3]) + (f" and {len(above) - 3} more" if len(above) > 3 else "")
+        reasons.append(f"{len(above)} rows above their ceiling ({shown})")
+    return f"noisy: {'; '.join(reasons)}" if reasons else STEADY

@@ -1,23 +1,49 @@
 """The sweep: every (geometry, block size, kernel, provider, tile) is checked, then timed.
 
-A provider whose result disagrees with the oracle raises ``WrongResultError`` before anything is
-timed, so a wrong kernel never produces a figure or a CSV row. Rows are written as they are
-measured; the ceilings (a large matmul per dtype, a large copy) come first.
+A result that disagrees with the oracle is never timed: this project's kernel (or the oracle)
+raises ``WrongResultError``, so a wrong kernel never produces a figure; a baseline is skipped
+with the error in its reason (a wrong baseline must not stop a GPU run's other figures).
+"Disagrees" is anchored on torch's own error: an attention result may be off the float64 oracle
+by at most twice what torch's SDPA is off in the same dtype, plus a small floor
+(``accuracy_limit``).
+
+Rows are written as they are measured. The ceilings (a large matmul per dtype, a large copy)
+are measured at the start and again at the end; the run's noise verdict (``noise_verdict``) is
+then written into every row. Providers marked ``late`` (compiled FlexAttention) run after all
+the others, and ``time_limit_s`` stops starting new runs, so a run cut short has the rest.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.providers import PROVIDERS, Output, Provider, Tile
-from bench.results import ATTENTION_KERNELS, KERNELS, CsvWriter, Row, provenance
+from bench.providers import (
+    PROVIDERS,
+    SDPA_BACKENDS,
+    SDPA_BEST,
+    Output,
+    Provider,
+    Tile,
+    torch_sdpa_output,
+)
+from bench.results import (
+    ATTENTION_KERNELS,
+    GEOMETRY_COLUMNS,
+    KERNELS,
+    CsvWriter,
+    Row,
+    noise_verdict,
+    provenance,
+    write_rows,
+)
 from bench.timing import (
     Ceiling,
     Timing,
@@ -37,8 +63,12 @@ from bench.workload import (
     oracle_stage,
 )
 
-# Largest error allowed, relative to the oracle's largest magnitude; the copy kernels are exact.
-ATTENTION_TOLERANCE = {"fp32": 2e-3, "fp16": 1e-2, "bf16": 4e-2}
+# An attention result passes when its error (relative to the oracle's largest magnitude) is at
+# most TORCH_ERROR_FACTOR times torch SDPA's error in the same dtype plus this floor: about one
+# rounding step of the dtype at the output's largest value (fp32: room for the interpreter's
+# different summation order). The copy kernels must be exact.
+TORCH_ERROR_FACTOR = 2.0
+ERROR_FLOOR = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 4e-3}
 
 
 class WrongResultError(AssertionError):
@@ -57,6 +87,7 @@ class SweepConfig:
     device: str = "cpu"
     seed: int = 0
     timing: TimingSettings = field(default_factory=TimingSettings)
+    time_limit_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,13 +100,22 @@ class Skip:
 
 @dataclass
 class SweepResult:
+    """``rows``: the ceilings and the measured rows; ``skipped``: what did not run, and why (the
+    CSV has a row for each too, with its ``skipped`` reason)."""
+
     rows: list[Row]
     skipped: list[Skip]
     csv_path: Path
 
 
-def tolerance(kernel: str, dtype: str) -> float:
-    return ATTENTION_TOLERANCE[dtype] if kernel in ATTENTION_KERNELS else 0.0
+def accuracy_limit(kernel: str, dtype: str, torch_error: float | None) -> float:
+    """Largest error a ``kernel`` result in ``dtype`` may have: ``2 * torch_error + floor`` for
+    attention (``torch_error``: torch SDPA's error on the same inputs), 0 for the copies."""
+    if kernel not in ATTENTION_KERNELS:
+        return 0.0
+    if torch_error is None or not math.isfinite(torch_error):
+        raise ValueError(f"torch_error must be a finite error for {kernel}, got {torch_error}")
+    return TORCH_ERROR_FACTOR * torch_error + ERROR_FLOOR[dtype]
 
 
 def max_error(actual: Output, expected: Output) -> float:
@@ -116,10 +156,21 @@ def bytes_moved(kernel: str, workload: Workload) -> int:
 
 
 class _Oracles:
-    """Expected results; the attention oracle serves every block size of one geometry."""
+    """Expected results and torch's error; both serve every block size of one geometry."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple[object, ...], Output] = {}
+        self._torch_error: dict[Geometry, float] = {}
+
+    def torch_error(self, kernel: str, workload: Workload) -> float | None:
+        """Error of torch SDPA in the workload's dtype (None for the copy kernels)."""
+        if kernel not in ATTENTION_KERNELS:
+            return None
+        geometry = workload.geometry
+        if geometry not in self._torch_error:
+            expected = self.expected(kernel, workload)
+            self._torch_error = {geometry: max_error(torch_sdpa_output(workload), expected)}
+        return self._torch_error[geometry]
 
     def expected(self, kernel: str, workload: Workload) -> Output:
         geometry, block_size = workload.geometry, workload.block_size
@@ -141,50 +192,74 @@ class _Oracles:
 
 
 def selected_providers(config: SweepConfig, providers: Sequence[Provider]) -> list[Provider]:
-    return [
-        p
-        for p in providers
-        if p.kernel in config.kernels and (config.providers is None or p.name in config.providers)
+    """The providers the config names (``sdpa-best`` names the forced SDPA backends), late
+    ones last."""
+    names = config.providers
+    if names is not None and SDPA_BEST in names:
+        names = (*names, *SDPA_BACKENDS)
+    chosen = [
+        p for p in providers if p.kernel in config.kernels and (names is None or p.name in names)
     ]
+    return sorted(chosen, key=lambda p: p.late)
 
 
 def _tiles_for(provider: Provider, config: SweepConfig) -> tuple[Tile | None, ...]:
     return config.tiles if provider.tunable else (None,)
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A provider that passed the check: its timing, what ran, its error and the limit."""
+
+    timing: Timing
+    backend: str
+    error: float | None
+    torch_error: float | None
+    limit: float | None
+
+
 def _check_then_time(
     provider: Provider,
     tile: Tile | None,
     workload: Workload,
-    expected: Output,
+    oracles: _Oracles,
     device: torch.device,
     settings: TimingSettings,
-) -> tuple[Timing, float] | str:
-    """``(timing, max_error)``, or why a baseline could not run. Raises on a wrong result."""
+) -> Checked | str:
+    """The provider checked, then timed; or why a baseline could not run or was wrong. Raises
+    on a wrong result of ours. A ``bound`` is timed unchecked."""
     try:
         bench = provider.build(workload, tile)
         output = bench.to_reference_layout(bench.run())
     except Exception as error:
-        if not provider.baseline:
+        if not provider.skippable:
             raise
-        message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         return f"failed: {type(error).__name__}: {message}"
+    backend = bench.backend or provider.name
+    if provider.role == "bound":
+        return Checked(measure(bench.run, device, settings), backend, None, None, None)
+    expected = oracles.expected(provider.kernel, workload)
+    torch_error = oracles.torch_error(provider.kernel, workload)
     error = max_error(output, expected)
-    limit = tolerance(provider.kernel, workload.geometry.dtype)
+    limit = accuracy_limit(provider.kernel, workload.geometry.dtype, torch_error)
     if not error <= limit:
-        g = workload.geometry
+        anchor = "" if torch_error is None else f" (torch SDPA's error {torch_error:.3g})"
+        wrong = f"max error {error:.3g} > limit {limit:.3g}{anchor}; not timed"
+        if provider.skippable:
+            return f"wrong result: {wrong}"
         raise WrongResultError(
             f"{provider.kernel}/{provider.name} (block_size={workload.block_size}, tile={tile}, "
-            f"{g}) disagrees with the oracle: max error {error:.3g} > tolerance {limit:.3g}; "
-            "not timed"
+            f"{workload.geometry}) disagrees with the oracle: {wrong}"
         )
-    return measure(bench.run, device, settings), error
+    return Checked(measure(bench.run, device, settings), backend, error, torch_error, limit)
 
 
-def _ceiling_row(ceiling: Ceiling, shared: Row) -> Row:
+def _ceiling_row(ceiling: Ceiling, phase: str, shared: Row) -> Row:
     return {
         "kernel": "ceiling",
         "provider": ceiling.name,
+        "phase": phase,
         "dtype": ceiling.dtype,
         "p50_ms": ceiling.timing.p50_ms,
         "p20_ms": ceiling.timing.p20_ms,
@@ -199,12 +274,12 @@ def _measured_row(
     provider: Provider,
     tile: Tile | None,
     workload: Workload,
-    timing: Timing,
-    error: float,
+    checked: Checked,
     roofs: tuple[dict[str, float], float],
     shared: Row,
 ) -> Row:
     g = workload.geometry
+    timing = checked.timing
     matmul_tflops, copy_gbps = roofs
     seconds = timing.p50_ms / 1e3
     tflops = g.attention_flops() / seconds / 1e12 if provider.kernel in ATTENTION_KERNELS else None
@@ -212,6 +287,8 @@ def _measured_row(
     return {
         "kernel": provider.kernel,
         "provider": provider.name,
+        "backend": checked.backend,
+        "role": provider.role,
         "block_size": workload.block_size,
         "tile": str(tile) if tile else ("auto" if provider.tunable else ""),
         "chunk_size": g.chunk_size,
@@ -232,9 +309,56 @@ def _measured_row(
         "gbps": gbps,
         "tflops_vs_matmul": None if tflops is None else tflops / matmul_tflops[g.dtype],
         "gbps_vs_copy": gbps / copy_gbps,
-        "max_error": error,
+        "max_error": checked.error,
+        "torch_error": checked.torch_error,
+        "error_limit": checked.limit,
         **shared,
     }
+
+
+def _skipped_row(
+    kernel: str, name: str, role: str, workload: Workload, reason: str, shared: Row
+) -> Row:
+    g = workload.geometry
+    return {
+        "kernel": kernel,
+        "provider": name,
+        "role": role,
+        "block_size": workload.block_size,
+        **{column: getattr(g, column) for column in GEOMETRY_COLUMNS},
+        "q_tokens": g.q_tokens,
+        "kv_tokens": g.kv_tokens,
+        "skipped": reason,
+        **shared,
+    }
+
+
+def _best_sdpa_row(rows: Sequence[Row]) -> Row | None:
+    """``sdpa-best``: the fastest forced SDPA backend among ``rows`` (one case), naming it."""
+    forced = [r for r in rows if r["provider"] in SDPA_BACKENDS]
+    if not forced:
+        return None
+    fastest = min(forced, key=lambda r: r["p50_ms"])
+    return {**fastest, "provider": SDPA_BEST, "backend": fastest["provider"], "role": "best-of"}
+
+
+def _measure_ceilings(
+    dtypes: Sequence[str], device: torch.device, settings: TimingSettings
+) -> list[Ceiling]:
+    ceilings = [matmul_ceiling(d, DTYPES[d], device, settings) for d in dtypes]
+    return [*ceilings, copy_ceiling(device, settings)]
+
+
+def _runs(
+    config: SweepConfig, chosen: Sequence[Provider]
+) -> Iterator[tuple[Geometry, int, list[tuple[Provider, Tile | None]]]]:
+    """The cases in order, each with its (provider, tile) runs: the early providers over every
+    case, then the late ones over every case."""
+    for phase in (False, True):
+        runs = [(p, tile) for p in chosen if p.late == phase for tile in _tiles_for(p, config)]
+        if runs:
+            for geometry, block_size in itertools.product(config.geometries, config.block_sizes):
+                yield geometry, block_size, runs
 
 
 def run_sweep(
@@ -244,51 +368,78 @@ def run_sweep(
     providers: Sequence[Provider] = PROVIDERS,
     progress: bool = True,
 ) -> SweepResult:
-    """Run the sweep, writing the long-format CSV to ``csv_path`` as rows are measured."""
+    """Run the sweep, writing the long-format CSV to ``csv_path`` as rows are measured; when
+    it ends, the CSV is rewritten with the noise verdict in every row."""
+    started = time.monotonic()
     device = torch.device(config.device)
     shared = provenance(device, figures_kind(device))
     chosen = selected_providers(config, providers)
     csv_path = Path(csv_path)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     result = SweepResult(rows=[], skipped=[], csv_path=csv_path)
+    dtypes = list(dict.fromkeys(g.dtype for g in config.geometries))
+    written: list[Row] = []
     with open(csv_path, "w", newline="") as stream:
         writer = CsvWriter(stream)
 
         def record(row: Row) -> None:
             writer.write(row)
+            written.append(row)
             result.rows.append(row)
 
-        dtypes = dict.fromkeys(g.dtype for g in config.geometries)
-        ceilings = [matmul_ceiling(d, DTYPES[d], device, config.timing) for d in dtypes]
-        ceilings.append(copy_ceiling(device, config.timing))
+        def record_skip(kernel: str, name: str, role: str, workload: Workload, why: str) -> None:
+            row = _skipped_row(kernel, name, role, workload, why, shared)
+            writer.write(row)
+            written.append(row)
+            result.skipped.append(Skip(kernel, name, workload.block_size, why))
+
+        ceilings = _measure_ceilings(dtypes, device, config.timing)
         for ceiling in ceilings:
-            record(_ceiling_row(ceiling, shared))
+            record(_ceiling_row(ceiling, "start", shared))
         roofs = ({c.dtype: c.tflops for c in ceilings if c.tflops}, ceilings[-1].gbps or math.nan)
 
         oracles = _Oracles()
-        runs_per_case = sum(len(_tiles_for(p, config)) for p in chosen)
-        cases = list(itertools.product(config.geometries, config.block_sizes))
-        with tqdm(total=len(cases) * runs_per_case, unit="run", disable=not progress) as bar:
-            for geometry, block_size in cases:
+        cases = list(_runs(config, chosen))
+        with tqdm(
+            total=sum(len(runs) for *_, runs in cases), unit="run", disable=not progress
+        ) as bar:
+            for geometry, block_size, runs in cases:
                 workload = make_workload(geometry, block_size, device=device, seed=config.seed)
-                for provider in chosen:
-                    for tile in _tiles_for(provider, config):
-                        bar.set_postfix_str(f"{provider.kernel}/{provider.name} B={block_size}")
-                        reason = provider.unsupported(workload)
-                        if reason is None:
-                            expected = oracles.expected(provider.kernel, workload)
-                            outcome = _check_then_time(
-                                provider, tile, workload, expected, device, config.timing
-                            )
-                            if isinstance(outcome, str):
-                                reason = outcome
-                            else:
-                                record(
-                                    _measured_row(provider, tile, workload, *outcome, roofs, shared)
-                                )
-                        if reason is not None:
-                            skip = Skip(provider.kernel, provider.name, block_size, reason)
-                            result.skipped.append(skip)
-                        bar.update()
+                case_rows: list[Row] = []
+                for provider, tile in runs:
+                    bar.set_postfix_str(f"{provider.kernel}/{provider.name} B={block_size}")
+                    reason = provider.unsupported(workload)
+                    elapsed = time.monotonic() - started
+                    if reason is None and config.time_limit_s and elapsed > config.time_limit_s:
+                        reason = (
+                            f"not run: the sweep's time limit ({config.time_limit_s:g} s) ran out"
+                        )
+                    if reason is None:
+                        outcome = _check_then_time(
+                            provider, tile, workload, oracles, device, config.timing
+                        )
+                        if isinstance(outcome, str):
+                            reason = outcome
+                        else:
+                            row = _measured_row(provider, tile, workload, outcome, roofs, shared)
+                            record(row)
+                            case_rows.append(row)
+                    if reason is not None:
+                        record_skip(provider.kernel, provider.name, provider.role, workload, reason)
+                    bar.update()
+                for kernel in dict.fromkeys(p.kernel for p, _ in runs if p.name in SDPA_BACKENDS):
+                    best = _best_sdpa_row([r for r in case_rows if r["kernel"] == kernel])
+                    if best is not None:
+                        record(best)
+                    else:
+                        why = "no forced SDPA backend ran (see their reasons)"
+                        record_skip(kernel, SDPA_BEST, "best-of", workload, why)
                 del workload  # free this case's tensors before the next one is allocated
+
+        for ceiling in _measure_ceilings(dtypes, device, config.timing):
+            record(_ceiling_row(ceiling, "end", shared))
+    verdict = noise_verdict(result.rows)
+    for row in written:
+        row["noise"] = verdict
+    write_rows(csv_path, written)
     return result

@@ -1,19 +1,24 @@
-"""A plain-text table of a sweep's rows (read back from the CSV or straight from the sweep)."""
+"""Plain-text tables of a sweep's rows (read back from the CSV or straight from the sweep).
+
+Numbers print with three significant digits: times, throughputs and ratios in fixed-point
+notation, errors in scientific notation.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, Row
+from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, STEADY, Row, sig3
 
 
-def _number(value: object, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}g}"
+def sci3(value: object) -> str:
+    """``value`` to three significant digits in scientific notation (``1.23e-04``)."""
+    return "-" if value is None else f"{float(value):.2e}"
 
 
 def _roof_percent(row: Row) -> str:
     ratio = row["tflops_vs_matmul"] if row["kernel"] in ATTENTION_KERNELS else row["gbps_vs_copy"]
-    return "-" if ratio is None else f"{100 * ratio:.1f}"
+    return "-" if ratio is None else sig3(100 * ratio)
 
 
 def geometry_label(row: Row) -> str:
@@ -26,9 +31,23 @@ def geometry_label(row: Row) -> str:
 
 
 def series_label(row: Row) -> str:
-    """The provider, with the tile when one was forced (``triton 64x32``)."""
+    """The provider, with the tile when one was forced (``triton 64x32``) and the backend that
+    ``sdpa-best`` picked (``sdpa-best=sdpa-flash``)."""
+    label = str(row["provider"])
+    if row.get("role") == "best-of" and row.get("backend"):
+        label += f"={row['backend']}"
     tile = row["tile"]
-    return f"{row['provider']} {tile}" if tile not in ("", "auto", None) else str(row["provider"])
+    return f"{label} {tile}" if tile not in ("", "auto", None) else label
+
+
+def noise_line(rows: Sequence[Row]) -> str:
+    """What the run's start and end ceilings say about its noise."""
+    verdict = str(rows[0].get("noise") or "")
+    if not verdict:
+        return "noise: unknown (no end-of-run ceilings: the run was cut short or is older)"
+    if verdict == STEADY:
+        return "noise: steady (ceilings within 20% start to end, no row above its ceiling)"
+    return f"NOISY RUN, figures unreliable: {verdict.removeprefix('noisy: ')}"
 
 
 def _provenance_lines(rows: Sequence[Row]) -> list[str]:
@@ -39,19 +58,19 @@ def _provenance_lines(rows: Sequence[Row]) -> list[str]:
     ]
     if first["figures"] != "gpu":
         lines.append("CPU timings: they show the harness runs, not GPU speed.")
-    roofs = [
-        f"matmul {r['dtype']} {_number(r['tflops'])} TFLOP/s"
-        if r["provider"] == "matmul"
-        else f"copy {_number(r['gbps'])} GB/s"
-        for r in rows
-        if r["kernel"] == "ceiling"
-    ]
+    roofs: dict[str, list[str]] = {}
+    for r in rows:
+        if r["kernel"] == "ceiling":
+            name = f"matmul {r['dtype']} TFLOP/s" if r["provider"] == "matmul" else "copy GB/s"
+            value = sig3(r["tflops"] if r["provider"] == "matmul" else r["gbps"])
+            roofs.setdefault(name, []).append(f"{value} ({r.get('phase') or 'start'})")
     if roofs:
-        lines.append("ceilings: " + ", ".join(roofs))
+        lines.append("ceilings: " + "; ".join(f"{n} {', '.join(v)}" for n, v in roofs.items()))
+    lines.append(noise_line(rows))
     return lines
 
 
-def _aligned(table: list[list[str]]) -> list[str]:
+def aligned(table: list[list[str]]) -> list[str]:
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     return [
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
@@ -59,36 +78,61 @@ def _aligned(table: list[list[str]]) -> list[str]:
     ]
 
 
+def _measured(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in rows if r["kernel"] != "ceiling" and not r.get("skipped")]
+
+
+def skip_lines(rows: Sequence[Row]) -> list[str]:
+    """One line per (kernel, provider, reason) of the rows that did not run, with their block
+    sizes."""
+    reasons: dict[tuple[object, object, object], list[str]] = {}
+    for r in rows:
+        if r.get("skipped"):
+            key = (r["kernel"], r["provider"], r["skipped"])
+            reasons.setdefault(key, []).append(str(r["block_size"]))
+    return [
+        f"skipped {kernel}/{provider} (block sizes {', '.join(dict.fromkeys(blocks))}): {why}"
+        for (kernel, provider, why), blocks in reasons.items()
+    ]
+
+
+def _varying(measured: Sequence[Row]) -> list[str]:
+    return [c for c in GEOMETRY_COLUMNS if len({r[c] for r in measured}) > 1]
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    """The provenance, the ceilings, then one line per measured row.
+    """The provenance, the ceilings, the noise verdict, then one line per measured row.
 
     ``% roof`` is TFLOP/s over the matmul ceiling for the attention kernels and GB/s over the
-    copy ceiling for the copy kernels. Geometry columns appear only where they vary.
+    copy ceiling for the copy kernels. ``error`` is the max error against the oracle and
+    ``limit`` what it was allowed. Geometry columns appear only where they vary.
     """
     if not rows:
         return "no rows"
     lines = _provenance_lines(rows)
-    measured = [r for r in rows if r["kernel"] != "ceiling"]
-    varying = [c for c in GEOMETRY_COLUMNS if len({r[c] for r in measured}) > 1]
+    measured = _measured(rows)
+    varying = _varying(measured)
     show_tile = any(r["tile"] not in ("", "auto", None) for r in measured)
     header = ["kernel", "provider", "block", *(["tile"] if show_tile else []), *varying]
-    header += ["p50 ms", "p20-p80 ms", "TFLOP/s", "GB/s", "% roof"]
+    header += ["p50 ms", "p20-p80 ms", "TFLOP/s", "GB/s", "% roof", "error", "limit"]
     body = [
         [
             str(r["kernel"]),
-            str(r["provider"]),
+            series_label({**r, "tile": ""}),
             str(r["block_size"]),
             *([str(r["tile"] or "-")] if show_tile else []),
             *(str(r[c]) for c in varying),
-            _number(r["p50_ms"]),
-            f"{_number(r['p20_ms'], 3)}-{_number(r['p80_ms'], 3)}",
-            _number(r["tflops"]),
-            _number(r["gbps"]),
+            sig3(r["p50_ms"]),
+            f"{sig3(r['p20_ms'])}-{sig3(r['p80_ms'])}",
+            sig3(r["tflops"]),
+            sig3(r["gbps"]),
             _roof_percent(r),
+            sci3(r["max_error"]),
+            sci3(r["error_limit"]),
         ]
         for r in measured
     ]
-    return "\n".join(lines + _aligned([header, *body]))
+    return "\n".join(lines + aligned([header, *body]) + skip_lines(rows))
 
 
 def format_pivot(rows: Sequence[Row]) -> str:
@@ -100,17 +144,111 @@ def format_pivot(rows: Sequence[Row]) -> str:
         return "no rows"
     lines = _provenance_lines(rows)
     groups: dict[tuple[object, ...], list[Row]] = {}
-    for row in rows:
-        if row["kernel"] != "ceiling":
-            key = (row["kernel"], *(row[c] for c in GEOMETRY_COLUMNS))
-            groups.setdefault(key, []).append(row)
+    for row in _measured(rows):
+        key = (row["kernel"], *(row[c] for c in GEOMETRY_COLUMNS))
+        groups.setdefault(key, []).append(row)
     for (kernel, *_), group in groups.items():
         metric, unit = ("tflops", "TFLOP/s") if kernel in ATTENTION_KERNELS else ("gbps", "GB/s")
         lines += ["", f"{kernel}, {unit} ({geometry_label(group[0])})"]
-        providers = list(dict.fromkeys(series_label(r) for r in group))
+        providers = list(dict.fromkeys(series_label({**r, "backend": ""}) for r in group))
         blocks = sorted({r["block_size"] for r in group})
-        cells = {(r["block_size"], series_label(r)): _number(r[metric]) for r in group}
+        cells = {
+            (r["block_size"], series_label({**r, "backend": ""})): sig3(r[metric]) for r in group
+        }
         table = [["block", *providers]]
         table += [[str(b), *(cells.get((b, p), "-") for p in providers)] for b in blocks]
-        lines += _aligned(table)
+        lines += aligned(table)
+    return "\n".join(lines)
+
+
+def ratio_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
+    """Per (kernel, geometry, block size), kernel by kernel, block sizes in the order they ran:
+    this project's fastest row, the fastest baseline (``sdpa-best`` repeats one and the oracle
+    is none), ``speedup = baseline / ours`` and, for the copy kernels, the fraction of a device
+    copy of the same bytes (``of_copy``: the bound's time over ours)."""
+    cases: dict[tuple[object, ...], list[Row]] = {}
+    for row in _measured(rows):
+        key = (row["kernel"], *(row[c] for c in GEOMETRY_COLUMNS), row["block_size"])
+        cases.setdefault(key, []).append(row)
+    result = []
+    for group in cases.values():
+        by_role: dict[str, list[Row]] = {}
+        for row in group:
+            by_role.setdefault(str(row["role"]), []).append(row)
+        fastest = {role: min(rs, key=lambda r: r["p50_ms"]) for role, rs in by_role.items()}
+        ours, baseline, bound = (fastest.get(role) for role in ("ours", "baseline", "bound"))
+        if ours is None:
+            continue
+        result.append(
+            {
+                "row": ours,
+                "baseline": baseline,
+                "speedup": baseline["p50_ms"] / ours["p50_ms"] if baseline else None,
+                "of_copy": bound["p50_ms"] / ours["p50_ms"] if bound else None,
+            }
+        )
+    kernels = list(dict.fromkeys(c["row"]["kernel"] for c in result))
+    return sorted(result, key=lambda c: kernels.index(c["row"]["kernel"]))
+
+
+# The goals ``--goal`` marks: at least as fast as the fastest baseline; the copy kernels at
+# least this fraction of a device copy of the same bytes.
+GOAL = 1.0
+COPY_GOAL = 0.85
+
+
+def _missed(case: dict[str, object]) -> list[str]:
+    """The goals a ratio-table case misses."""
+    speedup, of_copy = case["speedup"], case["of_copy"]
+    missed = [f"BELOW {GOAL:.1f}x"] if speedup is not None and speedup < GOAL else []
+    if of_copy is not None and of_copy < COPY_GOAL:
+        missed.append(f"BELOW {100 * COPY_GOAL:.0f}% of copy")
+    return missed
+
+
+def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
+    """The ratio table: per (kernel, block size), ours against the fastest baseline measured in
+    the same run. ``goal`` marks the rows below ``GOAL`` (1.0x), or for the copy kernels below
+    ``COPY_GOAL`` of a copy, and counts them."""
+    if not rows:
+        return "no rows"
+    cases = ratio_cases(rows)
+    lines = _provenance_lines(rows)
+    lines.append("speedup = fastest baseline's median / ours (above 1.00x: ours is faster)")
+    if not cases:
+        return "\n".join([*lines, "no rows of this project's kernels"])
+    varying = _varying([c["row"] for c in cases])
+    show_copy = any(c["of_copy"] is not None for c in cases)
+    header = ["kernel", "block", *varying, "ours ms", "baseline", "baseline ms", "speedup"]
+    header += (["% of copy"] if show_copy else []) + (["goal"] if goal else [])
+    body = []
+    for case in cases:
+        ours, baseline, speedup = case["row"], case["baseline"], case["speedup"]
+        line = [str(ours["kernel"]), str(ours["block_size"]), *(str(ours[c]) for c in varying)]
+        line += [
+            sig3(ours["p50_ms"]),
+            series_label(baseline) if baseline else "-",
+            sig3(baseline["p50_ms"]) if baseline else "-",
+            "-" if speedup is None else f"{sig3(speedup)}x",
+        ]
+        if show_copy:
+            line.append("-" if case["of_copy"] is None else f"{sig3(100 * case['of_copy'])}%")
+        if goal:
+            line.append(", ".join(_missed(case)))
+        body.append(line)
+    lines += aligned([header, *body])
+    lines += skip_lines(rows)
+    if goal:
+        below = sum(1 for c in cases if c["speedup"] is not None and c["speedup"] < GOAL)
+        rated = sum(1 for c in cases if c["speedup"] is not None)
+        copies = [c for c in cases if c["of_copy"] is not None]
+        short = sum(1 for c in copies if c["of_copy"] < COPY_GOAL)
+        lines.append(
+            f"goal {sig3(GOAL)}x: {below} of {rated} rows below"
+            + (
+                f"; {100 * COPY_GOAL:.0f}% of copy: {short} of {len(copies)} below"
+                if copies
+                else ""
+            )
+        )
     return "\n".join(lines)

@@ -66,15 +66,23 @@ def test_sweep_then_plot_and_table_from_the_csv(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "sdpa+gather" in printed
     assert ("CPU timings" in printed) != torch.cuda.is_available()
-    assert sorted(p.name for p in out.glob("*.png")) == ["paged_attention.png", "write_slots.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "paged_attention.png",
+        "speedup.png",
+        "write_slots.png",
+    ]
     rows = read_rows(out / "sweep.csv")
     assert {r["kernel"] for r in rows} == {"ceiling", "paged_attention", "write_slots"}
 
     redrawn = tmp_path / "redrawn"
     assert main(["plot", str(out / "sweep.csv"), "--out", str(redrawn)]) == 0
     assert (redrawn / "paged_attention.png").stat().st_size > 10_000
-    assert main(["table", str(out / "sweep.csv")]) == 0
+    assert main(["table", str(out / "sweep.csv"), "--long"]) == 0
     assert re.search(r"^write_slots\s+triton\s+24\s", capsys.readouterr().out, re.MULTILINE)
+    assert main(["table", str(out / "sweep.csv")]) == 0
+    ratios = capsys.readouterr().out
+    assert re.search(r"^paged_attention\s+24\s+\S+\s+sdpa", ratios, re.MULTILINE)
+    assert re.search(r"^write_slots\s+24\s+\S+\s+torch\s+\S+\s+\S+x\s+\S+%", ratios, re.M)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="times the CPU run of the README command")
@@ -92,10 +100,22 @@ def test_the_readme_main_job_runs_the_small_preset(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^paged_attention\s+triton\s+8\s", done.stdout, re.MULTILINE)
+    assert "speedup = fastest baseline" in done.stdout
     assert {p.name for p in (tmp_path / "out").iterdir()} == {
         "sweep.csv",
+        "speedup.png",
         "paged_attention.png",
         "staged.png",
         "gather_blocks.png",
         "write_slots.png",
     }
+
+
+def test_the_gpu_check_runs_the_shipped_block_sizes_first_and_ends_with_the_ratio_table():
+    script = (REPO / "bench" / "gpu_check.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")]).returncode == 0
+    assert "BLOCK_SIZES:-16,1560,24,64,256,520,32,128}" in script
+    assert "--time-limit" in script and "python -m bench compile" in script  # the lead's spot
+    commands = [line for line in script.splitlines() if '"$python" -m bench' in line]
+    assert "sweep" in commands[0]  # the sweep first, the plots and the ratio table last
+    assert commands[-1].strip() == '"$python" -m bench table "$out_dir/sweep.csv" --goal'

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from bench.providers import flex_key_tile, flex_paged_inputs
+from bench.providers import flex_key_tile, flex_mask_block, flex_paged_inputs
 from bench.workload import Geometry, make_workload, oracle_attention, oracle_pools, oracle_stage
 from reference.attention import gather_sequence
 
@@ -62,16 +62,22 @@ def test_the_data_and_the_oracle_do_not_depend_on_the_block_size():
 
 
 @pytest.mark.parametrize(
-    ("block_size", "tile"), [(8, None), (16, 16), (24, None), (256, 64), (1560, None)]
+    ("block_size", "mask_block", "tile"),
+    [(1, 128, 64), (8, 128, 64), (16, 16, 16), (24, 128, 64), (48, 48, 16), (256, 256, 64)]
+    + [(520, 128, 64), (1560, 128, 64)],
 )
-def test_flex_key_tile(block_size, tile):
+def test_flex_takes_every_block_size(block_size, mask_block, tile):
+    """Cache blocks of a multiple of 16 keys are the mask's blocks; others are covered by
+    128-slot mask blocks, partial where they straddle; the key tile divides the mask block."""
+    assert flex_mask_block(block_size) == mask_block
     assert flex_key_tile(block_size) == tile
 
 
-def test_flex_paged_inputs_match_the_oracle_in_eager_mode():
+@pytest.mark.parametrize("block_size", [7, 16, 24])
+def test_flex_paged_inputs_match_the_oracle_in_eager_mode(block_size):
     from torch.nn.attention.flex_attention import flex_attention
 
-    w = make_workload(GEOMETRY, 16)
+    w = make_workload(GEOMETRY, block_size)
     q, k, v, block_mask = flex_paged_inputs(w)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it is not compiled
