@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ def absolute_rotary(
     return grids[0], grids[1]
 
 
-def _projections(attn: torch.nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def wan_qkv(attn: torch.nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v as the stock processor makes them: projections, RMS norm, heads split."""
     if getattr(attn, "fused_projections", False):
         query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
@@ -125,14 +126,14 @@ class PagedWanAttnProcessor:
         call = self.state.call
         if call is None:
             raise RuntimeError("PagedWanAttnProcessor: no forward in progress (use the rollout)")
-        query, key, value = _projections(attn, hidden_states)
+        query, key, value = wan_qkv(attn, hidden_states)
         if rotary_emb is not None:
             query = apply_rotary(query, *rotary_emb)
             key = apply_rotary(key, *rotary_emb)
         action_key = action_value = None
         actions = self.state.action_states
         if actions is not None:
-            _, action_key, action_value = _projections(attn, actions.to(hidden_states.dtype))
+            _, action_key, action_value = wan_qkv(attn, actions.to(hidden_states.dtype))
             action_key, action_value = action_key.flatten(0, 1), action_value.flatten(0, 1)
         rows, tokens = query.shape[:2]
         out = call.attend(
@@ -213,7 +214,7 @@ class PagedWanRollout:
             raise TypeError(f"config must be a PagingConfig, got {type(config).__name__}")
         if not isinstance(guidance, bool):
             raise TypeError(f"guidance must be a bool, got {type(guidance).__name__}")
-        parameter = next(model.parameters())
+        parameter = model.blocks[0].attn1.to_k.weight
         heads = model.config.num_attention_heads
         head_dim = model.config.attention_head_dim
         self.model = model
@@ -261,6 +262,7 @@ class PagedWanRollout:
         guidance_scale: float = 5.0,
         actions: Tensor | None = None,
         record_reads: bool = True,
+        on_block: Callable[[int], None] | None = None,
     ) -> RolloutResult:
         """Generate ``noise.shape[2] / frames_per_block`` blocks, one session of the cache.
 
@@ -271,7 +273,8 @@ class PagedWanRollout:
         Euler step to the next sigma (the last to 0), then a committing forward at timestep 0
         on the clean block. With guidance the flow is ``neg + guidance_scale * (pos - neg)``.
         ``actions``: ``(blocks, action_tokens, inner_dim)`` hidden states, keys of every
-        forward of their block, never committed.
+        forward of their block, never committed. ``record_reads=False`` skips the per-forward
+        records (a device sync each); ``on_block(block)`` is called after each block.
         """
         blocks, frames = self._check(
             noise,
@@ -330,6 +333,8 @@ class PagedWanRollout:
                 block_reads.append(read)
                 latents[:, :, lo : lo + frames_per_block] = x
                 reads.append(block_reads if record_reads else [])
+                if on_block is not None:
+                    on_block(block)
         finally:
             self.cache.close_session(session)
         return RolloutResult(latents=latents, reads=reads)
@@ -444,7 +449,7 @@ class PagedWanRollout:
             self.state.call = call
             if action is not None:
                 self.state.action_states = action.unsqueeze(0).expand(rows, -1, -1)
-            hook = self.model.rope.register_forward_hook(_rope_at(first_frame))
+            hook = self.model.rope.register_forward_hook(rope_at_frame(first_frame))
             try:
                 out = self.model(
                     x.expand(rows, -1, -1, -1, -1),
@@ -505,7 +510,7 @@ class PagedWanRollout:
         )
 
 
-def _rope_at(first_frame: int):
+def rope_at_frame(first_frame: int):
     """A forward hook for ``model.rope``: the rotary tables from frame ``first_frame`` on."""
 
     def hook(rope: torch.nn.Module, args: tuple, output: object) -> tuple[Tensor, Tensor]:
