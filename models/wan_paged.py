@@ -27,13 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# paging.forward imports kernels, which (without a GPU) switches Triton's interpreter on; that
+# must happen before triton is imported, and importing diffusers imports triton.
+from paging import PagedKVCache, PagingConfig
+from paging.forward import ForwardCall
+
 try:
     from diffusers import WanTransformer3DModel
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("models.wan_paged needs diffusers: pip install -e '.[diffusers]'") from error
-
-from paging import PagedKVCache, PagingConfig
-from paging.forward import ForwardCall
 
 CFG_BRANCHES = ("positive", "negative")
 
