@@ -10,7 +10,7 @@ from bench import wan_rollout
 
 
 def test_tiny_rollout_bench_runs_and_both_rollouts_agree(capsys):
-    assert wan_rollout.main(["--tiny", "--blocks", "3"]) == 0
+    assert wan_rollout.main(["--tiny", "--blocks", "2"]) == 0
     out = capsys.readouterr().out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line}
     assert {"paged", "plain"} <= lines.keys()
