@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# paging.forward imports kernels, which (without a GPU) switches Triton's interpreter on; that
+# kernels (also imported by paging.forward), without a GPU, switches Triton's interpreter on; that
 # must happen before triton is imported, and importing diffusers imports triton.
+from kernels.fused import write_attend
 from paging import PagedKVCache, PagingConfig
 from paging.forward import ForwardCall
 
@@ -114,6 +115,9 @@ class PagedWanAttnProcessor:
     def __init__(self, state: ForwardState, layer: int) -> None:
         self.state = state
         self.layer = layer
+        # A 0-dim tensor, not an int: compiled blocks of every layer then share one graph
+        # (torch.compile specialises on int attributes).
+        self.layer_index = torch.tensor(layer)
 
     def __call__(
         self,
@@ -132,19 +136,26 @@ class PagedWanAttnProcessor:
         if rotary_emb is not None:
             query = apply_rotary(query, *rotary_emb)
             key = apply_rotary(key, *rotary_emb)
-        action_key = action_value = None
+        key, value = key.flatten(0, 1), value.flatten(0, 1)
+        action_key, action_value = key[:0], value[:0]
         actions = self.state.action_states
         if actions is not None:
             _, action_key, action_value = wan_qkv(attn, actions.to(hidden_states.dtype))
             action_key, action_value = action_key.flatten(0, 1), action_value.flatten(0, 1)
         rows, tokens = query.shape[:2]
-        out = call.attend(
-            self.layer,
+        # ForwardCall.attend(layer, ...) with the layer index as a tensor.
+        cache = call.cache
+        out = write_attend(
             query.flatten(0, 1),
-            key.flatten(0, 1),
-            value.flatten(0, 1),
+            key,
+            value,
             action_key,
             action_value,
+            cache.k_pools,
+            cache.v_pools,
+            cache.stage_k,
+            cache.stage_v,
+            call.layer(0)._replace(layer=self.layer_index),
         )
         out = out.unflatten(0, (rows, tokens)).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)

@@ -1,4 +1,4 @@
-"""A Wan transformer block with the paged processor compiles to one graph for the whole rollout."""
+"""Wan transformer blocks with the paged processor compile to one graph for the whole rollout."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from reference.wan_rollout import reference_rollout
 from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
 
 
-def test_compiled_block_does_not_recompile_over_the_rollout():
-    # Block 0 compiled with fullgraph=True (no graph break: the fused op is one custom op) runs
-    # every forward of a sliding rollout: scratch and committing plans, new block ids and slots,
-    # a longer history, other timesteps and rotary positions. One graph, and the same latents.
+def test_compiled_blocks_share_one_graph_over_the_rollout():
+    # Every block compiled with fullgraph=True (no graph break: the fused op is one custom op)
+    # runs every forward of a sliding rollout: scratch and committing plans, new block ids and
+    # slots, a longer history, other timesteps and rotary positions, and both layers (the layer
+    # index is a tensor). One graph in all, and the same latents as the dense reference.
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -31,13 +32,15 @@ def test_compiled_block_does_not_recompile_over_the_rollout():
     )
     counter = CompileCounter()
     with PagedWanRollout(model, config) as rollout:
-        model.blocks[0] = torch.compile(model.blocks[0], fullgraph=True, backend=counter)
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, fullgraph=True, backend=counter)
         paged = rollout.generate(
             inputs.noise, inputs.prompt, inputs.negative, frames_per_block=1, sigmas=(1.0,)
         )
     assert counter.frame_count == 1
     assert counter.op_count > 10  # the block itself was captured, not an empty graph
-    model.blocks[0] = model.blocks[0]._orig_mod
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = block._orig_mod
     dense = reference_rollout(
         model,
         inputs.noise,
