@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from kernels.fused import write_attend
+from models import wan_paged
 from models.wan_paged import PagedWanRollout, absolute_rotary
 from paging import PagingConfig
 from reference.wan_rollout import reference_rollout
@@ -144,14 +146,23 @@ def test_reset_at_boundary_blocks_of_7_with_actions():
     assert all(read.action_tokens == 3 for block in paged.reads for read in block)
 
 
-def test_whole_block_reads_read_the_same_boundary_tokens():
+def test_whole_block_reads_read_the_same_boundary_tokens(monkeypatch):
     # Exact window off, B = 7, C = 24, sink 1, window 3 frames, one frame per block. At block 5
     # (frame 5, positions 120..143) the window keeps the sink 0..23 and frames 3..5 (72..143).
     # Whole blocks add boundary tokens the reference reads too: 24..27 (frame 1's first four
     # tokens, in the sink's last block 21..27, never freed) and 70..71 (frame 2's last two, in
     # block 70..76 where the recent range starts).
+    launches = []
+
+    def counted(query, *args):
+        launches.append((query.shape[0], args[-1].block_table.shape[0]))
+        return write_attend(query, *args)
+
+    monkeypatch.setattr(wan_paged, "write_attend", counted)
     _, _, paged, dense = run_both(block_size=7, sink=1, window=3, frames=1, exact=False)
     assert_equal_rollouts(paged, dense, 1, CFG)
+    # One fused launch per layer and forward, both CFG branches' queries and table rows in it.
+    assert launches == [(2 * TOKENS_PER_FRAME, 2)] * (BLOCKS * 2 * 2)
     for read in paged.reads[5]:
         assert read.positions["positive"] == [*range(28), *range(70, 144)]
 
