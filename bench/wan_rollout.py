@@ -37,6 +37,7 @@ class Shape:
     heads: int
     head_dim: int
     ffn_dim: int
+    freq_dim: int
     text_dim: int
     text_tokens: int
     channels: int
@@ -57,6 +58,7 @@ WAN_1_3B = Shape(
     heads=12,
     head_dim=128,
     ffn_dim=8960,
+    freq_dim=256,
     text_dim=4096,
     text_tokens=512,
     channels=16,
@@ -72,6 +74,7 @@ TINY = Shape(
     heads=2,
     head_dim=32,
     ffn_dim=64,
+    freq_dim=32,
     text_dim=16,
     text_tokens=5,
     channels=4,
@@ -96,7 +99,7 @@ def build_model(shape: Shape, device: torch.device):
             in_channels=shape.channels,
             out_channels=shape.channels,
             text_dim=shape.text_dim,
-            freq_dim=256 if shape is WAN_1_3B else 32,
+            freq_dim=shape.freq_dim,
             ffn_dim=shape.ffn_dim,
             num_layers=shape.layers,
             cross_attn_norm=True,
