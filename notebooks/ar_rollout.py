@@ -42,7 +42,7 @@ from diffusers import WanTransformer3DModel
 
 OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
-BLOCKS = 6 if SMALL else 10
+BLOCKS = 5 if SMALL else 10
 SIGMAS = (1.0,) if SMALL else (1.0, 0.6, 0.3)
 C, B = 24, 7
 

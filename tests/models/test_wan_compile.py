@@ -15,9 +15,10 @@ from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny
 
 def test_compiled_blocks_share_one_graph_over_the_rollout():
     # Every block compiled with fullgraph=True (no graph break: the fused op is one custom op)
-    # runs every forward of a sliding rollout: scratch and committing plans, new block ids and
-    # slots, a longer history, other timesteps and rotary positions, and both layers (the layer
-    # index is a tensor). One graph in all, and the same latents as the dense reference.
+    # runs every forward of a sliding rollout (two denoising forwards and a committing one per
+    # block): scratch and committing plans, new block ids and slots, a longer history, other
+    # timesteps and rotary positions, and both layers (the layer index is a tensor). One graph
+    # in all, and the same latents as the dense reference.
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -35,7 +36,7 @@ def test_compiled_blocks_share_one_graph_over_the_rollout():
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, fullgraph=True, backend=counter)
         paged = rollout.generate(
-            inputs.noise, inputs.prompt, inputs.negative, frames_per_block=1, sigmas=(1.0,)
+            inputs.noise, inputs.prompt, inputs.negative, frames_per_block=1, sigmas=(1.0, 0.5)
         )
     assert counter.frame_count == 1
     assert counter.op_count > 10  # the block itself was captured, not an empty graph
@@ -49,6 +50,6 @@ def test_compiled_blocks_share_one_graph_over_the_rollout():
         frames_per_block=1,
         sink_frames=1,
         window_frames=2,
-        sigmas=(1.0,),
+        sigmas=(1.0, 0.5),
     )
     torch.testing.assert_close(paged.latents, dense.latents, atol=ATOL, rtol=RTOL)
