@@ -4,12 +4,13 @@
 Wan 2.1 1.3B shape (30 layers, 12 heads of 128, bf16, 1560 tokens per 832x480 latent frame,
 3 frames per block, sink 9 and window 9 frames, both CFG branches) and generates ``--blocks``
 blocks twice: with ``models.wan_paged.PagedWanRollout`` (this project's fused write+attend op
-over the paged pools) and with the stock attention call (``dispatch_attention_fn``) over a
-plain per-layer KV cache, the kept history concatenated with the block's K/V at every forward
-and re-concatenated (then cut to the window) at every commit. Each block runs ``--steps``
-denoising forwards and one committing forward. It prints, per provider, the median time per
-generated block once the window is full (and the first block's), and the largest difference
-between the two rollouts' latents (bf16: a sanity check, not an accuracy figure).
+over the paged pools, exact window) and with the stock attention call
+(``dispatch_attention_fn``) over a plain per-layer KV cache, the kept history concatenated with
+the block's K/V at every forward and re-concatenated (then cut to the window) at every commit.
+Each block runs ``--steps`` denoising forwards and one committing forward. It prints, per
+provider, the median time per generated block once the window is full (and the first block's),
+and the largest difference between the two rollouts' latents (bf16: a sanity check, not an
+accuracy figure).
 
 ``--tiny`` runs a 2-layer model in seconds on a CPU so the script is known to work; its
 timings are not GPU figures. Needs the ``diffusers`` extra.
@@ -247,6 +248,7 @@ def run(
         sink_chunks=shape.sink_frames,
         window_chunks=shape.window_frames,
         max_forward_chunks=shape.frames_per_block,
+        exact_window=True,  # the same keys as the plain cache: no boundary tokens
     )
     timer = BlockTimer(device)
     results: dict[str, object] = {}
