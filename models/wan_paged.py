@@ -1,0 +1,534 @@
+"""Autoregressive rollout of a diffusers Wan transformer on the paged KV cache.
+
+``PagedWanRollout`` replaces the self-attention processor of every block of a
+``diffusers.WanTransformer3DModel`` with ``PagedWanAttnProcessor`` and generates a video block
+by block, as the autoregressive Wan models (CausVid, Self-Forcing) do: per block a few denoising
+forwards that only read the history (scratch plans), then one forward on the clean block that
+commits its K/V. Both CFG branches (positive / negative text) run as one batch of the model and
+one attention launch. The model's own ``forward`` runs unchanged; only two things differ from
+the stock model:
+
+* self-attention writes this block's K/V into the paged pools and attends over the window the
+  cache keeps (``paging.forward.ForwardCall``, the fused write+attend op);
+* the rotary embedding is taken at each token's *absolute* frame: the block's frames come after
+  the history (a forward hook on ``model.rope`` for the duration of the forward).
+
+Cross-attention keeps the stock processor. ``reference/wan_rollout.py`` is the dense oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# kernels (also imported by paging.forward), without a GPU, switches Triton's interpreter on; that
+# must happen before triton is imported, and importing diffusers imports triton.
+from kernels.fused import write_attend
+from paging import PagedKVCache, PagingConfig
+from paging.forward import ForwardCall
+
+try:
+    from diffusers import WanTransformer3DModel
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError("models.wan_paged needs diffusers: pip install -e '.[diffusers]'") from error
+
+CFG_BRANCHES = ("positive", "negative")
+
+
+def apply_rotary(hidden_states: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Tensor:
+    """The stock ``WanAttnProcessor`` rotary embedding (interleaved pairs), unchanged."""
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+def absolute_rotary(
+    rope: torch.nn.Module, first_frame: int, frames: int, height: int, width: int
+) -> tuple[Tensor, Tensor]:
+    """``WanRotaryPosEmbed.forward`` with the temporal positions ``first_frame .. + frames - 1``.
+
+    ``frames``, ``height`` and ``width`` are in patches. Returns ``(cos, sin)``, each
+    ``(1, frames * height * width, 1, head_dim)``, as the stock module does for frame 0 on.
+    """
+    if first_frame + frames > rope.max_seq_len:
+        raise ValueError(
+            f"first_frame + frames must be <= rope_max_seq_len ({rope.max_seq_len}), "
+            f"got {first_frame} + {frames}"
+        )
+    split = [rope.t_dim, rope.h_dim, rope.w_dim]
+    grids = []
+    for table in (rope.freqs_cos, rope.freqs_sin):
+        t, h, w = table.split(split, dim=1)
+        shape = (frames, height, width, -1)
+        grid = torch.cat(
+            [
+                t[first_frame : first_frame + frames].view(frames, 1, 1, -1).expand(shape),
+                h[:height].view(1, height, 1, -1).expand(shape),
+                w[:width].view(1, 1, width, -1).expand(shape),
+            ],
+            dim=-1,
+        )
+        grids.append(grid.reshape(1, frames * height * width, 1, -1))
+    return grids[0], grids[1]
+
+
+def wan_qkv(attn: torch.nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the stock processor makes them: projections, RMS norm, heads split."""
+    if getattr(attn, "fused_projections", False):
+        query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
+    query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+    key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+    return query, key, value.unflatten(2, (attn.heads, -1))
+
+
+class ForwardState:
+    """What the processors of one model share during a forward: the call and the actions."""
+
+    def __init__(self) -> None:
+        self.call: ForwardCall | None = None
+        self.action_states: Tensor | None = None
+
+
+class PagedWanAttnProcessor:
+    """Wan self-attention over the paged cache: stock q/k/v, then the fused write+attend op.
+
+    The batch rows of the hidden states are the rows of ``state.call`` (one per plan, e.g. the
+    positive and negative CFG branches), packed in plan order into one attention launch.
+    ``state.action_states`` (``(rows, actions, dim)`` or None) are projected by this layer's
+    K/V projections into action keys that every query reads and nothing commits.
+    """
+
+    def __init__(self, state: ForwardState, layer: int) -> None:
+        self.state = state
+        self.layer = layer
+        # A 0-dim tensor, not an int: compiled blocks of every layer then share one graph
+        # (torch.compile specialises on int attributes).
+        self.layer_index = torch.tensor(layer)
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("PagedWanAttnProcessor is for self-attention without a mask")
+        call = self.state.call
+        if call is None:
+            raise RuntimeError("PagedWanAttnProcessor: no forward in progress (use the rollout)")
+        query, key, value = wan_qkv(attn, hidden_states)
+        if rotary_emb is not None:
+            query = apply_rotary(query, *rotary_emb)
+            key = apply_rotary(key, *rotary_emb)
+        key, value = key.flatten(0, 1), value.flatten(0, 1)
+        action_key, action_value = key[:0], value[:0]
+        actions = self.state.action_states
+        if actions is not None:
+            _, action_key, action_value = wan_qkv(attn, actions.to(hidden_states.dtype))
+            action_key, action_value = action_key.flatten(0, 1), action_value.flatten(0, 1)
+        rows, tokens = query.shape[:2]
+        # ForwardCall.attend(layer, ...) with the layer index as a tensor.
+        cache = call.cache
+        out = write_attend(
+            query.flatten(0, 1),
+            key,
+            value,
+            action_key,
+            action_value,
+            cache.k_pools,
+            cache.v_pools,
+            cache.stage_k,
+            cache.stage_v,
+            call.layer(0)._replace(layer=self.layer_index),
+        )
+        out = out.unflatten(0, (rows, tokens)).flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+@dataclass(frozen=True)
+class ForwardRead:
+    """What one forward of the rollout read.
+
+    ``positions[branch]``: model positions (token index in the video, ascending) of the video
+    keys attention read, boundary tokens included unless the window is exact;
+    ``blocks[branch]``: the block ids of the row's block table that were read, in key order
+    (pool blocks, then scratch blocks); ``stage_from``: the first block restaged into the
+    history staging buffers (-1: attended over the paged pools); ``free_blocks``: free pool
+    blocks after the forward.
+    """
+
+    block: int
+    step: int
+    commit: bool
+    timestep: float
+    first_frame: int
+    positions: dict[str, list[int]]
+    blocks: dict[str, list[int]]
+    action_tokens: int
+    stage_from: int
+    free_blocks: int
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """The generated latents ``(1, channels, frames, height, width)`` and, per generated block,
+    one ``ForwardRead`` per forward (the denoising forwards, then the committing one)."""
+
+    latents: Tensor
+    reads: list[list[ForwardRead]]
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class PagedWanRollout:
+    """A Wan model generating video block by block over a ``PagedKVCache``.
+
+    Installs ``PagedWanAttnProcessor`` on every block's self-attention (``close`` puts the stock
+    processors back; also a context manager). ``config.chunk_size`` must be the tokens of one
+    latent frame after patching (``(height / 2) * (width / 2)`` for Wan's patch), and
+    ``config.max_forward_chunks`` at least the frames per block. ``guidance=True`` keeps two
+    KV branches (positive and negative text), run as one batch; ``False`` one branch.
+    """
+
+    def __init__(
+        self,
+        model: WanTransformer3DModel,
+        config: PagingConfig,
+        *,
+        guidance: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not isinstance(model, WanTransformer3DModel):
+            raise TypeError(f"model must be a WanTransformer3DModel, got {type(model).__name__}")
+        if not isinstance(config, PagingConfig):
+            raise TypeError(f"config must be a PagingConfig, got {type(config).__name__}")
+        if not isinstance(guidance, bool):
+            raise TypeError(f"guidance must be a bool, got {type(guidance).__name__}")
+        parameter = model.blocks[0].attn1.to_k.weight
+        heads = model.config.num_attention_heads
+        head_dim = model.config.attention_head_dim
+        self.model = model
+        self.config = config
+        self.branches = CFG_BRANCHES if guidance else ("main",)
+        self.cache = PagedKVCache(
+            config,
+            num_layers=len(model.blocks),
+            num_kv_heads=heads,
+            head_dim=head_dim,
+            branches=self.branches,
+            dtype=dtype or parameter.dtype,
+            device=parameter.device,
+        )
+        self.softmax_scale = float(head_dim**-0.5)
+        self.state = ForwardState()
+        self._attention = [block.attn1 for block in model.blocks]
+        self._stock = [attn.processor for attn in self._attention]
+        for layer, attn in enumerate(self._attention):
+            attn.set_processor(PagedWanAttnProcessor(self.state, layer))
+        # Slot -> model position written there last (-1: never a video token); for the records.
+        slots = self.cache.num_blocks * config.block_size
+        self._ledger = torch.full((slots,), -1, dtype=torch.int64, device=parameter.device)
+
+    def close(self) -> None:
+        """Put the stock self-attention processors back."""
+        for attn, processor in zip(self._attention, self._stock, strict=True):
+            attn.set_processor(processor)
+
+    def __enter__(self) -> PagedWanRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        noise: Tensor,
+        prompt_embeds: Tensor,
+        negative_prompt_embeds: Tensor | None = None,
+        *,
+        frames_per_block: int,
+        sigmas: SequenceOf[float] = (1.0, 0.75, 0.5, 0.25),
+        guidance_scale: float = 5.0,
+        actions: Tensor | None = None,
+        record_reads: bool = True,
+        on_block: Callable[[int], None] | None = None,
+    ) -> RolloutResult:
+        """Generate ``noise.shape[2] / frames_per_block`` blocks, one session of the cache.
+
+        ``noise``: ``(1, channels, frames, height, width)``, one block's slice per block.
+        ``prompt_embeds`` / ``negative_prompt_embeds``: ``(1, text_tokens, text_dim)`` (the
+        negative one iff ``guidance``). Per block, for each ``sigma`` in ``sigmas`` (flow
+        matching, decreasing in (0, 1]) a scratch forward at timestep ``1000 * sigma`` and an
+        Euler step to the next sigma (the last to 0), then a committing forward at timestep 0
+        on the clean block. With guidance the flow is ``neg + guidance_scale * (pos - neg)``.
+        ``actions``: ``(blocks, action_tokens, inner_dim)`` hidden states, keys of every
+        forward of their block, never committed. ``record_reads=False`` skips the per-forward
+        records (a device sync each); ``on_block(block)`` is called after each block.
+        """
+        blocks, frames = self._check(
+            noise,
+            prompt_embeds,
+            negative_prompt_embeds,
+            frames_per_block,
+            sigmas,
+            guidance_scale,
+            actions,
+        )
+        text = prompt_embeds
+        if negative_prompt_embeds is not None:
+            text = torch.cat([prompt_embeds, negative_prompt_embeds])
+        sigmas = [float(s) for s in sigmas]
+        latents = noise.clone()
+        reads: list[list[ForwardRead]] = []
+        session = self.cache.open_session()
+        try:
+            for block in range(blocks):
+                lo = block * frames_per_block
+                x = noise[:, :, lo : lo + frames_per_block]
+                action = None if actions is None else actions[block]
+                first_frame = block * frames
+                block_reads = []
+                for step, sigma in enumerate(sigmas):
+                    out, read = self._forward(
+                        session,
+                        x,
+                        1000.0 * sigma,
+                        first_frame,
+                        text,
+                        action,
+                        block=block,
+                        step=step,
+                        commit=False,
+                        record=record_reads,
+                    )
+                    flow = out[:1]
+                    if len(self.branches) == 2:
+                        flow = out[1:] + guidance_scale * (out[:1] - out[1:])
+                    following = sigmas[step + 1] if step + 1 < len(sigmas) else 0.0
+                    x = x + (following - sigma) * flow
+                    block_reads.append(read)
+                _, read = self._forward(
+                    session,
+                    x,
+                    0.0,
+                    first_frame,
+                    text,
+                    action,
+                    block=block,
+                    step=len(sigmas),
+                    commit=True,
+                    record=record_reads,
+                )
+                block_reads.append(read)
+                latents[:, :, lo : lo + frames_per_block] = x
+                reads.append(block_reads if record_reads else [])
+                if on_block is not None:
+                    on_block(block)
+        finally:
+            self.cache.close_session(session)
+        return RolloutResult(latents=latents, reads=reads)
+
+    def _check(
+        self,
+        noise,
+        prompt_embeds,
+        negative_prompt_embeds,
+        frames_per_block,
+        sigmas,
+        guidance_scale,
+        actions,
+    ) -> tuple[int, int]:
+        """Validate ``generate``'s arguments; returns (blocks, patched frames per block)."""
+        model_config = self.model.config
+        p_t, p_h, p_w = model_config.patch_size
+        if not isinstance(noise, Tensor) or noise.dim() != 5 or noise.shape[0] != 1:
+            raise ValueError(
+                "noise must be a (1, channels, frames, height, width) tensor, got "
+                f"{tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__}"
+            )
+        _require_int("frames_per_block", frames_per_block, 1)
+        _, channels, total, height, width = noise.shape
+        if channels != model_config.in_channels:
+            raise ValueError(f"noise must have {model_config.in_channels} channels, got {channels}")
+        if frames_per_block % p_t or total % frames_per_block or total == 0:
+            raise ValueError(
+                f"noise frames ({total}) must be a non-zero multiple of frames_per_block "
+                f"({frames_per_block}), itself a multiple of the temporal patch ({p_t})"
+            )
+        if height % p_h or width % p_w:
+            raise ValueError(f"noise height and width must be multiples of the patch {p_h}x{p_w}")
+        tokens = (height // p_h) * (width // p_w)
+        frames = frames_per_block // p_t
+        if tokens != self.config.chunk_size:
+            raise ValueError(
+                f"config.chunk_size must be the tokens per latent frame ({tokens}), "
+                f"got {self.config.chunk_size}"
+            )
+        if frames > self.config.max_forward_chunks:
+            raise ValueError(
+                f"frames_per_block ({frames} patched frames) must be <= config.max_forward_chunks "
+                f"({self.config.max_forward_chunks})"
+            )
+        guided = len(self.branches) == 2
+        for name, embeds in (
+            ("prompt_embeds", prompt_embeds),
+            ("negative_prompt_embeds", negative_prompt_embeds),
+        ):
+            if embeds is None and name == "negative_prompt_embeds" and not guided:
+                continue
+            if not isinstance(embeds, Tensor) or embeds.dim() != 3 or embeds.shape[0] != 1:
+                raise ValueError(
+                    f"{name} must be a (1, text_tokens, text_dim) tensor"
+                    + (" (the rollout was built with guidance=True)" if embeds is None else "")
+                )
+        if not guided and negative_prompt_embeds is not None:
+            raise ValueError("negative_prompt_embeds needs a rollout built with guidance=True")
+        if (
+            not sigmas
+            or any(not 0.0 < float(s) <= 1.0 for s in sigmas)
+            or any(float(a) <= float(b) for a, b in itertools.pairwise(sigmas))
+        ):
+            raise ValueError(f"sigmas must be non-empty, decreasing, in (0, 1], got {sigmas!r}")
+        if not isinstance(guidance_scale, int | float) or isinstance(guidance_scale, bool):
+            raise TypeError(f"guidance_scale must be a float, got {type(guidance_scale).__name__}")
+        blocks = total // frames_per_block
+        inner = model_config.num_attention_heads * model_config.attention_head_dim
+        if actions is not None and (
+            not isinstance(actions, Tensor)
+            or actions.dim() != 3
+            or actions.shape[0] != blocks
+            or actions.shape[2] != inner
+            or not 1 <= actions.shape[1] <= self.config.max_action_tokens
+        ):
+            raise ValueError(
+                f"actions must be a ({blocks}, 1..{self.config.max_action_tokens}, {inner}) "
+                "tensor (blocks, action tokens <= config.max_action_tokens, inner dim)"
+            )
+        if blocks * frames > self.model.rope.max_seq_len:
+            raise ValueError(
+                f"the video has {blocks * frames} patched frames, more than the model's "
+                f"rope_max_seq_len ({self.model.rope.max_seq_len})"
+            )
+        return blocks, frames
+
+    def _forward(
+        self,
+        session,
+        x: Tensor,
+        timestep: float,
+        first_frame: int,
+        text: Tensor,
+        action: Tensor | None,
+        *,
+        block: int,
+        step: int,
+        commit: bool,
+        record: bool,
+    ) -> tuple[Tensor, ForwardRead | None]:
+        """One model forward of every branch (one batch, one attention launch per layer)."""
+        rows = len(self.branches)
+        tokens = self.config.chunk_size * (x.shape[2] // self.model.config.patch_size[0])
+        action_tokens = 0 if action is None else action.shape[0]
+        plans = [
+            self.cache.plan(session, branch, tokens, commit=commit, action_tokens=action_tokens)
+            for branch in self.branches
+        ]
+        try:
+            call = ForwardCall(self.cache, plans, softmax_scale=self.softmax_scale)
+            self.state.call = call
+            if action is not None:
+                self.state.action_states = action.unsqueeze(0).expand(rows, -1, -1)
+            hook = self.model.rope.register_forward_hook(rope_at_frame(first_frame))
+            try:
+                out = self.model(
+                    x.expand(rows, -1, -1, -1, -1),
+                    torch.full((rows,), timestep, device=x.device),
+                    text,
+                    return_dict=False,
+                )[0]
+            finally:
+                hook.remove()
+                self.state.call = None
+                self.state.action_states = None
+        except BaseException:
+            for plan in plans:
+                plan.cancel()
+            raise
+        call.commit()
+        read = self._read(call, block, step, commit, timestep, first_frame) if record else None
+        return out, read
+
+    def _read(
+        self,
+        call: ForwardCall,
+        block: int,
+        step: int,
+        commit: bool,
+        timestep: float,
+        first_frame: int,
+    ) -> ForwardRead:
+        """The model positions and blocks each row's attention read (after its writes)."""
+        b = self.config.block_size
+        for plan in call.plans:
+            positions = torch.arange(plan.history, plan.history + plan.num_tokens)
+            self._ledger[plan.inputs.video_slots] = positions.to(self._ledger.device)
+        inputs = call.inputs
+        table, lengths = inputs.block_table.cpu(), inputs.seq_lens_k.cpu()
+        gaps = inputs.key_gap.cpu().view(len(call.plans), -1, 2)
+        ledger = self._ledger.cpu()
+        positions, blocks = {}, {}
+        for row, plan in enumerate(call.plans):
+            keys = torch.arange(int(lengths[row]) - plan.action_tokens)
+            if inputs.exact_window:
+                for lo, hi in gaps[row].tolist():
+                    keys = keys[(keys < lo) | (keys >= hi)]
+            slots = table[row].to(torch.int64)[keys // b] * b + keys % b
+            positions[plan.branch] = ledger[slots].tolist()
+            blocks[plan.branch] = table[row, : math.ceil(int(lengths[row]) / b)].tolist()
+        return ForwardRead(
+            block=block,
+            step=step,
+            commit=commit,
+            timestep=timestep,
+            first_frame=first_frame,
+            positions=positions,
+            blocks=blocks,
+            action_tokens=call.plans[0].action_tokens,
+            stage_from=call.stage_from,
+            free_blocks=self.cache.pool.num_free,
+        )
+
+
+def rope_at_frame(first_frame: int):
+    """A forward hook for ``model.rope``: the rotary tables from frame ``first_frame`` on."""
+
+    def hook(rope: torch.nn.Module, args: tuple, output: object) -> tuple[Tensor, Tensor]:
+        _, _, frames, height, width = args[0].shape
+        p_t, p_h, p_w = rope.patch_size
+        return absolute_rotary(rope, first_frame, frames // p_t, height // p_h, width // p_w)
+
+    return hook

@@ -1,0 +1,57 @@
+"""A tiny random-weight diffusers Wan model and rollout inputs, for CPU tests (fp32).
+
+2 layers, 2 heads of 32, 4 latent channels; latent frames of 8 x 12 with Wan's 1x2x2 patch are
+24 tokens per frame, so blocks of 16 or 7 tokens never line up with frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import WanTransformer3DModel
+
+TOKENS_PER_FRAME = 24
+HEIGHT, WIDTH = 8, 12
+CHANNELS = 4
+TEXT_DIM = 16
+# fp32 model, fp32 paged attention (Triton interpreter) against a float64 dense reference.
+ATOL = RTOL = 5e-5
+
+
+def tiny_wan(seed: int = 0, **overrides) -> WanTransformer3DModel:
+    torch.manual_seed(seed)
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=32,
+        in_channels=CHANNELS,
+        out_channels=CHANNELS,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        rope_max_seq_len=64,
+    )
+    config.update(overrides)
+    return WanTransformer3DModel(**config).eval()
+
+
+@dataclass
+class Inputs:
+    noise: torch.Tensor
+    prompt: torch.Tensor
+    negative: torch.Tensor
+    actions: torch.Tensor
+
+
+def rollout_inputs(frames: int, *, blocks: int, action_tokens: int = 3, seed: int = 1) -> Inputs:
+    """Noise for ``blocks`` blocks of ``frames`` latent frames, two prompts, action states."""
+    g = torch.Generator().manual_seed(seed)
+    return Inputs(
+        noise=torch.randn(1, CHANNELS, frames * blocks, HEIGHT, WIDTH, generator=g),
+        prompt=torch.randn(1, 5, TEXT_DIM, generator=g),
+        negative=torch.randn(1, 5, TEXT_DIM, generator=g),
+        actions=torch.randn(blocks, action_tokens, 64, generator=g),
+    )
