@@ -386,6 +386,18 @@ def write_attend(
         _checks.check_tensor(name, tensor)
     if not isinstance(inputs, LayerInputs):
         raise TypeError(f"inputs must be a LayerInputs, got {type(inputs).__name__}")
+    # Here, not only in the op: a meta tensor among real ones would dispatch to the fake.
+    _checks.check_same_device(
+        query=query,
+        key=key,
+        value=value,
+        action_key=action_key,
+        action_value=action_value,
+        k_pools=k_pools,
+        v_pools=v_pools,
+        stage_k=stage_k,
+        stage_v=stage_v,
+    )
     return write_attend_op(
         query, key, value, action_key, action_value, k_pools, v_pools, stage_k, stage_v, *inputs
     )
