@@ -213,7 +213,6 @@ REFUSALS = [
         "stale",
     ),
     ("call-stale-layer", lambda w: w.stale_call.layer(0), ValueError, "stale"),
-    ("call-stale-commit", lambda w: w.stale_call.commit(), ValueError, "stale"),
     # ForwardCall.attend: every argument checked before the first write
     (
         "attend-layer-past-last",
