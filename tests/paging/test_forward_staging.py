@@ -1,18 +1,28 @@
 """History staging through ``ForwardCall``: staged and unstaged caches agree bit for bit after
 batched forwards, dropped, cancelled and abandoned plans (issue 9), and the reuse still happens.
+
+The issue's scenarios run the Triton kernels; the longer sequences take the plain-PyTorch path
+(``plain``), since what they test is the staging record, not the kernels.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from paging import PagingConfig
 from paging.forward import ForwardCall
-from tests.paging.twin import Twin
+from tests.paging.twin import Twin, plain_torch_kernels
 
 # C = 2B: every chunk starts and ends on block edges, so single-row forwards may reuse staging.
 ALIGNED = PagingConfig(block_size=4, chunk_size=8, sink_chunks=1, window_chunks=3)
 BOTH = [(0, "positive"), (0, "negative")]
+
+
+@pytest.fixture
+def plain():
+    with plain_torch_kernels():
+        yield
 
 
 def twin(**kwargs) -> Twin:
@@ -50,6 +60,7 @@ def test_dropped_forward_call_stages_nothing() -> None:
     pair.forward(BOTH[:1], commit=False)
 
 
+@pytest.mark.usefixtures("plain")
 def test_cancelled_plans_stage_nothing() -> None:
     pair = twin()
     pair.forward(BOTH[:1], commit=True)
@@ -61,6 +72,7 @@ def test_cancelled_plans_stage_nothing() -> None:
         pair.forward(BOTH[:1], commit=False)
 
 
+@pytest.mark.usefixtures("plain")
 def test_forward_abandoned_after_one_layer() -> None:
     # Layer 0 restages the positive branch, layer 1 never runs and still holds the negative
     # branch: the next forward of that history may keep layer 0's staging only.
@@ -72,6 +84,7 @@ def test_forward_abandoned_after_one_layer() -> None:
     pair.run(pair.plans(BOTH[:1], commit=False), layers=range(2, -1, -1))
 
 
+@pytest.mark.usefixtures("plain")
 def test_interleaved_sessions_branches_and_batches() -> None:
     pair = Twin(ALIGNED, branches=("positive", "negative"), session_capacity=2)
     pair.open()
