@@ -62,11 +62,10 @@ class ForwardCall:
                 raise ValueError(f"plans[{i}] belongs to another cache")
         if not plans:
             raise TypeError("plans must be a ForwardPlan or a non-empty sequence of them")
-        if not isinstance(softmax_scale, float) or not math.isfinite(softmax_scale):
-            raise TypeError(
-                f"softmax_scale must be a finite float, got {type(softmax_scale).__name__} "
-                f"{softmax_scale!r}"
-            )
+        if not isinstance(softmax_scale, float):
+            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
         self.cache = cache
         self.plans = plans
         fresh = list({id(plan): plan for plan in plans if plan.state is PlanState.NEW}.values())
@@ -97,15 +96,22 @@ class ForwardCall:
 
     def check_current(self) -> None:
         """``ValueError`` unless every plan may still run: prepared, not committed nor
-        cancelled, its session open, and its sequence unchanged since ``prepare``."""
+        cancelled, its session open, its sequence unchanged since ``prepare`` and with no
+        other committing forward pending (whose tail block a scratch forward would write)."""
         for i, plan in enumerate(self.plans):
             if plan.state is not PlanState.PREPARED:
                 raise ValueError(f"plans[{i}] is {plan.state.value}; make a new plan")
             self.cache.check_open(plan.session)
-            if plan.sequence.absolute != plan.history:
+            sequence = plan.sequence
+            if sequence.absolute != plan.history:
                 raise ValueError(
-                    f"plans[{i}] is stale: its sequence committed {plan.sequence.absolute} "
+                    f"plans[{i}] is stale: its sequence committed {sequence.absolute} "
                     f"tokens, {plan.history} when it was prepared; make a new plan"
+                )
+            if sequence.pending is not None and sequence.pending is not plan:
+                raise ValueError(
+                    f"plans[{i}]: a committing forward is pending on branch {plan.branch!r} of "
+                    f"session {plan.session.id}; commit or cancel it first"
                 )
 
     def _check_index(self, index: object) -> int:

@@ -37,6 +37,7 @@ class World:
     cancelled: ForwardPlan  # a committing plan on "pos", prepared then cancelled
     stale: ForwardPlan  # a scratch plan on "pos", prepared before the last commit
     stale_call: ForwardCall
+    behind_pending: ForwardPlan  # a scratch plan on "neg", prepared before the pending one
 
 
 def tensors(*, video: int = N, actions: int = 2, heads: int = 2, kv_heads: int = 1, dim: int = 4):
@@ -85,9 +86,11 @@ def world() -> World:
         run(cache, cache.plan(session, "pos", N, commit=True)).commit()
         run(cache, cache.plan(session, "pos", N))  # staged: the record holds its history
     assert (cache.stage_tags >= 0).all()
+    behind_pending = cache.plan(session, "neg", N)
+    behind_pending.prepare()
     pending = cache.plan(session, "neg", N, commit=True)
     pending.prepare()
-    return World(cache, session, pending, cancelled, stale, stale_call)
+    return World(cache, session, pending, cancelled, stale, stale_call, behind_pending)
 
 
 def full_snapshot(cache: PagedKVCache) -> tuple:
