@@ -384,7 +384,8 @@ def write_attend(
         ("stage_v", stage_v),
     ):
         _checks.check_tensor(name, tensor)
-    if not isinstance(inputs, LayerInputs):
+    # By fields, not class: reloading this module makes a new LayerInputs class.
+    if getattr(inputs, "_fields", None) != LayerInputs._fields:
         raise TypeError(f"inputs must be a LayerInputs, got {type(inputs).__name__}")
     # Here, not only in the op: a meta tensor among real ones would dispatch to the fake.
     _checks.check_same_device(

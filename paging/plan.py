@@ -218,7 +218,14 @@ class ForwardPlan:
         # Their contents change only by a commit, which changes ``absolute``.
         history_blocks = video_blocks - (-(-end // b) - history // b)
         visible_history = tuple(visible[:history_blocks])
-        key = (self.session.id, self.branch, sequence.absolute, seq_len, visible_history)
+        key = (
+            self.session.id,
+            self.branch,
+            sequence.absolute,
+            self.num_tokens,
+            seq_len,
+            visible_history,
+        )
         aligned = history % b == 0 and end % b == 0
         staging = self.cache.staging
         decision = staging.decide(
