@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -51,3 +52,19 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_softmax_scale(value: object) -> None:
+    """``None`` or a finite real number; a string or NaN would fail deep in the launch."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"softmax_scale must be finite, got {value}")
+
+
+def contiguous_index(tensor: Tensor | None) -> Tensor | None:
+    """An index tensor the kernels can read as ``ptr + i``: a strided view (a column of a 2-D
+    tensor, a slice with a step) is copied, a contiguous one returned as is (no copy)."""
+    return None if tensor is None else tensor.contiguous()

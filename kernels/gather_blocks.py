@@ -161,6 +161,7 @@ def gather_blocks(
     ``check_values=False`` skips the block-id range check (no device sync).
     """
     _check_arguments(k_cache, v_cache, block_ids, stage_k, stage_v, first_block, check_values)
+    block_ids = _checks.contiguous_index(block_ids)  # the kernel reads it as ptr + entry
     entries = block_ids.shape[0] - first_block
     if entries == 0:
         return

@@ -392,6 +392,13 @@ def paged_attention(
         key_gap,
         check_values,
     )
+    _checks.check_softmax_scale(softmax_scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    # The kernel reads these as ptr + i (block_table's strides are passed).
+    cu_seqlens_q, seq_lens_k, key_limits, key_gap = (
+        _checks.contiguous_index(index) for index in (cu_seqlens_q, seq_lens_k, key_limits, key_gap)
+    )
     head_dim = q.shape[2]
     if out is None:
         out = torch.empty_like(q)

@@ -138,6 +138,7 @@ def write_slots(
     ``check_values=False`` skips the checks that read slot values (no device sync).
     """
     _check_arguments(key, value, k_pool, v_pool, slot_mapping, check_values)
+    slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 
-def require_int(name: str, value: object, *, minimum: int) -> int:
-    """``value`` as an int ``>= minimum``; else ``TypeError``/``ValueError`` naming ``name``."""
+def require_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int in ``minimum..maximum``; else ``TypeError``/``ValueError`` naming
+    ``name`` and the accepted range."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
+    if maximum is None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be in {minimum}..{maximum}, got {value}")
     return value
 
 

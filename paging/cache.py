@@ -8,6 +8,7 @@ row of a batch of plans) has scratch blocks of its own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as SequenceOf
 from typing import NamedTuple
 
@@ -20,7 +21,22 @@ from paging.config import PagingConfig
 from paging.plan import ForwardPlan
 from paging.pool import BlockPool
 from paging.session import Sequence, Session
-from paging.staging import HistoryStaging
+from paging.staging import NOTHING_STAGED, HistoryStaging
+
+
+def _usable_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that can hold tensors here; ``ValueError`` otherwise."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch raises either for a missing GPU
+        raise ValueError(
+            f"device {str(device)!r} is not usable on this machine ({error}); "
+            "use 'cpu' or a device that torch can allocate on"
+        ) from None
+    return device
 
 
 class LayerCache(NamedTuple):
@@ -43,7 +59,9 @@ class PagedKVCache:
     ``(num_layers, num_blocks, B, num_kv_heads, head_dim)``, and ``layer(i)`` gives one layer's
     4-D pools and flat views (slot = ``block * B + offset``). ``stage_k``/``stage_v`` are the
     stacked staging buffers, ``(num_layers, width * B, ...)``, with zero rows when the config
-    does not stage. Pool memory is not initialised: only written slots are ever read.
+    does not stage; ``stage_tags`` (int64, CPU, ``(num_layers,)``) records what each layer's
+    staging buffers hold (see ``paging.staging``). Pool memory is not initialised: only
+    written slots are ever read.
     """
 
     def __init__(
@@ -73,10 +91,11 @@ class PagedKVCache:
             raise ValueError(f"branches must be distinct, got {branches!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        device = _usable_device(device)
         self.config = config
         self.branches = branches
         self.session_capacity = session_capacity
-        self.device = torch.device(device)
+        self.device = device
         b = config.block_size
 
         sequences = session_capacity * len(branches)
@@ -86,23 +105,34 @@ class PagedKVCache:
         self.num_blocks = self.first_scratch_block + sequences * self.scratch_lane_blocks
 
         shape = (num_layers, self.num_blocks, b, num_kv_heads, head_dim)
-        self.k_pools = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v_pools = torch.empty(shape, dtype=dtype, device=self.device)
-        self.staging: HistoryStaging | None = None
-        if config.reuse_history_staging:
-            self.staging = HistoryStaging(
-                num_layers=num_layers,
-                tokens=self.max_seqlen_k,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                device=self.device,
-            )
-            self.stage_k, self.stage_v = self.staging.k, self.staging.v
-        else:
-            unstaged = (num_layers, 0, num_kv_heads, head_dim)
-            self.stage_k = torch.empty(unstaged, dtype=dtype, device=self.device)
-            self.stage_v = torch.empty(unstaged, dtype=dtype, device=self.device)
+        try:
+            self.k_pools = torch.empty(shape, dtype=dtype, device=self.device)
+            self.v_pools = torch.empty(shape, dtype=dtype, device=self.device)
+            self.staging: HistoryStaging | None = None
+            if config.reuse_history_staging:
+                self.staging = HistoryStaging(
+                    num_layers=num_layers,
+                    tokens=self.max_seqlen_k,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    dtype=dtype,
+                    device=self.device,
+                )
+                self.stage_k, self.stage_v = self.staging.k, self.staging.v
+                self.stage_tags = self.staging.tags
+            else:
+                unstaged = (num_layers, 0, num_kv_heads, head_dim)
+                self.stage_k = torch.empty(unstaged, dtype=dtype, device=self.device)
+                self.stage_v = torch.empty(unstaged, dtype=dtype, device=self.device)
+                self.stage_tags = torch.full((num_layers,), NOTHING_STAGED, dtype=torch.int64)
+        except RuntimeError as error:  # out of memory: torch.OutOfMemoryError is one too
+            elements = 2 * math.prod(shape)
+            raise ValueError(
+                f"cannot allocate the pools on {device}: 2 x {shape} = {elements} elements of "
+                f"{dtype} for num_layers={num_layers}, session_capacity={session_capacity}, "
+                f"{len(branches)} branches, num_kv_heads={num_kv_heads}, head_dim={head_dim} "
+                f"({error})"
+            ) from None
         self.sessions: dict[int, Session] = {}
         self._free_lanes = list(range(session_capacity - 1, -1, -1))
         self._next_session_id = 0

@@ -6,6 +6,14 @@ from dataclasses import dataclass
 
 from paging._validate import require_bool, require_int
 
+# Upper bounds, far above any real model and far below what would overflow. Frames and blocks:
+# 1560 tokens per frame ship, 2**20 is a frame of a million tokens. Frames per window: 9 to 36
+# ship, 2**16 is hours of latent video. Key positions and lengths reach the kernels as int32,
+# so the read window (the table width times the block size) must stay below 2**31.
+MAX_TOKENS = 2**20
+MAX_CHUNKS = 2**16
+MAX_KEYS = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class PagingConfig:
@@ -37,18 +45,29 @@ class PagingConfig:
     compaction: bool = True
 
     def __post_init__(self) -> None:
-        require_int("block_size", self.block_size, minimum=1)
-        require_int("chunk_size", self.chunk_size, minimum=1)
-        require_int("window_chunks", self.window_chunks, minimum=1)
-        require_int("sink_chunks", self.sink_chunks, minimum=0)
-        require_int("max_forward_chunks", self.max_forward_chunks, minimum=1)
-        require_int("max_action_tokens", self.max_action_tokens, minimum=0)
+        require_int("block_size", self.block_size, minimum=1, maximum=MAX_TOKENS)
+        require_int("chunk_size", self.chunk_size, minimum=1, maximum=MAX_TOKENS)
+        require_int("window_chunks", self.window_chunks, minimum=1, maximum=MAX_CHUNKS)
+        require_int("sink_chunks", self.sink_chunks, minimum=0, maximum=MAX_CHUNKS)
+        require_int("max_forward_chunks", self.max_forward_chunks, minimum=1, maximum=MAX_CHUNKS)
+        require_int("max_action_tokens", self.max_action_tokens, minimum=0, maximum=MAX_TOKENS)
         for name in ("reset_at_boundary", "reuse_history_staging", "exact_window", "compaction"):
             require_bool(name, getattr(self, name))
         if self.max_forward_chunks > self.window_chunks:
             raise ValueError(
                 f"max_forward_chunks must be <= window_chunks ({self.window_chunks}): the window "
                 f"includes the current forward's own frames, got {self.max_forward_chunks}"
+            )
+        from paging import window  # window's formulas take a config: imported here, not above
+
+        keys = window.table_width(self) * self.block_size
+        if keys > MAX_KEYS:
+            raise ValueError(
+                f"the read window is too long: (sink_chunks + window_chunks) * chunk_size plus "
+                f"max_action_tokens, in whole blocks, is {keys} keys; it must be <= {MAX_KEYS} "
+                f"(key positions are int32), got sink_chunks={self.sink_chunks}, "
+                f"window_chunks={self.window_chunks}, chunk_size={self.chunk_size}, "
+                f"block_size={self.block_size}, max_action_tokens={self.max_action_tokens}"
             )
 
     @property

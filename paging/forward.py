@@ -2,31 +2,40 @@
 
 ``ForwardCall`` prepares its plans once (all layers share them), batches several rows (both
 CFG branches, or several sessions) into one attention call, and hands every layer a
-``kernels.fused.LayerInputs`` whose tensors are built once per forward. The layer index and
-the first block to restage are 0-dim CPU tensors, made once per layer and per forward, so one
-compiled graph serves every layer and every forward.
+``kernels.fused.LayerInputs`` whose tensors are built once per forward. The layer index, the
+first block to restage and the staged history's id are 0-dim CPU tensors, made once per layer
+and per forward, so one compiled graph serves every layer and every forward.
+
+A call refuses (``ValueError``) to run a plan that is no longer current: cancelled, committed,
+its session closed, or its sequence committed since it was prepared (its tensors would point
+at blocks that moved or went back to the pool).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as SequenceOf
 
 import torch
 from torch import Tensor
 
+from kernels._checks import check_tensor
 from kernels.fused import LayerInputs, write_attend
 from paging.batch import batch_plans
 from paging.cache import PagedKVCache
-from paging.plan import ForwardPlan
+from paging.plan import ForwardPlan, PlanState
+from paging.staging import NOTHING_STAGED
 
 
 class ForwardCall:
     """The attention side of one forward of one or more plans of ``cache``.
 
-    With one plan and a staging cache, each layer restages from the plan's staging decision
-    (only the current chunk's blocks when the history is unchanged); a batch of several rows
-    attends straight over the paged cache. ``exact_window`` in the config hands attention the
-    plans' ``key_gap``, so it reads exactly the sink and the recent range.
+    With one plan and a staging cache, each layer restages (only the current chunk's blocks when
+    its buffers still hold this forward's history, else everything); a batch of several rows
+    attends straight over the paged cache and leaves nothing reusable staged. ``exact_window``
+    in the config hands attention the plans' ``key_gap``, so it reads exactly the sink and the
+    recent range. Making the call prepares its plans; if that or batching them fails, the plans
+    this call prepared are unprepared again, so a refused call changes nothing.
     """
 
     def __init__(
@@ -38,33 +47,87 @@ class ForwardCall:
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-        plans = [plans] if isinstance(plans, ForwardPlan) else list(plans)
+        if isinstance(plans, ForwardPlan):
+            plans = [plans]
+        elif isinstance(plans, SequenceOf) and not isinstance(plans, str):
+            plans = list(plans)
+        else:
+            raise TypeError(
+                f"plans must be a ForwardPlan or a sequence of them, got {type(plans).__name__}"
+            )
         for i, plan in enumerate(plans):
             if not isinstance(plan, ForwardPlan):
                 raise TypeError(f"plans[{i}] must be a ForwardPlan, got {type(plan).__name__}")
             if plan.cache is not cache:
                 raise ValueError(f"plans[{i}] belongs to another cache")
+        if not plans:
+            raise TypeError("plans must be a ForwardPlan or a non-empty sequence of them")
         if not isinstance(softmax_scale, float):
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        for plan in plans:
-            plan.prepare()
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
         self.cache = cache
         self.plans = plans
-        self.inputs = plans[0].inputs if len(plans) == 1 else batch_plans(plans)
-        staged = cache.staging is not None and len(plans) == 1
-        stage_from = plans[0].stage_from if staged else -1
-        self._stage_from = torch.tensor(stage_from)
+        fresh = list({id(plan): plan for plan in plans if plan.state is PlanState.NEW}.values())
+        try:
+            for plan in plans:
+                plan.prepare()
+            self.inputs = plans[0].inputs if len(plans) == 1 else batch_plans(plans)
+            self.check_current()
+        except Exception:
+            for plan in reversed(fresh):
+                plan.unprepare()
+            raise
+        decision = plans[0].staging if cache.staging is not None and len(plans) == 1 else None
+        self._stage_from = torch.tensor(-1 if decision is None else decision.first_block)
+        self._stage_key = torch.tensor(
+            NOTHING_STAGED if decision is None else decision.key, dtype=torch.int64
+        )
         self._layers = [torch.tensor(i) for i in range(cache.num_layers)]
         self._key_gap = self.inputs.key_gap if self.inputs.exact_window else None
         self._softmax_scale = softmax_scale
 
     @property
     def stage_from(self) -> int:
-        """First visible block each layer restages; -1 when attending over the paged cache."""
+        """First visible block a layer restages when its staging buffers still hold this
+        forward's history (another layer restages all); -1 when attending over the paged cache.
+        """
         return int(self._stage_from)
+
+    def check_current(self) -> None:
+        """``ValueError`` unless every plan may still run: prepared, not committed nor
+        cancelled, its session open, its sequence unchanged since ``prepare`` and with no
+        other committing forward pending (whose tail block a scratch forward would write)."""
+        for i, plan in enumerate(self.plans):
+            if plan.state is not PlanState.PREPARED:
+                raise ValueError(f"plans[{i}] is {plan.state.value}; make a new plan")
+            self.cache.check_open(plan.session)
+            sequence = plan.sequence
+            if sequence.absolute != plan.history:
+                raise ValueError(
+                    f"plans[{i}] is stale: its sequence committed {sequence.absolute} "
+                    f"tokens, {plan.history} when it was prepared; make a new plan"
+                )
+            if sequence.pending is not None and sequence.pending is not plan:
+                raise ValueError(
+                    f"plans[{i}]: a committing forward is pending on branch {plan.branch!r} of "
+                    f"session {plan.session.id}; commit or cancel it first"
+                )
+
+    def _check_index(self, index: object) -> int:
+        layers = self.cache.num_layers
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index (the layer) must be an int, got {type(index).__name__}")
+        if not 0 <= index < layers:
+            raise ValueError(
+                f"index (the layer) must be in 0..{layers - 1} (num_layers={layers}), got {index}"
+            )
+        return index
 
     def layer(self, index: int) -> LayerInputs:
         """The fused op's inputs for layer ``index``."""
+        index = self._check_index(index)
+        self.check_current()
         inputs = self.inputs
         return LayerInputs(
             layer=self._layers[index],
@@ -75,6 +138,8 @@ class ForwardCall:
             seq_lens_k=inputs.seq_lens_k,
             key_gap=self._key_gap,
             stage_from=self._stage_from,
+            stage_key=self._stage_key,
+            stage_tags=self.cache.stage_tags,
             max_seqlen_q=inputs.max_seqlen_q,
             softmax_scale=self._softmax_scale,
         )
@@ -88,8 +153,16 @@ class ForwardCall:
         action_key: Tensor | None = None,
         action_value: Tensor | None = None,
     ) -> Tensor:
-        """Write layer ``index``'s K/V (video, then action; packed in plan order) and attend."""
-        if action_key is None or action_value is None:
+        """Write layer ``index``'s K/V (video, then action; packed in plan order) and attend.
+
+        Every argument is checked before anything is written: a refused call changes nothing.
+        """
+        layer = self.layer(index)
+        check_tensor("key", key)
+        check_tensor("value", value)
+        if (action_key is None) != (action_value is None):
+            raise ValueError("action_key and action_value must be given together (or neither)")
+        if action_key is None:
             action_key, action_value = key[:0], value[:0]
         cache = self.cache
         return write_attend(
@@ -102,7 +175,7 @@ class ForwardCall:
             cache.v_pools,
             cache.stage_k,
             cache.stage_v,
-            self.layer(index),
+            layer,
         )
 
     def commit(self) -> None:

@@ -96,7 +96,7 @@ class ForwardPlan:
         self.staging: StagingDecision | None = None
         # Model positions committed before this forward (its first token's position).
         self.history: int | None = None
-        self._staging_key: tuple | None = None
+        self._stage_from = -1
 
     @property
     def sequence(self) -> Sequence:
@@ -104,15 +104,22 @@ class ForwardPlan:
 
     @property
     def stage_from(self) -> int:
-        """First visible block to restage into the staging buffers; -1 when not staging."""
-        return -1 if self.staging is None else self.staging.first_block
+        """First visible block the forward would restage, as the staging record stood when
+        the plan was prepared; -1 when not staging.
+
+        Informative only: each layer decides when it runs, from what its buffers hold then.
+        """
+        return self._stage_from
 
     def prepare(self) -> AttentionInputs:
-        """Allocate (committing forward) and build the tensors; later calls return the same."""
-        if self.inputs is not None:
-            return self.inputs
+        """Allocate (committing forward) and build the tensors; later calls return the same.
+
+        A cancelled plan refuses, whatever happened before: its blocks went back to the pool.
+        """
         if self.state is PlanState.CANCELLED:
             raise ValueError("plan: this plan was cancelled; make a new one")
+        if self.inputs is not None:
+            return self.inputs
         self.cache.check_open(self.session)
         sequence = self.sequence
         if sequence.pending is not None:
@@ -124,6 +131,16 @@ class ForwardPlan:
         self.history = sequence.absolute
         self.state = PlanState.PREPARED
         return self.inputs
+
+    def unprepare(self) -> None:
+        """Undo ``prepare`` of a plan that never ran (a refused call): blocks back, state new."""
+        if self.state is not PlanState.PREPARED:
+            return
+        if self.committing and not self.session.closed:
+            self.sequence.drop_pending(self.cache.pool)
+        self.inputs, self.staging, self.history = None, None, None
+        self._stage_from = -1
+        self.state = PlanState.NEW
 
     def _build(self, sequence: Sequence) -> AttentionInputs:
         config = self.cache.config
@@ -203,26 +220,34 @@ class ForwardPlan:
     def _decide_staging(
         self, sequence: Sequence, visible: list[int], video_blocks: int, seq_len: int
     ) -> StagingDecision:
-        """Keep the staged history when nothing but this forward's own blocks can differ."""
+        """Keep the staged history when nothing but this forward's own blocks can differ.
+
+        Records nothing: the fused op records what each layer's buffers hold once it restaged.
+        """
         b = self.cache.config.block_size
         history, end = sequence.committed, sequence.committed + self.num_tokens
         # Visible blocks that hold history only: those before the block the chunk starts in.
         # Their contents change only by a commit, which changes ``absolute``.
         history_blocks = video_blocks - (-(-end // b) - history // b)
-        self._staging_key = (
+        visible_history = tuple(visible[:history_blocks])
+        key = (
             self.session.id,
             self.branch,
             sequence.absolute,
+            self.num_tokens,
             seq_len,
-            tuple(visible[:history_blocks]),
+            visible_history,
         )
         aligned = history % b == 0 and end % b == 0
-        return self.cache.staging.decide(
-            self._staging_key,
+        staging = self.cache.staging
+        decision = staging.decide(
+            key,
             reusable=aligned and self.action_tokens == 0,
             history_blocks=history_blocks,
             num_blocks=len(visible),
         )
+        self._stage_from = staging.first_block(decision)
+        return decision
 
     def commit(self) -> bool:
         """After a successful committing forward: complete its chunks, evict, compact.
@@ -243,6 +268,6 @@ class ForwardPlan:
             raise ValueError("plan: already committed; it cannot be cancelled")
         if self.state is PlanState.PREPARED and self.committing and not self.session.closed:
             self.sequence.drop_pending(self.cache.pool)
-        if self.cache.staging is not None and self._staging_key is not None:
-            self.cache.staging.forget(self._staging_key)
+        if self.cache.staging is not None and self.staging is not None:
+            self.cache.staging.forget(self.staging.key)
         self.state = PlanState.CANCELLED

@@ -1,7 +1,13 @@
-"""History staging: per-layer contiguous K/V copies of the visible window, and when to reuse them.
+"""History staging: per-layer contiguous K/V copies of the visible window, and what they hold.
 
 A forward that keeps the same history as the forward staged before it only restages its own
 chunk's blocks (``gather_blocks(..., first_block=...)``); anything else restages the window.
+
+The record of what each layer's buffers hold is ``tags``: one history id per layer, written by
+the fused op (``kernels.fused``), the code that writes the buffers, and only once that layer's
+restage is done; every other use of the op (a batched forward attending over the paged cache)
+sets it to ``NOTHING_STAGED``. Preparing, dropping or batching a plan never changes it, so a
+plan that does not run cannot leave a record of buffers nothing filled.
 """
 
 from __future__ import annotations
@@ -11,11 +17,23 @@ from dataclasses import dataclass
 
 import torch
 
+NOTHING_STAGED = -1
+# Interned history ids kept at most before the ones no layer holds are dropped (an id is never
+# reused, so dropping one only costs a full restage of a plan prepared before the drop).
+_MAX_IDS = 64
+
 
 @dataclass(frozen=True)
 class StagingDecision:
-    """Restage the row's visible blocks ``first_block .. num_blocks - 1``; 0 restages all."""
+    """How a one-row forward restages its ``num_blocks`` visible blocks.
 
+    ``key`` names the visible history (session, branch, history blocks, lengths). A layer whose
+    buffers hold ``key`` restages from ``first_block`` (the history blocks that may be kept,
+    0 when nothing may be: action tokens, a chunk that is not block-aligned); any other layer
+    restages everything.
+    """
+
+    key: int
     first_block: int
     num_blocks: int
 
@@ -23,9 +41,9 @@ class StagingDecision:
 class HistoryStaging:
     """Stacked K and V staging buffers, ``(num_layers, tokens, num_kv_heads, head_dim)``.
 
-    Allocated once with static addresses (for CUDA graphs). ``decide`` compares a forward's
-    staging key (session, branch, visible history blocks, lengths) with the key staged last and
-    records the new one.
+    Allocated once with static addresses (for CUDA graphs). ``tags`` (int64, CPU,
+    ``(num_layers,)``) is each layer's staged history id, ``NOTHING_STAGED`` when nothing in
+    its buffers may be reused.
     """
 
     def __init__(
@@ -45,17 +63,35 @@ class HistoryStaging:
 
         mark_static_address(self.k)
         mark_static_address(self.v)
-        self._staged: Hashable | None = None
+        self.tags = torch.full((num_layers,), NOTHING_STAGED, dtype=torch.int64)
+        self._ids: dict[Hashable, int] = {}
+        self._next_id = 0
+
+    def key_id(self, key: Hashable) -> int:
+        """The id of the history ``key`` names; a new id for a key not seen (or dropped)."""
+        if key not in self._ids:
+            if len(self._ids) >= _MAX_IDS:
+                held = set(self.tags.tolist())
+                self._ids = {k: i for k, i in self._ids.items() if i in held}
+            self._ids[key] = self._next_id
+            self._next_id += 1
+        return self._ids[key]
 
     def decide(
         self, key: Hashable, *, reusable: bool, history_blocks: int, num_blocks: int
     ) -> StagingDecision:
-        """Keep the staged history when ``reusable`` and ``key`` is what is staged now."""
-        keep = reusable and key == self._staged
-        self._staged = key
-        return StagingDecision(first_block=history_blocks if keep else 0, num_blocks=num_blocks)
+        """The decision for a forward whose visible history is ``key``; records nothing."""
+        return StagingDecision(
+            key=self.key_id(key),
+            first_block=history_blocks if reusable else 0,
+            num_blocks=num_blocks,
+        )
 
-    def forget(self, key: Hashable) -> None:
-        """The forward staged under ``key`` will not run: nothing may reuse its staging."""
-        if self._staged == key:
-            self._staged = None
+    def first_block(self, decision: StagingDecision) -> int:
+        """Where a forward of ``decision`` would restage from if every layer ran now."""
+        held = self.tags.eq(decision.key).all().item()
+        return decision.first_block if held else 0
+
+    def forget(self, key: int) -> None:
+        """The plan of history ``key`` was cancelled: nothing may reuse what it staged."""
+        self.tags.masked_fill_(self.tags.eq(key), NOTHING_STAGED)

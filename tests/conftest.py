@@ -2,11 +2,20 @@
 
 The interpreter must be switched on before any ``@triton.jit`` function is decorated, so this
 runs before the test modules import ``kernels``.
+
+Thread counts are pinned to one per process (unless set in the environment): under the
+interpreter every kernel is many small numpy ops, and with ``pytest -n 2`` on two cores the
+OpenMP/OpenBLAS pools of both workers fight over the cores, spinning while they wait. The
+variables must be set before numpy or torch is imported (nothing imports them before this).
 """
 
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import torch
 
@@ -17,6 +26,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.helpers import DEVICE, nan_like
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # `ci` is what CI runs (`--hypothesis-profile=ci`): more examples, no deadline, reproducible.
 settings.register_profile(

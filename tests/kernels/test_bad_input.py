@@ -107,6 +107,19 @@ ATTENTION_CASES = [
     pytest.param(lambda a: {"block_n": 24}, ValueError, "block_n", id="tile-not-pow2"),
     pytest.param(lambda a: {"max_seqlen_q": 2.0}, TypeError, "max_seqlen_q", id="max-seqlen-type"),
     pytest.param(lambda a: {"q": a["q"].numpy()}, TypeError, "q", id="q-not-tensor"),
+    pytest.param(
+        lambda a: {"softmax_scale": "0.1"},
+        TypeError,
+        "softmax_scale must be a float or None, got str",
+        id="softmax-scale-str",
+    ),
+    pytest.param(
+        lambda a: {"softmax_scale": float("nan")},
+        ValueError,
+        "softmax_scale must be finite",
+        id="softmax-scale-nan",
+    ),
+    pytest.param(lambda a: {"causal": 1}, TypeError, "causal must be a bool", id="causal-int"),
 ]
 
 

@@ -46,6 +46,8 @@ def make_forward(step: int, *, staged: bool, layer: int = 0):
         seq_lens_k=torch.tensor([history + num_q + num_action], dtype=torch.int32, device=DEVICE),
         key_gap=torch.tensor([[[3, 9]]], dtype=torch.int32, device=DEVICE),
         stage_from=torch.tensor(0 if staged else -1),
+        stage_key=torch.tensor(-1),
+        stage_tags=torch.full((LAYERS,), -1),
         max_seqlen_q=num_q,
         softmax_scale=DIM**-0.5,
     )

@@ -70,6 +70,23 @@ def snapshot(cache: PagedKVCache) -> tuple:
     )
 
 
+def check_pool(cache: PagedKVCache) -> None:
+    """free + held = total, no block in two tables, every held block in some table."""
+    pool = cache.pool
+    held = [
+        block
+        for session in cache.sessions.values()
+        for seq in session.sequences.values()
+        for block in list.copy(seq.block_table)
+        if block != NULL_BLOCK
+    ]
+    assert len(held) == len(set(held)), "a block is in two tables (or twice in one)"
+    assert all(pool.is_held(block) for block in held)
+    assert pool.num_free + pool.num_held == pool.num_blocks
+    assert pool.num_held == len(held), "a held block is in no table (leak)"
+    assert not pool.is_held(NULL_BLOCK)
+
+
 def resident_model_positions(seq: paging.Sequence, config: PagingConfig) -> list[int]:
     """Model positions the sequence's table still holds live (resident and not dead)."""
     b, s = config.block_size, config.sink_tokens
@@ -265,13 +282,18 @@ class Rollout:
             self.check_attention(record, tokens, (lo, hi))
 
     def check_staging(self, record: ForwardRecord, row: list[int], tokens: list) -> None:
-        """Restage from ``stage_from`` as ``gather_blocks`` would: the buffer must then hold
-        exactly the keys the forward reads, so a wrongly kept history cannot pass."""
+        """Restage as the fused op would: from ``first_block`` when the layer's tag is the
+        plan's history, else from 0, then record the tag. The buffer must then hold exactly
+        the keys the forward reads, so a wrongly kept history cannot pass."""
         b, staging = self.config.block_size, record.plan.staging
         assert staging.num_blocks == math.ceil(len(tokens) / b)
         assert 0 <= staging.first_block < staging.num_blocks
-        for j in range(staging.first_block, staging.num_blocks):
+        tags = self.cache.stage_tags
+        first = staging.first_block if int(tags[0]) == staging.key else 0
+        assert record.plan.stage_from == first  # nothing ran between prepare and now
+        for j in range(first, staging.num_blocks):
             self.staged[j * b : (j + 1) * b] = self.ledger.read(range(row[j] * b, (row[j] + 1) * b))
+        tags[0] = staging.key
         assert self.staged[: len(tokens)] == tokens
 
     def check_attention(self, record: ForwardRecord, tokens: list, gap: tuple[int, int]) -> None:
@@ -297,20 +319,7 @@ class Rollout:
 
     # -- whole-cache invariants ----------------------------------------------------------
     def check_pool(self) -> None:
-        """free + held = total, no block in two tables, every held block in some table."""
-        pool = self.cache.pool
-        held = [
-            block
-            for session in self.cache.sessions.values()
-            for seq in session.sequences.values()
-            for block in list.copy(seq.block_table)
-            if block != NULL_BLOCK
-        ]
-        assert len(held) == len(set(held)), "a block is in two tables (or twice in one)"
-        assert all(pool.is_held(block) for block in held)
-        assert pool.num_free + pool.num_held == pool.num_blocks
-        assert pool.num_held == len(held), "a held block is in no table (leak)"
-        assert not pool.is_held(NULL_BLOCK)
+        check_pool(self.cache)
 
     def check_residency(self) -> None:
         """Each sequence holds exactly the oracle's resident positions, each with its token."""

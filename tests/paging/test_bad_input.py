@@ -137,7 +137,7 @@ def test_bad_batches(cache: PagedKVCache) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(config={"block_size": 4}), TypeError, "config"),
+        (dict(config={"block_size": 4}), TypeError, "^config must be a PagingConfig, got dict$"),
         (dict(num_layers=0), ValueError, "num_layers"),
         (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
         (dict(head_dim=2.0), TypeError, "head_dim"),
@@ -162,5 +162,8 @@ def test_bad_layer_index(cache: PagedKVCache, index, error) -> None:
 
 def test_bad_config_changes_no_cache(cache: PagedKVCache) -> None:
     raises_unchanged(
-        cache, ValueError, "window_chunks", lambda: dataclasses.replace(CONFIG, window_chunks=0)
+        cache,
+        ValueError,
+        r"^window_chunks must be in 1\.\.65536, got 0$",
+        lambda: dataclasses.replace(CONFIG, window_chunks=0),
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from paging import PagingConfig, paging_block_size, window
@@ -9,36 +11,62 @@ from paging import PagingConfig, paging_block_size, window
 VALID = dict(block_size=4, chunk_size=6, window_chunks=2)
 
 
+def raises_exactly(error: type[Exception], message: str):
+    """``pytest.raises`` matching the whole message, so a test trips the check it means to."""
+    return pytest.raises(error, match=f"^{re.escape(message)}$")
+
+
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "message"),
     [
-        ("block_size", 0),
-        ("chunk_size", 0),
-        ("window_chunks", 0),
-        ("sink_chunks", -1),
-        ("max_forward_chunks", 0),
-        ("max_forward_chunks", 3),  # longer than the window
-        ("max_action_tokens", -1),
+        ("block_size", 0, "block_size must be in 1..1048576, got 0"),
+        ("block_size", 2**20 + 1, "block_size must be in 1..1048576, got 1048577"),
+        ("chunk_size", 0, "chunk_size must be in 1..1048576, got 0"),
+        ("window_chunks", 0, "window_chunks must be in 1..65536, got 0"),
+        ("sink_chunks", -1, "sink_chunks must be in 0..65536, got -1"),
+        ("sink_chunks", 10**9, "sink_chunks must be in 0..65536, got 1000000000"),
+        ("max_forward_chunks", 0, "max_forward_chunks must be in 1..65536, got 0"),
+        (
+            "max_forward_chunks",
+            3,
+            "max_forward_chunks must be <= window_chunks (2): the window includes the current "
+            "forward's own frames, got 3",
+        ),
+        ("max_action_tokens", -1, "max_action_tokens must be in 0..1048576, got -1"),
+        ("max_action_tokens", 2**21, "max_action_tokens must be in 0..1048576, got 2097152"),
     ],
 )
-def test_invalid_value_names_the_field(field: str, value: int) -> None:
-    with pytest.raises(ValueError, match=field):
+def test_invalid_value_names_the_field(field: str, value: int, message: str) -> None:
+    with raises_exactly(ValueError, message):
         PagingConfig(**{**VALID, field: value})
 
 
+def test_a_window_past_int32_keys_is_refused() -> None:
+    # Every field in range, but 2**16 frames of 2**16 tokens, plus one action block, is
+    # (2**16 + 1) * 2**16 keys.
+    with raises_exactly(
+        ValueError,
+        "the read window is too long: (sink_chunks + window_chunks) * chunk_size plus "
+        "max_action_tokens, in whole blocks, is 4295032832 keys; it must be <= 2147483647 "
+        "(key positions are int32), got sink_chunks=0, window_chunks=65536, "
+        "chunk_size=65536, block_size=65536, max_action_tokens=0",
+    ):
+        PagingConfig(block_size=2**16, chunk_size=2**16, window_chunks=2**16)
+
+
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "message"),
     [
-        ("chunk_size", 6.0),
-        ("block_size", True),
-        ("reset_at_boundary", 1),
-        ("reuse_history_staging", "yes"),
-        ("exact_window", None),
-        ("compaction", 0),
+        ("chunk_size", 6.0, "chunk_size must be an int, got float"),
+        ("block_size", True, "block_size must be an int, got bool"),
+        ("reset_at_boundary", 1, "reset_at_boundary must be a bool, got int"),
+        ("reuse_history_staging", "yes", "reuse_history_staging must be a bool, got str"),
+        ("exact_window", None, "exact_window must be a bool, got NoneType"),
+        ("compaction", 0, "compaction must be a bool, got int"),
     ],
 )
-def test_wrong_type_names_the_field(field: str, value: object) -> None:
-    with pytest.raises(TypeError, match=field):
+def test_wrong_type_names_the_field(field: str, value: object, message: str) -> None:
+    with raises_exactly(TypeError, message):
         PagingConfig(**{**VALID, field: value})
 
 
@@ -85,14 +113,14 @@ def test_paging_block_size(frame: int, supported, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("frame", "supported", "error", "name"),
+    ("frame", "supported", "error", "message"),
     [
-        (0, None, ValueError, "tokens_per_frame"),
-        (16.0, None, TypeError, "tokens_per_frame"),
-        (16, [], ValueError, "supported"),
-        (16, [0, 16], ValueError, "supported"),
+        (0, None, ValueError, "tokens_per_frame must be >= 1, got 0"),
+        (16.0, None, TypeError, "tokens_per_frame must be an int, got float"),
+        (16, [], ValueError, "supported must list at least one block size"),
+        (16, [0, 16], ValueError, "supported must be >= 1, got 0"),
     ],
 )
-def test_paging_block_size_bad_input(frame, supported, error, name) -> None:
-    with pytest.raises(error, match=name):
+def test_paging_block_size_bad_input(frame, supported, error, message: str) -> None:
+    with raises_exactly(error, message):
         paging_block_size(frame, supported)

@@ -2,7 +2,12 @@
 
 Every forward is checked slot by slot against the window oracle and the slot ledger (see
 ``rollout.py``); a shadow cache without compaction runs the same steps and must keep the same
-model positions resident. Runs ``9 x`` the loaded profile's ``max_examples`` (>= 500 under
+model positions resident. A twin pair of caches (``twin.py``: one staging, one not) runs real
+``ForwardCall`` forwards, batched over several branches and sessions or single-row, among
+plans prepared and dropped, cancelled, re-prepared after cancel, and forwards abandoned part
+way; every output of the staged cache must equal the unstaged one bit for bit. Its kernels take
+the plain-PyTorch path so each step stays cheap (the kernels are checked elsewhere); the plan
+rules launch nothing. Runs ``9 x`` the loaded profile's ``max_examples`` (>= 500 under
 ``--hypothesis-profile=ci``).
 """
 
@@ -22,7 +27,9 @@ from hypothesis.stateful import (
 )
 
 from paging import PagingConfig
-from tests.paging.rollout import Rollout, resident_model_positions, snapshot
+from paging.forward import ForwardCall
+from tests.paging.rollout import Rollout, check_pool, resident_model_positions, snapshot
+from tests.paging.twin import Twin, plain_torch_kernels
 
 
 @st.composite
@@ -64,8 +71,11 @@ class PagingMachine(RuleBasedStateMachine):
         self.shadow = Rollout(
             shadow_config, branches=branches, session_capacity=capacity, attention_limit=0
         )
+        self.twin = Twin(config, branches=branches, session_capacity=capacity)
         self.sessions: list[tuple] = []
         self.pending: dict[tuple[int, str], tuple] = {}
+        # Twin rows (session index, branch) whose committing plans were prepared and dropped.
+        self.twin_pending: dict[tuple[int, str], tuple] = {}
         self.open_session()
 
     def pick(self, data):
@@ -79,24 +89,31 @@ class PagingMachine(RuleBasedStateMachine):
     def open_session(self) -> None:
         if len(self.sessions) < self.capacity:
             self.sessions.append((self.main.open(), self.shadow.open()))
+            self.twin.open()
             return
-        for rollout in (self.main, self.shadow):
-            before = snapshot(rollout.cache)
+        for cache in (self.main.cache, self.shadow.cache, *self.twin.caches):
+            before = snapshot(cache)
             with pytest.raises(ValueError, match="session_capacity"):
-                rollout.cache.open_session()
-            assert snapshot(rollout.cache) == before
+                cache.open_session()
+            assert snapshot(cache) == before
 
     @rule(data=st.data())
     def close_session(self, data) -> None:
         """Close a session; when none is left, every block is free again: open a new one."""
-        pair = data.draw(st.sampled_from(self.sessions))
-        self.sessions.remove(pair)
+        index = data.draw(st.integers(0, len(self.sessions) - 1))
+        pair = self.sessions.pop(index)
         self.pending = {key: v for key, v in self.pending.items() if key[0] != pair[0].id}
         for rollout, session in zip((self.main, self.shadow), pair, strict=True):
             rollout.cache.close_session(session)
+        self.twin.close(index)
+        self.twin_pending = {
+            (i - (i > index), branch): plans
+            for (i, branch), plans in self.twin_pending.items()
+            if i != index
+        }
         if not self.sessions:
-            for rollout in (self.main, self.shadow):
-                assert rollout.cache.pool.num_free == rollout.cache.pool.num_blocks
+            for cache in (self.main.cache, self.shadow.cache, *self.twin.caches):
+                assert cache.pool.num_free == cache.pool.num_blocks
             self.open_session()
 
     def forward(self, data, *, commit: bool) -> None:
@@ -151,9 +168,105 @@ class PagingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
     def cancel(self, data) -> None:
+        """Cancel a pending committing forward; preparing it again is refused."""
         key = data.draw(st.sampled_from(sorted(self.pending)))
-        for record in self.pending.pop(key):
+        for rollout, record in zip((self.main, self.shadow), self.pending.pop(key), strict=True):
             record.plan.cancel()
+            before = snapshot(rollout.cache)
+            with pytest.raises(ValueError, match="cancelled"):
+                record.plan.prepare()
+            assert snapshot(rollout.cache) == before
+
+    @rule(data=st.data())
+    def commit_scratch(self, data) -> None:
+        """Committing a scratch plan changes nothing (plan-only: no kernel launch)."""
+        pair, branch, chunks, actions = self.pick(data)
+        if (pair[0].id, branch) in self.pending:
+            return
+        for rollout, session in zip((self.main, self.shadow), pair, strict=True):
+            n = chunks * self.config.chunk_size
+            plan = rollout.cache.plan(session, branch, n, action_tokens=actions)
+            plan.prepare()
+            before = snapshot(rollout.cache)
+            assert plan.commit() is False
+            assert snapshot(rollout.cache) == before
+
+    # -- the twin: real forwards, staged against unstaged ---------------------------------
+    def twin_rows(self, data, *, max_rows: int) -> list[tuple[int, str]]:
+        free = [
+            (i, branch)
+            for i in range(len(self.sessions))
+            for branch in self.branches
+            if (i, branch) not in self.twin_pending
+        ]
+        if not free:
+            return []
+        rows = st.lists(st.sampled_from(free), min_size=1, max_size=max_rows, unique=True)
+        return data.draw(rows)
+
+    @rule(data=st.data())
+    def twin_forward(self, data) -> None:
+        """One forward over one row or a batch of rows (branches and sessions), every layer
+        or only the first (abandoned part way); a committing one is committed or cancelled.
+        Staged and unstaged outputs must be bitwise equal."""
+        rows = self.twin_rows(data, max_rows=4)
+        if not rows:
+            return
+        chunks = data.draw(st.integers(1, self.config.max_forward_chunks))
+        actions = data.draw(st.just(0) | st.integers(0, self.config.max_action_tokens))
+        commit = data.draw(st.booleans())
+        layers = data.draw(st.sampled_from([None, range(1)]))
+        plans = self.twin.plans(rows, chunks, commit=commit, actions=actions)
+        with plain_torch_kernels():
+            self.twin.run(plans, layers=layers, commit=False)
+        if commit and layers is None and data.draw(st.booleans()):
+            for cache_plans in plans:
+                assert all(plan.commit() for plan in cache_plans)
+            return
+        for cache, cache_plans in zip(self.twin.caches, plans, strict=True):
+            if commit:  # the forward failed (or ran part way): cancelled, as a model would
+                for plan in cache_plans:
+                    plan.cancel()
+            else:  # committing a scratch plan changes nothing
+                before = snapshot(cache)
+                assert not any(plan.commit() for plan in cache_plans)
+                assert snapshot(cache) == before
+
+    @rule(data=st.data(), cancel=st.booleans())
+    def twin_prepare_and_drop(self, data, cancel: bool) -> None:
+        """A plan prepared and dropped (a committing one stays pending), or cancelled after
+        prepare: preparing it again, or a call over it, is refused and changes nothing."""
+        rows = self.twin_rows(data, max_rows=1)
+        if not rows:
+            return
+        commit = data.draw(st.booleans())
+        plans = self.twin.plans(rows, commit=commit)
+        for cache_plans in plans:
+            cache_plans[0].prepare()
+        if not cancel:
+            if commit:
+                self.twin_pending[rows[0]] = plans
+            return
+        for cache, (plan,) in zip(self.twin.caches, plans, strict=True):
+            plan.cancel()
+            before = snapshot(cache)
+            with pytest.raises(ValueError, match="cancelled"):
+                plan.prepare()
+            with pytest.raises(ValueError, match="cancelled"):
+                ForwardCall(cache, plan, softmax_scale=0.5)
+            assert snapshot(cache) == before
+
+    @precondition(lambda self: self.twin_pending)
+    @rule(data=st.data())
+    def twin_cancel_dropped(self, data) -> None:
+        key = data.draw(st.sampled_from(sorted(self.twin_pending)))
+        for (plan,) in self.twin_pending.pop(key):
+            plan.cancel()
+
+    @invariant()
+    def twin_blocks_are_never_shared(self) -> None:
+        for cache in self.twin.caches:
+            check_pool(cache)
 
     @invariant()
     def pools_account_for_every_block(self) -> None:

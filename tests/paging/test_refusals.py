@@ -1,0 +1,397 @@
+"""Every public entry point that refuses its input leaves the cache exactly as it found it
+(DESIGN section 7): free count, tables, committed tokens, pending forwards, and every byte of
+the pools, the staging buffers and the staging record. One table of refusals over a cache with
+history, a staged forward, a pending committing forward, a cancelled and a stale plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kernels
+from kernels.fused import write_attend
+from paging import ForwardPlan, PagedKVCache, PagingConfig, Session, batch_plans
+from paging.forward import ForwardCall
+from tests.paging.rollout import snapshot
+from tests.paging.twin import plain_torch_kernels
+
+CONFIG = PagingConfig(
+    block_size=4,
+    chunk_size=8,
+    sink_chunks=1,
+    window_chunks=2,
+    max_action_tokens=3,
+    reuse_history_staging=True,
+)
+N = CONFIG.chunk_size
+
+
+@dataclass
+class World:
+    cache: PagedKVCache
+    session: Session
+    pending: ForwardPlan  # a committing forward on "neg", prepared, not run
+    cancelled: ForwardPlan  # a committing plan on "pos", prepared then cancelled
+    stale: ForwardPlan  # a scratch plan on "pos", prepared before the last commit
+    stale_call: ForwardCall
+    behind_pending: ForwardPlan  # a scratch plan on "neg", prepared before the pending one
+
+
+def tensors(*, video: int = N, actions: int = 2, heads: int = 2, kv_heads: int = 1, dim: int = 4):
+    """query, key, value, action_key, action_value for one row."""
+    gen = torch.Generator().manual_seed(5)
+    return [
+        torch.randn(video, heads, dim, generator=gen),
+        torch.randn(video, kv_heads, dim, generator=gen),
+        torch.randn(video, kv_heads, dim, generator=gen),
+        torch.randn(actions, kv_heads, dim, generator=gen),
+        torch.randn(actions, kv_heads, dim, generator=gen),
+    ]
+
+
+def run(cache: PagedKVCache, plan: ForwardPlan) -> ForwardCall:
+    call = ForwardCall(cache, plan, softmax_scale=0.5)
+    for layer in range(cache.num_layers):
+        call.attend(layer, *tensors(actions=plan.action_tokens))
+    return call
+
+
+@pytest.fixture
+def world() -> World:
+    cache = PagedKVCache(
+        CONFIG,
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        branches=("pos", "neg"),
+        session_capacity=2,
+        dtype=torch.float32,
+    )
+    gen = torch.Generator().manual_seed(0)
+    for buffer in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v):
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    session = cache.open_session()
+    cache.open_session()  # every session slot taken
+    with plain_torch_kernels():
+        for _ in range(2):
+            run(cache, cache.plan(session, "pos", N, commit=True)).commit()
+        cancelled = cache.plan(session, "pos", N, commit=True)
+        cancelled.prepare()
+        cancelled.cancel()
+        stale = cache.plan(session, "pos", N)
+        stale_call = ForwardCall(cache, stale, softmax_scale=0.5)
+        run(cache, cache.plan(session, "pos", N, commit=True)).commit()
+        run(cache, cache.plan(session, "pos", N))  # staged: the record holds its history
+    assert (cache.stage_tags >= 0).all()
+    behind_pending = cache.plan(session, "neg", N)
+    behind_pending.prepare()
+    pending = cache.plan(session, "neg", N, commit=True)
+    pending.prepare()
+    return World(cache, session, pending, cancelled, stale, stale_call, behind_pending)
+
+
+def full_snapshot(cache: PagedKVCache) -> tuple:
+    """``snapshot`` plus the bytes of the pools, staging buffers and the staging record."""
+    buffers = (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v, cache.stage_tags)
+    return snapshot(cache), [buffer.clone().view(torch.uint8) for buffer in buffers]
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+def attend(w: World, *, index: int = 0, actions: int = 2, **changes) -> None:
+    """A scratch forward of "pos" with ``actions`` action tokens, attending with ``changes``."""
+    call = ForwardCall(
+        w.cache, w.cache.plan(w.session, "pos", N, action_tokens=actions), softmax_scale=0.5
+    )
+    names = ("query", "key", "value", "action_key", "action_value")
+    args = dict(zip(names, tensors(actions=actions), strict=True)) | changes
+    call.attend(index, **args)
+
+
+def op(w: World, *, layer: int = 0, **changes) -> None:
+    """The fused op called directly with a scratch forward's inputs and ``changes``."""
+    call = ForwardCall(w.cache, w.cache.plan(w.session, "pos", N), softmax_scale=0.5)
+    inputs = call.layer(0)._replace(layer=torch.tensor(layer), **changes)
+    c = w.cache
+    write_attend(*tensors(actions=0), c.k_pools, c.v_pools, c.stage_k, c.stage_v, inputs)
+
+
+def foreign_plan() -> ForwardPlan:
+    other = PagedKVCache(CONFIG, num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    return other.plan(other.open_session(), "main", N)
+
+
+def flat(w: World):
+    layer = w.cache.layer(0)
+    return layer.k_flat, layer.v_flat
+
+
+REFUSALS = [
+    # PagedKVCache and plans
+    ("plan-branch", lambda w: w.cache.plan(w.session, "zero", N), ValueError, "branch"),
+    ("plan-tokens", lambda w: w.cache.plan(w.session, "pos", 5), ValueError, "num_tokens"),
+    ("plan-commit", lambda w: w.cache.plan(w.session, "pos", N, commit=1), TypeError, "commit"),
+    (
+        "plan-actions",
+        lambda w: w.cache.plan(w.session, "pos", N, action_tokens=4),
+        ValueError,
+        "action_tokens",
+    ),
+    ("open-session", lambda w: w.cache.open_session(), ValueError, "session_capacity"),
+    ("close-foreign", lambda w: w.cache.close_session("s"), TypeError, "session"),
+    ("layer-index", lambda w: w.cache.layer(2), ValueError, "index"),
+    (
+        "prepare-pending",
+        lambda w: w.cache.plan(w.session, "neg", N).prepare(),
+        ValueError,
+        "pending",
+    ),
+    ("prepare-cancelled", lambda w: w.cancelled.prepare(), ValueError, "cancelled"),
+    ("batch-empty", lambda w: batch_plans([]), TypeError, "plans"),
+    ("batch-twice", lambda w: batch_plans([w.pending, w.pending]), ValueError, "twice"),
+    # ForwardCall
+    (
+        "call-softmax-str",
+        lambda w: ForwardCall(w.cache, w.cache.plan(w.session, "pos", N), softmax_scale="0.1"),
+        TypeError,
+        "softmax_scale",
+    ),
+    (
+        "call-cancelled",
+        lambda w: ForwardCall(w.cache, w.cancelled, softmax_scale=0.5),
+        ValueError,
+        "cancelled",
+    ),
+    ("call-stale", lambda w: ForwardCall(w.cache, w.stale, softmax_scale=0.5), ValueError, "stale"),
+    (
+        "call-pending",
+        lambda w: ForwardCall(w.cache, w.cache.plan(w.session, "neg", N), softmax_scale=0.5),
+        ValueError,
+        "pending",
+    ),
+    (
+        "call-two-committing",
+        lambda w: ForwardCall(
+            w.cache,
+            [
+                w.cache.plan(w.session, "pos", N, commit=True),
+                w.cache.plan(w.session, "pos", N, commit=True),
+            ],
+            softmax_scale=0.5,
+        ),
+        ValueError,
+        "pending",
+    ),
+    (
+        "call-same-row-twice",
+        lambda w: ForwardCall(
+            w.cache,
+            [w.cache.plan(w.session, "pos", N, commit=True), w.cache.plan(w.session, "pos", N)],
+            softmax_scale=0.5,
+        ),
+        ValueError,
+        "pending",
+    ),
+    (
+        "call-other-cache",
+        lambda w: ForwardCall(w.cache, foreign_plan(), softmax_scale=0.5),
+        ValueError,
+        "another cache",
+    ),
+    (
+        "call-not-plans",
+        lambda w: ForwardCall(w.cache, "plan", softmax_scale=0.5),
+        TypeError,
+        "plans",
+    ),
+    (
+        "call-stale-attend",
+        lambda w: w.stale_call.attend(0, *tensors(actions=0)),
+        ValueError,
+        "stale",
+    ),
+    ("call-stale-layer", lambda w: w.stale_call.layer(0), ValueError, "stale"),
+    # ForwardCall.attend: every argument checked before the first write
+    (
+        "attend-layer-past-last",
+        lambda w: attend(w, index=2),
+        ValueError,
+        r"index \(the layer\) must be in 0\.\.1 \(num_layers=2\), got 2",
+    ),
+    (
+        "attend-layer-negative",
+        lambda w: attend(w, index=-1),
+        ValueError,
+        r"index \(the layer\) must be in 0\.\.1",
+    ),
+    ("attend-layer-type", lambda w: attend(w, index=torch.tensor(0)), TypeError, "index"),
+    (
+        "attend-action-heads",
+        lambda w: attend(w, action_key=torch.zeros(2, 2, 4), action_value=torch.zeros(2, 2, 4)),
+        ValueError,
+        "action_key",
+    ),
+    (
+        "attend-action-value-heads",
+        lambda w: attend(w, action_value=torch.zeros(2, 2, 4)),
+        ValueError,
+        "action_value",
+    ),
+    (
+        "attend-action-rows",
+        lambda w: attend(w, action_key=torch.zeros(1, 1, 4), action_value=torch.zeros(1, 1, 4)),
+        ValueError,
+        "action_key",
+    ),
+    (
+        "attend-action-missing",
+        lambda w: attend(w, action_value=None),
+        ValueError,
+        "action_key and action_value",
+    ),
+    (
+        "attend-actions-omitted",
+        lambda w: attend(w, action_key=None, action_value=None),
+        ValueError,
+        "action_key",
+    ),
+    ("attend-key-rows", lambda w: attend(w, key=torch.zeros(N - 1, 1, 4)), ValueError, "key"),
+    ("attend-key-type", lambda w: attend(w, key=[0.0]), TypeError, "key"),
+    (
+        "attend-value-dtype",
+        lambda w: attend(w, value=torch.zeros(N, 1, 4, dtype=torch.float64)),
+        TypeError,
+        "value",
+    ),
+    ("attend-value-shape", lambda w: attend(w, value=torch.zeros(N, 1, 5)), ValueError, "value"),
+    ("attend-query-rank", lambda w: attend(w, query=torch.zeros(N, 8)), ValueError, "query"),
+    ("attend-query-rows", lambda w: attend(w, query=torch.zeros(N + 1, 2, 4)), ValueError, "query"),
+    (
+        "attend-query-dtype",
+        lambda w: attend(w, query=torch.zeros(N, 2, 4, dtype=torch.float16)),
+        TypeError,
+        "query",
+    ),
+    (
+        "attend-query-device",
+        lambda w: attend(w, query=torch.zeros(N, 2, 4, device="meta")),
+        ValueError,
+        "device",
+    ),
+    # the fused op called directly
+    ("op-layer", lambda w: op(w, layer=2), ValueError, "layer"),
+    ("op-layer-shape", lambda w: op(w, layer=[0, 1]), ValueError, "layer"),
+    (
+        "op-stage-tags",
+        lambda w: op(w, stage_tags=torch.zeros(3, dtype=torch.int64)),
+        ValueError,
+        "stage_tags",
+    ),
+    ("op-stage-from", lambda w: op(w, stage_from=torch.tensor(99)), ValueError, "stage_from"),
+    ("op-softmax-scale", lambda w: op(w, softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    (
+        "op-block-table-dtype",
+        lambda w: op(w, block_table=torch.zeros(1, 9, dtype=torch.int64)),
+        TypeError,
+        "block_table",
+    ),
+    (
+        "op-two-rows-staged",
+        lambda w: op(w, block_table=torch.zeros(2, 9, dtype=torch.int32)),
+        ValueError,
+        "cu_seqlens_q",
+    ),
+    # the kernels on the cache's own pools
+    (
+        "write-slots-past-pool",
+        lambda w: kernels.write_slots(
+            torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), *flat(w), torch.tensor([0, 10**6])
+        ),
+        ValueError,
+        "slot_mapping",
+    ),
+    (
+        "gather-bad-id",
+        lambda w: kernels.gather_blocks(
+            w.cache.k_pools[0],
+            w.cache.v_pools[0],
+            torch.tensor([1, 10**6]),
+            w.cache.stage_k[0],
+            w.cache.stage_v[0],
+        ),
+        ValueError,
+        "block_ids",
+    ),
+    (
+        "attention-softmax-str",
+        lambda w: kernels.paged_attention(
+            torch.zeros(N, 2, 4),
+            w.cache.k_pools[0],
+            w.cache.v_pools[0],
+            torch.ones(1, 2, dtype=torch.int32),
+            torch.tensor([0, N], dtype=torch.int32),
+            torch.tensor([8], dtype=torch.int32),
+            max_seqlen_q=N,
+            softmax_scale="0.1",
+        ),
+        TypeError,
+        "softmax_scale",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, error, match", [pytest.param(*r[1:], id=r[0]) for r in REFUSALS])
+def test_refused_call_changes_nothing(world: World, call, error, match: str) -> None:
+    before = full_snapshot(world.cache)
+    with pytest.raises(error, match=match):
+        call(world)
+    assert same(full_snapshot(world.cache), before)
+
+
+def test_cancel_of_a_committed_plan_changes_nothing(world: World) -> None:
+    with plain_torch_kernels():
+        call = run(world.cache, world.cache.plan(world.session, "pos", N, commit=True))
+    call.commit()
+    before = full_snapshot(world.cache)
+    with pytest.raises(ValueError, match="committed"):
+        call.plans[0].cancel()
+    assert same(full_snapshot(world.cache), before)
+
+
+def test_prepared_cancelled_plan_refuses_prepare_and_its_blocks_stay_free(world: World) -> None:
+    # Issue 9: prepare() after cancel() returned the first tensors, whose blocks had gone back
+    # to the pool; the next committing forward got one of them and both wrote into it.
+    cache, session = world.cache, world.session
+    first = cache.plan(session, "pos", N, commit=True)
+    blocks = set(first.prepare().video_slots.div(4, rounding_mode="floor").tolist())
+    first.cancel()
+    with pytest.raises(ValueError, match="cancelled"):
+        first.prepare()
+    assert first.state.value == "cancelled"
+    second = cache.plan(session, "pos", N, commit=True)
+    second.prepare()
+    with pytest.raises(ValueError, match="cancelled"):
+        ForwardCall(cache, first, softmax_scale=0.5)
+    held = set(session.sequences["pos"].block_table)
+    assert blocks <= held  # handed out again, to the live plan only
+
+
+def test_device_without_gpu_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="device 'cuda' is not usable"):
+        PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, device="cuda")
+    with pytest.raises(ValueError, match="device 'cudaa' is not usable"):
+        PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, device="cudaa")
+    with pytest.raises(TypeError, match="device"):
+        PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, device=0)
+
+
+def test_pools_too_large_to_allocate_are_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="cannot allocate the pools"):
+        PagedKVCache(CONFIG, num_layers=2**40, num_kv_heads=1, head_dim=4)

@@ -1,0 +1,138 @@
+"""Two caches driven by the same forwards: one with history staging, one without.
+
+Every forward runs through ``ForwardCall`` on both with the same queries and K/V, and the two
+outputs must be equal bit for bit: the staged path attends over a copy of exactly the keys the
+paged path reads, so any stale or unfilled staging row shows up as a difference. Pools and
+staging buffers start NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+from torch import Tensor
+
+from kernels import _runtime
+from paging import ForwardPlan, PagedKVCache, PagingConfig, Session
+from paging.forward import ForwardCall
+
+
+@contextlib.contextmanager
+def plain_torch_kernels() -> Iterator[None]:
+    """Run the launchers' plain-PyTorch path on CPU tensors, as on a CPU without Triton's
+    interpreter: for tests of the paging state (what is staged, which plans run) that launch
+    many small forwards. The kernels themselves are checked against the oracle elsewhere."""
+    with mock.patch.object(_runtime, "interpreter_active", return_value=False):
+        yield
+
+
+class Twin:
+    """A staged and an unstaged ``PagedKVCache`` of one geometry, stepped together."""
+
+    def __init__(
+        self,
+        config: PagingConfig,
+        *,
+        branches: tuple[str, ...] = ("main",),
+        session_capacity: int = 1,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        num_kv_heads: int = 1,
+        head_dim: int = 4,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.caches = tuple(
+            PagedKVCache(
+                dataclasses.replace(config, reuse_history_staging=staged),
+                num_layers=num_layers,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                session_capacity=session_capacity,
+                branches=branches,
+                dtype=torch.float32,
+            )
+            for staged in (True, False)
+        )
+        for cache in self.caches:
+            for buffer in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v):
+                buffer.fill_(float("nan"))
+        self.shape = (num_heads, num_kv_heads, head_dim)
+        self.scale = head_dim**-0.5
+        self.generator = torch.Generator().manual_seed(seed)
+        self.sessions: list[tuple[Session, Session]] = []
+
+    @property
+    def staged(self) -> PagedKVCache:
+        return self.caches[0]
+
+    def open(self) -> int:
+        """Open a session on both caches; returns its index in ``sessions``."""
+        self.sessions.append(tuple(cache.open_session() for cache in self.caches))
+        return len(self.sessions) - 1
+
+    def close(self, index: int) -> None:
+        for cache, session in zip(self.caches, self.sessions.pop(index), strict=True):
+            cache.close_session(session)
+
+    def plans(
+        self, rows: list[tuple[int, str]], chunks: int = 1, *, commit: bool, actions: int = 0
+    ) -> tuple[list[ForwardPlan], list[ForwardPlan]]:
+        """Unprepared plans of ``rows`` (session index, branch) on each cache."""
+        n = chunks * self.config.chunk_size
+        return tuple(
+            [
+                cache.plan(self.sessions[s][c], branch, n, commit=commit, action_tokens=actions)
+                for s, branch in rows
+            ]
+            for c, cache in enumerate(self.caches)
+        )
+
+    def _random(self, tokens: int, heads: int) -> Tensor:
+        return torch.randn(tokens, heads, self.shape[2], generator=self.generator)
+
+    def run(
+        self,
+        plans: tuple[list[ForwardPlan], list[ForwardPlan]],
+        *,
+        layers: range | None = None,
+        commit: bool = True,
+    ) -> list[tuple[Tensor, Tensor]]:
+        """One ``ForwardCall`` per cache over ``plans``; every layer (or ``layers``) attends.
+
+        Returns each layer's (staged, unstaged) outputs after checking they are bitwise equal.
+        ``commit`` commits the committing plans afterwards.
+        """
+        calls = [
+            ForwardCall(cache, p, softmax_scale=self.scale)
+            for cache, p in zip(self.caches, plans, strict=True)
+        ]
+        heads, kv_heads, _ = self.shape
+        video = sum(plan.num_tokens for plan in plans[0])
+        actions = sum(plan.action_tokens for plan in plans[0])
+        outputs = []
+        for layer in layers if layers is not None else range(self.staged.num_layers):
+            q = self._random(video, heads)
+            k, v = self._random(video, kv_heads), self._random(video, kv_heads)
+            ak, av = self._random(actions, kv_heads), self._random(actions, kv_heads)
+            pair = tuple(call.attend(layer, q, k, v, ak, av) for call in calls)
+            assert not torch.isnan(pair[1]).any(), "the unstaged path read an unwritten slot"
+            assert torch.equal(pair[0], pair[1]), (
+                f"layer {layer}: staged output differs from unstaged by "
+                f"{(pair[0] - pair[1]).abs().max().item():.3g} (stage_from={calls[0].stage_from})"
+            )
+            outputs.append(pair)
+        if commit:
+            for call in calls:
+                call.commit()
+        return outputs
+
+    def forward(
+        self, rows: list[tuple[int, str]], chunks: int = 1, *, commit: bool, actions: int = 0
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Plan, run every layer and commit ``rows`` as one call on each cache."""
+        return self.run(self.plans(rows, chunks, commit=commit, actions=actions))
