@@ -1,0 +1,165 @@
+"""What each spawned rank of ``tests/models/test_parallel.py`` runs (gloo on 127.0.0.1, CPU).
+
+The environment is set before ``kernels`` (and so triton) is imported: the Triton interpreter,
+one thread, gloo on the loopback interface. Each scenario returns a dict that the rank saves to
+``out_dir/<scenario>-rank<r>.pt`` for the test process to compare.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _name, _value in (
+    ("TRITON_INTERPRET", "1"),
+    ("OMP_NUM_THREADS", "1"),
+    ("MKL_NUM_THREADS", "1"),
+    ("OPENBLAS_NUM_THREADS", "1"),
+):
+    os.environ.setdefault(_name, _value)
+
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# One collective waits at most this long: a real hang fails the rank instead of blocking.
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+BLOCKS = 8
+GUIDANCE = 3.0
+
+
+def paging_config(**overrides):
+    from paging import PagingConfig
+    from tests.models.tiny import TOKENS_PER_FRAME
+
+    settings = dict(
+        block_size=16,
+        chunk_size=TOKENS_PER_FRAME,
+        sink_chunks=1,
+        window_chunks=3,
+        max_forward_chunks=1,
+        max_action_tokens=0,
+        exact_window=True,
+    )
+    settings.update(overrides)
+    return PagingConfig(**settings)
+
+
+# The two rollouts the tests run both in one process and over two ranks.
+ULYSSES = dict(config=dict(max_action_tokens=3), frames=1, actions=3, sigmas=(1.0,))
+CFG = dict(
+    config=dict(block_size=16, window_chunks=4, max_forward_chunks=2, reuse_history_staging=True),
+    frames=2,
+    actions=0,
+    sigmas=(1.0,),
+)
+
+
+def rollout(case: dict, rollout_factory, on_block=None):
+    """Run ``case`` with ``rollout_factory(model, config)``; the latents, reads and pool bytes."""
+    from tests.models.tiny import rollout_inputs, tiny_wan
+
+    model = tiny_wan(0)
+    blocks = case.get("blocks", BLOCKS)
+    inputs = rollout_inputs(case["frames"], blocks=blocks, action_tokens=max(1, case["actions"]))
+    config = paging_config(**case["config"])
+    with rollout_factory(model, config) as paged:
+        paged.cache.k_pools.fill_(float("nan"))  # a read of an unwritten slot shows as NaN
+        paged.cache.v_pools.fill_(float("nan"))
+        result = paged.generate(
+            inputs.noise,
+            inputs.prompt,
+            inputs.negative,
+            frames_per_block=case["frames"],
+            sigmas=case["sigmas"],
+            guidance_scale=GUIDANCE,
+            actions=inputs.actions if case["actions"] else None,
+            on_block=on_block,
+        )
+        cache = paged.cache
+        pool_bytes = 2 * cache.k_pools.numel() * cache.k_pools.element_size()
+        return {
+            "latents": result.latents,
+            "positions": [
+                [dict(read.positions) for read in block_reads] for block_reads in result.reads
+            ],
+            "pool_bytes": pool_bytes,
+            "num_blocks": cache.num_blocks,
+            "kv_heads": cache.k_pools.shape[3],
+            "branches": paged.branches,
+        }
+
+
+def _two(rank: int) -> dict:
+    """Ulysses P=2, CFG parallel, and two planted divergences (a config, a stolen block)."""
+    from models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
+
+    ulysses = ParallelGroups(ParallelLayout(ulysses_degree=2))
+    cfg = ParallelGroups(ParallelLayout(cfg_degree=2))
+    results = {
+        "ulysses": rollout(ULYSSES, lambda m, c: ParallelWanRollout(m, c, ulysses)),
+        "cfg": rollout(CFG, lambda m, c: ParallelWanRollout(m, c, cfg)),
+    }
+
+    def diverged(case, factory, on_block=None) -> str:
+        try:
+            rollout(case, factory, on_block)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    # Rank 1 keeps a window of 4 frames, rank 0 of 3.
+    wider = dict(ULYSSES, config=dict(ULYSSES["config"], window_chunks=3 + rank))
+    results["config_diverged"] = diverged(wider, lambda m, c: ParallelWanRollout(m, c, ulysses))
+
+    # Rank 1 takes a pool block after block 2: from block 3 on its blocks are numbered apart.
+    holder = {}
+
+    def factory(model, config):
+        holder["rollout"] = ParallelWanRollout(model, config, ulysses)
+        return holder["rollout"]
+
+    def steal(block: int) -> None:
+        if rank == 1 and block == 2:
+            holder["rollout"].cache.pool.allocate(1)
+
+    results["block_diverged"] = diverged(ULYSSES, factory, steal)
+    return results
+
+
+def _four(rank: int) -> dict:
+    """Ulysses x CFG with P=4: the groups, and a two-block rollout over them."""
+    from models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
+
+    groups = ParallelGroups(ParallelLayout(ulysses_degree=2, cfg_degree=2))
+    members = {}
+    for name, group in (("ulysses", groups.ulysses), ("cfg", groups.cfg)):
+        gathered = [torch.zeros((), dtype=torch.int64) for _ in range(2)]
+        dist.all_gather(gathered, torch.tensor(rank), group=group)
+        members[name] = [int(r) for r in gathered]
+    result = rollout(FOUR, lambda m, c: ParallelWanRollout(m, c, groups))
+    return {"members": members, "coordinates": (groups.cfg_index, groups.ulysses_index), **result}
+
+
+# Ulysses x CFG: two blocks, the second reading the first's committed frame.
+FOUR = dict(ULYSSES, config=dict(ULYSSES["config"], window_chunks=2, sink_chunks=0), blocks=2)
+
+SCENARIOS = {"two": _two, "four": _four}
+
+
+def run(rank: int, port: int, world_size: int, scenario: str, out_dir: str) -> None:
+    """The entry point of ``torch.multiprocessing.spawn``."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        results = SCENARIOS[scenario](rank)
+        torch.save(results, Path(out_dir) / f"{scenario}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,170 @@
+"""Ulysses and CFG parallel rollouts over gloo equal the single-process paged rollout.
+
+The test spawns 2 (and 4) processes with ``torch.multiprocessing`` on 127.0.0.1 (a free port,
+gloo on the loopback interface); each rank runs ``tests/models/parallel_worker.py`` under the
+Triton interpreter with one thread and saves its results. A hard deadline kills the ranks and
+fails the test instead of hanging; every collective also times out on its own after 60 s.
+While the ranks run, this process makes the single-process paged rollouts they must equal.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import torch.multiprocessing as mp
+
+from models.parallel import ParallelLayout
+from models.wan_paged import PagedWanRollout
+from tests.models import parallel_worker
+from tests.models.parallel_worker import BLOCKS, CFG, FOUR, ULYSSES, rollout
+from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME
+
+DEADLINE_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(scenario: str, world_size: int, out_dir: Path, monkeypatch, while_running=None):
+    """Run ``scenario`` on ``world_size`` ranks; the results of each rank, and of
+    ``while_running()`` computed here meanwhile. Fails (ranks killed) past ``DEADLINE_S``."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.setenv(name, "1")
+    if sys.platform.startswith("linux"):
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    deadline = time.monotonic() + DEADLINE_S
+    context = mp.spawn(
+        parallel_worker.run,
+        args=(free_port(), world_size, scenario, str(out_dir)),
+        nprocs=world_size,
+        join=False,
+    )
+    try:
+        local = while_running() if while_running is not None else None
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world_size} ranks of {scenario!r} ran past {DEADLINE_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [torch.load(out_dir / f"{scenario}-rank{r}.pt") for r in range(world_size)]
+    return ranks, local
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both scenarios of ``parallel_worker._two`` on 2 ranks, and the single-process rollouts."""
+
+    def single():
+        return {
+            "ulysses": rollout(ULYSSES, PagedWanRollout),
+            "cfg": rollout(CFG, PagedWanRollout),
+        }
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return spawn("two", 2, tmp_path_factory.mktemp("two"), monkeypatch, single)
+
+
+def assert_same_rollout(rank: dict, single: dict, branches: tuple[str, ...]) -> None:
+    got, want = rank["latents"], single["latents"]
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    for ours, theirs in zip(rank["positions"], single["positions"], strict=True):
+        for read, reference in zip(ours, theirs, strict=True):
+            for branch in branches:
+                assert read[branch] == reference[branch]
+
+
+def test_ulysses_rollout_equals_single_process(two_ranks):
+    # 8 blocks of one 24-token frame, sink 1, window 3 (the window slides from block 3 on),
+    # blocks of 16 tokens, 3 action tokens, both CFG branches in each rank's one launch.
+    ranks, single = two_ranks
+    for rank in ranks:
+        assert_same_rollout(rank["ulysses"], single["ulysses"], ("positive", "negative"))
+    # Eviction happened: the last forward read the sink and the last three frames only.
+    last = ranks[0]["ulysses"]["positions"][-1][0]["positive"]
+    assert last == [*range(TOKENS_PER_FRAME), *range(5 * 24, 8 * 24)]
+    assert len(single["ulysses"]["latents"][0, 0]) == BLOCKS
+
+
+def test_ulysses_pools_hold_half_the_heads(two_ranks):
+    ranks, single = two_ranks
+    for rank in ranks:
+        assert rank["ulysses"]["kv_heads"] * 2 == single["ulysses"]["kv_heads"]
+        assert rank["ulysses"]["num_blocks"] == single["ulysses"]["num_blocks"]
+        assert rank["ulysses"]["pool_bytes"] * 2 == single["ulysses"]["pool_bytes"]
+
+
+def test_cfg_parallel_rollout_equals_single_process(two_ranks):
+    # One branch per rank (one row, so the history staging buffers are used), two frames per
+    # block, window 4: the guided flow is combined by one all-gather per denoising step.
+    ranks, single = two_ranks
+    assert [rank["cfg"]["branches"] for rank in ranks] == [("positive",), ("negative",)]
+    for rank in ranks:
+        assert_same_rollout(rank["cfg"], single["cfg"], rank["cfg"]["branches"])
+    torch.testing.assert_close(ranks[0]["cfg"]["latents"], ranks[1]["cfg"]["latents"])
+
+
+def test_cfg_parallel_pools_hold_one_branch(two_ranks):
+    # Same heads, one branch's sequences and scratch lanes: half the blocks after the null one.
+    ranks, single = two_ranks
+    for rank in ranks:
+        assert rank["cfg"]["kv_heads"] == single["cfg"]["kv_heads"]
+        assert 2 * (rank["cfg"]["num_blocks"] - 1) == single["cfg"]["num_blocks"] - 1
+        per_block = single["cfg"]["pool_bytes"] // single["cfg"]["num_blocks"]
+        assert rank["cfg"]["pool_bytes"] == per_block * rank["cfg"]["num_blocks"]
+
+
+def test_planted_divergence_raises_on_every_rank(two_ranks):
+    ranks, _ = two_ranks
+    # A rank with another window: the plans' shapes differ at the first forward.
+    for rank in ranks:
+        assert rank["config_diverged"].startswith("PlanDivergenceError"), rank["config_diverged"]
+        assert "block 0, forward 0" in rank["config_diverged"]
+        assert "ranks [1] differ" in rank["config_diverged"]
+    # A rank whose pool handed out other block ids from block 3's committing forward on.
+    for rank in ranks:
+        assert rank["block_diverged"].startswith("PlanDivergenceError"), rank["block_diverged"]
+        assert "block 3, forward 1" in rank["block_diverged"]
+    assert ranks[0]["block_diverged"] == ranks[1]["block_diverged"]
+
+
+def test_ulysses_times_cfg_on_four_ranks(tmp_path, monkeypatch):
+    # Ranks 0, 1 hold the positive branch, 2, 3 the negative; each pair splits the heads.
+    layout = ParallelLayout(ulysses_degree=2, cfg_degree=2)
+    assert layout.ulysses_groups() == [[0, 1], [2, 3]]
+    assert layout.cfg_groups() == [[0, 2], [1, 3]]
+    ranks, single = spawn("four", 4, tmp_path, monkeypatch, lambda: rollout(FOUR, PagedWanRollout))
+    for r, rank in enumerate(ranks):
+        assert rank["members"] == {
+            "ulysses": layout.ulysses_groups()[r // 2],
+            "cfg": layout.cfg_groups()[r % 2],
+        }
+        assert rank["coordinates"] == layout.coordinates(r)
+        assert rank["branches"] == (("positive",), ("negative",))[r // 2]
+        assert rank["kv_heads"] * 2 == single["kv_heads"]
+        assert_same_rollout(rank, single, rank["branches"])
+
+
+def test_layout_rejects_bad_degrees():
+    with pytest.raises(ValueError, match="cfg_degree"):
+        ParallelLayout(cfg_degree=3)
+    with pytest.raises(ValueError, match="ulysses_degree"):
+        ParallelLayout(ulysses_degree=0)
+    with pytest.raises(TypeError, match="ulysses_degree"):
+        ParallelLayout(ulysses_degree=2.0)
+    with pytest.raises(ValueError, match="rank"):
+        ParallelLayout(ulysses_degree=2).coordinates(2)
