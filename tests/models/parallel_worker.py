@@ -113,7 +113,7 @@ def _two(rank: int) -> dict:
     wider = dict(ULYSSES, config=dict(ULYSSES["config"], window_chunks=3 + rank))
     results["config_diverged"] = diverged(wider, lambda m, c: ParallelWanRollout(m, c, ulysses))
 
-    # Rank 1 takes a pool block after block 2: from block 3 on its blocks are numbered apart.
+    # Rank 1 takes a pool block after block 0: from block 1's commit on its block ids differ.
     holder = {}
 
     def factory(model, config):
@@ -121,7 +121,7 @@ def _two(rank: int) -> dict:
         return holder["rollout"]
 
     def steal(block: int) -> None:
-        if rank == 1 and block == 2:
+        if rank == 1 and block == 0:
             holder["rollout"].cache.pool.allocate(1)
 
     results["block_diverged"] = diverged(ULYSSES, factory, steal)
@@ -129,8 +129,14 @@ def _two(rank: int) -> dict:
 
 
 def _four(rank: int) -> dict:
-    """Ulysses x CFG with P=4: the groups, and a two-block rollout over them."""
-    from models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
+    """Ulysses x CFG with P=4: the groups, and the Ulysses all-to-alls within them (torch only,
+    no diffusers or kernels imported: four ranks on two cores stay cheap)."""
+    from models.distributed import (
+        ParallelGroups,
+        ParallelLayout,
+        heads_to_sequence,
+        sequence_to_heads,
+    )
 
     groups = ParallelGroups(ParallelLayout(ulysses_degree=2, cfg_degree=2))
     members = {}
@@ -138,12 +144,19 @@ def _four(rank: int) -> dict:
         gathered = [torch.zeros((), dtype=torch.int64) for _ in range(2)]
         dist.all_gather(gathered, torch.tensor(rank), group=group)
         members[name] = [int(r) for r in gathered]
-    result = rollout(FOUR, lambda m, c: ParallelWanRollout(m, c, groups))
-    return {"members": members, "coordinates": (groups.cfg_index, groups.ulysses_index), **result}
+    # q/k/v of 2 rows, 8 tokens, 4 heads of 5, one tensor per CFG branch; each rank its shard.
+    full = torch.randn(3, 2, 8, 4, 5, generator=torch.Generator().manual_seed(groups.cfg_index))
+    shard = full.chunk(2, dim=2)[groups.ulysses_index]
+    heads = sequence_to_heads(shard, groups.ulysses, 2)
+    return {
+        "members": members,
+        "coordinates": (groups.cfg_index, groups.ulysses_index),
+        "full": full,
+        "shard": shard,
+        "heads": heads,
+        "back": heads_to_sequence(heads[0], groups.ulysses, 2),
+    }
 
-
-# Ulysses x CFG: two blocks, the second reading the first's committed frame.
-FOUR = dict(ULYSSES, config=dict(ULYSSES["config"], window_chunks=2, sink_chunks=0), blocks=2)
 
 SCENARIOS = {"two": _two, "four": _four}
 

@@ -9,6 +9,9 @@ While the ranks run, this process makes the single-process paged rollouts they m
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import socket
 import sys
 import time
@@ -19,13 +22,19 @@ import torch
 
 pytest.importorskip("diffusers")
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.parallel import ParallelLayout
+from models import parallel
+from models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout, plan_digest
 from models.wan_paged import PagedWanRollout
+from paging import PagedKVCache
+from paging.forward import ForwardCall
 from tests.models import parallel_worker
-from tests.models.parallel_worker import BLOCKS, CFG, FOUR, ULYSSES, rollout
-from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME
+from tests.models.parallel_worker import BLOCKS, CFG, ULYSSES, paging_config, rollout
+from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 DEADLINE_S = 240.0
 
@@ -135,10 +144,10 @@ def test_planted_divergence_raises_on_every_rank(two_ranks):
         assert rank["config_diverged"].startswith("PlanDivergenceError"), rank["config_diverged"]
         assert "block 0, forward 0" in rank["config_diverged"]
         assert "ranks [1] differ" in rank["config_diverged"]
-    # A rank whose pool handed out other block ids from block 3's committing forward on.
+    # A rank whose pool handed out other block ids from block 1's committing forward on.
     for rank in ranks:
         assert rank["block_diverged"].startswith("PlanDivergenceError"), rank["block_diverged"]
-        assert "block 3, forward 1" in rank["block_diverged"]
+        assert "block 1, forward 1" in rank["block_diverged"]
     assert ranks[0]["block_diverged"] == ranks[1]["block_diverged"]
 
 
@@ -147,16 +156,20 @@ def test_ulysses_times_cfg_on_four_ranks(tmp_path, monkeypatch):
     layout = ParallelLayout(ulysses_degree=2, cfg_degree=2)
     assert layout.ulysses_groups() == [[0, 1], [2, 3]]
     assert layout.cfg_groups() == [[0, 2], [1, 3]]
-    ranks, single = spawn("four", 4, tmp_path, monkeypatch, lambda: rollout(FOUR, PagedWanRollout))
+    ranks, _ = spawn("four", 4, tmp_path, monkeypatch)
     for r, rank in enumerate(ranks):
+        cfg_index, ulysses_index = layout.coordinates(r)
+        assert rank["coordinates"] == (cfg_index, ulysses_index)
         assert rank["members"] == {
-            "ulysses": layout.ulysses_groups()[r // 2],
-            "cfg": layout.cfg_groups()[r % 2],
+            "ulysses": layout.ulysses_groups()[cfg_index],
+            "cfg": layout.cfg_groups()[ulysses_index],
         }
-        assert rank["coordinates"] == layout.coordinates(r)
-        assert rank["branches"] == (("positive",), ("negative",))[r // 2]
-        assert rank["kv_heads"] * 2 == single["kv_heads"]
-        assert_same_rollout(rank, single, rank["branches"])
+        # Within the Ulysses pair: every token of this rank's two heads, and back again.
+        mine = slice(2 * ulysses_index, 2 * ulysses_index + 2)
+        assert torch.equal(rank["heads"], rank["full"][:, :, :, mine])
+        assert torch.equal(rank["back"], rank["shard"][0])
+    # The two CFG branches had different tensors: no all-to-all crossed the pairs.
+    assert not torch.equal(ranks[0]["full"], ranks[2]["full"])
 
 
 def test_layout_rejects_bad_degrees():
@@ -168,3 +181,67 @@ def test_layout_rejects_bad_degrees():
         ParallelLayout(ulysses_degree=2.0)
     with pytest.raises(ValueError, match="rank"):
         ParallelLayout(ulysses_degree=2).coordinates(2)
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo world of one rank in this process, on an in-memory store (no network)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield ParallelGroups(ParallelLayout())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plan_check_runs_each_forward_and_switches_off(world_of_one, monkeypatch):
+    digests = []
+    checked = parallel.check_plans_agree
+    monkeypatch.setattr(
+        parallel, "check_plans_agree", lambda *a: digests.append(a[2]) or checked(*a)
+    )
+    inputs = rollout_inputs(1, blocks=1)
+    for check in (True, False):
+        with ParallelWanRollout(
+            tiny_wan(), paging_config(), world_of_one, check_plans=check
+        ) as paged:
+            paged.generate(
+                inputs.noise, inputs.prompt, inputs.negative, frames_per_block=1, sigmas=(1.0,)
+            )
+    assert digests == ["block 0, forward 0", "block 0, forward 1"]  # none with check_plans=False
+
+
+def test_plan_digest_tells_plans_apart():
+    def digest_after(commits: int, stolen: int = 0):
+        cache = PagedKVCache(paging_config(), num_layers=1, num_kv_heads=1, head_dim=4)
+        session = cache.open_session()
+        cache.pool.allocate(stolen)  # a rank whose pool handed out blocks elsewhere
+        for _ in range(commits):
+            call = ForwardCall(
+                cache, cache.plan(session, "main", TOKENS_PER_FRAME, commit=True), softmax_scale=1.0
+            )
+            call.commit()
+        call = ForwardCall(cache, cache.plan(session, "main", TOKENS_PER_FRAME), softmax_scale=1.0)
+        return plan_digest(call)
+
+    assert torch.equal(digest_after(2), digest_after(2))
+    assert not torch.equal(digest_after(2), digest_after(3))  # another history
+    assert not torch.equal(digest_after(2), digest_after(2, stolen=1))  # other block ids
+
+
+def test_readme_block_runs_as_a_world_of_one(monkeypatch):
+    # The README's torchrun script, run alone: a world of one rank on an in-memory store.
+    monkeypatch.delenv("RANK", raising=False)
+    section = README.read_text().split("## Beyond one GPU", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # One rank holds both branches and every head: pools (layers, blocks, 16, 2 heads, 32).
+    assert printed.getvalue().split(" ", 1) == [
+        "0",
+        "torch.Size([1, 4, 3, 8, 12]) torch.Size([2, 19, 16, 2, 32])\n",
+    ]
