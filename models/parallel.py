@@ -95,8 +95,13 @@ class UlyssesPagedWanAttnProcessor(PagedWanAttnProcessor):
         query, key, value = wan_qkv(attn, hidden_states)
         shard = query.shape[1]
         if rotary_emb is not None:
-            rows = slice(self.index * shard, (self.index + 1) * shard)
-            cos, sin = (table[:, rows] for table in rotary_emb)
+            if rotary_emb[0].shape[1] != shard * self.degree:
+                raise ValueError(
+                    f"rotary_emb must cover the {shard * self.degree} tokens of the forward, "
+                    f"got {rotary_emb[0].shape[1]}"
+                )
+            own_tokens = slice(self.index * shard, (self.index + 1) * shard)
+            cos, sin = (table[:, own_tokens] for table in rotary_emb)
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         qkv = sequence_to_heads(torch.stack([query, key, value]), self.group, self.degree)
         query, key, value = qkv.unbind(0)
@@ -122,7 +127,10 @@ class UlyssesPagedWanAttnProcessor(PagedWanAttnProcessor):
 
 
 class ParallelWanRollout(PagedWanRollout):
-    """``PagedWanRollout`` on one rank of a Ulysses x CFG layout (``ParallelGroups``).
+    """``PagedWanRollout`` on one rank of a Ulysses x CFG layout.
+
+    ``groups``: this rank's ``ParallelGroups``, or a ``ParallelLayout`` to build them from (every
+    rank must then construct its rollout at the same point: ``new_group`` is collective).
 
     Every rank calls ``generate`` with the same arguments (both prompts included) and gets the
     same latents. ``config.chunk_size`` (tokens per frame) must be divisible by
@@ -134,14 +142,18 @@ class ParallelWanRollout(PagedWanRollout):
         self,
         model: WanTransformer3DModel,
         config: PagingConfig,
-        groups: ParallelGroups,
+        groups: ParallelGroups | ParallelLayout,
         *,
         guidance: bool = True,
         dtype: torch.dtype | None = None,
         check_plans: bool = True,
     ) -> None:
+        if isinstance(groups, ParallelLayout):
+            groups = ParallelGroups(groups)
         if not isinstance(groups, ParallelGroups):
-            raise TypeError(f"groups must be ParallelGroups, got {type(groups).__name__}")
+            raise TypeError(
+                f"groups must be ParallelGroups or a ParallelLayout, got {type(groups).__name__}"
+            )
         if not isinstance(check_plans, bool):
             raise TypeError(f"check_plans must be a bool, got {type(check_plans).__name__}")
         if not isinstance(model, WanTransformer3DModel):

@@ -158,7 +158,19 @@ def _four(rank: int) -> dict:
     }
 
 
-SCENARIOS = {"two": _two, "four": _four}
+# Ulysses x CFG rollout: two blocks, the second reading the first's committed frame.
+FOUR = dict(ULYSSES, config=dict(ULYSSES["config"], window_chunks=2, sink_chunks=0), blocks=2)
+
+
+def _four_rollout(rank: int) -> dict:
+    """A Ulysses x CFG rollout on 4 ranks (opt-in: four diffusers imports on two cores)."""
+    from models.parallel import ParallelLayout, ParallelWanRollout
+
+    layout = ParallelLayout(ulysses_degree=2, cfg_degree=2)
+    return rollout(FOUR, lambda m, c: ParallelWanRollout(m, c, layout))
+
+
+SCENARIOS = {"two": _two, "four": _four, "four_rollout": _four_rollout}
 
 
 def run(rank: int, port: int, world_size: int, scenario: str, out_dir: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import socket
 import sys
@@ -31,7 +32,7 @@ from models.wan_paged import PagedWanRollout
 from paging import PagedKVCache
 from paging.forward import ForwardCall
 from tests.models import parallel_worker
-from tests.models.parallel_worker import BLOCKS, CFG, ULYSSES, paging_config, rollout
+from tests.models.parallel_worker import BLOCKS, CFG, FOUR, ULYSSES, paging_config, rollout
 from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -73,9 +74,8 @@ def spawn(scenario: str, world_size: int, out_dir: Path, monkeypatch, while_runn
     return ranks, local
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Both scenarios of ``parallel_worker._two`` on 2 ranks, and the single-process rollouts."""
+def test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both(tmp_path, monkeypatch):
+    """One spawn of 2 ranks for every 2-rank check (one test, so xdist never spawns it twice)."""
 
     def single():
         return {
@@ -83,8 +83,10 @@ def two_ranks(tmp_path_factory):
             "cfg": rollout(CFG, PagedWanRollout),
         }
 
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        return spawn("two", 2, tmp_path_factory.mktemp("two"), monkeypatch, single)
+    ranks, single = spawn("two", 2, tmp_path, monkeypatch, single)
+    check_ulysses(ranks, single)
+    check_cfg_parallel(ranks, single)
+    check_divergence(ranks)
 
 
 def assert_same_rollout(rank: dict, single: dict, branches: tuple[str, ...]) -> None:
@@ -97,39 +99,30 @@ def assert_same_rollout(rank: dict, single: dict, branches: tuple[str, ...]) -> 
                 assert read[branch] == reference[branch]
 
 
-def test_ulysses_rollout_equals_single_process(two_ranks):
+def check_ulysses(ranks: list[dict], single: dict) -> None:
     # 8 blocks of one 24-token frame, sink 1, window 3 (the window slides from block 3 on),
     # blocks of 16 tokens, 3 action tokens, both CFG branches in each rank's one launch.
-    ranks, single = two_ranks
     for rank in ranks:
         assert_same_rollout(rank["ulysses"], single["ulysses"], ("positive", "negative"))
     # Eviction happened: the last forward read the sink and the last three frames only.
     last = ranks[0]["ulysses"]["positions"][-1][0]["positive"]
     assert last == [*range(TOKENS_PER_FRAME), *range(5 * 24, 8 * 24)]
-    assert len(single["ulysses"]["latents"][0, 0]) == BLOCKS
-
-
-def test_ulysses_pools_hold_half_the_heads(two_ranks):
-    ranks, single = two_ranks
+    assert single["ulysses"]["latents"].shape[2] == BLOCKS
+    # Each rank's pools hold half the heads: half the bytes.
     for rank in ranks:
         assert rank["ulysses"]["kv_heads"] * 2 == single["ulysses"]["kv_heads"]
         assert rank["ulysses"]["num_blocks"] == single["ulysses"]["num_blocks"]
         assert rank["ulysses"]["pool_bytes"] * 2 == single["ulysses"]["pool_bytes"]
 
 
-def test_cfg_parallel_rollout_equals_single_process(two_ranks):
+def check_cfg_parallel(ranks: list[dict], single: dict) -> None:
     # One branch per rank (one row, so the history staging buffers are used), two frames per
     # block, window 4: the guided flow is combined by one all-gather per denoising step.
-    ranks, single = two_ranks
     assert [rank["cfg"]["branches"] for rank in ranks] == [("positive",), ("negative",)]
     for rank in ranks:
         assert_same_rollout(rank["cfg"], single["cfg"], rank["cfg"]["branches"])
     torch.testing.assert_close(ranks[0]["cfg"]["latents"], ranks[1]["cfg"]["latents"])
-
-
-def test_cfg_parallel_pools_hold_one_branch(two_ranks):
     # Same heads, one branch's sequences and scratch lanes: half the blocks after the null one.
-    ranks, single = two_ranks
     for rank in ranks:
         assert rank["cfg"]["kv_heads"] == single["cfg"]["kv_heads"]
         assert 2 * (rank["cfg"]["num_blocks"] - 1) == single["cfg"]["num_blocks"] - 1
@@ -137,8 +130,7 @@ def test_cfg_parallel_pools_hold_one_branch(two_ranks):
         assert rank["cfg"]["pool_bytes"] == per_block * rank["cfg"]["num_blocks"]
 
 
-def test_planted_divergence_raises_on_every_rank(two_ranks):
-    ranks, _ = two_ranks
+def check_divergence(ranks: list[dict]) -> None:
     # A rank with another window: the plans' shapes differ at the first forward.
     for rank in ranks:
         assert rank["config_diverged"].startswith("PlanDivergenceError"), rank["config_diverged"]
@@ -170,6 +162,20 @@ def test_ulysses_times_cfg_on_four_ranks(tmp_path, monkeypatch):
         assert torch.equal(rank["back"], rank["shard"][0])
     # The two CFG branches had different tensors: no all-to-all crossed the pairs.
     assert not torch.equal(ranks[0]["full"], ranks[2]["full"])
+
+
+@pytest.mark.skipif(
+    os.environ.get("PARALLEL_FOUR_RANK_ROLLOUT") != "1",
+    reason="4 ranks importing diffusers on 2 cores: opt in with PARALLEL_FOUR_RANK_ROLLOUT=1",
+)
+def test_ulysses_times_cfg_rollout_on_four_ranks(tmp_path, monkeypatch):
+    ranks, single = spawn(
+        "four_rollout", 4, tmp_path, monkeypatch, lambda: rollout(FOUR, PagedWanRollout)
+    )
+    for r, rank in enumerate(ranks):
+        assert rank["branches"] == (("positive",), ("negative",))[r // 2]
+        assert rank["kv_heads"] * 2 == single["kv_heads"]
+        assert_same_rollout(rank, single, rank["branches"])
 
 
 def test_layout_rejects_bad_degrees():
