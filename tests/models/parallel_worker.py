@@ -125,7 +125,30 @@ def _two(rank: int) -> dict:
             holder["rollout"].cache.pool.allocate(1)
 
     results["block_diverged"] = diverged(ULYSSES, factory, steal)
+    results["refused"] = refusals(ulysses, cfg)
     return results
+
+
+def refusals(ulysses, cfg) -> list[tuple[str, str, bool]]:
+    """Rollouts the layout cannot carry: (error, message, model left stock?) for each."""
+    from models.parallel import ParallelWanRollout
+    from tests.models.tiny import tiny_wan
+
+    cases = [
+        (tiny_wan(num_attention_heads=3, attention_head_dim=16), paging_config(), ulysses, {}),
+        (tiny_wan(), paging_config(chunk_size=25), ulysses, {}),
+        (tiny_wan(), paging_config(), cfg, {"guidance": False}),
+    ]
+    out = []
+    for model, config, groups, kwargs in cases:
+        try:
+            ParallelWanRollout(model, config, groups, **kwargs)
+        except (TypeError, ValueError) as error:
+            stock = type(model.blocks[0].attn1.processor).__name__ == "WanAttnProcessor"
+            out.append((type(error).__name__, str(error), stock))
+        else:
+            out.append(("no error", "", False))
+    return out
 
 
 def _four(rank: int) -> dict:

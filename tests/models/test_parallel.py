@@ -87,6 +87,12 @@ def test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both(tmp_path, m
     check_ulysses(ranks, single)
     check_cfg_parallel(ranks, single)
     check_divergence(ranks)
+    for rank in ranks:  # refused before anything changed: the model keeps its processors
+        assert [(kind, stock) for kind, _, stock in rank["refused"]] == [("ValueError", True)] * 3
+        messages = [message for _, message, _ in rank["refused"]]
+        assert "divide the model's heads (3)" in messages[0]
+        assert "divide config.chunk_size (25" in messages[1]
+        assert "guidance=True" in messages[2]
 
 
 def assert_same_rollout(rank: dict, single: dict, branches: tuple[str, ...]) -> None:
@@ -214,6 +220,15 @@ def test_plan_check_runs_each_forward_and_switches_off(world_of_one, monkeypatch
                 inputs.noise, inputs.prompt, inputs.negative, frames_per_block=1, sigmas=(1.0,)
             )
     assert digests == ["block 0, forward 0", "block 0, forward 1"]  # none with check_plans=False
+
+
+def test_groups_need_an_initialised_world_of_the_layout_size(world_of_one):
+    with pytest.raises(ValueError, match="ulysses_degree \\* cfg_degree = 2"):
+        ParallelGroups(ParallelLayout(ulysses_degree=2))
+    with pytest.raises(TypeError, match="layout"):
+        ParallelGroups((2, 1))
+    with pytest.raises(TypeError, match="groups"):
+        ParallelWanRollout(tiny_wan(), paging_config(), None)
 
 
 def test_plan_digest_tells_plans_apart():
