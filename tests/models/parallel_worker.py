@@ -70,7 +70,7 @@ def rollout(case: dict, rollout_factory, on_block=None):
         result = paged.generate(
             inputs.noise,
             inputs.prompt,
-            inputs.negative,
+            inputs.negative if paged.guided else None,
             frames_per_block=case["frames"],
             sigmas=case["sigmas"],
             guidance_scale=GUIDANCE,
