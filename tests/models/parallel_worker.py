@@ -18,6 +18,7 @@ for _name, _value in (
     os.environ.setdefault(_name, _value)
 
 from datetime import timedelta  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -46,8 +47,16 @@ def paging_config(**overrides):
     return PagingConfig(**settings)
 
 
-# The two rollouts the tests run both in one process and over two ranks.
+# The rollouts the tests run both in one process and over two ranks.
 ULYSSES = dict(config=dict(max_action_tokens=3), frames=1, actions=3, sigmas=(1.0,))
+# No guidance: one row, so the history staging buffers (of the rank's heads) are reused.
+UNGUIDED = dict(
+    config=dict(sink_chunks=0, window_chunks=4, max_forward_chunks=2, reuse_history_staging=True),
+    frames=2,
+    actions=0,
+    sigmas=(1.0,),
+    guidance=False,
+)
 CFG = dict(
     config=dict(block_size=16, window_chunks=4, max_forward_chunks=2, reuse_history_staging=True),
     frames=2,
@@ -64,7 +73,7 @@ def rollout(case: dict, rollout_factory, on_block=None):
     blocks = case.get("blocks", BLOCKS)
     inputs = rollout_inputs(case["frames"], blocks=blocks, action_tokens=max(1, case["actions"]))
     config = paging_config(**case["config"])
-    with rollout_factory(model, config) as paged:
+    with rollout_factory(model, config, guidance=case.get("guidance", True)) as paged:
         paged.cache.k_pools.fill_(float("nan"))  # a read of an unwritten slot shows as NaN
         paged.cache.v_pools.fill_(float("nan"))
         result = paged.generate(
@@ -88,6 +97,7 @@ def rollout(case: dict, rollout_factory, on_block=None):
             "num_blocks": cache.num_blocks,
             "kv_heads": cache.k_pools.shape[3],
             "branches": paged.branches,
+            "stage_from": [[read.stage_from for read in reads] for reads in result.reads],
         }
 
 
@@ -98,8 +108,9 @@ def _two(rank: int) -> dict:
     ulysses = ParallelGroups(ParallelLayout(ulysses_degree=2))
     cfg = ParallelGroups(ParallelLayout(cfg_degree=2))
     results = {
-        "ulysses": rollout(ULYSSES, lambda m, c: ParallelWanRollout(m, c, ulysses)),
-        "cfg": rollout(CFG, lambda m, c: ParallelWanRollout(m, c, cfg)),
+        "ulysses": rollout(ULYSSES, partial(ParallelWanRollout, groups=ulysses)),
+        "unguided": rollout(UNGUIDED, partial(ParallelWanRollout, groups=ulysses)),
+        "cfg": rollout(CFG, partial(ParallelWanRollout, groups=cfg)),
     }
 
     def diverged(case, factory, on_block=None) -> str:
@@ -111,13 +122,13 @@ def _two(rank: int) -> dict:
 
     # Rank 1 keeps a window of 4 frames, rank 0 of 3.
     wider = dict(ULYSSES, config=dict(ULYSSES["config"], window_chunks=3 + rank))
-    results["config_diverged"] = diverged(wider, lambda m, c: ParallelWanRollout(m, c, ulysses))
+    results["config_diverged"] = diverged(wider, partial(ParallelWanRollout, groups=ulysses))
 
     # Rank 1 takes a pool block after block 0: from block 1's commit on its block ids differ.
     holder = {}
 
-    def factory(model, config):
-        holder["rollout"] = ParallelWanRollout(model, config, ulysses)
+    def factory(model, config, **kwargs):
+        holder["rollout"] = ParallelWanRollout(model, config, ulysses, **kwargs)
         return holder["rollout"]
 
     def steal(block: int) -> None:
@@ -190,7 +201,7 @@ def _four_rollout(rank: int) -> dict:
     from models.parallel import ParallelLayout, ParallelWanRollout
 
     layout = ParallelLayout(ulysses_degree=2, cfg_degree=2)
-    return rollout(FOUR, lambda m, c: ParallelWanRollout(m, c, layout))
+    return rollout(FOUR, partial(ParallelWanRollout, groups=layout))
 
 
 SCENARIOS = {"two": _two, "four": _four, "four_rollout": _four_rollout}

@@ -32,7 +32,15 @@ from models.wan_paged import PagedWanRollout
 from paging import PagedKVCache
 from paging.forward import ForwardCall
 from tests.models import parallel_worker
-from tests.models.parallel_worker import BLOCKS, CFG, FOUR, ULYSSES, paging_config, rollout
+from tests.models.parallel_worker import (
+    BLOCKS,
+    CFG,
+    FOUR,
+    ULYSSES,
+    UNGUIDED,
+    paging_config,
+    rollout,
+)
 from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -80,11 +88,13 @@ def test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both(tmp_path, m
     def single():
         return {
             "ulysses": rollout(ULYSSES, PagedWanRollout),
+            "unguided": rollout(UNGUIDED, PagedWanRollout),
             "cfg": rollout(CFG, PagedWanRollout),
         }
 
     ranks, single = spawn("two", 2, tmp_path, monkeypatch, single)
     check_ulysses(ranks, single)
+    check_unguided_staged_ulysses(ranks, single)
     check_cfg_parallel(ranks, single)
     check_divergence(ranks)
     for rank in ranks:  # refused before anything changed: the model keeps its processors
@@ -119,6 +129,16 @@ def check_ulysses(ranks: list[dict], single: dict) -> None:
         assert rank["ulysses"]["kv_heads"] * 2 == single["ulysses"]["kv_heads"]
         assert rank["ulysses"]["num_blocks"] == single["ulysses"]["num_blocks"]
         assert rank["ulysses"]["pool_bytes"] * 2 == single["ulysses"]["pool_bytes"]
+
+
+def check_unguided_staged_ulysses(ranks: list[dict], single: dict) -> None:
+    # One branch, two frames (48 tokens, three whole 16-token blocks) per block, window 4, no
+    # sink, staged: each committing forward restages only its own blocks, on every rank.
+    for rank in ranks:
+        assert_same_rollout(rank["unguided"], single["unguided"], ("main",))
+        assert rank["unguided"]["stage_from"] == single["unguided"]["stage_from"]
+        assert all(commit > 0 for _, commit in rank["unguided"]["stage_from"][1:])
+        assert rank["unguided"]["pool_bytes"] * 2 == single["unguided"]["pool_bytes"]
 
 
 def check_cfg_parallel(ranks: list[dict], single: dict) -> None:
