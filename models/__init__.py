@@ -2,5 +2,7 @@
 
 ``models.wan_paged`` runs a diffusers ``WanTransformer3DModel`` autoregressively, block by block,
 with its self-attention reading and writing the paged KV cache through ``paging.forward``.
+``models.parallel`` runs that rollout over ranks of ``torch.distributed`` (Ulysses sequence
+parallel, CFG parallel); ``models.distributed`` is its torch-only plumbing.
 Nothing in ``kernels``, ``paging`` or ``reference`` imports this package.
 """

@@ -143,10 +143,25 @@ class PagedWanAttnProcessor:
             _, action_key, action_value = wan_qkv(attn, actions.to(hidden_states.dtype))
             action_key, action_value = action_key.flatten(0, 1), action_value.flatten(0, 1)
         rows, tokens = query.shape[:2]
-        # ForwardCall.attend(layer, ...) with the layer index as a tensor.
+        out = self.attend(call, query.flatten(0, 1), key, value, action_key, action_value)
+        out = out.unflatten(0, (rows, tokens)).flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+    def attend(
+        self,
+        call: ForwardCall,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        action_key: Tensor,
+        action_value: Tensor,
+    ) -> Tensor:
+        """``ForwardCall.attend(layer, ...)`` with the layer index as a tensor: packed
+        ``(tokens, heads, head_dim)`` q/k/v in, ``(tokens, heads, head_dim)`` out."""
         cache = call.cache
-        out = write_attend(
-            query.flatten(0, 1),
+        return write_attend(
+            query,
             key,
             value,
             action_key,
@@ -157,9 +172,6 @@ class PagedWanAttnProcessor:
             cache.stage_v,
             call.layer(0)._replace(layer=self.layer_index),
         )
-        out = out.unflatten(0, (rows, tokens)).flatten(2, 3).type_as(query)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,9 @@ class PagedWanRollout:
     latent frame after patching (``(height / 2) * (width / 2)`` for Wan's patch), and
     ``config.max_forward_chunks`` at least the frames per block. ``guidance=True`` keeps two
     KV branches (positive and negative text), run as one batch; ``False`` one branch.
+
+    ``models.parallel.ParallelWanRollout`` overrides the ``_local_*``, ``_guide`` and
+    ``_before_model`` hooks to shard the heads (Ulysses) or the CFG branches over ranks.
     """
 
     def __init__(
@@ -232,11 +247,12 @@ class PagedWanRollout:
         head_dim = model.config.attention_head_dim
         self.model = model
         self.config = config
-        self.branches = CFG_BRANCHES if guidance else ("main",)
+        self.guided = guidance
+        self.branches = self._local_branches()
         self.cache = PagedKVCache(
             config,
             num_layers=len(model.blocks),
-            num_kv_heads=heads,
+            num_kv_heads=self._local_heads(heads),
             head_dim=head_dim,
             branches=self.branches,
             dtype=dtype or parameter.dtype,
@@ -247,10 +263,36 @@ class PagedWanRollout:
         self._attention = [block.attn1 for block in model.blocks]
         self._stock = [attn.processor for attn in self._attention]
         for layer, attn in enumerate(self._attention):
-            attn.set_processor(PagedWanAttnProcessor(self.state, layer))
+            attn.set_processor(self._processor(layer))
         # Slot -> model position written there last (-1: never a video token); for the records.
         slots = self.cache.num_blocks * config.block_size
         self._ledger = torch.full((slots,), -1, dtype=torch.int64, device=parameter.device)
+
+    def _local_branches(self) -> tuple[str, ...]:
+        """The KV branches this process holds (and the batch rows of each model forward)."""
+        return CFG_BRANCHES if self.guided else ("main",)
+
+    def _local_heads(self, heads: int) -> int:
+        """The KV heads this process's pools hold."""
+        return heads
+
+    def _processor(self, layer: int) -> PagedWanAttnProcessor:
+        return PagedWanAttnProcessor(self.state, layer)
+
+    def _local_text(self, prompt_embeds: Tensor, negative_prompt_embeds: Tensor | None) -> Tensor:
+        """The text embeddings of this process's branches, one batch row each."""
+        if negative_prompt_embeds is None:
+            return prompt_embeds
+        return torch.cat([prompt_embeds, negative_prompt_embeds])
+
+    def _guide(self, out: Tensor, guidance_scale: float) -> Tensor:
+        """The flow of a denoising step from the model's output rows."""
+        if not self.guided:
+            return out[:1]
+        return out[1:] + guidance_scale * (out[:1] - out[1:])
+
+    def _before_model(self, call: ForwardCall, block: int, step: int) -> None:
+        """Called with each forward's prepared call, before the model runs (a failure cancels)."""
 
     def close(self) -> None:
         """Put the stock self-attention processors back."""
@@ -298,9 +340,7 @@ class PagedWanRollout:
             guidance_scale,
             actions,
         )
-        text = prompt_embeds
-        if negative_prompt_embeds is not None:
-            text = torch.cat([prompt_embeds, negative_prompt_embeds])
+        text = self._local_text(prompt_embeds, negative_prompt_embeds)
         sigmas = [float(s) for s in sigmas]
         latents = noise.clone()
         reads: list[list[ForwardRead]] = []
@@ -325,9 +365,7 @@ class PagedWanRollout:
                         commit=False,
                         record=record_reads,
                     )
-                    flow = out[:1]
-                    if len(self.branches) == 2:
-                        flow = out[1:] + guidance_scale * (out[:1] - out[1:])
+                    flow = self._guide(out, guidance_scale)
                     following = sigmas[step + 1] if step + 1 < len(sigmas) else 0.0
                     x = x + (following - sigma) * flow
                     block_reads.append(read)
@@ -393,7 +431,7 @@ class PagedWanRollout:
                 f"frames_per_block ({frames} patched frames) must be <= config.max_forward_chunks "
                 f"({self.config.max_forward_chunks})"
             )
-        guided = len(self.branches) == 2
+        guided = self.guided
         for name, embeds in (
             ("prompt_embeds", prompt_embeds),
             ("negative_prompt_embeds", negative_prompt_embeds),
@@ -459,6 +497,7 @@ class PagedWanRollout:
         ]
         try:
             call = ForwardCall(self.cache, plans, softmax_scale=self.softmax_scale)
+            self._before_model(call, block, step)
             self.state.call = call
             if action is not None:
                 self.state.action_states = action.unsqueeze(0).expand(rows, -1, -1)
