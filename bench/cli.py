@@ -1,4 +1,5 @@
-"""``python -m bench sweep|plot|table``: run a checked sweep, redraw its plots, print a table."""
+"""``python -m bench sweep|plot|table|compile``: run a checked sweep, redraw its plots, print a
+table, or compile the kernels for a GPU target and report on the machine code."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from bench import compile_report
 from bench.plot import plot_rows
 from bench.providers import PROVIDER_NAMES, Tile  # importing the kernels picks the interpreter
 from bench.results import KERNELS, read_rows
@@ -156,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument(
         "--pivot", action="store_true", help="short form: block sizes down, providers across"
     )
+    compile_report.add_parser(
+        commands, _list_of(_positive_int), lambda names: _list_of(_choice(names))
+    )
     return parser
 
 
@@ -252,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "sweep":
         return _run_sweep(parser, args)
+    if args.command == "compile":
+        return compile_report.run(parser, args)
     if not args.csv.is_file():
         parser.error(f"csv: no such file {args.csv}")
     try:
