@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import kernels
 import reference
+from kernels.paged_attention import kv_path
 from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import PagedCase, make_paged_case, tolerance_anchor
 
@@ -94,7 +95,7 @@ def test_contiguous_and_general_paths(block_size: int, block_n: int) -> None:
     tiles = kernels.choose_tiles(
         block_size=block_size, head_dim=64, max_seqlen_q=32, dtype=torch.float32, block_n=block_n
     )
-    assert tiles["CONTIGUOUS_TILES"] == (block_size % block_n == 0)
+    assert tiles["KV_PATH"] == kv_path(block_size, block_n)
     case = make_paged_case(
         q_lens=[32, 5],
         k_lens=[3 * block_size + 11, block_size + 1],
