@@ -206,7 +206,7 @@ def _poison_gaps(case: PagedCase, key_gap: torch.Tensor) -> None:
             case.v_cache[blocks, positions % block_size] = float("nan")
 
 
-@pytest.mark.parametrize("block_size, block_n", [(16, 16), (24, 16), (7, 32), (1560, 64)], ids=str)
+@pytest.mark.parametrize("block_size, block_n", [(24, 16), (7, 32), (1560, 64)], ids=str)
 def test_gaps_whole_tiles_mid_tile_overlapping_unsorted(block_size: int, block_n: int) -> None:
     # Row 0: a gap covering tiles 2..4 whole, one starting mid-tile, two overlapping ones, out of
     # order. Row 1: a gap at key 0 and one running past its last key. Gap slots hold NaN.
