@@ -527,7 +527,7 @@ def _is_tile(value: int) -> bool:
 # GPU launch settings per (head_dim up to, 16-bit or fp32): BLOCK_M, BLOCK_N, warps, stages.
 # Checked for registers, spills and pipelining by `python -m bench compile`.
 _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
-    (64, True): (128, 64, 4, 3),
+    (64, True): (128, 64, 8, 3),
     (128, True): (128, 64, 8, 3),
     (256, True): (64, 32, 4, 2),
     (64, False): (64, 32, 4, 2),
