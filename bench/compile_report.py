@@ -71,6 +71,7 @@ CONFIG_COLUMNS = (
     "head_dim",
     "dtype",
     "max_seqlen_q",
+    "variant",
 )
 PROVENANCE_COLUMNS = ("target", "ptxas", "triton", "commit", "timestamp")
 COLUMNS = (*CONFIG_COLUMNS, *MEASURE_COLUMNS, *PROVENANCE_COLUMNS)
@@ -80,7 +81,8 @@ Row = dict[str, object]
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One launch to compile: a kernel at one geometry (``block_m``/``block_n`` override tiles)."""
+    """One launch to compile: a kernel at one geometry (``block_m``/``block_n`` override tiles;
+    ``causal``, ``key_limits`` and ``gaps`` key gaps per row select the attention variant)."""
 
     kernel: str
     block_size: int
@@ -91,6 +93,9 @@ class Config:
     max_seqlen_q: int
     block_m: int | None = None
     block_n: int | None = None
+    causal: bool = False
+    key_limits: bool = False
+    gaps: int = 0
 
 
 def configs_for(
@@ -102,6 +107,9 @@ def configs_for(
     heads: int = 40,
     gqa_group: int = 1,
     max_seqlen_q: int = 4680,
+    causal: bool = False,
+    key_limits: bool = False,
+    gaps: int = 0,
 ) -> list[Config]:
     """Every (kernel, dtype, head_dim, block size); ``write_slots`` ignores the block size."""
     configs = []
@@ -119,6 +127,9 @@ def configs_for(
                             heads,
                             heads // gqa_group,
                             max_seqlen_q,
+                            causal=causal,
+                            key_limits=key_limits,
+                            gaps=gaps,
                         )
                     )
     return configs
@@ -236,6 +247,13 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
                 max_seqlen_q=config.max_seqlen_q,
                 block_m=config.block_m,
                 block_n=config.block_n,
+                causal=config.causal,
+                key_limits=(
+                    torch.zeros(config.max_seqlen_q, dtype=torch.int32)
+                    if config.key_limits
+                    else None
+                ),
+                key_gap=torch.zeros(1, config.gaps, 2, dtype=torch.int32) if config.gaps else None,
                 check_values=False,
             )
         args, kwargs = rec.calls[0]
@@ -259,7 +277,7 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
             config.heads * d,
             d,
         )
-        ref_kwargs = dict(tiles, HEAD_DIM=d)
+        ref_kwargs = dict(tiles, HEAD_DIM=d, BLOCK_D=kwargs["BLOCK_D"])
         launches.append(("reference", reference_attention_kernel, ref_args, ref_kwargs))
         return launches
     if config.kernel == "write_slots":
@@ -460,7 +478,7 @@ def _worker(target_text: str) -> None:
                 kernel = _compile(fn, args, kwargs, target)
                 tile = None
                 if "BLOCK_N" in kwargs:
-                    d = kwargs.get("BLOCK_D", kwargs.get("HEAD_DIM"))
+                    d = kwargs.get("BLOCK_D")
                     tile = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], d)
                 row: Row = {
                     "kernel": name,
@@ -474,12 +492,22 @@ def _worker(target_text: str) -> None:
                     "head_dim": config.head_dim,
                     "dtype": config.dtype,
                     "max_seqlen_q": config.max_seqlen_q,
+                    "variant": _variant(config) if name == "paged_attention" else "",
                 }
                 row.update(analyse(kernel, sm, tile, Path(tmp)))
                 row.update(stamp, ptxas=row["ptxas"])
                 rows.append(row)
             out.append(rows)
     print(json.dumps(out))
+
+
+def _variant(config: Config) -> str:
+    parts = [
+        name for name, on in (("causal", config.causal), ("key_limits", config.key_limits)) if on
+    ]
+    if config.gaps:
+        parts.append(f"gaps={config.gaps}")
+    return "+".join(parts) or "plain"
 
 
 def _path_label(name: str, kwargs: dict) -> str:
@@ -516,6 +544,7 @@ def _provenance(target: str) -> Row:
 SHORT_COLUMNS = (
     ("kernel", "kernel"),
     ("path", "path"),
+    ("variant", "variant"),
     ("block", "block_size"),
     ("tile", "tile"),
     ("w/s", None),
@@ -584,6 +613,9 @@ def add_parser(commands: argparse._SubParsersAction, ints: Callable, choices: Ca
     parser.add_argument("--heads", type=int, default=SHIPPED["heads"])
     parser.add_argument("--gqa-group", type=int, default=1, help="query heads per KV head")
     parser.add_argument("--max-seqlen-q", type=int, default=SHIPPED["max_seqlen_q"])
+    parser.add_argument("--causal", action="store_true", help="paged_attention: causal")
+    parser.add_argument("--key-limits", action="store_true", help="paged_attention: key_limits")
+    parser.add_argument("--gaps", type=int, default=0, help="paged_attention: key gaps per row")
     parser.add_argument("--workers", type=int, default=2, help="compile processes")
     parser.add_argument("--out", type=Path, default=Path("out/compile.csv"), help="CSV path")
 
@@ -606,6 +638,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         heads=args.heads,
         gqa_group=args.gqa_group,
         max_seqlen_q=args.max_seqlen_q,
+        causal=args.causal,
+        key_limits=args.key_limits,
+        gaps=max(0, args.gaps),
     )
     rows = compile_rows(configs, args.target, workers=max(1, args.workers))
     print(format_rows(rows))

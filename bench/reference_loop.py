@@ -32,31 +32,39 @@ def reference_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """One (query tile, head) per program; ``k_len`` must be a multiple of ``BLOCK_N``."""
+    """One (query tile, head) per program; ``k_len`` must be a multiple of ``BLOCK_N``.
+
+    ``BLOCK_D`` is ``HEAD_DIM`` rounded up to a power of two (dimensions past it are masked)."""
     tile_m = tl.program_id(0)
     head = tl.program_id(1)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < HEAD_DIM
     m_mask = offs_m < q_len
     q = tl.load(
         q_ptr
         + offs_m.to(tl.int64)[:, None] * stride_q_tok
         + head * stride_q_head
         + offs_d[None, :],
-        mask=m_mask[:, None],
+        mask=m_mask[:, None] & d_mask,
         other=0.0,
     )
     k_base = k_ptr + head * stride_k_head + offs_n[:, None] * stride_k_tok + offs_d[None, :]
     v_base = v_ptr + head * stride_v_head + offs_n[:, None] * stride_v_tok + offs_d[None, :]
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n_start in range(0, k_len, BLOCK_N):
         rows = n_start.to(tl.int64)
-        k = tl.load(k_base + rows * stride_k_tok)
-        v = tl.load(v_base + rows * stride_v_tok)
+        if HEAD_DIM == BLOCK_D:
+            k = tl.load(k_base + rows * stride_k_tok)
+            v = tl.load(v_base + rows * stride_v_tok)
+        else:
+            k = tl.load(k_base + rows * stride_k_tok, mask=d_mask, other=0.0)
+            v = tl.load(v_base + rows * stride_v_tok, mask=d_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2)
         probs = tl.math.exp2(scores * scale_log2 - new_max[:, None])
@@ -71,5 +79,5 @@ def reference_attention_kernel(
         + head * stride_o_head
         + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None],
+        mask=m_mask[:, None] & d_mask,
     )

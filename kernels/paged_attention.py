@@ -529,7 +529,7 @@ def _is_tile(value: int) -> bool:
 _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
     (64, True): (128, 64, 8, 3),
     (128, True): (128, 64, 8, 3),
-    (256, True): (64, 32, 4, 2),
+    (256, True): (64, 32, 8, 2),
     (64, False): (64, 32, 4, 2),
     (128, False): (64, 32, 4, 2),
     (256, False): (64, 32, 4, 2),
