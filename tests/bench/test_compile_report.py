@@ -64,13 +64,22 @@ def report() -> dict[tuple[str, str, int, object], dict]:
         head_dims=HEAD_DIMS,
         dtypes=DTYPES,
     )
+    # The exact window's gap, and causal with per-row limits, at the shipped frame block.
+    configs += compile_report.configs_for(kernels=("paged_attention",), block_sizes=(1560,), gaps=1)
+    configs += compile_report.configs_for(
+        kernels=("paged_attention",), block_sizes=(1560,), causal=True, key_limits=True
+    )
     rows = compile_report.compile_rows(configs, "cuda:90", workers=2)
-    return {(r["kernel"], r["dtype"], r["head_dim"], r["block_size"]): r for r in rows}
+    return {
+        (r["kernel"], r["dtype"], r["head_dim"], r["block_size"], r["variant"]): r for r in rows
+    }
 
 
-def _rows(report: dict, dtype: str, head_dim: int, block: int) -> tuple[dict, dict]:
-    paged = report[("paged_attention", dtype, head_dim, block)]
-    reference = report[("reference", dtype, head_dim, "")]
+def _rows(
+    report: dict, dtype: str, head_dim: int, block: int, variant: str = "plain"
+) -> tuple[dict, dict]:
+    paged = report[("paged_attention", dtype, head_dim, block, variant)]
+    reference = report[("reference", dtype, head_dim, "", "")]
     assert (paged["tile"], paged["num_warps"], paged["num_stages"]) == (
         reference["tile"],
         reference["num_warps"],
@@ -93,6 +102,18 @@ def test_prefetch_as_deep_as_reference(report, dtype: str, head_dim: int, block:
     assert reference["kv_buffers"] == reference["num_stages"]
     assert paged["kv_buffers"] == reference["kv_buffers"], (paged, reference)
     assert paged["wait_depth"] == reference["wait_depth"], (paged, reference)
+
+
+@pytest.mark.parametrize("variant", ["gaps=1", "causal+key_limits"])
+def test_masked_variants_keep_the_pipeline(report, variant: str) -> None:
+    paged, reference = _rows(report, "bf16", 128, 1560, variant)
+    assert (paged["spill_stores"], paged["spill_loads"], paged["mma"]) == (0, 0, "wgmma"), paged
+    assert (paged["kv_buffers"], paged["wait_depth"]) == (
+        reference["kv_buffers"],
+        reference["wait_depth"],
+    ), paged
+    plain, _ = _rows(report, "bf16", 128, 1560)
+    assert paged["loop_instructions"] <= 1.05 * plain["loop_instructions"], (paged, plain)
 
 
 @pytest.mark.parametrize("dtype, head_dim, block", _cases(_REFERENCE_RATIO_MISSES))
