@@ -10,8 +10,11 @@ block-size class's path within 1.10x of the contiguous path (block 64).
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 import pytest
+from filelock import FileLock
 
 from bench import compile_report
 from bench.cli import main
@@ -54,7 +57,7 @@ def _cases(misses: dict | None = None) -> list:
 
 
 @pytest.fixture(scope="session")
-def report() -> dict[tuple[str, str, int, object], dict]:
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, int, object], dict]:
     """Rows by (kernel, dtype, head_dim, block_size); the reference row has block ``""``."""
     if not compile_report.find_ptxas() or not compile_report._tool("cuobjdump").is_file():
         pytest.skip("no ptxas/cuobjdump in Triton's wheel (triton/backends/nvidia/bin)")
@@ -69,7 +72,17 @@ def report() -> dict[tuple[str, str, int, object], dict]:
     configs += compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=(1560,), causal=True, key_limits=True
     )
-    rows = compile_report.compile_rows(configs, "cuda:90", workers=2)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        rows = compile_report.compile_rows(configs, "cuda:90", workers=2)
+    else:
+        # xdist runs session fixtures once per worker: the first compiles, the others read.
+        shared = tmp_path_factory.getbasetemp().parent / "compile_report.json"
+        with FileLock(f"{shared}.lock"):
+            if shared.is_file():
+                rows = json.loads(shared.read_text())
+            else:
+                rows = compile_report.compile_rows(configs, "cuda:90", workers=2)
+                shared.write_text(json.dumps(rows))
     return {
         (r["kernel"], r["dtype"], r["head_dim"], r["block_size"], r["variant"]): r for r in rows
     }
