@@ -1,5 +1,6 @@
-"""``python -m bench sweep|plot|table|compare``: run a checked sweep, redraw its plots, print its
-ratio table, compare two runs.
+"""``python -m bench sweep|plot|table|compare|compile``: run a checked sweep, redraw its plots,
+print its ratio table, compare two runs, or compile the kernels for a GPU target and report on the
+machine code.
 
 Each subcommand is a pair: ``_add_<name>(commands)`` declares it and sets its handler (and
 itself as ``command_parser``, for errors), ``_<name>(parser, args) -> exit status`` runs it;
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench import compile_report
 from bench.compare import format_compare
 from bench.plot import plot_rows
 from bench.providers import PROVIDER_NAMES, Tile  # importing the kernels picks the interpreter
@@ -192,11 +194,19 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     compare.add_argument("new", type=Path, help="results CSV after the change")
 
 
+def _add_compile(commands: argparse._SubParsersAction) -> None:
+    compile_parser = compile_report.add_parser(
+        commands, _list_of(_positive_int), lambda names: _list_of(_choice(names))
+    )
+    compile_parser.set_defaults(handler=compile_report.run, command_parser=compile_parser)
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_sweep,
     _add_plot,
     _add_table,
     _add_compare,
+    _add_compile,
 )
 
 

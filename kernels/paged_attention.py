@@ -1,13 +1,22 @@
 """Varlen, non-causal (optionally causal) attention of packed queries over a paged K/V cache.
 
 Any block size >= 1. Key position ``p`` of sequence ``i`` lives in block
-``block_table[i, p // block_size]`` at offset ``p % block_size``. Two ways of finding key rows:
+``block_table[i, p // block_size]`` at offset ``p % block_size``. The block size is a
+compile-time constant (a model has one), so no path divides by it at run time. A key tile of
+``BLOCK_N`` rows finds its cache rows one of three ways (``KV_PATH``):
 
-* contiguous path, when the key tile divides the block size: a tile never crosses a block edge,
-  so one table read gives the block and the tile's rows are consecutive slots;
-* general path, any block size: the block is looked up per key row.
+* ``contiguous``: the tile divides the block size, so one table entry gives the whole tile;
+* ``two_blocks``: the block is at least a tile but not a multiple of it, so a tile spans at
+  most two blocks and each row picks one of two bases;
+* ``rows``: blocks smaller than the tile; each row reads its block id (a vector load).
 
-Online softmax in float32 (exp2 with the scale folded in), output in ``q``'s dtype.
+The next tile's block ids are read one iteration ahead (loop-carried), so the software pipeliner
+keeps K/V loads as many tiles ahead as in a table-free loop. Key tiles every query row of the
+program sees whole run in an unmasked loop; only tiles touching ``seq_lens_k``, a row's
+``key_limits``, the causal diagonal or a ``key_gap`` edge run masked, and tiles inside a gap are
+skipped. Query heads sharing a KV head are packed into the M dimension, so each K/V tile is
+loaded once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA),
+output in ``q``'s dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +33,298 @@ from kernels import _checks, torch_path
 from kernels._runtime import interpreter_active, use_torch_path
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile_block_ids(
+    table_row,
+    stride_table_col,
+    n_start,
+    keys_end,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+):
+    """Block ids of the key tile at ``n_start``: ``(first, second, per_row)``; unused ones are 0.
+
+    Only entries of keys below ``keys_end`` are read: padding past the sequence is never touched.
+    """
+    if KV_PATH == "rows":
+        pos = n_start + tl.arange(0, BLOCK_N)
+        entries = table_row + (pos // BLOCK_SIZE) * stride_table_col
+        ids = tl.load(entries, mask=pos < keys_end, other=0)
+        return 0, 0, ids
+    else:
+        first = n_start // BLOCK_SIZE
+        id0 = tl.load(table_row + first * stride_table_col, mask=n_start < keys_end, other=0)
+        if KV_PATH == "two_blocks":
+            edge = (first + 1) * BLOCK_SIZE
+            second_needed = (edge < n_start + BLOCK_N) & (edge < keys_end)
+            id1 = tl.load(table_row + (first + 1) * stride_table_col, mask=second_needed, other=0)
+            return id0, id1, tl.zeros([BLOCK_N], dtype=tl.int32)
+        else:
+            return id0, 0, tl.zeros([BLOCK_N], dtype=tl.int32)
+
+
+@triton.jit
+def _tile_rows(
+    id0,
+    id1,
+    ids,
+    n_start,
+    stride_block,
+    stride_slot,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+):
+    """Element offsets (int64) of the tile's key rows in one cache, from its block ids.
+
+    Tiles start at multiples of ``BLOCK_N``; the per-row parts are loop-invariant where they can
+    be, so a tile costs a scalar base plus, for ``two_blocks``, one select per row.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    if KV_PATH == "rows":
+        # When the block divides the tile, every tile's slots are the same (loop-invariant).
+        shift = 0 if BLOCK_N % BLOCK_SIZE == 0 else n_start
+        slot = (shift + offs_n) % BLOCK_SIZE
+        rows = ids.to(tl.int64) * stride_block + slot.to(tl.int64) * stride_slot
+    else:
+        first_slot = n_start % BLOCK_SIZE
+        base = id0.to(tl.int64) * stride_block + first_slot.to(tl.int64) * stride_slot
+        rows = base + offs_n.to(tl.int64) * stride_slot
+        if KV_PATH == "two_blocks":
+            # Rows past the block's end move from block id0 slot BLOCK_SIZE + i to block id1
+            # slot i.
+            jump = (id1 - id0).to(tl.int64) * stride_block - BLOCK_SIZE * stride_slot
+            # (A select here hides the rows' alignment from the pipeliner; a product does not.)
+            rows += (offs_n >= BLOCK_SIZE - first_slot).to(tl.int64) * jump
+    return rows
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    row_max,
+    row_sum,
+    q,
+    k_head_ptr,
+    v_head_ptr,
+    table_row,
+    stride_table_col,
+    first_tile,
+    tiles_start,
+    num_tiles,
+    keys_lo,
+    keys_hi,
+    key_limit,
+    scale_log2,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_dim,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_dim,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
+    at ``tiles_start + (j - 1) * BLOCK_N``.
+
+    ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
+    ``key_limit``. Unmasked: every row sees every key of every tile.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_dims = k_head_ptr + offs_d[None, :] * stride_k_dim
+    v_dims = v_head_ptr + offs_d[None, :] * stride_v_dim
+    d_mask = offs_d[None, :] < HEAD_DIM
+    id0, id1, ids = _tile_block_ids(
+        table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
+    )
+    for j in range(0, num_tiles):
+        if MASKED:
+            n_start = tl.where(j == 0, first_tile, tiles_start + (j - 1) * BLOCK_N)
+        else:
+            n_start = first_tile + j * BLOCK_N
+        # The next tile's block ids first: its K/V addresses are known a whole iteration early.
+        next_id0, next_id1, next_ids = _tile_block_ids(
+            table_row,
+            stride_table_col,
+            tiles_start + j * BLOCK_N,
+            keys_hi,
+            BLOCK_N,
+            BLOCK_SIZE,
+            KV_PATH,
+        )
+        k_rows = _tile_rows(
+            id0, id1, ids, n_start, stride_k_block, stride_k_slot, BLOCK_N, BLOCK_SIZE, KV_PATH
+        )
+        if SAME_KV_STRIDES and KV_PATH != "contiguous":
+            v_rows = k_rows
+        else:
+            v_rows = _tile_rows(
+                id0, id1, ids, n_start, stride_v_block, stride_v_slot, BLOCK_N, BLOCK_SIZE, KV_PATH
+            )
+        if MASKED:
+            keys = n_start + offs_n
+            n_mask = (keys >= keys_lo) & (keys < keys_hi)
+            # Hidden keys are never loaded: they may be unwritten slots holding NaN.
+            k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
+            v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            k = tl.load(k_dims + k_rows[:, None])
+            v = tl.load(v_dims + v_rows[:, None])
+        else:
+            k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
+            v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            visible = n_mask[None, :] & (keys[None, :] < key_limit[:, None])
+            scores = tl.where(visible, qk * scale_log2, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of
+            # -inf so exp2 gives 0, not NaN.
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            probs = tl.math.exp2(scores - safe_max[:, None])
+            rescale = tl.math.exp2(row_max - safe_max)
+        else:
+            # scale_log2 > 0 (the launcher makes it so): max(qk) * scale is the scaled max,
+            # and qk * scale - max is one FFMA per score.
+            new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
+            probs = tl.math.exp2(qk * scale_log2 - new_max[:, None])
+            rescale = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+        id0, id1, ids = next_id0, next_id1, next_ids
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _attend_run(
+    acc,
+    row_max,
+    row_sum,
+    q,
+    k_head_ptr,
+    v_head_ptr,
+    table_row,
+    stride_table_col,
+    run_lo,
+    run_hi,
+    full_end,
+    key_limit,
+    scale_log2,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_dim,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_dim,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
+    below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
+    tile holding ``run_lo`` and the tiles from the unmasked ones' end to ``run_hi`` run masked."""
+    head_tile = run_lo // BLOCK_N * BLOCK_N
+    tiles_end = tl.cdiv(run_hi, BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(run_lo, BLOCK_N) * BLOCK_N
+    full_hi = tl.maximum(full_lo, tl.minimum(run_hi, full_end) // BLOCK_N * BLOCK_N)
+    acc, row_max, row_sum = _attend_tiles(
+        acc,
+        row_max,
+        row_sum,
+        q,
+        k_head_ptr,
+        v_head_ptr,
+        table_row,
+        stride_table_col,
+        full_lo,
+        full_lo + BLOCK_N,
+        (full_hi - full_lo) // BLOCK_N,
+        run_lo,
+        run_hi,
+        key_limit,
+        scale_log2,
+        stride_k_block,
+        stride_k_slot,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_slot,
+        stride_v_dim,
+        BLOCK_N,
+        BLOCK_D,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        KV_PATH,
+        SAME_KV_STRIDES,
+        False,
+        UPCAST,
+        DOT_PRECISION,
+    )
+    # Masked: the head tile when the run starts mid-tile (and it is not also the tail), then
+    # the tail from the unmasked tiles' end.
+    has_head = (head_tile < full_lo) & (full_lo <= tiles_end)
+    tail_start = tl.maximum(full_hi, tl.minimum(full_lo, tiles_end))
+    tail_tiles = tl.maximum(tiles_end - tail_start, 0) // BLOCK_N
+    if has_head:
+        first_tile = head_tile
+        num_masked = tail_tiles + 1
+    else:
+        first_tile = tail_start
+        num_masked = tail_tiles
+        tail_start = tail_start + BLOCK_N
+    acc, row_max, row_sum = _attend_tiles(
+        acc,
+        row_max,
+        row_sum,
+        q,
+        k_head_ptr,
+        v_head_ptr,
+        table_row,
+        stride_table_col,
+        first_tile,
+        tail_start,
+        num_masked,
+        run_lo,
+        run_hi,
+        key_limit,
+        scale_log2,
+        stride_k_block,
+        stride_k_slot,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_slot,
+        stride_v_dim,
+        BLOCK_N,
+        BLOCK_D,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        KV_PATH,
+        SAME_KV_STRIDES,
+        True,
+        UPCAST,
+        DOT_PRECISION,
+    )
+    return acc, row_max, row_sum
 
 
 @triton.heuristics(
@@ -44,9 +345,7 @@ def _paged_attention_kernel(
     key_limits_ptr,
     key_gap_ptr,
     scale_log2,
-    heads_per_kv_head,
-    head_dim,
-    block_size,
+    gaps_per_row,
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
@@ -63,131 +362,185 @@ def _paged_attention_kernel(
     stride_o_dim,
     stride_table_row,
     stride_table_col,
-    gaps_per_row,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
     CAUSAL: tl.constexpr,
-    CONTIGUOUS_TILES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_KEY_LIMITS: tl.constexpr,
     HAS_KEY_GAP: tl.constexpr,
     GAPS: tl.constexpr,
 ):
+    """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
+
+    Row r is query r // GROUP of the sequence, query head h * GROUP + r % GROUP.
+    """
     tile_m = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if tile_m * BLOCK_M >= q_len:
+    if tile_m * BLOCK_M >= q_len * GROUP:
         return
     k_len = tl.load(seq_lens_k_ptr + seq)
-    kv_head = head // heads_per_kv_head
 
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
-    d_mask = offs_d < head_dim
-    q_rows = (q_start + offs_m).to(tl.int64)
+    query = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    m_mask = query < q_len
+    io_mask = m_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_rows = (q_start + query).to(tl.int64)
     q = tl.load(
         q_ptr
         + q_rows[:, None] * stride_q_tok
-        + head * stride_q_head
+        + head[:, None].to(tl.int64) * stride_q_head
         + offs_d[None, :] * stride_q_dim,
-        mask=m_mask[:, None] & d_mask[None, :],
+        mask=io_mask,
         other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Exclusive upper bound on the keys each query row sees; rows past q_len see nothing.
+    # Exclusive upper bound on the keys each row sees; rows past q_len see nothing and do not
+    # count for the keys every row sees whole.
     key_limit = tl.zeros([BLOCK_M], dtype=tl.int32) + k_len
     if CAUSAL:
-        key_limit = tl.minimum(key_limit, offs_m + (k_len - q_len) + 1)
+        key_limit = tl.minimum(key_limit, query + (k_len - q_len) + 1)
     if HAS_KEY_LIMITS:
-        row_limits = tl.load(key_limits_ptr + q_start + offs_m, mask=m_mask, other=0)
+        row_limits = tl.load(key_limits_ptr + q_start + query, mask=m_mask, other=0)
         key_limit = tl.minimum(key_limit, row_limits)
-    key_limit = tl.where(m_mask, key_limit, 0)
+    key_limit = tl.maximum(tl.where(m_mask, key_limit, 0), 0)
     keys_end = tl.max(key_limit, axis=0)
-    if HAS_KEY_GAP:
-        # Up to GAPS hidden ranges [lo, hi) per row; missing ones load as the empty [0, 0).
-        offs_g = tl.arange(0, GAPS)
-        g_mask = offs_g < gaps_per_row
-        gap_row = key_gap_ptr + seq * 2 * gaps_per_row + 2 * offs_g
-        gap_lo = tl.load(gap_row, mask=g_mask, other=0)
-        gap_hi = tl.load(gap_row + 1, mask=g_mask, other=0)
+    full_end = tl.min(tl.where(m_mask, key_limit, keys_end), axis=0)
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_row
+    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_v_head
 
-    for n_start in range(0, keys_end, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < keys_end
-        if HAS_KEY_GAP:
-            # Hidden keys are never loaded: they may be unwritten slots holding NaN.
-            in_gap = (offs_n[:, None] >= gap_lo[None, :]) & (offs_n[:, None] < gap_hi[None, :])
-            n_mask = n_mask & (tl.max(in_gap.to(tl.int32), axis=1) == 0)
-        if CONTIGUOUS_TILES:
-            block = tl.load(table_row + (n_start // block_size) * stride_table_col)
-            slot = (n_start % block_size) + tl.arange(0, BLOCK_N)
-            block = block.to(tl.int64)
-            k_rows = block * stride_k_block + slot.to(tl.int64) * stride_k_slot
-            v_rows = block * stride_v_block + slot.to(tl.int64) * stride_v_slot
-        else:
-            # Masked lanes read no table entry: padding past the sequence is never touched.
-            block = tl.load(
-                table_row + (offs_n // block_size) * stride_table_col, mask=n_mask, other=0
-            ).to(tl.int64)
-            slot = (offs_n % block_size).to(tl.int64)
-            k_rows = block * stride_k_block + slot * stride_k_slot
-            v_rows = block * stride_v_block + slot * stride_v_slot
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr + k_rows[:, None] + kv_head * stride_k_head + offs_d[None, :] * stride_k_dim,
-            mask=kv_mask,
-            other=0.0,
+    if HAS_KEY_GAP:
+        # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing
+        # ones load as the empty [0, 0). Visible runs between gaps are attended one by one.
+        offs_g = tl.arange(0, GAPS)
+        g_mask = offs_g < gaps_per_row
+        gap_row = key_gap_ptr + seq * 2 * gaps_per_row + 2 * offs_g
+        gap_lo = tl.load(gap_row, mask=g_mask, other=0)
+        gap_hi = tl.load(gap_row + 1, mask=g_mask, other=0)
+        gap_lo = tl.where(gap_lo < gap_hi, gap_lo, keys_end)
+        gap_hi = tl.where(gap_lo < gap_hi, gap_hi, keys_end)
+        run_lo = k_len * 0
+        while run_lo < keys_end:
+            ahead = gap_hi > run_lo
+            run_hi = tl.min(tl.where(ahead, tl.maximum(gap_lo, run_lo), keys_end), axis=0)
+            run_hi = tl.minimum(run_hi, keys_end)
+            acc, row_max, row_sum = _attend_run(
+                acc,
+                row_max,
+                row_sum,
+                q,
+                k_head_ptr,
+                v_head_ptr,
+                table_row,
+                stride_table_col,
+                run_lo,
+                run_hi,
+                full_end,
+                key_limit,
+                scale_log2,
+                stride_k_block,
+                stride_k_slot,
+                stride_k_dim,
+                stride_v_block,
+                stride_v_slot,
+                stride_v_dim,
+                BLOCK_N,
+                BLOCK_D,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                KV_PATH,
+                SAME_KV_STRIDES,
+                UPCAST,
+                DOT_PRECISION,
+            )
+            # Skip the union of the gaps that cover run_hi.
+            for _ in tl.static_range(GAPS):
+                covering = (gap_lo <= run_hi) & (gap_hi > run_hi)
+                run_hi = tl.max(tl.where(covering, gap_hi, run_hi), axis=0)
+            run_lo = run_hi
+    else:
+        acc, row_max, row_sum = _attend_run(
+            acc,
+            row_max,
+            row_sum,
+            q,
+            k_head_ptr,
+            v_head_ptr,
+            table_row,
+            stride_table_col,
+            k_len * 0,
+            keys_end,
+            full_end,
+            key_limit,
+            scale_log2,
+            stride_k_block,
+            stride_k_slot,
+            stride_k_dim,
+            stride_v_block,
+            stride_v_slot,
+            stride_v_dim,
+            BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            KV_PATH,
+            SAME_KV_STRIDES,
+            UPCAST,
+            DOT_PRECISION,
         )
-        v = tl.load(
-            v_ptr + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :] * stride_v_dim,
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = n_mask[None, :] & (offs_n[None, :] < key_limit[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of -inf
-        # so exp2 gives 0, not NaN.
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.math.exp2(scores - safe_max[:, None])
-        rescale = tl.math.exp2(row_max - safe_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
 
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(
         out_ptr
         + q_rows[:, None] * stride_o_tok
-        + head * stride_o_head
+        + head[:, None].to(tl.int64) * stride_o_head
         + offs_d[None, :] * stride_o_dim,
         out.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
+        mask=io_mask,
     )
 
 
 def _is_tile(value: int) -> bool:
     return value >= 16 and value & (value - 1) == 0
+
+
+# GPU launch settings per (head_dim up to, 16-bit or fp32): BLOCK_M, BLOCK_N, warps, stages.
+# Checked for registers, spills and pipelining by `python -m bench compile`.
+_GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
+    (64, True): (128, 64, 8, 3),
+    (128, True): (128, 64, 8, 3),
+    (256, True): (64, 32, 8, 2),
+    (64, False): (64, 32, 4, 2),
+    (128, False): (64, 32, 4, 2),
+    (256, False): (64, 32, 4, 2),
+}
+
+
+def kv_path(block_size: int, block_n: int) -> str:
+    """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``."""
+    if block_size % block_n == 0:
+        return "contiguous"
+    return "two_blocks" if block_size >= block_n else "rows"
 
 
 def choose_tiles(
@@ -198,31 +551,34 @@ def choose_tiles(
     dtype: torch.dtype,
     block_m: int | None = None,
     block_n: int | None = None,
-) -> dict[str, int | bool]:
-    """Tile sizes and launch settings for one call, with the caller's overrides applied.
+    heads_per_kv_head: int = 1,
+) -> dict[str, int | str]:
+    """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
-    Under the interpreter every program is a batch of numpy ops, so big tiles are much faster.
-    On a GPU the tiles are sized for registers and shared memory.
+    A tile's M rows are (query, head) pairs of one KV head, so ``heads_per_kv_head`` times the
+    queries. Under the interpreter every program is a batch of numpy ops, so big tiles are much
+    faster. On a GPU the settings come from a small table per (head_dim, dtype).
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-    short_q = max(16, triton.next_power_of_2(max(1, max_seqlen_q)))
+    rows = max(1, max_seqlen_q) * max(1, heads_per_kv_head)
+    short_q = max(16, triton.next_power_of_2(rows))
     if interpreter_active():
         # 1024 x 512 scores stay under Triton's 2**20-element block limit.
         default_m, default_n, warps, stages = min(1024, short_q), 512, 4, 1
-    elif head_dim > 128 or dtype == torch.float32:
-        default_m, default_n, warps, stages = min(64, short_q), 32, 4, 2
     else:
-        default_m, default_n = min(128, short_q), 64
-        warps, stages = (8 if head_dim > 64 and default_m == 128 else 4), 3
+        dim_class = next(d for d in (64, 128, 256) if head_dim <= d)
+        default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
+        if short_q < default_m:
+            default_m, warps = short_q, 4
     tile_m = block_m or default_m
     tile_n = block_n or default_n
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-        "CONTIGUOUS_TILES": block_size % tile_n == 0,
+        "KV_PATH": kv_path(block_size, tile_n),
         "num_warps": warps,
         "num_stages": stages,
     }
@@ -404,6 +760,7 @@ def paged_attention(
         out = torch.empty_like(q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
     tiles = choose_tiles(
         block_size=block_size,
         head_dim=head_dim,
@@ -411,6 +768,7 @@ def paged_attention(
         dtype=q.dtype,
         block_m=block_m,
         block_n=block_n,
+        heads_per_kv_head=group,
     )
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
@@ -429,11 +787,15 @@ def paged_attention(
             key_limits=key_limits,
             key_gap=key_gap,
         )
+    if scale < 0:
+        # The kernel's unmasked loop takes the row max of unscaled scores: keep the scale >= 0.
+        q, scale = -q, -scale
     upcast = interpreter_active() or q.dtype == torch.float32
     if key_gap is not None:
         key_gap = key_gap.reshape(batch, -1, 2).contiguous()
     gaps_per_row = 1 if key_gap is None else key_gap.shape[1]
-    grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), batch, q.shape[1])
+    rows = max_seqlen_q * group
+    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch, k_cache.shape[2])
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -445,15 +807,16 @@ def paged_attention(
         key_limits,
         key_gap,
         scale * LOG2E,
-        q.shape[1] // k_cache.shape[2],
-        head_dim,
-        block_size,
+        gaps_per_row,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
         *out.stride(),
         *block_table.stride(),
-        gaps_per_row,
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         UPCAST=upcast,

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import kernels
 import reference
+from kernels.paged_attention import kv_path
 from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import PagedCase, make_paged_case, tolerance_anchor
 
@@ -79,29 +80,73 @@ def test_table_orders(table_order: str, block_size: int) -> None:
     run_and_compare(case)
 
 
-@pytest.mark.parametrize(
-    "block_size, block_n",
-    [
-        pytest.param(16, 16, id="contiguous-B16-N16"),
-        pytest.param(64, 32, id="contiguous-B64-N32"),
-        pytest.param(256, 64, id="contiguous-B256-N64"),
-        pytest.param(1560, 64, id="general-B1560-N64"),
-        pytest.param(24, 16, id="general-B24-N16"),
-        pytest.param(16, 64, id="general-B16-N64"),
-    ],
-)
-def test_contiguous_and_general_paths(block_size: int, block_n: int) -> None:
+# (block_size, block_n) for every key path: the tile divides the block, a tile spans two
+# blocks, blocks smaller than the tile (dividing it or not). Small tiles give many tiles, so the
+# unmasked loop, the masked head and tail and the prefetch past the last tile all run.
+PATHS = [
+    pytest.param(16, 16, id="contiguous-B16-N16"),
+    pytest.param(64, 32, id="contiguous-B64-N32"),
+    pytest.param(256, 64, id="contiguous-B256-N64"),
+    pytest.param(24, 16, id="two_blocks-B24-N16"),
+    pytest.param(1560, 64, id="two_blocks-B1560-N64"),
+    pytest.param(16, 64, id="rows-B16-N64"),
+    pytest.param(24, 64, id="rows-B24-N64"),
+    pytest.param(7, 16, id="rows-B7-N16"),
+    pytest.param(1, 16, id="rows-B1-N16"),
+]
+
+
+@pytest.mark.parametrize("block_size, block_n", PATHS)
+def test_key_paths(block_size: int, block_n: int) -> None:
     tiles = kernels.choose_tiles(
         block_size=block_size, head_dim=64, max_seqlen_q=32, dtype=torch.float32, block_n=block_n
     )
-    assert tiles["CONTIGUOUS_TILES"] == (block_size % block_n == 0)
+    assert tiles["KV_PATH"] == kv_path(block_size, block_n)
     case = make_paged_case(
         q_lens=[32, 5],
-        k_lens=[3 * block_size + 11, block_size + 1],
+        k_lens=[3 * block_size + 11 if block_size < 1560 else block_size + 200, block_size + 1],
         block_size=block_size,
         device=DEVICE,
     )
     run_and_compare(case, block_m=16, block_n=block_n)
+
+
+def test_kv_path_classes() -> None:
+    assert kv_path(1560, 64) == "two_blocks"
+    assert kv_path(520, 64) == "two_blocks"
+    assert kv_path(64, 64) == kv_path(256, 64) == "contiguous"
+    assert kv_path(16, 64) == kv_path(24, 64) == kv_path(1, 16) == "rows"
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n, table_order",
+    [(*p.values, "permuted") for p in PATHS] + [(24, 16, "repeated"), (7, 16, "repeated")],
+    ids=str,
+)
+def test_key_paths_causal_limits_and_gaps(block_size: int, block_n: int, table_order: str) -> None:
+    # Queries are the last keys of a chunk that starts mid-block; causal, per-row limits and a
+    # gap in one call, so masked tiles sit before, between and after unmasked ones.
+    k_len = min(5 * block_n + 9, 2 * block_size + 37) if block_size > 64 else 5 * block_n + 9
+    case = make_paged_case(
+        q_lens=[21, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        table_order=table_order,
+        device=DEVICE,
+    )
+    gen = torch.Generator().manual_seed(block_size + block_n)
+    key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
+    key_gap = torch.tensor(
+        [[[block_n + 3, 2 * block_n + 1]], [[1, 2]]], dtype=torch.int32, device=DEVICE
+    )
+    run_and_compare(
+        case,
+        causal=True,
+        key_limits=key_limits.to(DEVICE),
+        key_gap=key_gap,
+        block_m=16,
+        block_n=block_n,
+    )
 
 
 @pytest.mark.parametrize(
@@ -119,6 +164,100 @@ def test_gqa_and_head_dims(num_heads: int, num_kv_heads: int, head_dim: int) -> 
         device=DEVICE,
     )
     run_and_compare(case)
+
+
+@pytest.mark.parametrize("group", [1, 2, 5, 8], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("block_size", [7, 24, 64], ids=lambda b: f"B{b}")
+def test_gqa_packed_rows(group: int, block_size: int) -> None:
+    # Rows of a tile are (query, head) pairs: with 16-row tiles and 5 heads per KV head a tile
+    # starts mid-query, and causal limits differ inside one tile.
+    case = make_paged_case(
+        q_lens=[13, 6],
+        k_lens=[90, 41],
+        block_size=block_size,
+        num_heads=2 * group,
+        num_kv_heads=2,
+        device=DEVICE,
+    )
+    run_and_compare(case, block_m=16, block_n=16)
+    run_and_compare(case, causal=True, block_m=16, block_n=32)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 256], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("block_size", [24, 64], ids=lambda b: f"B{b}")
+def test_head_dims_not_a_tile_with_small_tiles(head_dim: int, block_size: int) -> None:
+    # The unmasked loop loads whole key rows; a head_dim below the power-of-two tile masks the
+    # dimensions there too.
+    case = make_paged_case(
+        q_lens=[18], k_lens=[150], block_size=block_size, head_dim=head_dim, device=DEVICE
+    )
+    run_and_compare(case, block_m=16, block_n=16)
+
+
+def _poison_gaps(case: PagedCase, key_gap: torch.Tensor) -> None:
+    """NaN into every cache slot a gap hides (the table must not share blocks between rows)."""
+    block_size = case.k_cache.shape[1]
+    for row, gaps in enumerate(key_gap.reshape(key_gap.shape[0], -1, 2).tolist()):
+        k_len = int(case.seq_lens_k[row])
+        for lo, hi in gaps:
+            positions = torch.arange(max(lo, 0), min(hi, k_len))
+            blocks = case.block_table[row, positions // block_size].long()
+            case.k_cache[blocks, positions % block_size] = float("nan")
+            case.v_cache[blocks, positions % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("block_size, block_n", [(24, 16), (7, 32), (1560, 64)], ids=str)
+def test_gaps_whole_tiles_mid_tile_overlapping_unsorted(block_size: int, block_n: int) -> None:
+    # Row 0: a gap covering tiles 2..4 whole, one starting mid-tile, two overlapping ones, out of
+    # order. Row 1: a gap at key 0 and one running past its last key. Gap slots hold NaN.
+    n = block_n
+    k0 = 12 * n + 5
+    case = make_paged_case(
+        q_lens=[19, 7], k_lens=[k0, 4 * n + 3], block_size=block_size, device=DEVICE
+    )
+    key_gap = torch.tensor(
+        [
+            [[2 * n, 5 * n], [7 * n + 5, 8 * n + 9], [10 * n, 10 * n + 7], [10 * n + 3, 11 * n]],
+            [[0, 3], [3 * n + 1, 9 * n], [0, 0], [2, 2]],
+        ],
+        dtype=torch.int32,
+        device=DEVICE,
+    )
+    key_limits = torch.tensor([k0 - i for i in range(19)] + [9 * n] * 7, dtype=torch.int32)
+    for kwargs in ({}, {"causal": True, "key_limits": key_limits.to(DEVICE)}):
+        want = reference.paged_attention(
+            *case.args(), max_seqlen_q=case.max_seqlen_q, key_gap=key_gap, **kwargs
+        )
+        poisoned = PagedCase(**vars(case))
+        poisoned.k_cache, poisoned.v_cache = case.k_cache.clone(), case.v_cache.clone()
+        _poison_gaps(poisoned, key_gap)
+        got = kernels.paged_attention(
+            *poisoned.args(),
+            max_seqlen_q=case.max_seqlen_q,
+            key_gap=key_gap,
+            block_m=16,
+            block_n=block_n,
+            out=nan_like(case.q),
+            **kwargs,
+        )
+        torch.testing.assert_close(got, want.to(got.dtype), atol=FP32_ATOL, rtol=0)
+
+
+def test_rows_that_see_no_key_and_a_limit_of_zero() -> None:
+    # One valid row with limit 0 makes no tile whole for the program: all tiles run masked.
+    case = make_paged_case(q_lens=[20], k_lens=[100], block_size=24, device=DEVICE)
+    key_limits = torch.tensor([0] + list(range(80, 99)), dtype=torch.int32, device=DEVICE)
+    run_and_compare(case, key_limits=key_limits, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 1.7])
+def test_softmax_scale_any_sign(scale: float) -> None:
+    case = make_paged_case(q_lens=[9], k_lens=[70], block_size=24, device=DEVICE)
+    got = kernels.paged_attention(
+        *case.args(), max_seqlen_q=9, softmax_scale=scale, block_m=16, block_n=16
+    )
+    want = reference.paged_attention(*case.args(), max_seqlen_q=9, softmax_scale=scale)
+    torch.testing.assert_close(got, want.to(got.dtype), atol=FP32_ATOL, rtol=0)
 
 
 def test_head_dim_256() -> None:
