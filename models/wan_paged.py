@@ -29,7 +29,7 @@ from torch import Tensor
 
 # kernels (also imported by paging.forward), without a GPU, switches Triton's interpreter on; that
 # must happen before triton is imported, and importing diffusers imports triton.
-from kernels.fused import write_attend
+from kernels.fused import LayerInputs, write_attend
 from paging import PagedKVCache, PagingConfig
 from paging.forward import ForwardCall
 
@@ -96,10 +96,15 @@ def wan_qkv(attn: torch.nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tenso
 
 
 class ForwardState:
-    """What the processors of one model share during a forward: the call and the actions."""
+    """What the processors of one model share during a forward: the call, its fused-op inputs
+    and the actions."""
 
     def __init__(self) -> None:
         self.call: ForwardCall | None = None
+        # call.layer(0), taken once per forward outside any compiled region: ForwardCall.layer
+        # checks the plans' Python state, which torch.compile would turn into guards that
+        # change every forward (a recompile per forward).
+        self.layer_inputs: LayerInputs | None = None
         self.action_states: Tensor | None = None
 
 
@@ -170,7 +175,7 @@ class PagedWanAttnProcessor:
             cache.v_pools,
             cache.stage_k,
             cache.stage_v,
-            call.layer(0)._replace(layer=self.layer_index),
+            self.state.layer_inputs._replace(layer=self.layer_index),
         )
 
 
@@ -499,6 +504,7 @@ class PagedWanRollout:
             call = ForwardCall(self.cache, plans, softmax_scale=self.softmax_scale)
             self._before_model(call, block, step)
             self.state.call = call
+            self.state.layer_inputs = call.layer(0)
             if action is not None:
                 self.state.action_states = action.unsqueeze(0).expand(rows, -1, -1)
             hook = self.model.rope.register_forward_hook(rope_at_frame(first_frame))
@@ -512,6 +518,7 @@ class PagedWanRollout:
             finally:
                 hook.remove()
                 self.state.call = None
+                self.state.layer_inputs = None
                 self.state.action_states = None
         except BaseException:
             for plan in plans:
