@@ -8,7 +8,8 @@ compile-time constant (a model has one), so no path divides by it at run time. A
 * ``contiguous``: the tile divides the block size, so one table entry gives the whole tile;
 * ``two_blocks``: the block is at least a tile but not a multiple of it, so a tile spans at
   most two blocks and each row picks one of two bases;
-* ``rows``: blocks smaller than the tile; each row reads its block id (a vector load).
+* ``rows``: blocks smaller than the tile; each row reads its block id (a vector load), or,
+  when the block divides the tile, each of the tile's blocks reads it once for all its rows.
 
 The next tile's block ids are read one iteration ahead (loop-carried), so the software pipeliner
 keeps K/V loads as many tiles ahead as in a table-free loop. Key tiles every query row of the
@@ -50,9 +51,19 @@ def _tile_block_ids(
     Only entries of keys below ``keys_end`` are read: padding past the sequence is never touched.
     """
     if KV_PATH == "rows":
-        pos = n_start + tl.arange(0, BLOCK_N)
-        entries = table_row + (pos // BLOCK_SIZE) * stride_table_col
-        ids = tl.load(entries, mask=pos < keys_end, other=0)
+        if BLOCK_N % BLOCK_SIZE == 0:
+            # Whole blocks per tile: load each entry once and repeat it over its block's rows.
+            NUM_BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            blocks = n_start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
+            entries = table_row + blocks * stride_table_col
+            per_block = tl.load(entries, mask=blocks * BLOCK_SIZE < keys_end, other=0)
+            ids = tl.reshape(
+                tl.broadcast_to(per_block[:, None], (NUM_BLOCKS, BLOCK_SIZE)), (BLOCK_N,)
+            )
+        else:
+            pos = n_start + tl.arange(0, BLOCK_N)
+            entries = table_row + (pos // BLOCK_SIZE) * stride_table_col
+            ids = tl.load(entries, mask=pos < keys_end, other=0)
         return 0, 0, ids
     else:
         first = n_start // BLOCK_SIZE
