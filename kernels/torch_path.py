@@ -12,15 +12,65 @@ import math
 import torch
 from torch import Tensor
 
+from kernels.quantize import QMAX
+
+# 1.5 * 2**23: adding then subtracting it rounds a float32 of magnitude < 2**22 to an integer
+# (nearest, ties to even); scaled by a power of two it rounds to that power's multiples.
+ROUND_MAGIC = 12582912.0
+# float32 biased exponent of e4m3's smallest normal, 2**-6; below it the code step is 2**-9.
+E4M3_MIN_NORMAL_EXP = 127 - 6
+E4M3_MANTISSA_BITS = 3
+
+
+def round_to_code_grid(ratio: Tensor, dtype: torch.dtype) -> Tensor:
+    """Round float32 ``ratio`` (already clamped to +-QMAX) to the nearest code of ``dtype``.
+
+    The same arithmetic as ``kernels._quantize_jit.round_to_code_grid``: add and subtract a
+    magic number whose ulp is the code step, so converting the result to ``dtype`` is exact.
+    """
+    if dtype == torch.int8:
+        return (ratio + ROUND_MAGIC) - ROUND_MAGIC
+    exponent = (ratio.view(torch.int32) >> 23) & 0xFF
+    step_exponent = exponent.clamp_min(E4M3_MIN_NORMAL_EXP) - E4M3_MANTISSA_BITS
+    magic = (step_exponent << 23).view(torch.float32) * ROUND_MAGIC
+    rounded = (ratio + magic) - magic
+    return torch.where(rounded == 0, ratio * 0.0, rounded)  # -0 stays -0, as in e4m3
+
+
+def quantize_rows(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(codes, scale)`` of float32 rows ``x (..., head_dim)``, as the write kernel computes
+    them: ``scale = amax / QMAX``, codes ``x / scale`` on the code grid; zero rows all zero."""
+    qmax = QMAX[dtype]
+    scale = x.abs().amax(dim=-1) / qmax
+    positive = (scale > 0).unsqueeze(-1)
+    ratio = x / torch.where(positive, scale.unsqueeze(-1), 1.0)
+    ratio = torch.where(positive, ratio, 0.0).clamp(-qmax, qmax)
+    return round_to_code_grid(ratio, dtype).to(dtype), scale
+
 
 def write_slots(
-    key: Tensor, value: Tensor, k_pool: Tensor, v_pool: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    k_smooth: Tensor | None = None,
 ) -> None:
     mapped = slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_pool[slots] = key[:mapped][keep].to(k_pool.dtype)
-    v_pool[slots] = value[:mapped][keep].to(v_pool.dtype)
+    key, value = key[:mapped][keep], value[:mapped][keep]
+    if k_scale is None:
+        k_pool[slots] = key.to(k_pool.dtype)
+        v_pool[slots] = value.to(v_pool.dtype)
+        return
+    key = key.float()
+    if k_smooth is not None:
+        key = key - k_smooth
+    k_pool[slots], k_scale[slots] = quantize_rows(key, k_pool.dtype)
+    v_pool[slots], v_scale[slots] = quantize_rows(value.float(), v_pool.dtype)
 
 
 def gather_blocks(
@@ -30,12 +80,19 @@ def gather_blocks(
     stage_k: Tensor,
     stage_v: Tensor,
     first_block: int,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    stage_k_scale: Tensor | None = None,
+    stage_v_scale: Tensor | None = None,
 ) -> None:
     block_size = k_cache.shape[1]
     ids = block_ids[first_block:].long()
     rows = slice(first_block * block_size, block_ids.shape[0] * block_size)
     stage_k[rows] = k_cache[ids].flatten(0, 1).to(stage_k.dtype)
     stage_v[rows] = v_cache[ids].flatten(0, 1).to(stage_v.dtype)
+    if k_scale is not None:
+        stage_k_scale[rows] = k_scale[ids].flatten(0, 1)
+        stage_v_scale[rows] = v_scale[ids].flatten(0, 1)
 
 
 def paged_attention(
