@@ -122,14 +122,15 @@ def provenance(device: torch.device, figures: str) -> Row:
 class CsvWriter:
     """Writes the header at once and flushes every row, so a killed run keeps what it measured."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], columns: tuple[str, ...] = COLUMNS) -> None:
         self._stream = stream
-        self._writer = csv.DictWriter(stream, fieldnames=COLUMNS, extrasaction="raise")
+        self._columns = columns
+        self._writer = csv.DictWriter(stream, fieldnames=columns, extrasaction="raise")
         self._writer.writeheader()
         stream.flush()
 
     def write(self, row: Row) -> None:
-        self._writer.writerow({name: _format(row.get(name)) for name in COLUMNS})
+        self._writer.writerow({name: _format(row.get(name)) for name in self._columns})
         self._stream.flush()
 
 
