@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, torch_path
+from kernels import _checks, quantize, torch_path
 from kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
 from kernels._runtime import use_torch_path
 
@@ -90,12 +90,38 @@ def _gather_blocks_kernel(
     )
 
 
+def _check_dtypes(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    stage_k: Tensor,
+    stage_v: Tensor,
+    scales: dict[str, Tensor | None],
+) -> None:
+    """Float caches stage into any float dtype; quantized ones into their own, with scales."""
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
+    quantized = quantize.is_quantized(k_cache.dtype)
+    if quantize.is_quantized(v_cache.dtype) != quantized:
+        raise TypeError(
+            f"v_cache is {v_cache.dtype} but k_cache is {k_cache.dtype}: both caches must be "
+            "quantized or neither"
+        )
+    for name, stage, cache in (("stage_k", stage_k, k_cache), ("stage_v", stage_v, v_cache)):
+        allowed = (cache.dtype,) if quantized else _checks.FLOAT_DTYPES
+        _checks.check_dtype(name, stage, allowed)
+    quantize.check_scales("k_scale", scales["k_scale"], "k_cache", k_cache)
+    quantize.check_scales("v_scale", scales["v_scale"], "v_cache", v_cache)
+    quantize.check_scales("stage_k_scale", scales["stage_k_scale"], "stage_k", stage_k)
+    quantize.check_scales("stage_v_scale", scales["stage_v_scale"], "stage_v", stage_v)
+
+
 def _check_arguments(
     k_cache: Tensor,
     v_cache: Tensor,
     block_ids: Tensor,
     stage_k: Tensor,
     stage_v: Tensor,
+    scales: dict[str, Tensor | None],
     first_block: int,
     check_values: bool,
 ) -> None:
@@ -105,17 +131,16 @@ def _check_arguments(
     _checks.check_rank("block_ids", block_ids, 1, "(num_entries,)")
     _checks.check_rank("stage_k", stage_k, 3, "(stage_tokens, num_kv_heads, head_dim)")
     _checks.check_rank("stage_v", stage_v, 3, "(stage_tokens, num_kv_heads, head_dim)")
-    _checks.check_same_device(
-        k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, stage_k=stage_k, stage_v=stage_v
-    )
-    for name, tensor in (
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("stage_k", stage_k),
-        ("stage_v", stage_v),
-    ):
-        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
+    _check_dtypes(k_cache, v_cache, stage_k, stage_v, scales)
     _checks.check_dtype("block_ids", block_ids, _checks.INDEX_DTYPES)
+    _checks.check_same_device(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_ids=block_ids,
+        stage_k=stage_k,
+        stage_v=stage_v,
+        **scales,
+    )
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}"
@@ -153,20 +178,37 @@ def gather_blocks(
     stage_k: Tensor,
     stage_v: Tensor,
     *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    stage_k_scale: Tensor | None = None,
+    stage_v_scale: Tensor | None = None,
     first_block: int = 0,
     check_values: bool = True,
 ) -> None:
     """Copy blocks ``block_ids[first_block:]`` of both caches into ``stage_k``/``stage_v``.
 
+    Quantized caches stage into buffers of their own dtype (codes copied bit for bit), and
+    their scales ``k_scale``/``v_scale`` ``(num_blocks, block_size, num_kv_heads)`` into
+    ``stage_k_scale``/``stage_v_scale`` ``(stage_tokens, num_kv_heads)`` beside them.
     ``check_values=False`` skips the block-id range check (no device sync).
     """
-    _check_arguments(k_cache, v_cache, block_ids, stage_k, stage_v, first_block, check_values)
+    scales = {
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+        "stage_k_scale": stage_k_scale,
+        "stage_v_scale": stage_v_scale,
+    }
+    _check_arguments(
+        k_cache, v_cache, block_ids, stage_k, stage_v, scales, first_block, check_values
+    )
     block_ids = _checks.contiguous_index(block_ids)  # the kernel reads it as ptr + entry
     entries = block_ids.shape[0] - first_block
     if entries == 0:
         return
-    if use_torch_path(k_cache):
-        torch_path.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block)
+    if use_torch_path(k_cache) or k_scale is not None:
+        torch_path.gather_blocks(
+            k_cache, v_cache, block_ids, stage_k, stage_v, first_block, *scales.values()
+        )
         return
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     flat = all(plane_is_flat(t) for t in (k_cache, v_cache, stage_k, stage_v))

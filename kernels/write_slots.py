@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, torch_path
+from kernels import _checks, quantize, torch_path
 from kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
 from kernels._runtime import use_torch_path
 
@@ -79,6 +79,9 @@ def _check_arguments(
     k_pool: Tensor,
     v_pool: Tensor,
     slot_mapping: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    k_smooth: Tensor | None,
     check_values: bool,
 ) -> None:
     _checks.check_rank("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
@@ -86,12 +89,39 @@ def _check_arguments(
     _checks.check_rank("k_pool", k_pool, 3, "(num_slots, num_kv_heads, head_dim)")
     _checks.check_rank("v_pool", v_pool, 3, "(num_slots, num_kv_heads, head_dim)")
     _checks.check_rank("slot_mapping", slot_mapping, 1, "(n,)")
-    _checks.check_same_device(
-        key=key, value=value, k_pool=k_pool, v_pool=v_pool, slot_mapping=slot_mapping
-    )
-    for name, tensor in (("key", key), ("value", value), ("k_pool", k_pool), ("v_pool", v_pool)):
+    for name, tensor in (("key", key), ("value", value)):
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
+    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool)):
+        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
     _checks.check_dtype("slot_mapping", slot_mapping, _checks.INDEX_DTYPES)
+    quantized = quantize.is_quantized(k_pool.dtype)
+    if quantize.is_quantized(v_pool.dtype) != quantized:
+        raise TypeError(
+            f"v_pool is {v_pool.dtype} but k_pool is {k_pool.dtype}: both pools must be "
+            "quantized or neither"
+        )
+    quantize.check_scales("k_scale", k_scale, "k_pool", k_pool)
+    quantize.check_scales("v_scale", v_scale, "v_pool", v_pool)
+    if k_smooth is not None:
+        if not quantized:
+            raise ValueError(f"k_smooth is only for quantized pools; k_pool is {k_pool.dtype}")
+        _checks.check_tensor("k_smooth", k_smooth)
+        _checks.check_dtype("k_smooth", k_smooth, (quantize.SCALE_DTYPE,))
+        if k_smooth.shape != k_pool.shape[1:]:
+            raise ValueError(
+                f"k_smooth must have shape {tuple(k_pool.shape[1:])} (num_kv_heads, head_dim), "
+                f"got {tuple(k_smooth.shape)}"
+            )
+    _checks.check_same_device(
+        key=key,
+        value=value,
+        k_pool=k_pool,
+        v_pool=v_pool,
+        slot_mapping=slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_smooth=k_smooth,
+    )
     if value.shape != key.shape:
         raise ValueError(
             f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}"
@@ -112,6 +142,8 @@ def _check_arguments(
         )
     if k_pool.data_ptr() == v_pool.data_ptr() and k_pool.numel() > 0:
         raise ValueError("k_pool and v_pool must be separate tensors, not the same memory")
+    if quantized and k_scale.data_ptr() == v_scale.data_ptr() and k_scale.numel() > 0:
+        raise ValueError("k_scale and v_scale must be separate tensors, not the same memory")
     if check_values and slot_mapping.numel():
         slots = slot_mapping[slot_mapping >= 0]
         if slots.numel() and int(slots.max()) >= k_pool.shape[0]:
@@ -130,20 +162,28 @@ def write_slots(
     v_pool: Tensor,
     slot_mapping: Tensor,
     *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    k_smooth: Tensor | None = None,
     check_values: bool = True,
 ) -> None:
     """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
 
-    Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches.
+    Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches. Quantized
+    pools (``kernels.quantize.QUANT_DTYPES``) take codes, and their scales ``(num_slots,
+    num_kv_heads)`` float32 ``k_scale``/``v_scale`` are written with them; ``k_smooth``
+    ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing.
     ``check_values=False`` skips the checks that read slot values (no device sync).
     """
-    _check_arguments(key, value, k_pool, v_pool, slot_mapping, check_values)
+    _check_arguments(
+        key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth, check_values
+    )
     slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    if use_torch_path(key):
-        torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping)
+    if use_torch_path(key) or k_scale is not None:
+        torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth)
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     flat = all(plane_is_flat(t) for t in (key, value, k_pool, v_pool))
