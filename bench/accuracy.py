@@ -36,7 +36,7 @@ from torch import Tensor
 
 import kernels
 import reference
-from bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance
+from bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance, sig3
 from bench.table import aligned
 from bench.timing import figures_kind
 
@@ -90,6 +90,8 @@ class Variant:
 
     @property
     def label(self) -> str:
+        if self.format == BASELINE:
+            return f"{BASELINE} pool"
         return f"{self.format} {self.mode}{' smooth-K' if self.smooth else ''}"
 
 
@@ -333,7 +335,7 @@ def _row(
 
 
 def format_metrics(m: Metrics) -> str:
-    return f"cosine {m.cosine:.6f}, rel L1 {100 * m.rel_l1:.3f}%, max abs {m.max_abs_error:.3g}"
+    return f"cosine {m.cosine:.6f}, rel L1 {sig3(100 * m.rel_l1)}%, max abs {m.max_abs_error:.3g}"
 
 
 def describe(config: AccuracyConfig) -> list[str]:
@@ -367,7 +369,7 @@ def format_rows(rows: Sequence[Row]) -> str:
             str(r["mode"] or "-"),
             str(r["k_smooth"]),
             f"{r['cosine']:.6f}",
-            f"{100 * r['rel_l1']:.2f}%",
+            f"{sig3(100 * r['rel_l1'])}%",
             f"{r['max_abs_error']:.3g}",
             "meets" if r["meets_goal"] == "yes" else "MISSES",
         ]
