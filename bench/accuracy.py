@@ -359,8 +359,9 @@ def describe(config: AccuracyConfig) -> list[str]:
     ]
 
 
-def format_rows(rows: Sequence[Row]) -> str:
-    """The accuracy table: one line per (data, format, mode, smoothing)."""
+def format_rows(rows: Sequence[Row], *, markdown: bool = False) -> str:
+    """The accuracy table: one line per (data, format, mode, smoothing); ``markdown`` for the
+    README."""
     header = ["data", "format", "mode", "K smooth", "cosine", "rel L1", "max abs err", "goal"]
     body = [
         [
@@ -375,7 +376,10 @@ def format_rows(rows: Sequence[Row]) -> str:
         ]
         for r in rows
     ]
-    return "\n".join(aligned([header, *body]))
+    if not markdown:
+        return "\n".join(aligned([header, *body]))
+    lines = [header, ["---"] * len(header), *body]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def print_progress(line: str) -> None:

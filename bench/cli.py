@@ -249,6 +249,7 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=_non_negative_int, default=0)
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -429,7 +430,7 @@ def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(line)
     csv_path = args.out / "accuracy.csv"
     rows = accuracy.run_accuracy(config, csv_path, log=accuracy.print_progress)
-    print(accuracy.format_rows(rows))
+    print(accuracy.format_rows(rows, markdown=args.markdown))
     print(f"wrote {csv_path}")
     return 0
 

@@ -146,6 +146,9 @@ def test_a_corrupted_output_is_flagged_as_missing_the_goal(tmp_path):
     assert row["cosine"] == pytest.approx(1.0)  # a scaled output keeps its direction
     assert row["meets_goal"] == "no"
     assert "MISSES" in accuracy.format_rows([row])
+    markdown = accuracy.format_rows([row], markdown=True).splitlines()
+    assert markdown[0].startswith("| data | format |") and markdown[1].startswith("| --- |")
+    assert markdown[2].startswith("| random | bf16 | - | off | 1.000000 | 5.00% |")
 
 
 def test_the_command_prints_the_table_and_names_a_query_subset(tmp_path, capsys):
