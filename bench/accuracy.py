@@ -111,7 +111,7 @@ class AccuracyConfig:
     whole frame). ``q_dtype``: the queries' and the bf16 pool's dtype in the kernels (float32
     on a CPU, where bf16 is not run: it holds the same bf16-rounded values)."""
 
-    heads: int = 2
+    heads: int = 1
     head_dim: int = 128
     chunk_size: int = 1560
     sink_chunks: int = 9
