@@ -16,10 +16,9 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels import _copy_tiles
 from kernels.quantize import QMAX
 from reference.quantize import nearest_code_error, quantize
-from tests.helpers import DEVICE, ON_GPU
+from tests.helpers import DEVICE, ON_GPU, copy_tiling
 
 write_module = importlib.import_module("kernels.write_slots")
 
@@ -39,10 +38,8 @@ def as_bytes(codes: torch.Tensor) -> torch.Tensor:
 def backend(name: str):
     """``triton``: the Triton kernel (the interpreter on a CPU), with this machine's tiles;
     ``gpu-tiles``: the kernel with a GPU's tile geometry; ``torch``: the plain-PyTorch path."""
-    with pytest.MonkeyPatch.context() as patch:
-        if name == "gpu-tiles":
-            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
-        elif name == "torch":
+    with copy_tiling(name == "gpu-tiles"), pytest.MonkeyPatch.context() as patch:
+        if name == "torch":
             patch.setattr(write_module, "use_torch_path", lambda tensor: True)
         yield
 
@@ -147,7 +144,9 @@ def test_chunk_starting_mid_block(dtype, block_size: int) -> None:
 @pytest.mark.parametrize("dtype", FORMATS)
 @pytest.mark.parametrize("where", ["triton", "gpu-tiles", "torch"])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
-@pytest.mark.parametrize("heads, dim", [(1, 128), (2, 80), (5, 80), (5, 128)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "heads, dim", [(1, 128), (2, 80), (5, 80), (5, 128), (40, 128)], ids=lambda v: str(v)
+)
 def test_padding_slots_heads_and_head_dims(dtype, where, smooth, heads, dim) -> None:
     tokens = 19
     key, value, mean = random_kv(tokens, heads, dim, seed=heads * dim)
@@ -203,6 +202,21 @@ def test_half_inputs_and_strided_views(dtype) -> None:
     check_quantized_write(key, value, slots, (k_pool, v_pool, k_scale, v_scale), k_smooth=mean)
     assert (as_bytes(k_base[:, 1::2]) == POISON_CODE[dtype]).all()
     assert scale_base[:, 0].isnan().all()
+
+
+def test_slots_past_int32_offsets() -> None:
+    dtype, heads, dim = torch.float8_e4m3fn, 1, 64
+    num_slots = 2**31 // (heads * dim) + 64
+    k_pool = torch.empty(num_slots, heads, dim, dtype=dtype, device=DEVICE)  # never touched
+    v_pool = torch.empty_like(k_pool)
+    k_scale = torch.empty(num_slots, heads, device=DEVICE)
+    v_scale = torch.empty_like(k_scale)
+    slots = torch.tensor([num_slots - 1, num_slots - 40, 3], device=DEVICE)
+    assert slots[0] * heads * dim > 2**31
+    key, value, _ = random_kv(3, heads, dim, seed=2)
+    kernels.write_slots(key, value, k_pool, v_pool, slots, k_scale=k_scale, v_scale=v_scale)
+    for pool, scale, x in ((k_pool, k_scale, key), (v_pool, v_scale, value)):
+        assert_rows_quantized(pool[slots], scale[slots], x, dtype, bitwise=not ON_GPU)
 
 
 @pytest.mark.parametrize("k_dtype, v_dtype", [(torch.int8, torch.float8_e4m3fn)])
