@@ -147,3 +147,15 @@ def test_the_ratio_table_rates_quantized_rows_against_the_bf16_pool():
         lines["triton-fp8-mma"].rstrip().endswith(f"BELOW {QUANTIZED_GOALS['triton-fp8-mma']:.2f}x")
     )
     assert "quantized goals: 1 of 2 rows below" in text
+
+
+def test_the_speedup_plot_draws_the_quantized_pools_without_a_baseline(tmp_path):
+    from bench.plot import plot_rows
+
+    rows = [
+        *STEADY_CEILINGS,
+        measured("paged_attention", "triton", 16, 2.0, role="ours"),
+        measured("paged_attention", "triton-fp8", 16, 1.25, role="quantized"),
+    ]
+    paths = [p.name for p in plot_rows(rows, tmp_path)]
+    assert paths == ["speedup.png", "paged_attention.png"]
