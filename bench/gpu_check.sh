@@ -69,9 +69,9 @@ grep -E "^error" "$out_dir/sweep.log" | cut -c1-400 || true  # the skips come wi
 [ "$sweep_rc" -eq 0 ] || tail -n 15 "$out_dir/sweep.log"
 echo "== sweep: exit $sweep_rc after $((SECONDS - start))s"
 
-echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-40}s)"
+echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-60}s)"
 start=$SECONDS
-timeout "${ACCURACY_TIMEOUT:-40}" "$python" -m bench accuracy --out "$out_dir" \
+timeout "${ACCURACY_TIMEOUT:-60}" "$python" -m bench accuracy --out "$out_dir" \
     >"$out_dir/accuracy.log" 2>&1
 accuracy_rc=$?
 grep -vE "^(random|k-outliers) .*: cosine" "$out_dir/accuracy.log" | tail -n 20
