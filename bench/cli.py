@@ -1,6 +1,6 @@
-"""``python -m bench sweep|plot|table|compare|compile``: run a checked sweep, redraw its plots,
-print its ratio table, compare two runs, or compile the kernels for a GPU target and report on the
-machine code.
+"""``python -m bench sweep|plot|table|compare|compile|accuracy``: run a checked sweep, redraw its
+plots, print its ratio table, compare two runs, compile the kernels for a GPU target and report on
+the machine code, or measure the accuracy of quantized (FP8/INT8) KV pools.
 
 Each subcommand is a pair: ``_add_<name>(commands)`` declares it and sets its handler (and
 itself as ``command_parser``, for errors), ``_<name>(parser, args) -> exit status`` runs it;
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench import compile_report
+from bench import accuracy, compile_report
 from bench.compare import format_compare
 from bench.plot import plot_rows
 from bench.providers import PROVIDER_NAMES, Tile  # importing the kernels picks the interpreter
@@ -56,6 +56,8 @@ PRESETS: dict[str, dict[str, object]] = {
         "batch": 1,
     },
 }
+# Heads of `bench accuracy` on a CPU by default: one takes ~2.5 CPU-minutes under the interpreter.
+CPU_ACCURACY_HEADS = 1
 # Above this many attention FLOPs per call a CPU run (the interpreter) would take hours.
 CPU_FLOP_LIMIT = 2e10
 
@@ -201,12 +203,64 @@ def _add_compile(commands: argparse._SubParsersAction) -> None:
     compile_parser.set_defaults(handler=compile_report.run, command_parser=compile_parser)
 
 
+def _add_accuracy(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "accuracy",
+        help="quantized KV pools (FP8/INT8) against float64 attention on bf16 K/V: cosine, "
+        "relative L1, max error, the issue's goal",
+        description="Every row writes K/V with write_slots and attends with paged_attention "
+        "(the Triton interpreter on a CPU). Defaults: the shipped geometry (one frame of 1560 "
+        "queries over sink 9 + window 9 frames of 1560 keys, head_dim 128) with "
+        f"{CPU_ACCURACY_HEADS} head on a CPU and all {accuracy.SHIPPED_HEADS} on a GPU.",
+    )
+    parser.set_defaults(handler=_accuracy, command_parser=parser)
+    parser.add_argument("--out", type=Path, default=Path("out"), help="folder for accuracy.csv")
+    parser.add_argument(
+        "--data",
+        type=_list_of(_choice(accuracy.DATA_KINDS)),
+        default=accuracy.DATA_KINDS,
+        help=f"data kinds: {', '.join(accuracy.DATA_KINDS)}",
+    )
+    parser.add_argument(
+        "--formats",
+        type=_list_of(_choice(tuple(accuracy.FORMATS))),
+        default=tuple(accuracy.FORMATS),
+        help="quantized pool formats (the bf16 baseline always runs): e4m3 (float8_e4m3fn), int8",
+    )
+    parser.add_argument(
+        "--smoothing",
+        type=_list_of(_choice(("off", "on"))),
+        default=("off", "on"),
+        help="K smoothing: off, on or both",
+    )
+    parser.add_argument("--heads", type=_positive_int, help="default: 1 on a CPU, 40 on a GPU")
+    parser.add_argument("--head-dim", type=_positive_int, default=128)
+    parser.add_argument("--chunk-size", type=_positive_int, default=1560, help="tokens per frame")
+    parser.add_argument("--sink-chunks", type=_non_negative_int, default=9, help="sink frames")
+    parser.add_argument("--window-chunks", type=_positive_int, default=9, help="window frames")
+    parser.add_argument(
+        "--queries", type=_positive_int, help="attend only the frame's first QUERIES queries"
+    )
+    parser.add_argument("--block-size", type=_positive_int, default=1560)
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="queries and the bf16 baseline pool: bf16 on a GPU, fp32 (holding the same "
+        "bf16-rounded values) on a CPU by default",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--seed", type=_non_negative_int, default=0)
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_sweep,
     _add_plot,
     _add_table,
     _add_compare,
     _add_compile,
+    _add_accuracy,
 )
 
 
@@ -349,6 +403,37 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     old = _rows_of(parser, "old", args.old)
     new = _rows_of(parser, "new", args.new)
     print(format_compare(old, new))
+    return 0
+
+
+def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    _out_folder(parser, args.out)
+    device = _resolve_device(parser, args.device)
+    if args.head_dim > 256:
+        parser.error(f"--head-dim {args.head_dim}: the kernels take head_dim up to 256")
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    heads = args.heads or (accuracy.SHIPPED_HEADS if device == "cuda" else CPU_ACCURACY_HEADS)
+    config = accuracy.AccuracyConfig(
+        heads=heads,
+        head_dim=args.head_dim,
+        chunk_size=args.chunk_size,
+        sink_chunks=args.sink_chunks,
+        window_chunks=args.window_chunks,
+        q_rows=args.queries,
+        block_size=args.block_size,
+        data=args.data,
+        formats=args.formats,
+        smoothing=tuple(choice == "on" for choice in args.smoothing),
+        q_dtype=DTYPES[dtype],
+        device=device,
+        seed=args.seed,
+    )
+    for line in accuracy.describe(config):
+        print(line)
+    csv_path = args.out / "accuracy.csv"
+    rows = accuracy.run_accuracy(config, csv_path, log=accuracy.print_progress)
+    print(accuracy.format_rows(rows, markdown=args.markdown))
+    print(f"wrote {csv_path}")
     return 0
 
 

@@ -8,15 +8,21 @@
 # 2. the shipped-geometry sweep (40 heads, head_dim 128, bf16, q 4680, kv 28080): the shipped
 #    block sizes first (16, 1560, then 24, 64, 256, 520, 32, 128), this project's kernels, the
 #    forced SDPA backends (sdpa-best) and the other baselines over every block size before
-#    compiled FlexAttention; every provider checked against the oracle before it is timed.
+#    compiled FlexAttention; our attention over FP8 (dequant, fp8-mma) and INT8 pools beside
+#    the bf16 pool at every block size; every provider checked against the oracle (quantized
+#    ones against the dequantizing oracle) before it is timed.
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
-# 3. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
-# 4. the plots (speedup.png first), then the ratio table, printed last.
-# Each stage has a time limit (SWEEP_TIMEOUT, TEST_TIMEOUT seconds); a sweep cut short still
-# leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS (comma lists) narrow
-# the sweep. PYTHON picks the interpreter (default python3).
-# Exit status: 0 when the sweep and the tests both passed, 1 otherwise, 2 without a GPU.
+# 3. `python -m bench accuracy` at the shipped geometry with all 40 heads, bf16 queries
+#    (OUT_DIR/accuracy.csv, log in OUT_DIR/accuracy.log, table printed);
+# 4. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
+# 5. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
+#    over the bf16 pool and their goals), printed last.
+# Each stage has a time limit (SWEEP_TIMEOUT, ACCURACY_TIMEOUT, TEST_TIMEOUT seconds); a sweep
+# cut short still leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS
+# (comma lists) narrow the sweep. PYTHON picks the interpreter (default python3).
+# Exit status: 0 when the sweep, the accuracy report and the tests passed, 1 otherwise, 2
+# without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,6 +69,14 @@ grep -E "^error" "$out_dir/sweep.log" | cut -c1-400 || true  # the skips come wi
 [ "$sweep_rc" -eq 0 ] || tail -n 15 "$out_dir/sweep.log"
 echo "== sweep: exit $sweep_rc after $((SECONDS - start))s"
 
+echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-60}s)"
+start=$SECONDS
+timeout "${ACCURACY_TIMEOUT:-60}" "$python" -m bench accuracy --out "$out_dir" \
+    >"$out_dir/accuracy.log" 2>&1
+accuracy_rc=$?
+grep -vE "^(random|k-outliers) .*: cosine" "$out_dir/accuracy.log" | tail -n 20
+echo "== accuracy: exit $accuracy_rc after $((SECONDS - start))s"
+
 # --- spot for a `python -m bench compile` step (the compile report), added by the lead ------
 
 workers=()
@@ -78,9 +92,10 @@ echo "== kernel tests: exit $tests_rc after $((SECONDS - start))s"
 
 if [ -s "$out_dir/sweep.csv" ]; then
     "$python" -m bench plot "$out_dir/sweep.csv" --out "$out_dir"
-    echo "== sweep exit $sweep_rc, tests exit $tests_rc; ratio table:"
+    echo "== sweep exit $sweep_rc, accuracy exit $accuracy_rc, tests exit $tests_rc; ratio table:"
     "$python" -m bench table "$out_dir/sweep.csv" --goal
 else
-    echo "== sweep exit $sweep_rc, tests exit $tests_rc; the sweep wrote no CSV"
+    echo "== sweep exit $sweep_rc, accuracy exit $accuracy_rc, tests exit $tests_rc;" \
+        "the sweep wrote no CSV"
 fi
-[ "$sweep_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]
+[ "$sweep_rc" -eq 0 ] && [ "$accuracy_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]

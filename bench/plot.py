@@ -16,8 +16,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, Row, read_rows
-from bench.table import geometry_label, ratio_cases, series_label
+from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, QUANTIZED_GOALS, Row, read_rows
+from bench.table import geometry_label, quantized_cases, ratio_cases, series_label
 
 # Values spanning more than this factor get a log y axis.
 LOG_SPAN = 10.0
@@ -48,19 +48,29 @@ def _subtitle(rows: Sequence[Row]) -> str:
 
 def draw_speedup(rows: Sequence[Row]) -> Figure:
     """The fastest baseline's median over ours against block size, one line per kernel and
-    geometry, with the 1.0 line (above it, ours is faster)."""
+    geometry, with the 1.0 line (above it, ours is faster); dashed, each quantized pool's
+    speedup over our bf16 pool (its goal in the label)."""
     lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for case in ratio_cases(rows):
         if case["speedup"] is not None:
             row = case["row"]
             label = f"{row['kernel']} ({geometry_label(row)})"
             lines[label].append((row["block_size"], case["speedup"]))
+    dashed = set()
+    for case in quantized_cases(rows):
+        if case["speedup"] is not None:
+            row = case["row"]
+            goal = QUANTIZED_GOALS.get(str(row["provider"]))
+            label = f"{row['provider']} / bf16 pool, goal {goal}x ({geometry_label(row)})"
+            lines[label].append((row["block_size"], case["speedup"]))
+            dashed.add(label)
     figure = Figure(figsize=(8.0, 4.8), layout="constrained")
     ax = figure.subplots()
     values = [1.0]
     for label, points in lines.items():
         points.sort()
-        ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=label)
+        style = "--" if label in dashed else "-"
+        ax.plot([b for b, _ in points], [v for _, v in points], style, marker="o", label=label)
         values += [v for _, v in points]
     ax.axhline(
         1.0, color="black", linestyle="--", linewidth=1, label="1.0: as fast as the baseline"
@@ -110,15 +120,17 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
 
 
 def plot_rows(rows: Sequence[Row], out_dir: str | Path) -> list[Path]:
-    """Write ``speedup.png`` (when any kernel has a baseline) and ``<kernel>.png`` for every
-    kernel in ``rows`` into ``out_dir``; returns the paths, the headline first."""
+    """Write ``speedup.png`` (when any kernel has a baseline or a quantized pool) and
+    ``<kernel>.png`` for every kernel in ``rows`` into ``out_dir``; returns the paths, the
+    headline first."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     kernels = dict.fromkeys(
         r["kernel"] for r in rows if r["kernel"] != "ceiling" and not r.get("skipped")
     )
     paths = []
-    if any(case["speedup"] is not None for case in ratio_cases(rows)):
+    cases = [*ratio_cases(rows), *quantized_cases(rows)]
+    if any(case["speedup"] is not None for case in cases):
         path = out_dir / "speedup.png"
         draw_speedup(rows).savefig(path, dpi=110)
         paths.append(path)

@@ -26,7 +26,8 @@ from torch import Tensor
 
 import kernels
 import reference
-from bench.workload import Geometry, Workload
+from bench.results import QUANTIZED_GOALS
+from bench.workload import Geometry, QuantizedPools, Workload
 
 # Largest float64 score tensor the timed oracle provider may build (it is timed whole).
 ORACLE_TIMING_BYTES = 1 << 28
@@ -66,6 +67,18 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 
 
 @dataclass(frozen=True)
+class Quant:
+    """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``)."""
+
+    dtype: torch.dtype
+    fp8_mma: bool = False
+
+    def __str__(self) -> str:
+        name = {torch.float8_e4m3fn: "e4m3", torch.int8: "int8"}[self.dtype]
+        return f"{name} {'fp8-mma' if self.fp8_mma else 'dequant'}"
+
+
+@dataclass(frozen=True)
 class Provider:
     """One way of computing ``kernel``.
 
@@ -74,7 +87,9 @@ class Provider:
     and skipped; this project's kernels and the oracle raise. A ``bound`` is timed but not
     checked (it computes something else with the same bytes). ``tunable`` providers take the
     sweep's tile overrides; ``late`` ones (long compiles) run after every other provider of the
-    sweep, so a run cut short has measured the rest.
+    sweep, so a run cut short has measured the rest. ``quant``: the pool format of a
+    ``quantized`` provider (this project's kernel over FP8/INT8 codes, checked against the
+    dequantizing oracle and rated against the bf16 pool).
     """
 
     kernel: str
@@ -84,6 +99,7 @@ class Provider:
     role: str = "ours"
     tunable: bool = False
     late: bool = False
+    quant: Quant | None = None
 
     @property
     def skippable(self) -> bool:
@@ -189,6 +205,78 @@ def _build_reference_paged(workload: Workload, tile: Tile | None) -> Bench:
     return Bench(
         lambda: reference.paged_attention(*w.attention_args(), max_seqlen_q=w.geometry.q_tokens),
         backend="reference float64",
+    )
+
+
+def quantized_pools(workload: Workload, dtype: torch.dtype) -> QuantizedPools:
+    """The workload's whole pools (spare blocks too) written as ``dtype`` codes and scales by
+    ``kernels.write_slots`` (no K smoothing: attention is the same with it); made once per
+    workload and dtype, shared by the providers and the oracle."""
+    w = workload
+    if dtype not in w.quantized:
+        g = w.geometry
+        flat = (-1, g.kv_heads, g.head_dim)
+        k_codes = torch.empty(w.k_cache.shape, dtype=dtype, device=w.k_cache.device)
+        v_codes = torch.empty_like(k_codes)
+        fill = dict(dtype=torch.float32, device=w.k_cache.device)
+        k_scale = torch.empty(w.k_cache.shape[:-1], **fill)
+        v_scale = torch.empty(w.k_cache.shape[:-1], **fill)
+        num_slots = w.k_cache.shape[0] * w.k_cache.shape[1]
+        slots = torch.arange(num_slots, dtype=torch.int32, device=w.k_cache.device)
+        kernels.write_slots(
+            w.k_cache.reshape(flat),
+            w.v_cache.reshape(flat),
+            k_codes.view(flat),
+            v_codes.view(flat),
+            slots,
+            k_scale=k_scale.view(flat[:-1]),
+            v_scale=v_scale.view(flat[:-1]),
+            check_values=False,
+        )
+        w.quantized[dtype] = QuantizedPools(k_codes, v_codes, k_scale, v_scale)
+    return w.quantized[dtype]
+
+
+def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
+    """Our paged attention over the workload's pools quantized to ``quant``."""
+
+    def build(workload: Workload, tile: Tile | None) -> Bench:
+        w = workload
+        pools = quantized_pools(w, quant.dtype)
+        out = torch.empty_like(w.q)
+        tiles = _tile_arguments(tile)
+
+        def run() -> Tensor:
+            return kernels.paged_attention(
+                w.q,
+                pools.k_cache,
+                pools.v_cache,
+                w.block_table,
+                w.cu_seqlens_q,
+                w.seq_lens_k,
+                max_seqlen_q=w.geometry.q_tokens,
+                out=out,
+                k_scale=pools.k_scale,
+                v_scale=pools.v_scale,
+                fp8_mma=quant.fp8_mma,
+                check_values=False,
+                **tiles,
+            )
+
+        return Bench(run, backend=f"triton paged_attention {quant}")
+
+    def unsupported(workload: Workload) -> str | None:
+        device = workload.q.device
+        if quant.fp8_mma and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 9):
+                return (
+                    f"FP8 MMA needs sm_89 or newer, this GPU is sm_{capability[0]}{capability[1]}"
+                )
+        return None
+
+    return Provider(
+        "paged_attention", name, build, unsupported, "quantized", tunable=True, quant=quant
     )
 
 
@@ -540,6 +628,13 @@ def _chunk_bytes(workload: Workload) -> int:
     return 2 * workload.new_keys.numel() * workload.new_keys.element_size()
 
 
+# Our paged attention over quantized pools, by provider name (their goals: QUANTIZED_GOALS).
+QUANTIZED_PROVIDERS = {
+    "triton-fp8": Quant(torch.float8_e4m3fn),
+    "triton-fp8-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
+    "triton-int8": Quant(torch.int8),
+}
+assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)
 BASELINE = "baseline"
 PROVIDERS: tuple[Provider, ...] = (
     Provider("paged_attention", "triton", _build_triton_paged, tunable=True),
@@ -548,6 +643,7 @@ PROVIDERS: tuple[Provider, ...] = (
     ),
     *(_forced_sdpa_provider(name) for name in SDPA_BACKENDS),
     Provider("paged_attention", "sdpa+gather", _build_sdpa_with_gather, role=BASELINE),
+    *(_quantized_paged_provider(name, quant) for name, quant in QUANTIZED_PROVIDERS.items()),
     Provider("paged_attention", "flash_attn", _build_flash_attn, _flash_attn_unsupported, BASELINE),
     Provider("paged_attention", "flex", _build_flex, _flex_unsupported, BASELINE, late=True),
     Provider("staged", "triton", _build_staged_triton, tunable=True),

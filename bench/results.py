@@ -33,7 +33,11 @@ ATTENTION_KERNELS = ("paged_attention", "staged")
 # What a provider is to the comparison: this project's kernel, a baseline it must beat, the
 # fastest of several baselines repeated under one name (``sdpa-best``), a bound (a plain device
 # copy of the same bytes, not a result) or the float64 oracle (correctness only).
-ROLES = ("ours", "baseline", "best-of", "bound", "oracle")
+# ``quantized``: this project's kernel over FP8/INT8 pools, rated against the bf16 pool (ours).
+ROLES = ("ours", "baseline", "best-of", "bound", "oracle", "quantized")
+# The quantized providers and their goal (issue 12): the speedup over this project's paged
+# attention on the bf16 pool at the same block size.
+QUANTIZED_GOALS = {"triton-fp8": 1.3, "triton-fp8-mma": 1.8, "triton-int8": 1.3}
 MEASURE_COLUMNS = (
     "p50_ms",
     "p20_ms",
@@ -122,14 +126,15 @@ def provenance(device: torch.device, figures: str) -> Row:
 class CsvWriter:
     """Writes the header at once and flushes every row, so a killed run keeps what it measured."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], columns: tuple[str, ...] = COLUMNS) -> None:
         self._stream = stream
-        self._writer = csv.DictWriter(stream, fieldnames=COLUMNS, extrasaction="raise")
+        self._columns = columns
+        self._writer = csv.DictWriter(stream, fieldnames=columns, extrasaction="raise")
         self._writer.writeheader()
         stream.flush()
 
     def write(self, row: Row) -> None:
-        self._writer.writerow({name: _format(row.get(name)) for name in COLUMNS})
+        self._writer.writerow({name: _format(row.get(name)) for name in self._columns})
         self._stream.flush()
 
 

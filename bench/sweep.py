@@ -25,13 +25,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import reference.quantize
 from bench.providers import (
     PROVIDERS,
     SDPA_BACKENDS,
     SDPA_BEST,
     Output,
     Provider,
+    Quant,
     Tile,
+    quantized_pools,
     torch_sdpa_output,
 )
 from bench.results import (
@@ -57,6 +60,7 @@ from bench.workload import (
     DTYPES,
     Geometry,
     Workload,
+    dequantized_sequences,
     make_workload,
     oracle_attention,
     oracle_pools,
@@ -69,6 +73,13 @@ from bench.workload import (
 # different summation order). The copy kernels must be exact.
 TORCH_ERROR_FACTOR = 2.0
 ERROR_FLOOR = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 4e-3}
+# Quantized providers are checked against the dequantizing oracle (float64 on the codes they
+# read), so the storage's rounding is not in the limit. The FP8-MMA mode also rounds each query
+# row (the oracle does too) and the probabilities to e4m3, which the oracle cannot repeat (they
+# are scaled per key tile). Each probability is then off by up to 2**-4 of itself; the output,
+# relative to its largest magnitude, measured ~0.04 off on the small preset: the allowance is
+# twice the per-probability bound, 2**-3.
+FP8_MMA_ALLOWANCE = 0.125
 
 
 class WrongResultError(AssertionError):
@@ -108,14 +119,18 @@ class SweepResult:
     csv_path: Path
 
 
-def accuracy_limit(kernel: str, dtype: str, torch_error: float | None) -> float:
+def accuracy_limit(
+    kernel: str, dtype: str, torch_error: float | None, quant: Quant | None = None
+) -> float:
     """Largest error a ``kernel`` result in ``dtype`` may have: ``2 * torch_error + floor`` for
-    attention (``torch_error``: torch SDPA's error on the same inputs), 0 for the copies."""
+    attention (``torch_error``: torch SDPA's error on the same inputs; plus
+    ``FP8_MMA_ALLOWANCE`` in the FP8-MMA mode), 0 for the copies."""
     if kernel not in ATTENTION_KERNELS:
         return 0.0
     if torch_error is None or not math.isfinite(torch_error):
         raise ValueError(f"torch_error must be a finite error for {kernel}, got {torch_error}")
-    return TORCH_ERROR_FACTOR * torch_error + ERROR_FLOOR[dtype]
+    allowance = FP8_MMA_ALLOWANCE if quant is not None and quant.fp8_mma else 0.0
+    return TORCH_ERROR_FACTOR * torch_error + ERROR_FLOOR[dtype] + allowance
 
 
 def max_error(actual: Output, expected: Output) -> float:
@@ -137,14 +152,16 @@ def max_error(actual: Output, expected: Output) -> float:
     return worst
 
 
-def bytes_moved(kernel: str, workload: Workload) -> int:
-    """Bytes a kernel must read and write at least: attention reads q, K, V and writes out;
-    staging reads and writes every visible block; a slot write reads and writes the chunk."""
+def bytes_moved(kernel: str, workload: Workload, quant: Quant | None = None) -> int:
+    """Bytes a kernel must read and write at least: attention reads q, K, V (codes and their
+    float32 scales from a quantized pool) and writes out; staging reads and writes every
+    visible block; a slot write reads and writes the chunk."""
     g = workload.geometry
     item = torch.empty((), dtype=g.torch_dtype).element_size()
     kv_token = g.kv_heads * g.head_dim * item
     attention = 2 * g.batch * g.q_tokens * g.heads * g.head_dim * item
-    attention += 2 * g.batch * g.kv_tokens * kv_token
+    pool_token = kv_token if quant is None else g.kv_heads * (g.head_dim + 4)
+    attention += 2 * g.batch * g.kv_tokens * pool_token
     staging = 2 * 2 * g.batch * workload.staged_tokens * kv_token
     chunk_write = 2 * 2 * g.batch * g.q_tokens * kv_token
     return {
@@ -172,23 +189,38 @@ class _Oracles:
             self._torch_error = {geometry: max_error(torch_sdpa_output(workload), expected)}
         return self._torch_error[geometry]
 
-    def expected(self, kernel: str, workload: Workload) -> Output:
+    def expected(self, kernel: str, workload: Workload, quant: Quant | None = None) -> Output:
+        """The oracle's result; for a ``quant`` provider the dequantizing oracle's (float64 on
+        the codes it reads; in the FP8-MMA mode on e4m3-rounded query rows too), which serves
+        every block size as well: each token is quantized alone."""
         geometry, block_size = workload.geometry, workload.block_size
         attention = kernel in ATTENTION_KERNELS
-        key = ("attention", geometry) if attention else (kernel, geometry, block_size)
+        key = ("attention", geometry, quant) if attention else (kernel, geometry, block_size)
         if key not in self._cache:
             self._cache = {
                 old: value
                 for old, value in self._cache.items()
                 if old[1] == geometry and (old[0] == "attention" or old[2] == block_size)
             }
-            if attention:
+            if attention and quant is not None:
+                self._cache[key] = _dequantizing_oracle(workload, quant)
+            elif attention:
                 self._cache[key] = oracle_attention(workload)
             elif kernel == "gather_blocks":
                 self._cache[key] = oracle_stage(workload)
             else:
                 self._cache[key] = oracle_pools(workload)
         return self._cache[key]
+
+
+def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
+    keys, values = dequantized_sequences(workload, quantized_pools(workload, quant.dtype))
+    q = None
+    if quant.fp8_mma:
+        q = reference.quantize.dequantize(
+            *reference.quantize.quantize(workload.q, torch.float8_e4m3fn)
+        )
+    return oracle_attention(workload, q=q, keys=keys, values=values)
 
 
 def selected_providers(config: SweepConfig, providers: Sequence[Provider]) -> list[Provider]:
@@ -239,10 +271,10 @@ def _check_then_time(
     backend = bench.backend or provider.name
     if provider.role == "bound":
         return Checked(measure(bench.run, device, settings), backend, None, None, None)
-    expected = oracles.expected(provider.kernel, workload)
+    expected = oracles.expected(provider.kernel, workload, provider.quant)
     torch_error = oracles.torch_error(provider.kernel, workload)
     error = max_error(output, expected)
-    limit = accuracy_limit(provider.kernel, workload.geometry.dtype, torch_error)
+    limit = accuracy_limit(provider.kernel, workload.geometry.dtype, torch_error, provider.quant)
     if not error <= limit:
         anchor = "" if torch_error is None else f" (torch SDPA's error {torch_error:.3g})"
         wrong = f"max error {error:.3g} > limit {limit:.3g}{anchor}; not timed"
@@ -283,7 +315,7 @@ def _measured_row(
     matmul_tflops, copy_gbps = roofs
     seconds = timing.p50_ms / 1e3
     tflops = g.attention_flops() / seconds / 1e12 if provider.kernel in ATTENTION_KERNELS else None
-    gbps = bytes_moved(provider.kernel, workload) / seconds / 1e9
+    gbps = bytes_moved(provider.kernel, workload, provider.quant) / seconds / 1e9
     return {
         "kernel": provider.kernel,
         "provider": provider.name,

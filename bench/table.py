@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, STEADY, Row, sig3
+from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, QUANTIZED_GOALS, STEADY, Row, sig3
 
 
 def sci3(value: object) -> str:
@@ -206,6 +206,67 @@ def _missed(case: dict[str, object]) -> list[str]:
     return missed
 
 
+def _case_key(row: Row) -> tuple[object, ...]:
+    return (row["kernel"], *(row[c] for c in GEOMETRY_COLUMNS), row["block_size"])
+
+
+def quantized_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
+    """Per quantized row (our kernel over FP8/INT8 pools), this project's fastest row of the
+    same kernel, geometry and block size over the bf16 pool (``bf16``) and ``speedup = bf16 /
+    quantized``, in the order the rows ran."""
+    measured = _measured(rows)
+    ours: dict[tuple[object, ...], Row] = {}
+    for row in measured:
+        best = ours.get(_case_key(row))
+        if row["role"] == "ours" and (best is None or row["p50_ms"] < best["p50_ms"]):
+            ours[_case_key(row)] = row
+    cases = []
+    for row in measured:
+        if row["role"] == "quantized":
+            bf16 = ours.get(_case_key(row))
+            speedup = bf16["p50_ms"] / row["p50_ms"] if bf16 else None
+            cases.append({"row": row, "bf16": bf16, "speedup": speedup})
+    return cases
+
+
+def _format_quantized(cases: Sequence[dict[str, object]], goal: bool) -> list[str]:
+    """The quantized pools' table: their median, the bf16 pool's, the speedup and its goal."""
+    goals = ", ".join(f"{name} {sig3(g)}x" for name, g in QUANTIZED_GOALS.items())
+    lines = [
+        "",
+        "quantized KV pools: speedup = our bf16-pool median / the quantized pool's "
+        f"(goals: {goals})",
+    ]
+    varying = _varying([c["row"] for c in cases])
+    header = ["kernel", "block", *varying, "provider", "ms", "bf16 ms", "speedup", "goal"]
+    body = []
+    missed = 0
+    for case in cases:
+        row, bf16, speedup = case["row"], case["bf16"], case["speedup"]
+        target = QUANTIZED_GOALS.get(str(row["provider"]))
+        below = speedup is not None and target is not None and speedup < target
+        missed += below
+        mark = f"BELOW {sig3(target)}x" if goal and below else ""
+        body.append(
+            [
+                str(row["kernel"]),
+                str(row["block_size"]),
+                *(str(row[c]) for c in varying),
+                series_label(row),
+                sig3(row["p50_ms"]),
+                sig3(bf16["p50_ms"]) if bf16 else "-",
+                "-" if speedup is None else f"{sig3(speedup)}x",
+                "-" if target is None else f"{sig3(target)}x",
+                *([mark] if goal else []),
+            ]
+        )
+    lines += aligned([header + ([""] if goal else []), *body])
+    if goal:
+        rated = sum(1 for c in cases if c["speedup"] is not None)
+        lines.append(f"quantized goals: {missed} of {rated} rows below")
+    return lines
+
+
 def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
     """The ratio table: per (kernel, block size), ours against the fastest baseline measured in
     the same run. ``goal`` marks the rows below ``GOAL`` (1.0x), or for the copy kernels below
@@ -215,6 +276,7 @@ def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
     cases = ratio_cases(rows)
     lines = _provenance_lines(rows)
     lines.append("speedup = fastest baseline's median / ours (above 1.00x: ours is faster)")
+    quantized = quantized_cases(rows)
     if not cases:
         return "\n".join([*lines, "no rows of this project's kernels"])
     varying = _varying([c["row"] for c in cases])
@@ -251,4 +313,6 @@ def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
                 else ""
             )
         )
+    if quantized:
+        lines += _format_quantized(quantized, goal)
     return "\n".join(lines)

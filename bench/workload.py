@@ -11,12 +11,13 @@ attention and one oracle result serves them all.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 import reference
+import reference.quantize
 from reference.attention import gather_sequence
 
 DTYPES: dict[str, torch.dtype] = {
@@ -62,6 +63,17 @@ class Geometry:
         return 4 * self.batch * self.q_tokens * self.kv_tokens * self.heads * self.head_dim
 
 
+@dataclass(frozen=True)
+class QuantizedPools:
+    """The workload's pools as codes: ``k_cache``/``v_cache`` like the bf16 ones, and a float32
+    scale per (block, slot, KV head)."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    k_scale: Tensor
+    v_scale: Tensor
+
+
 @dataclass
 class Workload:
     """Tensors for one (geometry, block size) case, on one device.
@@ -84,6 +96,8 @@ class Workload:
     new_keys: Tensor
     new_values: Tensor
     write_slot_mapping: Tensor
+    # The pools quantized, per codes dtype (``bench.providers.quantized_pools`` fills it).
+    quantized: dict[torch.dtype, QuantizedPools] = field(default_factory=dict, repr=False)
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -181,26 +195,55 @@ def make_workload(
     )
 
 
-def oracle_attention(workload: Workload) -> Tensor:
-    """Float64 ``(total_q, heads, head_dim)`` from ``reference.dense_attention`` on the logical K/V.
+def dequantized_sequences(workload: Workload, pools: QuantizedPools) -> tuple[Tensor, Tensor]:
+    """Float64 logical K/V ``(batch, kv_tokens, kv_heads, head_dim)`` read back from quantized
+    pools through the block table: what the dequantizing oracle attends over."""
+    g = workload.geometry
+    sequences = []
+    for codes, scale in ((pools.k_cache, pools.k_scale), (pools.v_cache, pools.v_scale)):
+        rows = [
+            reference.quantize.dequantize(
+                gather_sequence(codes, workload.block_table[seq], g.kv_tokens),
+                gather_sequence(scale, workload.block_table[seq], g.kv_tokens),
+            )
+            for seq in range(g.batch)
+        ]
+        sequences.append(torch.stack(rows))
+    return sequences[0], sequences[1]
+
+
+def oracle_attention(
+    workload: Workload,
+    *,
+    q: Tensor | None = None,
+    keys: Tensor | None = None,
+    values: Tensor | None = None,
+) -> Tensor:
+    """Float64 ``(total_q, heads, head_dim)`` from ``reference.dense_attention`` on the logical K/V
+    (or on ``q``/``keys``/``values`` given in their place, e.g. dequantized ones).
 
     Called per sequence, per KV head (with its query heads) and per slice of queries, so the
     float64 scores stay under ``ORACLE_CHUNK_BYTES`` even at the shipped geometry.
     """
+    q = workload.q if q is None else q
+    keys = workload.keys if keys is None else keys
+    values = workload.values if values is None else values
     g = workload.geometry
     group = g.heads // g.kv_heads
     rows_per_call = max(1, ORACLE_CHUNK_BYTES // (8 * group * g.kv_tokens))
-    result = torch.empty(workload.q.shape, dtype=torch.float64, device=workload.q.device)
+    result = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for seq in range(g.batch):
-        q_seq = workload.q[seq * g.q_tokens : (seq + 1) * g.q_tokens]
+        q_seq = q[seq * g.q_tokens : (seq + 1) * g.q_tokens]
         out_seq = result[seq * g.q_tokens : (seq + 1) * g.q_tokens]
         for kv_head in range(g.kv_heads):
             heads = slice(kv_head * group, (kv_head + 1) * group)
-            keys = workload.keys[seq, :, kv_head : kv_head + 1]
-            values = workload.values[seq, :, kv_head : kv_head + 1]
+            head_keys = keys[seq, :, kv_head : kv_head + 1]
+            head_values = values[seq, :, kv_head : kv_head + 1]
             for start in range(0, g.q_tokens, rows_per_call):
                 rows = slice(start, start + rows_per_call)
-                out_seq[rows, heads] = reference.dense_attention(q_seq[rows, heads], keys, values)
+                out_seq[rows, heads] = reference.dense_attention(
+                    q_seq[rows, heads], head_keys, head_values
+                )
     return result
 
 

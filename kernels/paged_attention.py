@@ -18,6 +18,12 @@ program sees whole run in an unmasked loop; only tiles touching ``seq_lens_k``, 
 skipped. Query heads sharing a KV head are packed into the M dimension, so each K/V tile is
 loaded once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA),
 output in ``q``'s dtype.
+
+Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head, DESIGN section 9)
+load their code tiles and scales like the 16-bit tiles; by default the codes convert exactly to
+q's compute dtype and the scales multiply score and probability columns. ``fp8_mma`` runs both
+products as FP8 MMAs instead. The unquantized kernel is compiled without any of it (the scale
+pointer's absence is a compile-time flag).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, torch_path
+from kernels import _checks, quantize, torch_path
 from kernels._runtime import interpreter_active, use_torch_path
 
 LOG2E = 1.4426950408889634
@@ -114,13 +120,35 @@ def _tile_rows(
 
 
 @triton.jit
+def _to_e4m3(x, EXPLICIT_ROUNDING: tl.constexpr):
+    """Float32 ``x`` as the nearest e4m3 code (ties to even), saturating at +-448.
+
+    On a GPU the conversion is one ``cvt.rn.satfinite`` per pair. The interpreter's conversion
+    rounds wrongly when rounding carries into the next binade (31.2 -> 16), so there
+    (``EXPLICIT_ROUNDING``) x is first rounded in float32: adding and subtracting
+    ``1.5 * 2**(k + 23)`` rounds to a multiple of ``2**k``, the code step of x's binade
+    (``2**(e - 3)``, subnormals ``2**-9``), and the result converts exactly.
+    """
+    if EXPLICIT_ROUNDING:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.maximum(exponent, -6) - 3
+        magic = ((step + 23 + 127) << 23 | 0x400000).to(tl.float32, bitcast=True)
+        x = (x + magic) - magic
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def _attend_tiles(
     acc,
     row_max,
     row_sum,
+    acc_scale,
     q,
     k_head_ptr,
     v_head_ptr,
+    ks_head_ptr,
+    vs_head_ptr,
     table_row,
     stride_table_col,
     first_tile,
@@ -136,6 +164,10 @@ def _attend_tiles(
     stride_v_block,
     stride_v_slot,
     stride_v_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_vs_block,
+    stride_vs_slot,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -145,18 +177,30 @@ def _attend_tiles(
     MASKED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
     at ``tiles_start + (j - 1) * BLOCK_N``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
-    ``key_limit``. Unmasked: every row sees every key of every tile.
+    ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
+    or per row (``FP8_MMA``: the query rows' scales folded in); it must be >= 0.
+
+    ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
+    the scale pools). The K scales multiply the score columns; the V scales the probability
+    columns before the PV product (row sums from the unscaled probabilities). Without
+    ``FP8_MMA`` the codes convert exactly to q's compute dtype; with it, q is already e4m3 codes,
+    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 after
+    normalising by the tile's largest V scale (times 448, so they span the format).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_dims = k_head_ptr + offs_d[None, :] * stride_k_dim
     v_dims = v_head_ptr + offs_d[None, :] * stride_v_dim
     d_mask = offs_d[None, :] < HEAD_DIM
+    row_scale = scale_log2[:, None] if FP8_MMA else scale_log2
     id0, id1, ids = _tile_block_ids(
         table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
     )
@@ -184,25 +228,69 @@ def _attend_tiles(
             v_rows = _tile_rows(
                 id0, id1, ids, n_start, stride_v_block, stride_v_slot, BLOCK_N, BLOCK_SIZE, KV_PATH
             )
+        if QUANTIZED:
+            ks_rows = _tile_rows(
+                id0,
+                id1,
+                ids,
+                n_start,
+                stride_ks_block,
+                stride_ks_slot,
+                BLOCK_N,
+                BLOCK_SIZE,
+                KV_PATH,
+            )
+            if SAME_KV_STRIDES and KV_PATH != "contiguous":
+                vs_rows = ks_rows
+            else:
+                vs_rows = _tile_rows(
+                    id0,
+                    id1,
+                    ids,
+                    n_start,
+                    stride_vs_block,
+                    stride_vs_slot,
+                    BLOCK_N,
+                    BLOCK_SIZE,
+                    KV_PATH,
+                )
         if MASKED:
             keys = n_start + offs_n
             n_mask = (keys >= keys_lo) & (keys < keys_hi)
             # Hidden keys are never loaded: they may be unwritten slots holding NaN.
             k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
+            if QUANTIZED:
+                k_col = tl.load(ks_head_ptr + ks_rows, mask=n_mask, other=0.0)
+                v_col = tl.load(vs_head_ptr + vs_rows, mask=n_mask, other=0.0)
         elif HEAD_DIM == BLOCK_D:
             k = tl.load(k_dims + k_rows[:, None])
             v = tl.load(v_dims + v_rows[:, None])
+            if QUANTIZED:
+                k_col = tl.load(ks_head_ptr + ks_rows)
+                v_col = tl.load(vs_head_ptr + vs_rows)
         else:
             k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if QUANTIZED:
+                k_col = tl.load(ks_head_ptr + ks_rows)
+                v_col = tl.load(vs_head_ptr + vs_rows)
+        if FP8_MMA:
+            qk = tl.dot(q, tl.trans(k))
+        else:
+            if QUANTIZED:
+                # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7).
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            elif UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            qk = qk * k_col[None, :]
         if MASKED:
             visible = n_mask[None, :] & (keys[None, :] < key_limit[:, None])
-            scores = tl.where(visible, qk * scale_log2, float("-inf"))
+            scores = tl.where(visible, qk * row_scale, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of
             # -inf so exp2 gives 0, not NaN.
@@ -210,16 +298,30 @@ def _attend_tiles(
             probs = tl.math.exp2(scores - safe_max[:, None])
             rescale = tl.math.exp2(row_max - safe_max)
         else:
-            # scale_log2 > 0 (the launcher makes it so): max(qk) * scale is the scaled max,
+            # scale_log2 >= 0 (the launcher makes it so): max(qk) * scale is the scaled max,
             # and qk * scale - max is one FFMA per score.
             new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
-            probs = tl.math.exp2(qk * scale_log2 - new_max[:, None])
+            probs = tl.math.exp2(qk * row_scale - new_max[:, None])
             rescale = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8_MMA:
+            # max(v_col) > 0 unless the tile's V rows are all zero (then so is the product).
+            v_max = tl.max(v_col, axis=0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            p_codes = _to_e4m3(probs * (v_col * (448.0 / v_max))[None, :], EXPLICIT_ROUNDING)
+            # acc holds the output in units of acc_scale: this tile's unit folds into the
+            # rescale, so the MMA accumulates in place (no multiply per output element).
+            tile_scale = v_max / 448.0
+            acc = acc * (rescale * (acc_scale / tile_scale))[:, None] + tl.dot(p_codes, v)
+            acc_scale = tile_scale
+        else:
+            if QUANTIZED:
+                probs = probs * v_col[None, :]
+            pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * rescale[:, None] + pv
         row_max = new_max
         id0, id1, ids = next_id0, next_id1, next_ids
-    return acc, row_max, row_sum
+    return acc, row_max, row_sum, acc_scale
 
 
 @triton.jit
@@ -227,9 +329,12 @@ def _attend_run(
     acc,
     row_max,
     row_sum,
+    acc_scale,
     q,
     k_head_ptr,
     v_head_ptr,
+    ks_head_ptr,
+    vs_head_ptr,
     table_row,
     stride_table_col,
     run_lo,
@@ -243,6 +348,10 @@ def _attend_run(
     stride_v_block,
     stride_v_slot,
     stride_v_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_vs_block,
+    stride_vs_slot,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -251,6 +360,9 @@ def _attend_run(
     SAME_KV_STRIDES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
@@ -259,13 +371,16 @@ def _attend_run(
     tiles_end = tl.cdiv(run_hi, BLOCK_N) * BLOCK_N
     full_lo = tl.cdiv(run_lo, BLOCK_N) * BLOCK_N
     full_hi = tl.maximum(full_lo, tl.minimum(run_hi, full_end) // BLOCK_N * BLOCK_N)
-    acc, row_max, row_sum = _attend_tiles(
+    acc, row_max, row_sum, acc_scale = _attend_tiles(
         acc,
         row_max,
         row_sum,
+        acc_scale,
         q,
         k_head_ptr,
         v_head_ptr,
+        ks_head_ptr,
+        vs_head_ptr,
         table_row,
         stride_table_col,
         full_lo,
@@ -281,6 +396,10 @@ def _attend_run(
         stride_v_block,
         stride_v_slot,
         stride_v_dim,
+        stride_ks_block,
+        stride_ks_slot,
+        stride_vs_block,
+        stride_vs_slot,
         BLOCK_N,
         BLOCK_D,
         HEAD_DIM,
@@ -290,6 +409,9 @@ def _attend_run(
         False,
         UPCAST,
         DOT_PRECISION,
+        QUANTIZED,
+        FP8_MMA,
+        EXPLICIT_ROUNDING,
     )
     # Masked: the head tile when the run starts mid-tile (and it is not also the tail), then
     # the tail from the unmasked tiles' end.
@@ -303,13 +425,16 @@ def _attend_run(
         first_tile = tail_start
         num_masked = tail_tiles
         tail_start = tail_start + BLOCK_N
-    acc, row_max, row_sum = _attend_tiles(
+    acc, row_max, row_sum, acc_scale = _attend_tiles(
         acc,
         row_max,
         row_sum,
+        acc_scale,
         q,
         k_head_ptr,
         v_head_ptr,
+        ks_head_ptr,
+        vs_head_ptr,
         table_row,
         stride_table_col,
         first_tile,
@@ -325,6 +450,10 @@ def _attend_run(
         stride_v_block,
         stride_v_slot,
         stride_v_dim,
+        stride_ks_block,
+        stride_ks_slot,
+        stride_vs_block,
+        stride_vs_slot,
         BLOCK_N,
         BLOCK_D,
         HEAD_DIM,
@@ -334,14 +463,18 @@ def _attend_run(
         True,
         UPCAST,
         DOT_PRECISION,
+        QUANTIZED,
+        FP8_MMA,
+        EXPLICIT_ROUNDING,
     )
-    return acc, row_max, row_sum
+    return acc, row_max, row_sum, acc_scale
 
 
 @triton.heuristics(
     {
         "HAS_KEY_LIMITS": lambda args: args["key_limits_ptr"] is not None,
         "HAS_KEY_GAP": lambda args: args["key_gap_ptr"] is not None,
+        "QUANTIZED": lambda args: args["k_scale_ptr"] is not None,
     }
 )
 @triton.jit
@@ -355,6 +488,8 @@ def _paged_attention_kernel(
     seq_lens_k_ptr,
     key_limits_ptr,
     key_gap_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     gaps_per_row,
     stride_q_tok,
@@ -373,6 +508,12 @@ def _paged_attention_kernel(
     stride_o_dim,
     stride_table_row,
     stride_table_col,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -387,6 +528,9 @@ def _paged_attention_kernel(
     HAS_KEY_LIMITS: tl.constexpr,
     HAS_KEY_GAP: tl.constexpr,
     GAPS: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -417,7 +561,13 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if UPCAST:
+    if FP8_MMA:
+        # Each row as e4m3 codes and a scale (amax / 448), folded into the softmax scale.
+        q = q.to(tl.float32)
+        q_scale = tl.max(tl.abs(q), axis=1) / 448.0
+        q = _to_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None], EXPLICIT_ROUNDING)
+        scale_log2 = q_scale * scale_log2
+    elif UPCAST:
         q = q.to(tl.float32)
 
     # Exclusive upper bound on the keys each row sees; rows past q_len see nothing and do not
@@ -435,9 +585,16 @@ def _paged_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_scale = 1.0  # FP8_MMA: acc is the output in units of acc_scale
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_row
     k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_v_head
+    if QUANTIZED:
+        ks_head_ptr = k_scale_ptr + kv_head.to(tl.int64) * stride_ks_head
+        vs_head_ptr = v_scale_ptr + kv_head.to(tl.int64) * stride_vs_head
+    else:
+        ks_head_ptr = k_scale_ptr
+        vs_head_ptr = v_scale_ptr
 
     if HAS_KEY_GAP:
         # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing
@@ -454,13 +611,16 @@ def _paged_attention_kernel(
             ahead = gap_hi > run_lo
             run_hi = tl.min(tl.where(ahead, tl.maximum(gap_lo, run_lo), keys_end), axis=0)
             run_hi = tl.minimum(run_hi, keys_end)
-            acc, row_max, row_sum = _attend_run(
+            acc, row_max, row_sum, acc_scale = _attend_run(
                 acc,
                 row_max,
                 row_sum,
+                acc_scale,
                 q,
                 k_head_ptr,
                 v_head_ptr,
+                ks_head_ptr,
+                vs_head_ptr,
                 table_row,
                 stride_table_col,
                 run_lo,
@@ -474,6 +634,10 @@ def _paged_attention_kernel(
                 stride_v_block,
                 stride_v_slot,
                 stride_v_dim,
+                stride_ks_block,
+                stride_ks_slot,
+                stride_vs_block,
+                stride_vs_slot,
                 BLOCK_N,
                 BLOCK_D,
                 HEAD_DIM,
@@ -482,6 +646,9 @@ def _paged_attention_kernel(
                 SAME_KV_STRIDES,
                 UPCAST,
                 DOT_PRECISION,
+                QUANTIZED,
+                FP8_MMA,
+                EXPLICIT_ROUNDING,
             )
             # Skip the union of the gaps that cover run_hi.
             for _ in tl.static_range(GAPS):
@@ -489,13 +656,16 @@ def _paged_attention_kernel(
                 run_hi = tl.max(tl.where(covering, gap_hi, run_hi), axis=0)
             run_lo = run_hi
     else:
-        acc, row_max, row_sum = _attend_run(
+        acc, row_max, row_sum, acc_scale = _attend_run(
             acc,
             row_max,
             row_sum,
+            acc_scale,
             q,
             k_head_ptr,
             v_head_ptr,
+            ks_head_ptr,
+            vs_head_ptr,
             table_row,
             stride_table_col,
             k_len * 0,
@@ -509,6 +679,10 @@ def _paged_attention_kernel(
             stride_v_block,
             stride_v_slot,
             stride_v_dim,
+            stride_ks_block,
+            stride_ks_slot,
+            stride_vs_block,
+            stride_vs_slot,
             BLOCK_N,
             BLOCK_D,
             HEAD_DIM,
@@ -517,8 +691,13 @@ def _paged_attention_kernel(
             SAME_KV_STRIDES,
             UPCAST,
             DOT_PRECISION,
+            QUANTIZED,
+            FP8_MMA,
+            EXPLICIT_ROUNDING,
         )
 
+    if FP8_MMA:
+        acc = acc * acc_scale
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(
@@ -563,12 +742,16 @@ def choose_tiles(
     block_m: int | None = None,
     block_n: int | None = None,
     heads_per_kv_head: int = 1,
+    dequantize: bool = False,
 ) -> dict[str, int | str]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
     A tile's M rows are (query, head) pairs of one KV head, so ``heads_per_kv_head`` times the
     queries. Under the interpreter every program is a batch of numpy ops, so big tiles are much
     faster. On a GPU the settings come from a small table per (head_dim, dtype).
+    ``dequantize``: K/V codes converted to ``dtype`` before the MMAs. Triton's pipeliner then
+    keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
+    stage keeps as many K/V tiles in flight (checked by ``python -m bench compile``).
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -583,6 +766,7 @@ def choose_tiles(
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
         if short_q < default_m:
             default_m, warps = short_q, 4
+        stages += dequantize
     tile_m = block_m or default_m
     tile_n = block_n or default_n
     return {
@@ -607,6 +791,9 @@ def _check_arguments(
     key_limits: Tensor | None,
     key_gap: Tensor | None,
     check_values: bool,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    fp8_mma: bool = False,
 ) -> None:
     _checks.check_rank("q", q, 3, "(total_q, num_heads, head_dim)")
     layout = "(num_blocks, block_size, num_kv_heads, head_dim)"
@@ -615,6 +802,9 @@ def _check_arguments(
     _checks.check_rank("block_table", block_table, 2, "(batch, width)")
     _checks.check_rank("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
     _checks.check_rank("seq_lens_k", seq_lens_k, 1, "(batch,)")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            _checks.check_tensor(name, scale)
     _checks.check_same_device(
         q=q,
         k_cache=k_cache,
@@ -625,11 +815,13 @@ def _check_arguments(
         out=out,
         key_limits=key_limits,
         key_gap=key_gap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {cache.dtype}")
+    _check_cache_dtypes(q, k_cache, v_cache, fp8_mma)
+    quantize.check_scales("k_scale", k_scale, "k_cache", k_cache)
+    quantize.check_scales("v_scale", v_scale, "v_cache", v_cache)
     for name, index in (
         ("block_table", block_table),
         ("cu_seqlens_q", cu_seqlens_q),
@@ -684,6 +876,27 @@ def _check_arguments(
         _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
 
 
+def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_mma: object) -> None:
+    """Caches in q's dtype, or both in one quantized dtype; ``fp8_mma`` only for e4m3 caches."""
+    if not isinstance(fp8_mma, bool):
+        raise TypeError(f"fp8_mma must be a bool, got {type(fp8_mma).__name__}")
+    if quantize.is_quantized(k_cache.dtype):
+        if v_cache.dtype != k_cache.dtype:
+            raise TypeError(
+                f"v_cache must have k_cache's quantized dtype {k_cache.dtype}, got {v_cache.dtype}"
+            )
+    else:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dtype != q.dtype:
+                allowed = ", ".join(str(d) for d in quantize.QUANT_DTYPES)
+                raise TypeError(
+                    f"{name} must have q's dtype {q.dtype} or a quantized one ({allowed}), "
+                    f"got {cache.dtype}"
+                )
+    if fp8_mma and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_mma needs float8_e4m3fn caches, got {k_cache.dtype}")
+
+
 def _check_values(
     q: Tensor,
     k_cache: Tensor,
@@ -736,6 +949,9 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     check_values: bool = True,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    fp8_mma: bool = False,
 ) -> Tensor:
     """Attention of packed queries ``q (total_q, H, D)`` over a paged cache.
 
@@ -745,6 +961,14 @@ def paged_attention(
     unwritten slots between a video run that ends mid-block and the action blocks.
     ``block_m``/``block_n`` override the tile. ``check_values=False`` skips the checks that
     read tensor values (no device sync).
+
+    Quantized caches (``float8_e4m3fn`` or ``int8`` codes, DESIGN section 9) need ``k_scale``
+    and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
+    as ``codes * scale`` (scales >= 0, as ``write_slots`` writes them). By default the codes
+    convert exactly to q's compute dtype, the K scale multiplies the score columns and the V
+    scale the probability columns before the PV product.
+    ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities to
+    e4m3 and runs both products as FP8 MMAs with float32 accumulation.
     """
     _check_arguments(
         q,
@@ -758,6 +982,9 @@ def paged_attention(
         key_limits,
         key_gap,
         check_values,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        fp8_mma=fp8_mma,
     )
     _checks.check_softmax_scale(softmax_scale)
     if not isinstance(causal, bool):
@@ -780,6 +1007,7 @@ def paged_attention(
         block_m=block_m,
         block_n=block_n,
         heads_per_kv_head=group,
+        dequantize=k_scale is not None and not fp8_mma,
     )
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
@@ -797,6 +1025,9 @@ def paged_attention(
             out=out,
             key_limits=key_limits,
             key_gap=key_gap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            fp8_mma=fp8_mma,
         )
     if scale < 0:
         # The kernel's unmasked loop takes the row max of unscaled scores: keep the scale >= 0.
@@ -807,6 +1038,9 @@ def paged_attention(
     gaps_per_row = 1 if key_gap is None else key_gap.shape[1]
     rows = max_seqlen_q * group
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch, k_cache.shape[2])
+    # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
+    scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
+    same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -817,6 +1051,8 @@ def paged_attention(
         seq_lens_k,
         key_limits,
         key_gap,
+        k_scale,
+        v_scale,
         scale * LOG2E,
         gaps_per_row,
         *q.stride(),
@@ -824,12 +1060,15 @@ def paged_attention(
         *v_cache.stride(),
         *out.stride(),
         *block_table.stride(),
+        *scale_strides,
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_SIZE=block_size,
-        SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
+        SAME_KV_STRIDES=same_strides,
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
+        FP8_MMA=fp8_mma,
+        EXPLICIT_ROUNDING=interpreter_active(),
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **tiles,

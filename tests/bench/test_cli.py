@@ -118,4 +118,5 @@ def test_the_gpu_check_runs_the_shipped_block_sizes_first_and_ends_with_the_rati
     assert "--time-limit" in script and "python -m bench compile" in script  # the lead's spot
     commands = [line for line in script.splitlines() if '"$python" -m bench' in line]
     assert "sweep" in commands[0]  # the sweep first, the plots and the ratio table last
+    assert any("-m bench accuracy" in line for line in commands)  # FP8/INT8 accuracy on the GPU
     assert commands[-1].strip() == '"$python" -m bench table "$out_dir/sweep.csv" --goal'

@@ -11,7 +11,7 @@ import torch
 import reference
 from bench.providers import PROVIDERS, Bench, Provider
 from bench.results import COLUMNS, KERNELS, read_rows
-from bench.sweep import SweepConfig, WrongResultError, max_error, run_sweep
+from bench.sweep import FP8_MMA_ALLOWANCE, SweepConfig, WrongResultError, max_error, run_sweep
 from bench.timing import TimingSettings, figures_kind, measure
 from bench.workload import Geometry
 
@@ -55,7 +55,8 @@ def test_csv_has_every_column_and_a_checked_row_per_kernel(tiny_sweep):
         if row["role"] != "bound":
             assert row["max_error"] <= row["error_limit"]
         if row["kernel"] in ("paged_attention", "staged") and row["role"] != "oracle":
-            assert 0 < row["torch_error"] < row["error_limit"] < 1e-4  # fp32: torch is close
+            allowance = FP8_MMA_ALLOWANCE if row["provider"] == "triton-fp8-mma" else 0.0
+            assert 0 < row["torch_error"] < row["error_limit"] - allowance < 1e-4  # fp32: close
         assert row["noise"]  # the run ended, so its verdict is in every row
         assert (row["tflops"] is not None) == (row["kernel"] in ("paged_attention", "staged"))
         assert row["q_tokens"] == 8 and row["kv_tokens"] == 24 and row["kv_heads"] == 1

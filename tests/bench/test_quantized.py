@@ -1,0 +1,161 @@
+"""The sweep's quantized providers (our paged attention over FP8/INT8 pools): checked against
+the dequantizing oracle, rated against the bf16 pool in the ratio table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+import reference
+import reference.quantize
+from bench.providers import PROVIDERS, QUANTIZED_PROVIDERS, Bench, Provider, quantized_pools
+from bench.results import QUANTIZED_GOALS
+from bench.sweep import SweepConfig, WrongResultError, bytes_moved, run_sweep
+from bench.table import format_ratios, quantized_cases
+from bench.timing import TimingSettings
+from bench.workload import Geometry, make_workload
+from tests.bench.rows import STEADY_CEILINGS, measured
+
+TINY = Geometry(
+    chunk_size=8,
+    frames=1,
+    sink_chunks=1,
+    window_chunks=2,
+    heads=2,
+    kv_heads=1,
+    head_dim=16,
+    dtype="fp32",
+)
+
+
+def _config(**overrides: object) -> SweepConfig:
+    settings = dict(
+        geometries=(TINY,),
+        block_sizes=(8,),
+        kernels=("paged_attention",),
+        timing=TimingSettings(cpu_reps=1),
+    )
+    settings.update(overrides)
+    return SweepConfig(**settings)
+
+
+def test_quantized_pools_hold_the_codes_write_slots_makes():
+    workload = make_workload(TINY, 5)
+    for dtype in (torch.float8_e4m3fn, torch.int8):
+        pools = quantized_pools(workload, dtype)
+        assert pools is quantized_pools(workload, dtype)  # made once per workload
+        assert pools.k_cache.dtype == dtype and pools.k_scale.shape == workload.k_cache.shape[:-1]
+        for codes, scale, source in (
+            (pools.k_cache, pools.k_scale, workload.k_cache),
+            (pools.v_cache, pools.v_scale, workload.v_cache),
+        ):
+            want = reference.quantize.dequantize(*reference.quantize.quantize(source, dtype))
+            got = reference.quantize.dequantize(codes, scale)
+            assert torch.allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
+    names = tuple(QUANTIZED_PROVIDERS)
+    result = run_sweep(_config(providers=("triton", *names)), tmp_path / "s.csv", progress=False)
+    rows = {r["provider"]: r for r in result.rows if r["kernel"] == "paged_attention"}
+    assert set(rows) == {"triton", *names}
+    for name in names:
+        row = rows[name]
+        assert row["role"] == "quantized" and row["max_error"] <= row["error_limit"]
+        assert row["backend"].startswith("triton paged_attention ")
+    # The dequantizing mode is held to the bf16 pool's limit: the storage's rounding is in the
+    # oracle, not in the tolerance.
+    assert rows["triton-fp8"]["error_limit"] == rows["triton"]["error_limit"]
+    assert rows["triton-int8"]["max_error"] < 1e-5
+
+
+def _bf16_pool_answer(workload, tile):
+    """Attention over the unquantized pool: right for the bf16 oracle, not for the codes."""
+    w = workload
+    pools = quantized_pools(w, torch.float8_e4m3fn)  # built, but not read
+    assert pools.k_cache.dtype == torch.float8_e4m3fn
+    return Bench(
+        lambda: kernels.paged_attention(
+            *w.attention_args(), max_seqlen_q=w.geometry.q_tokens, check_values=False
+        )
+    )
+
+
+def _fp8_mma_missing_a_block(workload, tile):
+    """The FP8-MMA mode over all but the last block of keys."""
+    w = workload
+    pools = quantized_pools(w, torch.float8_e4m3fn)
+    return Bench(
+        lambda: kernels.paged_attention(
+            w.q,
+            pools.k_cache,
+            pools.v_cache,
+            w.block_table,
+            w.cu_seqlens_q,
+            w.seq_lens_k - w.block_size,
+            max_seqlen_q=w.geometry.q_tokens,
+            k_scale=pools.k_scale,
+            v_scale=pools.v_scale,
+            fp8_mma=True,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "build"),
+    [("triton-fp8", _bf16_pool_answer), ("triton-fp8-mma", _fp8_mma_missing_a_block)],
+)
+def test_a_wrong_quantized_result_raises(tmp_path, name, build):
+    template = next(p for p in PROVIDERS if p.name == name)
+    wrong = Provider("paged_attention", "wrong", build, role="quantized", quant=template.quant)
+    with pytest.raises(WrongResultError, match="paged_attention/wrong"):
+        run_sweep(_config(), tmp_path / "s.csv", providers=[wrong], progress=False)
+
+
+def test_a_quantized_pool_moves_about_half_the_bytes_of_bf16():
+    shipped = Geometry(1560, 3, 9, 9, 40, 40, 128, "bf16")
+    workload = make_workload(TINY, 8)
+    workload.geometry = shipped  # bytes_moved reads only the geometry
+    quant = QUANTIZED_PROVIDERS["triton-fp8"]
+    g = shipped
+    q_and_out = 2 * g.q_tokens * g.heads * g.head_dim * 2
+    kv_bf16 = bytes_moved("paged_attention", workload) - q_and_out
+    kv_fp8 = bytes_moved("paged_attention", workload, quant) - q_and_out
+    assert kv_fp8 / kv_bf16 == pytest.approx((128 + 4) / 256)
+
+
+def test_the_ratio_table_rates_quantized_rows_against_the_bf16_pool():
+    rows = [
+        *STEADY_CEILINGS[:2],
+        measured("paged_attention", "triton", 16, 2.0, role="ours"),
+        measured("paged_attention", "sdpa-flash", 16, 3.0),
+        measured("paged_attention", "triton-fp8", 16, 1.25, role="quantized"),  # 1.6x
+        measured("paged_attention", "triton-fp8-mma", 16, 1.25, role="quantized"),  # 1.6x
+        measured("paged_attention", "triton-int8", 1560, 1.0, role="quantized"),  # no bf16 row
+        *STEADY_CEILINGS[2:],
+    ]
+    cases = {c["row"]["provider"]: c for c in quantized_cases(rows)}
+    assert cases["triton-fp8"]["speedup"] == pytest.approx(1.6)
+    assert cases["triton-int8"]["speedup"] is None
+    text = format_ratios(rows, goal=True)
+    # The quantized rows do not stand in for ours against the baselines: 3.0 / 2.0.
+    assert "1.50x" in text.split("quantized KV pools")[0]
+    lines = {line.split()[2]: line for line in text.splitlines() if "triton-" in line}
+    assert "BELOW" not in lines["triton-fp8"]  # 1.6x >= 1.3x
+    assert (
+        lines["triton-fp8-mma"].rstrip().endswith(f"BELOW {QUANTIZED_GOALS['triton-fp8-mma']:.2f}x")
+    )
+    assert "quantized goals: 1 of 2 rows below" in text
+
+
+def test_the_speedup_plot_draws_the_quantized_pools_without_a_baseline(tmp_path):
+    from bench.plot import plot_rows
+
+    rows = [
+        *STEADY_CEILINGS,
+        measured("paged_attention", "triton", 16, 2.0, role="ours"),
+        measured("paged_attention", "triton-fp8", 16, 1.25, role="quantized"),
+    ]
+    paths = [p.name for p in plot_rows(rows, tmp_path)]
+    assert paths == ["speedup.png", "paged_attention.png"]

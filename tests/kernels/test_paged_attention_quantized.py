@@ -1,0 +1,441 @@
+"""kernels.paged_attention on quantized caches (e4m3 / int8 codes, a float32 scale per slot and
+KV head) against the float64 oracle that dequantizes the same codes.
+
+The oracle reads the codes the kernel reads, so the quantization error is not in the tolerance:
+the dequantizing mode is held to the float32 tolerance of the unquantized tests. Every slot the
+block tables do not point at holds a NaN code (e4m3) or the never-written int8 code -128, and a
+NaN scale, so a kernel that reads one slot too many, or one scale too many, fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+import kernels
+import reference
+from kernels import _runtime
+from kernels.paged_attention import _to_e4m3, kv_path
+from reference.attention import attention_mask, gather_sequence
+from reference.quantize import quantize
+from tests.helpers import DEVICE, nan_like
+from tests.kernels.paged_case import PagedCase, make_paged_case
+
+FORMATS = [
+    pytest.param(torch.float8_e4m3fn, id="e4m3"),
+    pytest.param(torch.int8, id="int8"),
+]
+# The unquantized tests' float32 tolerance (ieee dots), relative to the output's magnitude: the
+# scales below spread the dequantized values over two decades.
+FP32_ATOL = 2e-5
+
+
+def quantize_case(
+    case: PagedCase, dtype: torch.dtype, seed: int = 0, spread: float = 3.0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(k_codes, v_codes, k_scale, v_scale)`` of the case's pools; unwritten slots poisoned.
+
+    Scales are multiplied by random factors in [2**-spread, 2**spread] after quantizing (the
+    oracle reads the same codes and scales), so the K and V scale columns differ from key to key.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for cache in (case.k_cache, case.v_cache):
+        cache = cache.cpu()
+        written = ~torch.isnan(cache[..., 0])
+        codes, scale = quantize(cache.nan_to_num(0.0), dtype)
+        scale = scale * torch.exp2(
+            torch.empty(scale.shape).uniform_(-spread, spread, generator=gen)
+        )
+        poison = 0x7F if dtype == torch.float8_e4m3fn else -128  # e4m3 NaN; int8 never written
+        codes.view(torch.int8)[~written] = poison
+        scale[~written] = float("nan")
+        out.append((codes.to(DEVICE), scale.to(DEVICE)))
+    (k_codes, k_scale), (v_codes, v_scale) = out
+    return k_codes, v_codes, k_scale, v_scale
+
+
+def quantized_args(
+    case: PagedCase, dtype: torch.dtype, seed: int = 0, spread: float = 3.0
+) -> tuple[tuple, dict]:
+    k_codes, v_codes, k_scale, v_scale = quantize_case(case, dtype, seed, spread)
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    return args, {"k_scale": k_scale, "v_scale": v_scale, "max_seqlen_q": case.max_seqlen_q}
+
+
+def oracle(args: tuple, scales: dict, **kwargs) -> Tensor:
+    q = args[0]
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    kwargs = {k: v for k, v in kwargs.items() if k in ("causal", "key_limits", "key_gap")}
+    return reference.paged_attention(*args, **scales, out=out, **kwargs)
+
+
+def run_and_compare(case: PagedCase, dtype: torch.dtype, **kwargs) -> None:
+    args, scales = quantized_args(case, dtype)
+    out = nan_like(case.q)
+    got = kernels.paged_attention(*args, **scales, out=out, **kwargs)
+    assert got is out
+    want = oracle(args, scales, **kwargs)
+    assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
+    error = (got.double() - want).abs().max().item()
+    limit = FP32_ATOL * max(1.0, want.abs().max().item())
+    assert error <= limit, f"max error {error:.3e} > {limit:.3e}"
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("block_size", [1, 7, 24, 1560], ids=lambda b: f"B{b}")
+def test_any_block_size(dtype: torch.dtype, block_size: int) -> None:
+    # A single key, a chunk over several blocks, a row with no queries, head_dim 80, GQA 2.
+    long = 2 * block_size + 5 if block_size == 1560 else 4 * block_size + 30
+    case = make_paged_case(
+        q_lens=[3, 20, 0, 9],
+        k_lens=[1, long, 9, block_size + 3],
+        block_size=block_size,
+        head_dim=80,
+        device=DEVICE,
+    )
+    run_and_compare(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("group", [1, 2, 5])
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_gqa_and_head_dims(dtype: torch.dtype, group: int, head_dim: int) -> None:
+    case = make_paged_case(
+        q_lens=[7, 12],
+        k_lens=[40, 61],
+        block_size=16,
+        num_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        device=DEVICE,
+    )
+    run_and_compare(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("table_order", ["permuted", "repeated"])
+def test_table_orders(dtype: torch.dtype, table_order: str) -> None:
+    case = make_paged_case(
+        q_lens=[9, 21], k_lens=[50, 33], block_size=7, table_order=table_order, device=DEVICE
+    )
+    run_and_compare(case, dtype)
+
+
+@pytest.mark.parametrize("block_n", [16, 64], ids=lambda n: f"N{n}")
+def test_strided_scale_pools(block_n: int) -> None:
+    # Scale pools stored head-major, K's and V's with different strides: the kernel must use
+    # each scale pool's own strides (two_blocks at N16, rows at N64).
+    case = make_paged_case(q_lens=[9, 4], k_lens=[70, 17], block_size=24, device=DEVICE)
+    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    k_scale = scales["k_scale"].transpose(1, 2).contiguous().transpose(1, 2)
+    v_scale = scales["v_scale"].permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    assert k_scale.stride() != v_scale.stride() != scales["v_scale"].stride()
+    strided = {**scales, "k_scale": k_scale, "v_scale": v_scale}
+    got = kernels.paged_attention(
+        *args, **strided, out=nan_like(case.q), block_m=16, block_n=block_n
+    )
+    want = oracle(args, scales)
+    assert (got.double() - want).abs().max() <= FP32_ATOL * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_fp16_queries(dtype: torch.dtype) -> None:
+    # Output in q's dtype; on a GPU the codes convert to fp16 for fp16 MMAs.
+    case = make_paged_case(q_lens=[9, 4], k_lens=[50, 17], block_size=24, device=DEVICE)
+    args, scales = quantized_args(case, dtype)
+    q = case.q.half()
+    got = kernels.paged_attention(q, *args[1:], **scales, out=nan_like(q))
+    want = oracle((q, *args[1:]), scales)
+    assert got.dtype == torch.float16
+    error = (got.double() - want).abs().max().item()
+    assert error <= 1e-3 * max(1.0, want.abs().max().item()), error
+
+
+# (block_size, block_n) of each key path with small tiles: many tiles, so the unmasked loop, the
+# masked head and tail and the prefetch past the last tile all run.
+PATHS = [
+    pytest.param(16, 16, id="contiguous-B16-N16"),
+    pytest.param(24, 16, id="two_blocks-B24-N16"),
+    pytest.param(1560, 64, id="two_blocks-B1560-N64"),
+    pytest.param(16, 64, id="rows-B16-N64"),
+    pytest.param(7, 16, id="rows-B7-N16"),
+    pytest.param(1, 16, id="rows-B1-N16"),
+]
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("block_size, block_n", PATHS)
+def test_key_paths_causal_limits_and_gaps(
+    dtype: torch.dtype, block_size: int, block_n: int
+) -> None:
+    # The queries are the last keys of a chunk that starts mid-block (causal); per-row limits
+    # and two gaps put masked tiles between unmasked ones.
+    # Block 1560 with 64-key tiles: tile 1536 spans blocks 0 and 1.
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
+    case = make_paged_case(
+        q_lens=[21, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        device=DEVICE,
+    )
+    gen = torch.Generator().manual_seed(block_size + block_n)
+    key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
+    # The first gap covers whole tiles (at block 1560 all but the last few, which are skipped),
+    # the second starts and ends inside one tile.
+    wide = (block_n + 3, max(3 * block_n + 1, k_len - 4 * block_n))
+    narrow = (k_len - 2 * block_n + 2, k_len - 2 * block_n + 9)
+    key_gap = torch.tensor([[wide, narrow], [(1, 2), (0, 0)]], dtype=torch.int32)
+    tiles = kernels.choose_tiles(
+        block_size=block_size, head_dim=64, max_seqlen_q=21, dtype=torch.float32, block_n=block_n
+    )
+    assert tiles["KV_PATH"] == kv_path(block_size, block_n)
+    run_and_compare(
+        case,
+        dtype,
+        causal=True,
+        key_limits=key_limits.to(DEVICE),
+        key_gap=key_gap.to(DEVICE),
+        block_m=16,
+        block_n=block_n,
+    )
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.setattr(_runtime, "interpreter_active", lambda: False)
+    assert _runtime.use_torch_path(torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_torch_path(no_interpreter, dtype: torch.dtype) -> None:
+    case = make_paged_case(
+        q_lens=[5, 0, 12], k_lens=[30, 4, 12], block_size=7, num_heads=6, head_dim=80
+    )
+    key_limits = torch.arange(17, dtype=torch.int32) % 9 + 3
+    key_gap = torch.tensor([[2, 11], [0, 0], [1, 3]], dtype=torch.int32)
+    run_and_compare(case, dtype, causal=True, key_limits=key_limits, key_gap=key_gap)
+
+
+def test_unquantized_pools_still_need_q_dtype() -> None:
+    case = make_paged_case(q_lens=[4], k_lens=[9], block_size=8)
+    with pytest.raises(TypeError, match="k_cache"):
+        kernels.paged_attention(
+            case.q, case.k_cache.half(), case.v_cache.half(), *case.args()[3:], max_seqlen_q=4
+        )
+
+
+def _bad_calls():
+    def swap(name, value):
+        return lambda a, s: ({**a, name: value(a, s)}, s)
+
+    def scale(name, value):
+        return lambda a, s: (a, {**s, name: value(a, s)})
+
+    return [
+        pytest.param(scale("k_scale", lambda a, s: None), ValueError, "k_scale", id="no-k-scale"),
+        pytest.param(scale("v_scale", lambda a, s: None), ValueError, "v_scale", id="no-v-scale"),
+        pytest.param(
+            scale("k_scale", lambda a, s: s["k_scale"].double()),
+            TypeError,
+            "k_scale",
+            id="k-scale-dtype",
+        ),
+        pytest.param(
+            scale("v_scale", lambda a, s: s["v_scale"][:, :-1]),
+            ValueError,
+            "v_scale",
+            id="v-scale-shape",
+        ),
+        pytest.param(
+            scale("k_scale", lambda a, s: s["k_scale"].numpy()),
+            TypeError,
+            "k_scale",
+            id="k-scale-not-tensor",
+        ),
+        pytest.param(
+            swap("v_cache", lambda a, s: a["v_cache"].view(torch.int8)),
+            TypeError,
+            "v_cache",
+            id="mixed-formats",
+        ),
+        pytest.param(
+            swap("q", lambda a, s: a["q"].to(torch.float8_e4m3fn)), TypeError, "q", id="q-fp8"
+        ),
+        pytest.param(
+            swap("fp8_mma", lambda a, s: 1), TypeError, "fp8_mma must be a bool", id="fp8-mma-int"
+        ),
+        pytest.param(
+            lambda a, s: (
+                {**a, "k_cache": a["k_cache"].float(), "v_cache": a["v_cache"].float()},
+                s,
+            ),
+            ValueError,
+            "k_scale is only for quantized",
+            id="scales-for-float-pools",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("change, error, word", _bad_calls())
+def test_rejects(change, error, word) -> None:
+    case = make_paged_case(q_lens=[4, 6], k_lens=[9, 20], block_size=8)
+    names = ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k")
+    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    args, scales = change(dict(zip(names, args, strict=True)), scales)
+    sentinel = torch.full_like(case.q, 7.0)
+    with pytest.raises(error, match=word):
+        positional = [args.pop(name) for name in names]
+        kernels.paged_attention(*positional, **args, **scales, out=sentinel)
+    assert torch.equal(sentinel, torch.full_like(sentinel, 7.0)), "a rejected call wrote out"
+
+
+def test_fp8_mma_needs_e4m3() -> None:
+    case = make_paged_case(q_lens=[4], k_lens=[9], block_size=8)
+    args, scales = quantized_args(case, torch.int8)
+    with pytest.raises(ValueError, match="fp8_mma needs float8_e4m3fn"):
+        kernels.paged_attention(*args, **scales, fp8_mma=True)
+
+
+# ---------------------------------------------------------------- fp8_mma: FP8 MMAs, e4m3 q and P
+
+
+def _e4m3(x: Tensor) -> Tensor:
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float64)
+
+
+def emulate_fp8_mma(args: tuple, scales: dict, *, causal: bool = False, **kwargs) -> Tensor:
+    """The oracle with the fp8_mma mode's two roundings, in float64: each query row to e4m3
+    codes (scale amax / 448), and the probabilities times the V scales, normalised by the
+    sequence's largest V scale times 448, to e4m3 (the kernel normalises per key tile)."""
+    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k = args
+    q64 = q.cpu().to(torch.float64)
+    q_scale = q64.abs().amax(dim=-1, keepdim=True) / 448.0
+    q64 = _e4m3(q64 / torch.where(q_scale > 0, q_scale, 1.0)) * q_scale
+    group = q.shape[1] // k_cache.shape[2]
+    scale = 1.0 / q.shape[2] ** 0.5
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts = cu_seqlens_q.tolist()
+    for i, k_len in enumerate(seq_lens_k.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo or k_len == 0:
+            continue
+        k_codes, k_scale, v_codes, v_scale = (
+            gather_sequence(pool.cpu(), block_table[i].cpu(), k_len)
+            .to(torch.float64)
+            .repeat_interleave(group, dim=1)
+            .transpose(0, 1)
+            for pool in (k_cache, scales["k_scale"], v_cache, scales["v_scale"])
+        )
+        keys = k_codes * k_scale[..., None]
+        mask = attention_mask(
+            hi - lo,
+            k_len,
+            causal=causal,
+            key_limits=None if kwargs.get("key_limits") is None else kwargs["key_limits"][lo:hi],
+            key_gap=None if kwargs.get("key_gap") is None else kwargs["key_gap"][i].tolist(),
+        )
+        scores = q64[lo:hi].transpose(0, 1) @ keys.transpose(1, 2) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+        probs = torch.exp(scores - row_max)
+        unit = v_scale.amax(dim=-1, keepdim=True)[:, None] / 448.0
+        rounded = _e4m3(probs * (v_scale[:, None, :] / unit)) * unit
+        row_sum = probs.sum(dim=-1, keepdim=True)
+        out[lo:hi] = ((rounded @ v_codes) / torch.where(row_sum > 0, row_sum, 1.0)).transpose(0, 1)
+    return out
+
+
+# The FP8 mode cannot match the oracle to float32 accuracy: e4m3 keeps 3 mantissa bits, so each
+# query element and each (V-scaled) probability carries up to 2**-4 relative rounding error. Its
+# tolerance is the error of the float64 emulation of those two roundings against the oracle,
+# times a margin: the kernel rounds P per key tile, after a running (not the final) row max, so
+# its rounding errors differ element by element but not in size.
+FP8_MMA_MARGIN = 2.0
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [
+        pytest.param(16, 16, id="contiguous-B16-N16"),
+        pytest.param(24, 16, id="two_blocks-B24-N16"),
+        pytest.param(7, 16, id="rows-B7-N16"),
+        pytest.param(1560, 64, id="two_blocks-B1560-N64"),
+    ],
+)
+def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
+    case = make_paged_case(
+        q_lens=[21, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=80,
+        device=DEVICE,
+    )
+    key_limits = torch.arange(24, dtype=torch.int32) % 7 + k_len - 6
+    key_gap = torch.tensor([[[block_n + 3, 3 * block_n + 1]], [[1, 2]]], dtype=torch.int32)
+    kwargs = dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
+    # Scales spread over one octave: logits of order 1, as in a model (wider spreads make the
+    # softmax so sharp that e4m3's rounding of q moves whole probabilities).
+    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
+    want = oracle(args, scales, **kwargs)
+    limit = FP8_MMA_MARGIN * (emulate_fp8_mma(args, scales, **kwargs) - want.cpu()).abs().max()
+    errors = {}
+    for fp8_mma in (False, True):
+        got = kernels.paged_attention(
+            *args,
+            **scales,
+            **kwargs,
+            out=nan_like(case.q),
+            fp8_mma=fp8_mma,
+            block_m=16,
+            block_n=block_n,
+        )
+        assert not torch.isnan(got).any()
+        errors[fp8_mma] = (got.double() - want).abs().max().item()
+    assert errors[True] <= limit.item(), f"fp8_mma error {errors[True]:.3e} > {limit:.3e}"
+    # Reading the same codes, the dequantizing mode is far closer to the oracle.
+    assert errors[False] <= FP32_ATOL * max(1.0, want.abs().max().item())
+    assert 100 * errors[False] < errors[True], errors
+
+
+def test_fp8_mma_torch_path(no_interpreter) -> None:
+    case = make_paged_case(q_lens=[5, 12], k_lens=[30, 12], block_size=7, head_dim=80)
+    key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
+    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    got = kernels.paged_attention(*args, **scales, key_gap=key_gap, fp8_mma=True)
+    want = oracle(args, scales, key_gap=key_gap)
+    emulated = emulate_fp8_mma(args, scales, key_gap=key_gap)
+    # The torch path rounds as the emulation does (one tile): float32 apart.
+    torch.testing.assert_close(got.double(), emulated, atol=FP32_ATOL, rtol=0)
+    assert (got.double() - want).abs().max() > 10 * FP32_ATOL  # the roundings are there
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, N: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
+    offs = tl.arange(0, N)
+    codes = _to_e4m3(tl.load(x_ptr + offs), EXPLICIT_ROUNDING)
+    tl.store(out_ptr + offs, codes.to(tl.float32))
+
+
+def test_e4m3_rounding_is_nearest_even() -> None:
+    # Carries into the next binade (31.2 -> 32), ties (17 -> 16, 19 -> 20), subnormals
+    # (steps of 2**-9), saturation, zero and signs; plus random values over the whole range.
+    special = [31.2, 17.0, 19.0, 2.0**-9 * 2.5, 2.0**-9 * 3.5, 2.0**-7 * 0.3, 448.0, 460.0]
+    special += [1e6, 0.0, -31.2, -1e6, 240.0 + 7.99, 2.0**-6 * 1.0625]
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(256 - len(special), generator=gen) * torch.exp2(
+        torch.randint(-12, 9, (256 - len(special),), generator=gen).float()
+    )
+    x = torch.cat([torch.tensor(special), spread]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, N=256, EXPLICIT_ROUNDING=_runtime.interpreter_active())
+    want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    assert torch.equal(out, want), (x[out != want], out[out != want], want[out != want])
