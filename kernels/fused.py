@@ -333,6 +333,9 @@ def _check_inputs(
         key_gap=inputs.key_gap,
     )
     _checks.check_softmax_scale(inputs.softmax_scale)
+    scales = {}
+    if quantized:
+        scales = {"k_scale": pools.k_scales[layer_index], "v_scale": pools.v_scales[layer_index]}
     check_attention_arguments(
         query,
         k_pools[layer_index],
@@ -345,6 +348,8 @@ def _check_inputs(
         None,
         inputs.key_gap,
         False,
+        **scales,
+        fp8_mma=inputs.fp8_mma,
     )
     if first_block >= 0:
         _check_staging(query, pools, inputs.block_table, first_block)
