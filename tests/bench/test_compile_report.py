@@ -236,6 +236,28 @@ def test_sass_hottest_loop_is_the_cheapest_mma_loop() -> None:
     assert compile_report.analyse_sass(dividing)["loop_divisions"] == 1
 
 
+def test_sass_fp8_wgmma() -> None:
+    fp8 = _SASS.replace("HGMMA.64x64x16.F32.BF16", "QGMMA.64x64x32.F32.E4M3.E4M3")
+    assert compile_report.analyse_sass(fp8)["mma"] == "wgmma.fp8"
+    assert compile_report.analyse_sass(fp8)["loop_instructions"] == 4
+    mixed = _SASS.replace("HGMMA.64x64x16.F32.BF16", "QGMMA.64x64x32.F32.E4M3.E4M3", 1)
+    assert compile_report.analyse_sass(mixed)["mma"] == "wgmma+wgmma.fp8"
+
+
+def test_quantized_configs_are_labelled() -> None:
+    configs = compile_report.configs_for(
+        kernels=("paged_attention", "write_slots"), block_sizes=(64,), kv_modes=("same", "fp8")
+    )
+    assert [(c.kernel, c.kv_mode) for c in configs] == [
+        ("paged_attention", "same"),
+        ("paged_attention", "fp8"),
+        ("write_slots", "same"),
+    ]
+    assert compile_report._variant(configs[1]) == "kv=fp8"
+    with pytest.raises(ValueError, match="kv_modes"):
+        compile_report.configs_for(kv_modes=("fp4",))
+
+
 def test_sass_without_mma_loop() -> None:
     measures = compile_report.analyse_sass("        /*0000*/   HMMA.16816.F32 R0, R4, R8, R0 ;\n")
     assert measures["mma"] == "mma.sync"
