@@ -16,8 +16,17 @@ Why the odd-looking choices:
   its tag is the forward's ``stage_key``, else from block 0, and its tag becomes the key once
   the restage is done. Attending without staging sets the tag to -1 (nothing reusable), as does
   a call that fails part way, so no later forward keeps rows that nothing filled.
-* Every argument is checked before the first write: a refused call leaves the pools, the
-  staging buffers and the tags as they were, and names the argument as the caller wrote it.
+* Quantized pools (DESIGN section 9) hold codes with a float32 scale per (slot, KV head) beside
+  them; the staging buffers hold codes too, with stage scales. K smoothing: each layer's mean
+  ``k_means[layer]`` (``(num_kv_heads, head_dim)``) is subtracted from K before quantizing. It
+  is chosen by the first call that writes video keys to the layer (the mean of that call's
+  finite video keys, per KV head) and frozen by ``k_means_chosen[layer]``; the choice is a
+  ``torch.where`` on the device, so it costs no sync and no graph break.
+* Every argument is checked before the first write: a refused call leaves the pools, scales,
+  means, flags, the staging buffers and the tags as they were, and names the argument as the
+  caller wrote it.
+* The op's arguments are the five K/V tensors, then ``PoolTensors``, then ``LayerInputs``:
+  the schema is built from those two NamedTuples, so the list is written down once.
 * Mutable arguments have no default values: older PyTorch strips trailing defaults before its
   mutation handlers index the arguments.
 * Registration is guarded, so re-importing (or reloading) this module does not raise.
@@ -25,7 +34,7 @@ Why the odd-looking choices:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, get_type_hints
 
 import torch
 from torch import Tensor
@@ -34,13 +43,60 @@ from kernels import _checks
 from kernels.gather_blocks import gather_blocks
 from kernels.paged_attention import _check_arguments as check_attention_arguments
 from kernels.paged_attention import paged_attention
+from kernels.quantize import SCALE_DTYPE, check_scales, is_quantized
 from kernels.write_slots import write_slots
 
 NAMESPACE = "paged_video"
 OP_NAME = "write_attend"
 QUALIFIED_NAME = f"{NAMESPACE}::{OP_NAME}"
-MUTATED_ARGS = ("k_pools", "v_pools", "stage_k", "stage_v", "stage_tags")
 NOTHING_STAGED = -1
+KV_ARGS = ("query", "key", "value", "action_key", "action_value")
+
+
+class PoolTensors(NamedTuple):
+    """Every cache tensor the op reads or writes, all mutated (``L`` layers, ``N`` blocks of
+    ``B`` slots, ``H`` KV heads, ``D`` head_dim, ``T`` staging rows per layer).
+
+    ``k_pools``/``v_pools`` ``(L, N, B, H, D)``; ``stage_k``/``stage_v`` ``(L, T, H, D)`` (``T``
+    may be 0 when staging is off). Quantized pools only, zero-size otherwise:
+    ``k_scales``/``v_scales`` ``(L, N, B, H)`` float32; ``stage_k_scales``/``stage_v_scales``
+    ``(L, T, H)`` float32; ``k_means`` ``(L, H, D)`` float32 and ``k_means_chosen`` ``(L,)`` bool
+    (both zero-size when keys are not smoothed).
+    """
+
+    k_pools: Tensor
+    v_pools: Tensor
+    stage_k: Tensor
+    stage_v: Tensor
+    k_scales: Tensor
+    v_scales: Tensor
+    stage_k_scales: Tensor
+    stage_v_scales: Tensor
+    k_means: Tensor
+    k_means_chosen: Tensor
+
+    @classmethod
+    def build(
+        cls,
+        k_pools: Tensor,
+        v_pools: Tensor,
+        stage_k: Tensor,
+        stage_v: Tensor,
+        **quantized: Tensor,
+    ) -> PoolTensors:
+        """The four K/V tensors plus the quantized ones given by name; the others zero-size."""
+        unknown = set(quantized) - set(cls._fields[4:])
+        if unknown:
+            raise TypeError(f"unknown pool tensors {sorted(unknown)}")
+        _checks.check_tensor("k_pools", k_pools)
+
+        def empty(name: str) -> Tensor:
+            dtype = torch.bool if name == "k_means_chosen" else SCALE_DTYPE
+            return k_pools.new_empty(0, dtype=dtype)
+
+        rest = [quantized.get(name) for name in cls._fields[4:]]
+        rest = [empty(n) if t is None else t for n, t in zip(cls._fields[4:], rest, strict=True)]
+        return cls(k_pools, v_pools, stage_k, stage_v, *rest)
 
 
 class LayerInputs(NamedTuple):
@@ -49,7 +105,8 @@ class LayerInputs(NamedTuple):
     ``key_gap`` is ``(rows, 2)`` or ``(rows, gaps, 2)`` int32 of hidden key ranges, or None;
     ``stage_from`` is the first block-table entry to restage when the layer's staging buffers
     hold the history ``stage_key`` names (any other layer restages all), or -1 to attend
-    without staging; ``stage_tags`` is the cache's record of what each layer's buffers hold.
+    without staging; ``stage_tags`` is the cache's record of what each layer's buffers hold
+    (mutated); ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` pools only).
     """
 
     layer: Tensor
@@ -64,6 +121,35 @@ class LayerInputs(NamedTuple):
     stage_tags: Tensor
     max_seqlen_q: int
     softmax_scale: float
+    fp8_mma: bool = False
+
+
+MUTATED_ARGS = (*PoolTensors._fields, "stage_tags")
+# Schema types of the fields' annotations, as torch's own schema inference spells them.
+_SCHEMA_TYPES = {
+    Tensor: "Tensor",
+    Tensor | None: "Tensor?",
+    int: "SymInt",
+    float: "float",
+    bool: "bool",
+}
+
+
+def _schema() -> str:
+    """The op's schema: the five K/V tensors, then ``PoolTensors``, then ``LayerInputs``."""
+    types = dict.fromkeys(KV_ARGS, Tensor) | get_type_hints(PoolTensors)
+    types |= get_type_hints(LayerInputs)
+    args = []
+    for i, (name, hint) in enumerate(types.items()):
+        kind = _SCHEMA_TYPES[hint] + (f"(a{i}!)" if name in MUTATED_ARGS else "")
+        args.append(f"{kind} {name}")
+    return f"({', '.join(args)}) -> Tensor"
+
+
+def _split(args: tuple) -> tuple[list[Tensor], PoolTensors, LayerInputs]:
+    """The op's flat arguments as the K/V tensors, ``PoolTensors`` and ``LayerInputs``."""
+    kv, pools = len(KV_ARGS), len(PoolTensors._fields)
+    return list(args[:kv]), PoolTensors(*args[kv : kv + pools]), LayerInputs(*args[kv + pools :])
 
 
 def _check_scalar(name: str, value: object) -> int:
@@ -77,51 +163,111 @@ def _check_scalar(name: str, value: object) -> int:
     return int(value)
 
 
+def _check_zero_size(names: tuple[str, ...], pools: PoolTensors, why: str) -> None:
+    for name in names:
+        tensor = getattr(pools, name)
+        if tensor.numel():
+            raise ValueError(f"{name} must be zero-size {why}, got shape {tuple(tensor.shape)}")
+
+
+def _check_quantized_pools(pools: PoolTensors) -> bool:
+    """Scales and means match the pools (zero-size for float pools); returns whether K is
+    smoothed."""
+    k_pools, v_pools = pools.k_pools, pools.v_pools
+    if not is_quantized(k_pools.dtype):
+        _check_zero_size(PoolTensors._fields[4:], pools, f"for {k_pools.dtype} pools")
+        return False
+    check_scales("k_scales", pools.k_scales, "k_pools", k_pools)
+    check_scales("v_scales", pools.v_scales, "v_pools", v_pools)
+    if pools.k_means.numel() == 0:
+        _check_zero_size(("k_means_chosen",), pools, "when k_means is (keys not smoothed)")
+        return False
+    num_layers, _, _, num_kv_heads, head_dim = k_pools.shape
+    wanted = (num_layers, num_kv_heads, head_dim)
+    _checks.check_dtype("k_means", pools.k_means, (SCALE_DTYPE,))
+    if pools.k_means.shape != wanted:
+        raise ValueError(
+            f"k_means must have shape {wanted} (layers, num_kv_heads, head_dim), got "
+            f"{tuple(pools.k_means.shape)}"
+        )
+    _checks.check_dtype("k_means_chosen", pools.k_means_chosen, (torch.bool,))
+    if pools.k_means_chosen.shape != (num_layers,):
+        raise ValueError(
+            f"k_means_chosen must have shape ({num_layers},) (one flag per layer), got "
+            f"{tuple(pools.k_means_chosen.shape)}"
+        )
+    return True
+
+
+def _check_staging(
+    query: Tensor, pools: PoolTensors, block_table: Tensor, first_block: int
+) -> None:
+    """The staging buffers (and their scales) fit a one-row forward restaging from
+    ``first_block``."""
+    k_pools, stage_k, stage_v = pools.k_pools, pools.stage_k, pools.stage_v
+    num_layers, _, block_size, num_kv_heads, head_dim = k_pools.shape
+    staging = "(layers, tokens, num_kv_heads, head_dim)"
+    _checks.check_rank("stage_k", stage_k, 4, staging)
+    _checks.check_rank("stage_v", stage_v, 4, staging)
+    if stage_v.shape != stage_k.shape:
+        raise ValueError(
+            f"stage_v shape {tuple(stage_v.shape)} must equal stage_k shape {tuple(stage_k.shape)}"
+        )
+    width = block_table.shape[1]
+    wanted = (num_layers, width * block_size, num_kv_heads, head_dim)
+    if stage_k.shape[0] != num_layers or stage_k.shape[2:] != wanted[2:]:
+        raise ValueError(f"stage_k must have shape {wanted}, got {tuple(stage_k.shape)}")
+    if stage_k.shape[1] < wanted[1]:
+        raise ValueError(
+            f"stage_k has {stage_k.shape[1]} rows per layer; a block_table of width {width} "
+            f"and blocks of {block_size} need {wanted[1]}"
+        )
+    dtype = k_pools.dtype if is_quantized(k_pools.dtype) else query.dtype
+    for name, tensor in (("stage_k", stage_k), ("stage_v", stage_v)):
+        if tensor.dtype != dtype:
+            raise TypeError(f"{name} must have the pools' dtype {dtype}, got {tensor.dtype}")
+    if is_quantized(k_pools.dtype):
+        check_scales("stage_k_scales", pools.stage_k_scales, "stage_k", stage_k)
+        check_scales("stage_v_scales", pools.stage_v_scales, "stage_v", stage_v)
+    if block_table.shape[0] != 1:
+        raise ValueError(
+            f"block_table must have one row with history staging (stage_from >= 0), got "
+            f"{block_table.shape[0]}"
+        )
+    if first_block > width:
+        raise ValueError(f"stage_from must be in -1..{width}, got {first_block}")
+
+
 def _check_inputs(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    action_key: Tensor,
-    action_value: Tensor,
-    k_pools: Tensor,
-    v_pools: Tensor,
-    stage_k: Tensor,
-    stage_v: Tensor,
-    layer: Tensor,
-    video_slots: Tensor,
-    action_slots: Tensor,
-    block_table: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens_k: Tensor,
-    key_gap: Tensor | None,
-    stage_from: Tensor,
-    stage_key: Tensor,
-    stage_tags: Tensor,
-    max_seqlen_q: int,
-    softmax_scale: float,
-) -> tuple[int, int]:
-    """Check every argument before the first write; returns ``(layer, stage_from)`` as ints.
+    kv: list[Tensor], pools: PoolTensors, inputs: LayerInputs
+) -> tuple[int, int, bool]:
+    """Check every argument before the first write; returns ``(layer, stage_from, smoothed)``.
 
     The kernels check their own arguments again, under their own names; by then nothing they
     check can fail, so no call writes half its work.
     """
-    pools = "(layers, num_blocks, block_size, num_kv_heads, head_dim)"
-    _checks.check_rank("k_pools", k_pools, 5, pools)
-    _checks.check_rank("v_pools", v_pools, 5, pools)
+    query, key, value, action_key, action_value = kv
+    k_pools, v_pools = pools.k_pools, pools.v_pools
+    layout = "(layers, num_blocks, block_size, num_kv_heads, head_dim)"
+    _checks.check_rank("k_pools", k_pools, 5, layout)
+    _checks.check_rank("v_pools", v_pools, 5, layout)
     if v_pools.shape != k_pools.shape:
         raise ValueError(
             f"v_pools shape {tuple(v_pools.shape)} must equal k_pools shape {tuple(k_pools.shape)}"
         )
     if k_pools.data_ptr() == v_pools.data_ptr() and k_pools.numel() > 0:
         raise ValueError("k_pools and v_pools must be separate tensors, not the same memory")
-    num_layers, _, block_size, num_kv_heads, head_dim = k_pools.shape
-    layer_index = _check_scalar("layer", layer)
+    if v_pools.dtype != k_pools.dtype:
+        raise TypeError(f"v_pools must have k_pools' dtype {k_pools.dtype}, got {v_pools.dtype}")
+    num_layers, _, _, num_kv_heads, head_dim = k_pools.shape
+    layer_index = _check_scalar("layer", inputs.layer)
     if not 0 <= layer_index < num_layers:
         raise ValueError(
             f"layer must be in 0..{num_layers - 1} (the pools' layers), got {layer_index}"
         )
-    first_block = _check_scalar("stage_from", stage_from)
-    _check_scalar("stage_key", stage_key)
+    first_block = _check_scalar("stage_from", inputs.stage_from)
+    _check_scalar("stage_key", inputs.stage_key)
+    stage_tags = inputs.stage_tags
     _checks.check_rank("stage_tags", stage_tags, 1, "(layers,)")
     _checks.check_dtype("stage_tags", stage_tags, (torch.int64,))
     if stage_tags.shape[0] != num_layers or stage_tags.device.type != "cpu":
@@ -129,14 +275,8 @@ def _check_inputs(
             f"stage_tags must be a CPU tensor of shape ({num_layers},), got "
             f"{tuple(stage_tags.shape)} on {stage_tags.device}"
         )
-    kv = "(num_tokens, num_kv_heads, head_dim)"
-    for name, tensor in (
-        ("key", key),
-        ("value", value),
-        ("action_key", action_key),
-        ("action_value", action_value),
-    ):
-        _checks.check_rank(name, tensor, 3, kv)
+    for name, tensor in zip(KV_ARGS[1:], kv[1:], strict=True):
+        _checks.check_rank(name, tensor, 3, "(num_tokens, num_kv_heads, head_dim)")
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
         if tensor.shape[1:] != (num_kv_heads, head_dim):
             raise ValueError(
@@ -144,8 +284,8 @@ def _check_inputs(
                 f"num_kv_heads, head_dim), got {tuple(tensor.shape)}"
             )
     for name, tensor, slots_name, slots in (
-        ("key", key, "video_slots", video_slots),
-        ("action_key", action_key, "action_slots", action_slots),
+        ("key", key, "video_slots", inputs.video_slots),
+        ("action_key", action_key, "action_slots", inputs.action_slots),
     ):
         _checks.check_rank(slots_name, slots, 1, "(num_tokens,)")
         _checks.check_dtype(slots_name, slots, _checks.INDEX_DTYPES)
@@ -174,149 +314,125 @@ def _check_inputs(
         raise ValueError(
             f"query num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}"
         )
-    for name, tensor in (("k_pools", k_pools), ("v_pools", v_pools)):
-        if tensor.dtype != query.dtype:
-            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {tensor.dtype}")
+    quantized = is_quantized(k_pools.dtype)
+    if not quantized and k_pools.dtype != query.dtype:
+        raise TypeError(f"k_pools must have query's dtype {query.dtype}, got {k_pools.dtype}")
+    smoothed = _check_quantized_pools(pools)
+    if not isinstance(inputs.fp8_mma, bool):
+        raise TypeError(f"fp8_mma must be a bool, got {type(inputs.fp8_mma).__name__}")
+    if inputs.fp8_mma and k_pools.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_mma needs float8_e4m3fn pools, got {k_pools.dtype}")
     _checks.check_same_device(
-        query=query,
-        key=key,
-        value=value,
-        action_key=action_key,
-        action_value=action_value,
-        k_pools=k_pools,
-        v_pools=v_pools,
-        stage_k=stage_k,
-        stage_v=stage_v,
-        video_slots=video_slots,
-        action_slots=action_slots,
-        block_table=block_table,
-        cu_seqlens_q=cu_seqlens_q,
-        seq_lens_k=seq_lens_k,
-        key_gap=key_gap,
+        **dict(zip(KV_ARGS, kv, strict=True)),
+        **pools._asdict(),
+        video_slots=inputs.video_slots,
+        action_slots=inputs.action_slots,
+        block_table=inputs.block_table,
+        cu_seqlens_q=inputs.cu_seqlens_q,
+        seq_lens_k=inputs.seq_lens_k,
+        key_gap=inputs.key_gap,
     )
-    _checks.check_softmax_scale(softmax_scale)
-    k_cache, v_cache = k_pools[layer_index], v_pools[layer_index]
+    _checks.check_softmax_scale(inputs.softmax_scale)
+    scales = {}
+    if quantized:
+        scales = {"k_scale": pools.k_scales[layer_index], "v_scale": pools.v_scales[layer_index]}
     check_attention_arguments(
         query,
-        k_cache,
-        v_cache,
-        block_table,
-        cu_seqlens_q,
-        seq_lens_k,
-        max_seqlen_q,
+        k_pools[layer_index],
+        v_pools[layer_index],
+        inputs.block_table,
+        inputs.cu_seqlens_q,
+        inputs.seq_lens_k,
+        inputs.max_seqlen_q,
         None,
         None,
-        key_gap,
+        inputs.key_gap,
         False,
+        **scales,
+        fp8_mma=inputs.fp8_mma,
     )
     if first_block >= 0:
-        staging = "(layers, tokens, num_kv_heads, head_dim)"
-        _checks.check_rank("stage_k", stage_k, 4, staging)
-        _checks.check_rank("stage_v", stage_v, 4, staging)
-        _checks.check_dtype("stage_k", stage_k, _checks.FLOAT_DTYPES)
-        _checks.check_dtype("stage_v", stage_v, _checks.FLOAT_DTYPES)
-        if stage_v.shape != stage_k.shape:
-            raise ValueError(
-                f"stage_v shape {tuple(stage_v.shape)} must equal stage_k shape "
-                f"{tuple(stage_k.shape)}"
-            )
-        width = block_table.shape[1]
-        wanted = (num_layers, width * block_size, num_kv_heads, head_dim)
-        if stage_k.shape[0] != num_layers or stage_k.shape[2:] != wanted[2:]:
-            raise ValueError(f"stage_k must have shape {wanted}, got {tuple(stage_k.shape)}")
-        if stage_k.shape[1] < wanted[1]:
-            raise ValueError(
-                f"stage_k has {stage_k.shape[1]} rows per layer; a block_table of width {width} "
-                f"and blocks of {block_size} need {wanted[1]}"
-            )
-        for name, tensor in (("stage_k", stage_k), ("stage_v", stage_v)):
-            if tensor.dtype != query.dtype:
-                raise TypeError(f"{name} must have query's dtype {query.dtype}, got {tensor.dtype}")
-        if block_table.shape[0] != 1:
-            raise ValueError(
-                f"block_table must have one row with history staging (stage_from >= 0), got "
-                f"{block_table.shape[0]}"
-            )
-        if first_block > width:
-            raise ValueError(f"stage_from must be in -1..{width}, got {first_block}")
-    return layer_index, first_block
+        _check_staging(query, pools, inputs.block_table, first_block)
+    return layer_index, first_block, smoothed
 
 
-def _write_attend_impl(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    action_key: Tensor,
-    action_value: Tensor,
-    k_pools: Tensor,
-    v_pools: Tensor,
-    stage_k: Tensor,
-    stage_v: Tensor,
-    layer: Tensor,
-    video_slots: Tensor,
-    action_slots: Tensor,
-    block_table: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens_k: Tensor,
-    key_gap: Tensor | None,
-    stage_from: Tensor,
-    stage_key: Tensor,
-    stage_tags: Tensor,
-    max_seqlen_q: int,
-    softmax_scale: float,
-) -> Tensor:
-    layer_index, first_block = _check_inputs(
-        query,
-        key,
-        value,
-        action_key,
-        action_value,
-        k_pools,
-        v_pools,
-        stage_k,
-        stage_v,
-        layer,
-        video_slots,
-        action_slots,
-        block_table,
-        cu_seqlens_q,
-        seq_lens_k,
-        key_gap,
-        stage_from,
-        stage_key,
-        stage_tags,
-        max_seqlen_q,
-        softmax_scale,
-    )
+def _choose_mean(means: Tensor, chosen: Tensor, key: Tensor) -> None:
+    """Set this layer's K mean to ``key``'s (per KV head, finite keys only) unless it was chosen
+    before; then mark it chosen. On the device, without a sync: ``torch.where`` on the flag."""
+    keys = key.to(SCALE_DTYPE)
+    finite = keys.isfinite()
+    counts = finite.sum(dim=0).clamp_min(1)
+    fresh = torch.where(finite, keys, 0.0).sum(dim=0) / counts
+    means.copy_(torch.where(chosen, means, fresh))
+    chosen.fill_(True)
+
+
+def _write_attend_impl(*args: object) -> Tensor:
+    kv, pools, inputs = _split(args)
+    layer_index, first_block, smoothed = _check_inputs(kv, pools, inputs)
+    query, key, value, action_key, action_value = kv
+    stage_tags = inputs.stage_tags
     # 0-dim CPU tensors and the CPU tags: reading them costs no device sync.
-    history = int(stage_key)
+    history = int(inputs.stage_key)
     kept = history != NOTHING_STAGED and int(stage_tags[layer_index]) == history
     # Until this layer's restage is done, nothing in its staging buffers is vouched for.
     stage_tags[layer_index] = NOTHING_STAGED
-    k_cache, v_cache = k_pools[layer_index], v_pools[layer_index]
+    k_cache, v_cache = pools.k_pools[layer_index], pools.v_pools[layer_index]
+    quantized = is_quantized(k_cache.dtype)
+    # Keyword arguments of the kernels: empty for float pools, whose kernels take no scales.
+    read_scales: dict[str, Tensor] = {}  # gather_blocks / paged_attention over the pools
+    write_extra: dict[str, Tensor] = {}  # write_slots
+    attend = {
+        "max_seqlen_q": inputs.max_seqlen_q,
+        "softmax_scale": inputs.softmax_scale,
+        "key_gap": inputs.key_gap,
+        "check_values": False,
+    }
+    if quantized:
+        k_scale, v_scale = pools.k_scales[layer_index], pools.v_scales[layer_index]
+        read_scales = {"k_scale": k_scale, "v_scale": v_scale}
+        write_extra = {"k_scale": k_scale.flatten(0, 1), "v_scale": v_scale.flatten(0, 1)}
+        attend["fp8_mma"] = inputs.fp8_mma
+        if smoothed:
+            means = pools.k_means[layer_index]
+            if key.shape[0]:  # a shape, not a value: no sync
+                _choose_mean(means, pools.k_means_chosen[layer_index], key)
+            write_extra["k_smooth"] = means
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    write_slots(key, value, k_flat, v_flat, video_slots, check_values=False)
-    write_slots(action_key, action_value, k_flat, v_flat, action_slots, check_values=False)
+    write_slots(key, value, k_flat, v_flat, inputs.video_slots, **write_extra, check_values=False)
+    write_slots(
+        action_key,
+        action_value,
+        k_flat,
+        v_flat,
+        inputs.action_slots,
+        **write_extra,
+        check_values=False,
+    )
+    table, cu_seqlens_q, seq_lens_k = inputs.block_table, inputs.cu_seqlens_q, inputs.seq_lens_k
     if first_block < 0:
         return paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_table,
-            cu_seqlens_q,
-            seq_lens_k,
-            max_seqlen_q=max_seqlen_q,
-            softmax_scale=softmax_scale,
-            key_gap=key_gap,
-            check_values=False,
+            query, k_cache, v_cache, table, cu_seqlens_q, seq_lens_k, **read_scales, **attend
         )
-    layer_k, layer_v = stage_k[layer_index], stage_v[layer_index]
+    layer_k, layer_v = pools.stage_k[layer_index], pools.stage_v[layer_index]
+    stage_extra: dict[str, Tensor] = {}  # gather_blocks' stage scales
+    staged_scales: dict[str, Tensor] = {}  # paged_attention over the staged run
+    if quantized:
+        stage_k_scale = pools.stage_k_scales[layer_index]
+        stage_v_scale = pools.stage_v_scales[layer_index]
+        stage_extra = {"stage_k_scale": stage_k_scale, "stage_v_scale": stage_v_scale}
+        staged_scales = {
+            "k_scale": stage_k_scale.unsqueeze(0),
+            "v_scale": stage_v_scale.unsqueeze(0),
+        }
     gather_blocks(
         k_cache,
         v_cache,
-        block_table[0],
+        table[0],
         layer_k,
         layer_v,
+        **read_scales,
+        **stage_extra,
         first_block=first_block if kept else 0,
         check_values=False,
     )
@@ -330,10 +446,8 @@ def _write_attend_impl(
         single_block,
         cu_seqlens_q,
         seq_lens_k,
-        max_seqlen_q=max_seqlen_q,
-        softmax_scale=softmax_scale,
-        key_gap=key_gap,
-        check_values=False,
+        **staged_scales,
+        **attend,
     )
 
 
@@ -342,7 +456,9 @@ def _register() -> object:
     namespace = getattr(torch.ops, NAMESPACE)
     if hasattr(namespace, OP_NAME):
         return getattr(namespace, OP_NAME).default
-    op = torch.library.custom_op(QUALIFIED_NAME, mutates_args=MUTATED_ARGS)(_write_attend_impl)
+    op = torch.library.custom_op(QUALIFIED_NAME, mutates_args=MUTATED_ARGS, schema=_schema())(
+        _write_attend_impl
+    )
 
     @op.register_fake
     def _fake(query: Tensor, *args: object) -> Tensor:
@@ -360,45 +476,22 @@ def write_attend(
     value: Tensor,
     action_key: Tensor,
     action_value: Tensor,
-    k_pools: Tensor,
-    v_pools: Tensor,
-    stage_k: Tensor,
-    stage_v: Tensor,
+    pools: PoolTensors,
     inputs: LayerInputs,
 ) -> Tensor:
     """Write this layer's K/V (video, then action) into the pools and attend; returns ``(q, H, D)``.
 
-    ``k_pools``/``v_pools``: ``(layers, num_blocks, block_size, kv_heads, head_dim)``;
-    ``stage_k``/``stage_v``: ``(layers, width * block_size, kv_heads, head_dim)`` (may have zero
-    rows when staging is off).
+    ``pools`` holds every cache tensor the op touches (see ``PoolTensors``; a cache's
+    ``pool_tensors``), ``inputs`` the forward's plan tensors with this layer's index.
     """
-    for name, tensor in (
-        ("query", query),
-        ("key", key),
-        ("value", value),
-        ("action_key", action_key),
-        ("action_value", action_value),
-        ("k_pools", k_pools),
-        ("v_pools", v_pools),
-        ("stage_k", stage_k),
-        ("stage_v", stage_v),
-    ):
+    kv = (query, key, value, action_key, action_value)
+    # By fields, not class: reloading this module makes new NamedTuple classes.
+    for name, given, cls in (("pools", pools, PoolTensors), ("inputs", inputs, LayerInputs)):
+        if getattr(given, "_fields", None) != cls._fields:
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(given).__name__}")
+    named = {**dict(zip(KV_ARGS, kv, strict=True)), **pools._asdict()}
+    for name, tensor in named.items():
         _checks.check_tensor(name, tensor)
-    # By fields, not class: reloading this module makes a new LayerInputs class.
-    if getattr(inputs, "_fields", None) != LayerInputs._fields:
-        raise TypeError(f"inputs must be a LayerInputs, got {type(inputs).__name__}")
     # Here, not only in the op: a meta tensor among real ones would dispatch to the fake.
-    _checks.check_same_device(
-        query=query,
-        key=key,
-        value=value,
-        action_key=action_key,
-        action_value=action_value,
-        k_pools=k_pools,
-        v_pools=v_pools,
-        stage_k=stage_k,
-        stage_v=stage_v,
-    )
-    return write_attend_op(
-        query, key, value, action_key, action_value, k_pools, v_pools, stage_k, stage_v, *inputs
-    )
+    _checks.check_same_device(**named)
+    return write_attend_op(*kv, *pools, *inputs)

@@ -7,11 +7,12 @@ restage just its own chunk's blocks. Every other staging row is left untouched.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, torch_path
+from kernels import _checks, quantize, torch_path
 from kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
 from kernels._runtime import use_torch_path
 
@@ -23,6 +24,10 @@ def _gather_blocks_kernel(
     block_ids_ptr,
     stage_k_ptr,
     stage_v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stage_k_scale_ptr,
+    stage_v_scale_ptr,
     first_row,
     end_row,
     block_size,
@@ -42,10 +47,22 @@ def _gather_blocks_kernel(
     stride_sv_tok,
     stride_sv_head,
     stride_sv_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
+    stride_sks_tok,
+    stride_sks_head,
+    stride_svs_tok,
+    stride_svs_head,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FLAT: tl.constexpr,
+    BLOCK_HS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
 ):
     # Program (r, c) copies plane chunk c of BLOCK_T staging rows from first_row on; staging
     # row i is slot i % block_size of block block_ids[i // block_size]. Rows run across block
@@ -88,6 +105,54 @@ def _gather_blocks_kernel(
         v.to(stage_v_ptr.dtype.element_ty),
         mask=mask,
     )
+    if HAS_SCALES:
+        # Quantized caches: the programs of plane chunk 0 also copy their rows' scales, all
+        # heads at once (a [BLOCK_T, BLOCK_HS] float32 tile), in the same launch.
+        heads = tl.arange(0, BLOCK_HS)
+        scale_heads = tl.where(chunk == 0, num_kv_heads, 0)
+        s_mask = r_mask[:, None] & (heads < scale_heads)[None, :]
+        heads = heads.to(tl.int64)[None, :]
+        k_s = tl.load(
+            k_scale_ptr + block * stride_ks_block + slot * stride_ks_slot + heads * stride_ks_head,
+            mask=s_mask,
+            other=0.0,
+        )
+        v_s = tl.load(
+            v_scale_ptr + block * stride_vs_block + slot * stride_vs_slot + heads * stride_vs_head,
+            mask=s_mask,
+            other=0.0,
+        )
+        tl.store(
+            stage_k_scale_ptr + row * stride_sks_tok + heads * stride_sks_head, k_s, mask=s_mask
+        )
+        tl.store(
+            stage_v_scale_ptr + row * stride_svs_tok + heads * stride_svs_head, v_s, mask=s_mask
+        )
+
+
+def _check_dtypes(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    stage_k: Tensor,
+    stage_v: Tensor,
+    scales: dict[str, Tensor | None],
+) -> None:
+    """Float caches stage into any float dtype; quantized ones into their own, with scales."""
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
+    quantized = quantize.is_quantized(k_cache.dtype)
+    if quantize.is_quantized(v_cache.dtype) != quantized:
+        raise TypeError(
+            f"v_cache is {v_cache.dtype} but k_cache is {k_cache.dtype}: both caches must be "
+            "quantized or neither"
+        )
+    for name, stage, cache in (("stage_k", stage_k, k_cache), ("stage_v", stage_v, v_cache)):
+        allowed = (cache.dtype,) if quantized else _checks.FLOAT_DTYPES
+        _checks.check_dtype(name, stage, allowed)
+    quantize.check_scales("k_scale", scales["k_scale"], "k_cache", k_cache)
+    quantize.check_scales("v_scale", scales["v_scale"], "v_cache", v_cache)
+    quantize.check_scales("stage_k_scale", scales["stage_k_scale"], "stage_k", stage_k)
+    quantize.check_scales("stage_v_scale", scales["stage_v_scale"], "stage_v", stage_v)
 
 
 def _check_arguments(
@@ -96,6 +161,7 @@ def _check_arguments(
     block_ids: Tensor,
     stage_k: Tensor,
     stage_v: Tensor,
+    scales: dict[str, Tensor | None],
     first_block: int,
     check_values: bool,
 ) -> None:
@@ -105,17 +171,16 @@ def _check_arguments(
     _checks.check_rank("block_ids", block_ids, 1, "(num_entries,)")
     _checks.check_rank("stage_k", stage_k, 3, "(stage_tokens, num_kv_heads, head_dim)")
     _checks.check_rank("stage_v", stage_v, 3, "(stage_tokens, num_kv_heads, head_dim)")
-    _checks.check_same_device(
-        k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, stage_k=stage_k, stage_v=stage_v
-    )
-    for name, tensor in (
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("stage_k", stage_k),
-        ("stage_v", stage_v),
-    ):
-        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
+    _check_dtypes(k_cache, v_cache, stage_k, stage_v, scales)
     _checks.check_dtype("block_ids", block_ids, _checks.INDEX_DTYPES)
+    _checks.check_same_device(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_ids=block_ids,
+        stage_k=stage_k,
+        stage_v=stage_v,
+        **scales,
+    )
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}"
@@ -153,32 +218,58 @@ def gather_blocks(
     stage_k: Tensor,
     stage_v: Tensor,
     *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    stage_k_scale: Tensor | None = None,
+    stage_v_scale: Tensor | None = None,
     first_block: int = 0,
     check_values: bool = True,
 ) -> None:
     """Copy blocks ``block_ids[first_block:]`` of both caches into ``stage_k``/``stage_v``.
 
+    Quantized caches stage into buffers of their own dtype (codes copied bit for bit), and
+    their scales ``k_scale``/``v_scale`` ``(num_blocks, block_size, num_kv_heads)`` into
+    ``stage_k_scale``/``stage_v_scale`` ``(stage_tokens, num_kv_heads)`` beside them.
     ``check_values=False`` skips the block-id range check (no device sync).
     """
-    _check_arguments(k_cache, v_cache, block_ids, stage_k, stage_v, first_block, check_values)
+    scales = {
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+        "stage_k_scale": stage_k_scale,
+        "stage_v_scale": stage_v_scale,
+    }
+    _check_arguments(
+        k_cache, v_cache, block_ids, stage_k, stage_v, scales, first_block, check_values
+    )
     block_ids = _checks.contiguous_index(block_ids)  # the kernel reads it as ptr + entry
     entries = block_ids.shape[0] - first_block
     if entries == 0:
         return
     if use_torch_path(k_cache):
-        torch_path.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block)
+        torch_path.gather_blocks(
+            k_cache, v_cache, block_ids, stage_k, stage_v, first_block, *scales.values()
+        )
         return
+    has_scales = k_scale is not None
+    if k_cache.dtype == torch.float8_e4m3fn:
+        # Codes are copied as bytes: bit for bit whatever they hold, NaN codes included.
+        k_cache, v_cache, stage_k, stage_v = (
+            t.view(torch.uint8) for t in (k_cache, v_cache, stage_k, stage_v)
+        )
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     flat = all(plane_is_flat(t) for t in (k_cache, v_cache, stage_k, stage_v))
     rows = entries * block_size
     tiles = copy_tiles(rows, num_kv_heads, head_dim, flat)
     grid = (triton.cdiv(rows, tiles.block_t), tiles.col_programs)
+    # Without scales the scale pointers are placeholders, never read or written.
+    scale_ptrs = scales.values() if has_scales else (k_cache,) * 4
     _gather_blocks_kernel[grid](
         k_cache,
         v_cache,
         block_ids,
         stage_k,
         stage_v,
+        *scale_ptrs,
         first_block * block_size,
         block_ids.shape[0] * block_size,
         block_size,
@@ -188,5 +279,11 @@ def gather_blocks(
         *v_cache.stride(),
         *stage_k.stride(),
         *stage_v.stride(),
+        *(k_scale.stride() if has_scales else (0, 0, 0)),
+        *(v_scale.stride() if has_scales else (0, 0, 0)),
+        *(stage_k_scale.stride() if has_scales else (0, 0)),
+        *(stage_v_scale.stride() if has_scales else (0, 0)),
         **tiles.constexprs(),
+        BLOCK_HS=triton.next_power_of_2(num_kv_heads),
+        HAS_SCALES=has_scales,
     )

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, torch_path
+from kernels import _checks, quantize, torch_path
 from kernels._runtime import interpreter_active, use_torch_path
 
 LOG2E = 1.4426950408889634
@@ -607,6 +607,9 @@ def _check_arguments(
     key_limits: Tensor | None,
     key_gap: Tensor | None,
     check_values: bool,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    fp8_mma: bool = False,
 ) -> None:
     _checks.check_rank("q", q, 3, "(total_q, num_heads, head_dim)")
     layout = "(num_blocks, block_size, num_kv_heads, head_dim)"
@@ -615,6 +618,9 @@ def _check_arguments(
     _checks.check_rank("block_table", block_table, 2, "(batch, width)")
     _checks.check_rank("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
     _checks.check_rank("seq_lens_k", seq_lens_k, 1, "(batch,)")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            _checks.check_tensor(name, scale)
     _checks.check_same_device(
         q=q,
         k_cache=k_cache,
@@ -625,11 +631,13 @@ def _check_arguments(
         out=out,
         key_limits=key_limits,
         key_gap=key_gap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {cache.dtype}")
+    _check_cache_dtypes(q, k_cache, v_cache, fp8_mma)
+    quantize.check_scales("k_scale", k_scale, "k_cache", k_cache)
+    quantize.check_scales("v_scale", v_scale, "v_cache", v_cache)
     for name, index in (
         ("block_table", block_table),
         ("cu_seqlens_q", cu_seqlens_q),
@@ -684,6 +692,27 @@ def _check_arguments(
         _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
 
 
+def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_mma: object) -> None:
+    """Caches in q's dtype, or both in one quantized dtype; ``fp8_mma`` only for e4m3 caches."""
+    if not isinstance(fp8_mma, bool):
+        raise TypeError(f"fp8_mma must be a bool, got {type(fp8_mma).__name__}")
+    if quantize.is_quantized(k_cache.dtype):
+        if v_cache.dtype != k_cache.dtype:
+            raise TypeError(
+                f"v_cache must have k_cache's quantized dtype {k_cache.dtype}, got {v_cache.dtype}"
+            )
+    else:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dtype != q.dtype:
+                allowed = ", ".join(str(d) for d in quantize.QUANT_DTYPES)
+                raise TypeError(
+                    f"{name} must have q's dtype {q.dtype} or a quantized one ({allowed}), "
+                    f"got {cache.dtype}"
+                )
+    if fp8_mma and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_mma needs float8_e4m3fn caches, got {k_cache.dtype}")
+
+
 def _check_values(
     q: Tensor,
     k_cache: Tensor,
@@ -736,6 +765,9 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     check_values: bool = True,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    fp8_mma: bool = False,
 ) -> Tensor:
     """Attention of packed queries ``q (total_q, H, D)`` over a paged cache.
 
@@ -745,6 +777,13 @@ def paged_attention(
     unwritten slots between a video run that ends mid-block and the action blocks.
     ``block_m``/``block_n`` override the tile. ``check_values=False`` skips the checks that
     read tensor values (no device sync).
+
+    Quantized caches (``float8_e4m3fn`` or ``int8`` codes, DESIGN section 9) need ``k_scale``
+    and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
+    as ``codes * scale``. By default the codes convert exactly to q's compute dtype, the K scale
+    multiplies the score columns and the V scale the probability columns before the PV product.
+    ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities to
+    e4m3 and runs both products as FP8 MMAs with float32 accumulation.
     """
     _check_arguments(
         q,
@@ -758,6 +797,9 @@ def paged_attention(
         key_limits,
         key_gap,
         check_values,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        fp8_mma=fp8_mma,
     )
     _checks.check_softmax_scale(softmax_scale)
     if not isinstance(causal, bool):
@@ -784,7 +826,8 @@ def paged_attention(
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out
-    if use_torch_path(q):
+    quantized = k_scale is not None
+    if use_torch_path(q) or quantized:
         return torch_path.paged_attention(
             q,
             k_cache,
@@ -797,6 +840,9 @@ def paged_attention(
             out=out,
             key_limits=key_limits,
             key_gap=key_gap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            fp8_mma=fp8_mma,
         )
     if scale < 0:
         # The kernel's unmasked loop takes the row max of unscaled scores: keep the scale >= 0.

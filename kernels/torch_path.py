@@ -12,15 +12,64 @@ import math
 import torch
 from torch import Tensor
 
+from kernels.quantize import QMAX
+
+# 1.5 * 2**23: adding then subtracting it rounds a float32 of magnitude < 2**22 to an integer
+# (nearest, ties to even); scaled by a power of two it rounds to that power's multiples.
+ROUND_MAGIC = 12582912.0
+# float32 biased exponent of e4m3's smallest normal, 2**-6; below it the code step is 2**-9.
+E4M3_MIN_NORMAL_EXP = 127 - 6
+E4M3_MANTISSA_BITS = 3
+
+
+def round_to_code_grid(ratio: Tensor, dtype: torch.dtype) -> Tensor:
+    """Round float32 ``ratio`` (already clamped to +-QMAX) to the nearest code of ``dtype``.
+
+    The same arithmetic as ``kernels._quantize_jit.round_to_code_grid``: add and subtract a
+    magic number whose ulp is the code step, so converting the result to ``dtype`` is exact.
+    """
+    if dtype == torch.int8:
+        return (ratio + ROUND_MAGIC) - ROUND_MAGIC
+    exponent = (ratio.view(torch.int32) >> 23) & 0xFF
+    step_exponent = exponent.clamp_min(E4M3_MIN_NORMAL_EXP) - E4M3_MANTISSA_BITS
+    magic = (step_exponent << 23).view(torch.float32) * ROUND_MAGIC
+    return (ratio + magic) - magic
+
+
+def quantize_rows(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(codes, scale)`` of float32 rows ``x (..., head_dim)``, as the write kernel computes
+    them: ``scale = amax / QMAX``, codes ``x / scale`` on the code grid; zero rows all zero."""
+    qmax = QMAX[dtype]
+    scale = x.abs().amax(dim=-1) / qmax
+    positive = (scale > 0).unsqueeze(-1)
+    ratio = x / torch.where(positive, scale.unsqueeze(-1), 1.0)
+    ratio = torch.where(positive, ratio, 0.0).clamp(-qmax, qmax)
+    return round_to_code_grid(ratio, dtype).to(dtype), scale
+
 
 def write_slots(
-    key: Tensor, value: Tensor, k_pool: Tensor, v_pool: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    k_smooth: Tensor | None = None,
 ) -> None:
     mapped = slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_pool[slots] = key[:mapped][keep].to(k_pool.dtype)
-    v_pool[slots] = value[:mapped][keep].to(v_pool.dtype)
+    key, value = key[:mapped][keep], value[:mapped][keep]
+    if k_scale is None:
+        k_pool[slots] = key.to(k_pool.dtype)
+        v_pool[slots] = value.to(v_pool.dtype)
+        return
+    key = key.float()
+    if k_smooth is not None:
+        key = key - k_smooth
+    k_pool[slots], k_scale[slots] = quantize_rows(key, k_pool.dtype)
+    v_pool[slots], v_scale[slots] = quantize_rows(value.float(), v_pool.dtype)
 
 
 def gather_blocks(
@@ -30,12 +79,19 @@ def gather_blocks(
     stage_k: Tensor,
     stage_v: Tensor,
     first_block: int,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    stage_k_scale: Tensor | None = None,
+    stage_v_scale: Tensor | None = None,
 ) -> None:
     block_size = k_cache.shape[1]
     ids = block_ids[first_block:].long()
     rows = slice(first_block * block_size, block_ids.shape[0] * block_size)
     stage_k[rows] = k_cache[ids].flatten(0, 1).to(stage_k.dtype)
     stage_v[rows] = v_cache[ids].flatten(0, 1).to(stage_v.dtype)
+    if k_scale is not None:
+        stage_k_scale[rows] = k_scale[ids].flatten(0, 1)
+        stage_v_scale[rows] = v_scale[ids].flatten(0, 1)
 
 
 def paged_attention(
@@ -51,10 +107,18 @@ def paged_attention(
     out: Tensor,
     key_limits: Tensor | None,
     key_gap: Tensor | None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    fp8_mma: bool = False,
 ) -> Tensor:
+    """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
+    scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
+    query row and the V-scaled probabilities to e4m3 codes as the kernel does, taking the whole
+    sequence as one key tile (the kernel normalises by each tile's largest V scale)."""
     block_size = k_cache.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     group = q.shape[1] // k_cache.shape[2]
+    queries = _round_rows_e4m3(q.float()) if fp8_mma else (q.float(), None)
     starts = cu_seqlens_q.tolist()
     for row, k_len in enumerate(seq_lens_k.tolist()):
         lo, hi = starts[row], starts[row + 1]
@@ -62,8 +126,9 @@ def paged_attention(
             continue
         positions = torch.arange(k_len)
         blocks = block_table[row, positions // block_size].long()
-        keys = k_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
-        values = v_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        slots = positions % block_size
+        keys = k_cache[blocks, slots].float().repeat_interleave(group, dim=1)
+        values = v_cache[blocks, slots].float().repeat_interleave(group, dim=1)
         cols = positions[None, :]
         visible = torch.ones(hi - lo, k_len, dtype=torch.bool)
         if causal:
@@ -73,8 +138,39 @@ def paged_attention(
         if key_gap is not None:
             for gap_lo, gap_hi in key_gap[row].reshape(-1, 2).tolist():
                 visible &= (cols < gap_lo) | (cols >= gap_hi)
-        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * scale
+        scores = torch.einsum("qhd,khd->hqk", queries[0][lo:hi], keys) * scale
+        if fp8_mma:
+            scores = scores * queries[1][lo:hi].T[:, :, None]
+        if k_scale is not None:
+            scores = scores * k_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees nothing: zeros
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+        row_max = scores.amax(dim=-1, keepdim=True)
+        probs = torch.exp(scores - torch.where(row_max == float("-inf"), 0.0, row_max))
+        row_sum = probs.sum(dim=-1, keepdim=True)
+        if v_scale is not None:
+            col_scale = v_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
+            if fp8_mma:
+                tile_max = col_scale.amax(dim=-1, keepdim=True).clamp_min(1e-38)
+                codes = _round_e4m3(probs * (col_scale * (448.0 / tile_max)))
+                probs = codes * (tile_max / 448.0)
+            else:
+                probs = probs * col_scale
+        out_rows = torch.einsum("hqk,khd->qhd", probs, values)
+        # A query that sees nothing: zeros.
+        out[lo:hi] = (out_rows / torch.where(row_sum == 0, 1.0, row_sum).permute(1, 0, 2)).to(
+            out.dtype
+        )
     return out
+
+
+def _round_e4m3(x: Tensor) -> Tensor:
+    """``x`` (float32, |x| <= 448) rounded to the nearest e4m3 code, ties to even."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+
+def _round_rows_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row of ``x (tokens, heads, dim)`` as e4m3 codes and a float32 scale per row:
+    ``scale = amax / 448``, codes ``x / scale`` (a zero row: scale 0, codes 0)."""
+    row_scale = x.abs().amax(dim=-1) / 448.0
+    ratio = x / torch.where(row_scale > 0, row_scale, 1.0).unsqueeze(-1)
+    return _round_e4m3(ratio), row_scale

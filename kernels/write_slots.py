@@ -7,12 +7,14 @@ the pools' dtype.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, torch_path
+from kernels import _checks, quantize, torch_path
 from kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
+from kernels._quantize_jit import quantize_rows
 from kernels._runtime import use_torch_path
 
 
@@ -73,12 +75,113 @@ def _write_slots_kernel(
     )
 
 
+@triton.jit
+def _write_slots_quantized_kernel(
+    key_ptr,
+    value_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_smooth_ptr,
+    slot_mapping_ptr,
+    num_tokens,
+    num_kv_heads,
+    head_dim,
+    stride_key_tok,
+    stride_key_head,
+    stride_key_dim,
+    stride_value_tok,
+    stride_value_head,
+    stride_value_dim,
+    stride_kp_slot,
+    stride_kp_head,
+    stride_kp_dim,
+    stride_vp_slot,
+    stride_vp_head,
+    stride_vp_dim,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_slot,
+    stride_vs_head,
+    stride_sm_head,
+    stride_sm_dim,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr,
+    K_QMAX: tl.constexpr,
+    V_QMAX: tl.constexpr,
+    K_FP8: tl.constexpr,
+    V_FP8: tl.constexpr,
+):
+    # Program (t, h) quantizes BLOCK_T tokens x BLOCK_H whole heads of K and of V. The tile is
+    # 3-D [tokens, heads, BLOCK_D] rather than the copy tiles' flat plane chunk: each scale is
+    # the amax of one (token, head) row, which is then a plain reduction over the last axis,
+    # and the scales form a [tokens, heads] tile stored as is (no reshape of a distributed
+    # tensor, which can cost a trip through shared memory). The geometry is the copy tiles'
+    # strided one (whole heads, head_dim padded to a power of two); padding lanes load 0.
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
+    write = t_mask & (slot >= 0)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dim = tl.arange(0, BLOCK_D)
+    plane_mask = (head < num_kv_heads)[:, None] & (dim < head_dim)[None, :]
+    row_mask = write[:, None] & (head < num_kv_heads)[None, :]
+    mask = write[:, None, None] & plane_mask[None, :, :]
+    head = head.to(tl.int64)
+    dim = dim.to(tl.int64)
+    tok3 = offs_t[:, None, None]
+    head3 = head[None, :, None]
+    dim3 = dim[None, None, :]
+
+    key = tl.load(
+        key_ptr + tok3 * stride_key_tok + head3 * stride_key_head + dim3 * stride_key_dim,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    value = tl.load(
+        value_ptr + tok3 * stride_value_tok + head3 * stride_value_head + dim3 * stride_value_dim,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_SMOOTH:
+        smooth = tl.load(
+            k_smooth_ptr + head[:, None] * stride_sm_head + dim[None, :] * stride_sm_dim,
+            mask=plane_mask,
+            other=0.0,
+        )
+        key = key - smooth[None, :, :]
+    k_codes, k_scale = quantize_rows(key, K_QMAX, K_FP8)
+    v_codes, v_scale = quantize_rows(value, V_QMAX, V_FP8)
+
+    slot3 = slot[:, None, None]
+    tl.store(
+        k_pool_ptr + slot3 * stride_kp_slot + head3 * stride_kp_head + dim3 * stride_kp_dim,
+        k_codes.to(k_pool_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_pool_ptr + slot3 * stride_vp_slot + head3 * stride_vp_head + dim3 * stride_vp_dim,
+        v_codes.to(v_pool_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    slot2 = slot[:, None]
+    head2 = head[None, :]
+    tl.store(k_scale_ptr + slot2 * stride_ks_slot + head2 * stride_ks_head, k_scale, mask=row_mask)
+    tl.store(v_scale_ptr + slot2 * stride_vs_slot + head2 * stride_vs_head, v_scale, mask=row_mask)
+
+
 def _check_arguments(
     key: Tensor,
     value: Tensor,
     k_pool: Tensor,
     v_pool: Tensor,
     slot_mapping: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    k_smooth: Tensor | None,
     check_values: bool,
 ) -> None:
     _checks.check_rank("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
@@ -86,12 +189,39 @@ def _check_arguments(
     _checks.check_rank("k_pool", k_pool, 3, "(num_slots, num_kv_heads, head_dim)")
     _checks.check_rank("v_pool", v_pool, 3, "(num_slots, num_kv_heads, head_dim)")
     _checks.check_rank("slot_mapping", slot_mapping, 1, "(n,)")
-    _checks.check_same_device(
-        key=key, value=value, k_pool=k_pool, v_pool=v_pool, slot_mapping=slot_mapping
-    )
-    for name, tensor in (("key", key), ("value", value), ("k_pool", k_pool), ("v_pool", v_pool)):
+    for name, tensor in (("key", key), ("value", value)):
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
+    for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool)):
+        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
     _checks.check_dtype("slot_mapping", slot_mapping, _checks.INDEX_DTYPES)
+    quantized = quantize.is_quantized(k_pool.dtype)
+    if quantize.is_quantized(v_pool.dtype) != quantized:
+        raise TypeError(
+            f"v_pool is {v_pool.dtype} but k_pool is {k_pool.dtype}: both pools must be "
+            "quantized or neither"
+        )
+    quantize.check_scales("k_scale", k_scale, "k_pool", k_pool)
+    quantize.check_scales("v_scale", v_scale, "v_pool", v_pool)
+    if k_smooth is not None:
+        if not quantized:
+            raise ValueError(f"k_smooth is only for quantized pools; k_pool is {k_pool.dtype}")
+        _checks.check_tensor("k_smooth", k_smooth)
+        _checks.check_dtype("k_smooth", k_smooth, (quantize.SCALE_DTYPE,))
+        if k_smooth.shape != k_pool.shape[1:]:
+            raise ValueError(
+                f"k_smooth must have shape {tuple(k_pool.shape[1:])} (num_kv_heads, head_dim), "
+                f"got {tuple(k_smooth.shape)}"
+            )
+    _checks.check_same_device(
+        key=key,
+        value=value,
+        k_pool=k_pool,
+        v_pool=v_pool,
+        slot_mapping=slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_smooth=k_smooth,
+    )
     if value.shape != key.shape:
         raise ValueError(
             f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}"
@@ -112,6 +242,8 @@ def _check_arguments(
         )
     if k_pool.data_ptr() == v_pool.data_ptr() and k_pool.numel() > 0:
         raise ValueError("k_pool and v_pool must be separate tensors, not the same memory")
+    if quantized and k_scale.data_ptr() == v_scale.data_ptr() and k_scale.numel() > 0:
+        raise ValueError("k_scale and v_scale must be separate tensors, not the same memory")
     if check_values and slot_mapping.numel():
         slots = slot_mapping[slot_mapping >= 0]
         if slots.numel() and int(slots.max()) >= k_pool.shape[0]:
@@ -130,20 +262,31 @@ def write_slots(
     v_pool: Tensor,
     slot_mapping: Tensor,
     *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    k_smooth: Tensor | None = None,
     check_values: bool = True,
 ) -> None:
     """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
 
-    Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches.
+    Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches. Quantized
+    pools (``kernels.quantize.QUANT_DTYPES``) take codes, and their scales ``(num_slots,
+    num_kv_heads)`` float32 ``k_scale``/``v_scale`` are written with them; ``k_smooth``
+    ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing.
     ``check_values=False`` skips the checks that read slot values (no device sync).
     """
-    _check_arguments(key, value, k_pool, v_pool, slot_mapping, check_values)
+    _check_arguments(
+        key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth, check_values
+    )
     slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     if use_torch_path(key):
-        torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping)
+        torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth)
+        return
+    if k_scale is not None:
+        _launch_quantized(key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth)
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     flat = all(plane_is_flat(t) for t in (key, value, k_pool, v_pool))
@@ -163,4 +306,50 @@ def write_slots(
         *k_pool.stride(),
         *v_pool.stride(),
         **tiles.constexprs(),
+    )
+
+
+def _launch_quantized(
+    key: Tensor,
+    value: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor,
+    v_scale: Tensor,
+    k_smooth: Tensor | None,
+) -> None:
+    """One launch quantizes K and V and writes their codes and scales."""
+    num_tokens = slot_mapping.shape[0]
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    tiles = copy_tiles(num_tokens, num_kv_heads, head_dim, flat=False)
+    grid = (triton.cdiv(num_tokens, tiles.block_t), tiles.col_programs)
+    has_smooth = k_smooth is not None
+    _write_slots_quantized_kernel[grid](
+        key,
+        value,
+        k_pool,
+        v_pool,
+        k_scale,
+        v_scale,
+        k_smooth if has_smooth else k_scale,  # a placeholder, never read without HAS_SMOOTH
+        slot_mapping,
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        *key.stride(),
+        *value.stride(),
+        *k_pool.stride(),
+        *v_pool.stride(),
+        *k_scale.stride(),
+        *v_scale.stride(),
+        *(k_smooth.stride() if has_smooth else (0, 0)),
+        BLOCK_T=tiles.block_t,
+        BLOCK_H=tiles.block_c // tiles.block_d,
+        BLOCK_D=tiles.block_d,
+        HAS_SMOOTH=has_smooth,
+        K_QMAX=quantize.QMAX[k_pool.dtype],
+        V_QMAX=quantize.QMAX[v_pool.dtype],
+        K_FP8=k_pool.dtype == torch.float8_e4m3fn,
+        V_FP8=v_pool.dtype == torch.float8_e4m3fn,
     )

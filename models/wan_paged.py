@@ -195,17 +195,13 @@ class PagedWanAttnProcessor:
     ) -> Tensor:
         """The fused op for this layer (``ForwardCall.attend(layer, ...)`` with the layer index
         as a tensor): packed ``(tokens, heads, head_dim)`` q/k/v in, the same shape out."""
-        cache = call.cache
         return write_attend(
             query,
             key,
             value,
             action_key,
             action_value,
-            cache.k_pools,
-            cache.v_pools,
-            cache.stage_k,
-            cache.stage_v,
+            call.cache.pool_tensors,
             self.state.layer_inputs._replace(layer=self.layer_index),
         )
 

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as SequenceOf
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from paging import window
 from paging._validate import require_bool, require_int
-from paging.config import PagingConfig
+from paging.config import KV_DTYPES, PagingConfig
 from paging.plan import ForwardPlan
 from paging.pool import BlockPool
 from paging.session import Sequence, Session
 from paging.staging import NOTHING_STAGED, HistoryStaging
+
+if TYPE_CHECKING:
+    from kernels.fused import PoolTensors
 
 
 def _usable_device(device: object) -> torch.device:
@@ -62,6 +65,15 @@ class PagedKVCache:
     does not stage; ``stage_tags`` (int64, CPU, ``(num_layers,)``) records what each layer's
     staging buffers hold (see ``paging.staging``). Pool memory is not initialised: only
     written slots are ever read.
+
+    Quantized caches (``config.kv_dtype``, or a ``dtype`` of ``float8_e4m3fn``/``int8``) hold
+    codes in the pools and staging buffers, with float32 scales beside them: ``k_scales``/
+    ``v_scales`` ``(num_layers, num_blocks, B, num_kv_heads)`` and ``stage_k_scales``/
+    ``stage_v_scales`` ``(num_layers, width * B, num_kv_heads)``; with ``smooth_keys``,
+    ``k_means`` ``(num_layers, num_kv_heads, head_dim)`` float32 and ``k_means_chosen``
+    ``(num_layers,)`` bool (on the device) are each layer's frozen K mean and whether it has
+    been chosen. A float cache has zero-size tensors in their place. ``pool_tensors`` hands
+    them all to the fused op.
     """
 
     def __init__(
@@ -89,8 +101,17 @@ class PagedKVCache:
             raise ValueError(f"branches must be a non-empty list of names, got {branches!r}")
         if len(set(branches)) != len(branches):
             raise ValueError(f"branches must be distinct, got {branches!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or not (
+            dtype.is_floating_point or dtype in KV_DTYPES
+        ):
+            raise TypeError(
+                f"dtype must be a floating-point torch.dtype (or a quantized one: "
+                f"float8_e4m3fn, int8), got {dtype!r}"
+            )
+        if config.kv_dtype is not None and dtype in KV_DTYPES and dtype != config.kv_dtype:
+            raise ValueError(
+                f"dtype {dtype} and config.kv_dtype {config.kv_dtype} disagree; give one of them"
+            )
         device = _usable_device(device)
         self.config = config
         self.branches = branches
@@ -105,37 +126,89 @@ class PagedKVCache:
         self.num_blocks = self.first_scratch_block + sequences * self.scratch_lane_blocks
 
         shape = (num_layers, self.num_blocks, b, num_kv_heads, head_dim)
+        kv_dtype = config.kv_dtype if config.kv_dtype is not None else dtype
+        self.quantized = kv_dtype in KV_DTYPES
         try:
-            self.k_pools = torch.empty(shape, dtype=dtype, device=self.device)
-            self.v_pools = torch.empty(shape, dtype=dtype, device=self.device)
-            self.staging: HistoryStaging | None = None
-            if config.reuse_history_staging:
-                self.staging = HistoryStaging(
-                    num_layers=num_layers,
-                    tokens=self.max_seqlen_k,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    dtype=dtype,
-                    device=self.device,
-                )
-                self.stage_k, self.stage_v = self.staging.k, self.staging.v
-                self.stage_tags = self.staging.tags
-            else:
-                unstaged = (num_layers, 0, num_kv_heads, head_dim)
-                self.stage_k = torch.empty(unstaged, dtype=dtype, device=self.device)
-                self.stage_v = torch.empty(unstaged, dtype=dtype, device=self.device)
-                self.stage_tags = torch.full((num_layers,), NOTHING_STAGED, dtype=torch.int64)
+            self._allocate(shape, kv_dtype)
         except RuntimeError as error:  # out of memory: torch.OutOfMemoryError is one too
-            elements = 2 * math.prod(shape)
+            scales = f" and 2 x {shape[:-1]} float32 scales" if self.quantized else ""
             raise ValueError(
-                f"cannot allocate the pools on {device}: 2 x {shape} = {elements} elements of "
-                f"{dtype} for num_layers={num_layers}, session_capacity={session_capacity}, "
-                f"{len(branches)} branches, num_kv_heads={num_kv_heads}, head_dim={head_dim} "
-                f"({error})"
+                f"cannot allocate the pools on {device}: 2 x {shape} = {2 * math.prod(shape)} "
+                f"elements of {kv_dtype}{scales} for num_layers={num_layers}, "
+                f"session_capacity={session_capacity}, {len(branches)} branches, "
+                f"num_kv_heads={num_kv_heads}, head_dim={head_dim} ({error})"
             ) from None
         self.sessions: dict[int, Session] = {}
         self._free_lanes = list(range(session_capacity - 1, -1, -1))
         self._next_session_id = 0
+
+    def _allocate(self, shape: tuple[int, ...], kv_dtype: torch.dtype) -> None:
+        """The pools, their scales and K means, and the staging buffers (see the class doc)."""
+        num_layers, _, _, num_kv_heads, head_dim = shape
+        device, quantized = self.device, self.quantized
+
+        def empty(*size: int, dtype: torch.dtype = torch.float32) -> Tensor:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        self.k_pools = empty(*shape, dtype=kv_dtype)
+        self.v_pools = empty(*shape, dtype=kv_dtype)
+        scale_shape = shape[:-1] if quantized else (0,)
+        self.k_scales, self.v_scales = empty(*scale_shape), empty(*scale_shape)
+        smoothed = quantized and self.config.smooth_keys
+        self.k_means = empty(*((num_layers, num_kv_heads, head_dim) if smoothed else (0,)))
+        self.k_means.zero_()
+        self.k_means_chosen = torch.zeros(
+            num_layers if smoothed else 0, dtype=torch.bool, device=device
+        )
+        self.staging: HistoryStaging | None = None
+        if self.config.reuse_history_staging:
+            self.staging = HistoryStaging(
+                num_layers=num_layers,
+                tokens=self.max_seqlen_k,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=kv_dtype,
+                device=device,
+                scales=quantized,
+            )
+            self.stage_k, self.stage_v = self.staging.k, self.staging.v
+            self.stage_k_scales, self.stage_v_scales = self.staging.k_scales, self.staging.v_scales
+            self.stage_tags = self.staging.tags
+        else:
+            unstaged = (num_layers, 0, num_kv_heads, head_dim)
+            self.stage_k = empty(*unstaged, dtype=kv_dtype)
+            self.stage_v = empty(*unstaged, dtype=kv_dtype)
+            stage_scales = unstaged[:-1] if quantized else (0,)
+            self.stage_k_scales, self.stage_v_scales = empty(*stage_scales), empty(*stage_scales)
+            self.stage_tags = torch.full((num_layers,), NOTHING_STAGED, dtype=torch.int64)
+
+    @property
+    def pool_tensors(self) -> PoolTensors:
+        """Every cache tensor the fused op reads or writes (``kernels.fused.PoolTensors``)."""
+        from kernels.fused import PoolTensors  # here: bookkeeping alone never loads Triton
+
+        return PoolTensors(
+            self.k_pools,
+            self.v_pools,
+            self.stage_k,
+            self.stage_v,
+            self.k_scales,
+            self.v_scales,
+            self.stage_k_scales,
+            self.stage_v_scales,
+            self.k_means,
+            self.k_means_chosen,
+        )
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the K/V pools, their scale pools (quantized caches) and the K means.
+
+        Not counted: the history staging buffers and their scales (a window per layer, only
+        with ``reuse_history_staging``), the means' per-layer flags and the host bookkeeping.
+        """
+        stored = (self.k_pools, self.v_pools, self.k_scales, self.v_scales, self.k_means)
+        return sum(t.numel() * t.element_size() for t in stored)
 
     @property
     def num_layers(self) -> int:

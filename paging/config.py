@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from paging._validate import require_bool, require_int
 
 # Upper bounds, far above any real model and far below what would overflow. Frames and blocks:
@@ -13,6 +15,8 @@ from paging._validate import require_bool, require_int
 MAX_TOKENS = 2**20
 MAX_CHUNKS = 2**16
 MAX_KEYS = 2**31 - 1
+# Quantized pool dtypes (kernels.quantize.QUANT_DTYPES; not imported: kernels load Triton).
+KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,13 @@ class PagingConfig:
     keep the staged history. ``exact_window`` hands attention the plan's ``key_gap`` so the
     out-of-window boundary tokens that whole-block reads add are masked. ``compaction`` removes
     evicted table entries; switching it off is for checking that compaction changes nothing.
+
+    ``kv_dtype`` (``None``, ``torch.float8_e4m3fn`` or ``torch.int8``) stores K/V as codes with
+    a float32 scale per (slot, KV head), quantized on write (DESIGN section 9); ``None`` keeps
+    the cache's ``dtype``. ``smooth_keys`` subtracts a per-(layer, KV head) mean from K before
+    quantizing, chosen from the first keys written to the layer and frozen (attention is
+    unchanged by it). ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` only) instead of
+    dequantizing before bf16/fp16/fp32 MMAs.
     """
 
     block_size: int
@@ -43,6 +54,9 @@ class PagingConfig:
     reuse_history_staging: bool = False
     exact_window: bool = False
     compaction: bool = True
+    kv_dtype: torch.dtype | None = None
+    smooth_keys: bool = True
+    fp8_mma: bool = False
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, minimum=1, maximum=MAX_TOKENS)
@@ -51,8 +65,25 @@ class PagingConfig:
         require_int("sink_chunks", self.sink_chunks, minimum=0, maximum=MAX_CHUNKS)
         require_int("max_forward_chunks", self.max_forward_chunks, minimum=1, maximum=MAX_CHUNKS)
         require_int("max_action_tokens", self.max_action_tokens, minimum=0, maximum=MAX_TOKENS)
-        for name in ("reset_at_boundary", "reuse_history_staging", "exact_window", "compaction"):
+        switches = (
+            "reset_at_boundary",
+            "reuse_history_staging",
+            "exact_window",
+            "compaction",
+            "smooth_keys",
+            "fp8_mma",
+        )
+        for name in switches:
             require_bool(name, getattr(self, name))
+        if self.kv_dtype is not None and not any(self.kv_dtype is d for d in KV_DTYPES):
+            raise TypeError(
+                f"kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got {self.kv_dtype!r}"
+            )
+        if self.fp8_mma and self.kv_dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"fp8_mma needs kv_dtype=torch.float8_e4m3fn (FP8 MMAs read e4m3 codes), got "
+                f"kv_dtype={self.kv_dtype}"
+            )
         if self.max_forward_chunks > self.window_chunks:
             raise ValueError(
                 f"max_forward_chunks must be <= window_chunks ({self.window_chunks}): the window "

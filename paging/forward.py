@@ -142,6 +142,7 @@ class ForwardCall:
             stage_tags=self.cache.stage_tags,
             max_seqlen_q=inputs.max_seqlen_q,
             softmax_scale=self._softmax_scale,
+            fp8_mma=self.cache.config.fp8_mma,
         )
 
     def attend(
@@ -164,18 +165,8 @@ class ForwardCall:
             raise ValueError("action_key and action_value must be given together (or neither)")
         if action_key is None:
             action_key, action_value = key[:0], value[:0]
-        cache = self.cache
         return write_attend(
-            query,
-            key,
-            value,
-            action_key,
-            action_value,
-            cache.k_pools,
-            cache.v_pools,
-            cache.stage_k,
-            cache.stage_v,
-            layer,
+            query, key, value, action_key, action_value, self.cache.pool_tensors, layer
         )
 
     def commit(self) -> None:

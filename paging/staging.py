@@ -43,7 +43,9 @@ class HistoryStaging:
 
     Allocated once with static addresses (for CUDA graphs). ``tags`` (int64, CPU,
     ``(num_layers,)``) is each layer's staged history id, ``NOTHING_STAGED`` when nothing in
-    its buffers may be reused.
+    its buffers may be reused. With ``scales`` (quantized caches: ``dtype`` is the codes'),
+    ``k_scales``/``v_scales`` ``(num_layers, tokens, num_kv_heads)`` float32 hold the staged
+    tokens' scales; otherwise they are zero-size.
     """
 
     def __init__(
@@ -55,14 +57,18 @@ class HistoryStaging:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scales: bool = False,
     ) -> None:
         shape = (num_layers, tokens, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        scale_shape = shape[:-1] if scales else (0,)
+        self.k_scales = torch.empty(scale_shape, dtype=torch.float32, device=device)
+        self.v_scales = torch.empty(scale_shape, dtype=torch.float32, device=device)
         from torch._dynamo import mark_static_address  # heavy; only staging caches pay for it
 
-        mark_static_address(self.k)
-        mark_static_address(self.v)
+        for buffer in (self.k, self.v, self.k_scales, self.v_scales):
+            mark_static_address(buffer)
         self.tags = torch.full((num_layers,), NOTHING_STAGED, dtype=torch.int64)
         self._ids: dict[Hashable, int] = {}
         self._next_id = 0

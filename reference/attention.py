@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from reference.quantize import dequantize
+
 
 def attention_mask(
     q_len: int,
@@ -98,11 +100,15 @@ def paged_attention(
     out: Tensor | None = None,
     key_limits: Tensor | None = None,
     key_gap: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """The kernel's signature, computed by a loop over sequences in float64.
 
     Returns a tensor in ``q``'s dtype (written into ``out`` when given). ``max_seqlen_q`` is
-    accepted for signature parity and only checked.
+    accepted for signature parity and only checked. Quantized caches come with ``k_scale`` /
+    ``v_scale`` (``cache.shape[:-1]``): the codes are dequantized in float64 first, so a kernel
+    reading the same codes is held to the float32 tolerance, quantization error aside.
     """
     result = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     starts = cu_seqlens_q.tolist()
@@ -115,6 +121,10 @@ def paged_attention(
             continue
         keys = gather_sequence(k_cache, block_table[i], k_len)
         values = gather_sequence(v_cache, block_table[i], k_len)
+        if k_scale is not None:
+            keys = dequantize(keys, gather_sequence(k_scale, block_table[i], k_len))
+        if v_scale is not None:
+            values = dequantize(values, gather_sequence(v_scale, block_table[i], k_len))
         mask = attention_mask(
             hi - lo,
             k_len,

@@ -336,9 +336,7 @@ def test_real_plans_compile_once(staged: bool) -> None:
     session = rollout.open()
 
     def block(q, k, v, ak, av, inputs):
-        out = write_attend(
-            q, k, v, ak, av, cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v, inputs
-        )
+        out = write_attend(q, k, v, ak, av, cache.pool_tensors, inputs)
         return out * 2.0
 
     counter = CompileCounter()

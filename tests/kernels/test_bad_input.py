@@ -206,3 +206,114 @@ def test_gather_blocks_rejects_and_changes_nothing(index, change, kwargs, error,
     for stage in args[3:]:
         if stage.device.type != "meta":
             assert torch.equal(stage, torch.full_like(stage, 3.0))
+
+
+def quantized_write_args(dtype=torch.float8_e4m3fn):
+    key, value, _, _, slots = write_args()
+    pools = [torch.zeros(32, 2, 16, dtype=dtype) for _ in range(2)]
+    scales = {"k_scale": torch.full((32, 2), 5.0), "v_scale": torch.full((32, 2), 5.0)}
+    return [key, value, *pools, slots], scales
+
+
+QUANTIZED_WRITE_CASES = [
+    pytest.param(lambda a, k: k.pop("k_scale"), ValueError, "k_scale", id="missing-k-scale"),
+    pytest.param(lambda a, k: k.pop("v_scale"), ValueError, "v_scale", id="missing-v-scale"),
+    pytest.param(
+        lambda a, k: k.update(k_scale=k["k_scale"].double()), TypeError, "k_scale", id="scale-dtype"
+    ),
+    pytest.param(
+        lambda a, k: k.update(v_scale=k["v_scale"][:, :1]), ValueError, "v_scale", id="scale-shape"
+    ),
+    pytest.param(
+        lambda a, k: k.update(v_scale=k["k_scale"]), ValueError, "v_scale", id="scale-shared"
+    ),
+    pytest.param(
+        lambda a, k: a.__setitem__(3, torch.zeros(32, 2, 16)),
+        TypeError,
+        "v_pool",
+        id="mixed-pools",
+    ),
+    pytest.param(
+        lambda a, k: k.update(k_smooth=torch.zeros(2, 8)), ValueError, "k_smooth", id="smooth-shape"
+    ),
+    pytest.param(
+        lambda a, k: k.update(k_smooth=torch.zeros(2, 16).half()),
+        TypeError,
+        "k_smooth",
+        id="smooth-dtype",
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8], ids=["e4m3", "int8"])
+@pytest.mark.parametrize("change, error, word", QUANTIZED_WRITE_CASES)
+def test_quantized_write_slots_rejects_and_changes_nothing(dtype, change, error, word) -> None:
+    args, kwargs = quantized_write_args(dtype)
+    change(args, kwargs)
+    before = [t.clone() for t in (*args[2:4], *kwargs.values())]
+    with pytest.raises(error, match=word):
+        kernels.write_slots(*args, **kwargs)
+    for now, then in zip((*args[2:4], *kwargs.values()), before, strict=True):
+        assert torch.equal(now.float(), then.float()), "a rejected call wrote a pool or scale"
+
+
+def test_write_slots_rejects_scales_and_smoothing_for_float_pools() -> None:
+    args = write_args()
+    with pytest.raises(ValueError, match="k_scale"):
+        kernels.write_slots(*args, k_scale=torch.zeros(32, 2))
+    with pytest.raises(ValueError, match="k_smooth"):
+        kernels.write_slots(*args, k_smooth=torch.zeros(2, 16))
+    assert torch.equal(args[2], torch.zeros_like(args[2]))
+
+
+def quantized_gather_args(dtype=torch.float8_e4m3fn):
+    caches = [torch.zeros(5, 8, 2, 16, dtype=dtype) for _ in range(2)]
+    ids = torch.tensor([1, 2, 3], dtype=torch.int32)
+    stages = [torch.full((24, 2, 16), 3.0).to(dtype) for _ in range(2)]
+    kwargs = {
+        "k_scale": torch.zeros(5, 8, 2),
+        "v_scale": torch.zeros(5, 8, 2),
+        "stage_k_scale": torch.full((24, 2), 3.0),
+        "stage_v_scale": torch.full((24, 2), 3.0),
+    }
+    return [*caches, ids, *stages], kwargs
+
+
+QUANTIZED_GATHER_CASES = [
+    pytest.param(lambda a, k: k.pop("v_scale"), ValueError, "v_scale", id="missing-v-scale"),
+    pytest.param(
+        lambda a, k: k.pop("stage_k_scale"), ValueError, "stage_k_scale", id="missing-stage-scale"
+    ),
+    pytest.param(
+        lambda a, k: k.update(k_scale=k["k_scale"].half()), TypeError, "k_scale", id="scale-dtype"
+    ),
+    pytest.param(
+        lambda a, k: k.update(stage_v_scale=k["stage_v_scale"][:20]),
+        ValueError,
+        "stage_v_scale",
+        id="stage-scale-shape",
+    ),
+    pytest.param(
+        lambda a, k: a.__setitem__(3, torch.full((24, 2, 16), 3.0)),
+        TypeError,
+        "stage_k",
+        id="stage-float",
+    ),
+    pytest.param(
+        lambda a, k: a.__setitem__(1, torch.zeros(5, 8, 2, 16)),
+        TypeError,
+        "v_cache",
+        id="mixed-caches",
+    ),
+]
+
+
+@pytest.mark.parametrize("change, error, word", QUANTIZED_GATHER_CASES)
+def test_quantized_gather_blocks_rejects_and_changes_nothing(change, error, word) -> None:
+    args, kwargs = quantized_gather_args()
+    change(args, kwargs)
+    with pytest.raises(error, match=word):
+        kernels.gather_blocks(*args, **kwargs)
+    for stage in (*args[3:], kwargs.get("stage_k_scale"), kwargs.get("stage_v_scale")):
+        if stage is not None:
+            assert torch.equal(stage.float(), torch.full(stage.shape, 3.0))

@@ -120,7 +120,7 @@ def test_fake_returns_query_shape() -> None:
     tensors, inputs = make_forward(0, staged=False)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = [mode.from_tensor(t) for t in (*tensors, *state)]
-        out = fused.write_attend(*fake, inputs)
+        out = fused.write_attend(*fake[:5], fused.PoolTensors.build(*fake[5:]), inputs)
     assert out.shape == tensors[0].shape and out.dtype == tensors[0].dtype
 
 
@@ -129,7 +129,7 @@ def test_matches_direct_kernel_calls_bit_for_bit(staged: bool) -> None:
     for step in range(2):
         tensors, inputs = make_forward(step, staged=staged, layer=step + 1)
         state_op, state_direct = make_state(), make_state()
-        got = fused.write_attend(*tensors, *state_op, inputs)
+        got = fused.write_attend(*tensors, fused.PoolTensors.build(*state_op), inputs)
         want = direct_calls(tensors, inputs, *state_direct)
         assert torch.equal(got, want)
         for a, b in zip(state_op, state_direct, strict=True):
@@ -138,7 +138,7 @@ def test_matches_direct_kernel_calls_bit_for_bit(staged: bool) -> None:
 
 @pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
 def test_compiles_once_across_changing_values(staged: bool) -> None:
-    k_pools, v_pools, stage_k, stage_v = make_state()
+    pools = fused.PoolTensors.build(*make_state())
 
     def block(tensors, inputs):
         query, key, value, action_key, action_value = tensors
@@ -148,10 +148,7 @@ def test_compiles_once_across_changing_values(staged: bool) -> None:
             value,
             action_key,
             action_value,
-            k_pools,
-            v_pools,
-            stage_k,
-            stage_v,
+            pools,
             inputs,
         )
         return out.sum(dim=1)

@@ -169,7 +169,9 @@ def test_fused_op_strided_index(name: str, staged: bool) -> None:
     want = direct_calls(tensors, inputs, *state_direct)
     value = getattr(inputs, name)
     view = column(value, 0)
-    got = fused.write_attend(*tensors, *state_op, inputs._replace(**{name: view}))
+    got = fused.write_attend(
+        *tensors, fused.PoolTensors.build(*state_op), inputs._replace(**{name: view})
+    )
     assert torch.equal(got, want)
     for a, b in zip(state_op, state_direct, strict=True):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), "mutated state differs"

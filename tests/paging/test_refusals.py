@@ -117,8 +117,7 @@ def op(w: World, *, layer: int = 0, **changes) -> None:
     """The fused op called directly with a scratch forward's inputs and ``changes``."""
     call = ForwardCall(w.cache, w.cache.plan(w.session, "pos", N), softmax_scale=0.5)
     inputs = call.layer(0)._replace(layer=torch.tensor(layer), **changes)
-    c = w.cache
-    write_attend(*tensors(actions=0), c.k_pools, c.v_pools, c.stage_k, c.stage_v, inputs)
+    write_attend(*tensors(actions=0), w.cache.pool_tensors, inputs)
 
 
 def foreign_plan() -> ForwardPlan:

@@ -1,0 +1,57 @@
+"""Quantizing inside a Triton kernel: per-row scales and codes rounded explicitly to the grid.
+
+Shared by the quantized ``write_slots`` kernel and any kernel that quantizes a tile on the fly
+(e.g. queries for an FP8 MMA). Rounding is done in float32 before the conversion, on every
+backend: Triton's interpreter converts float32 to ``float8e4nv`` wrongly when rounding carries
+into the next binade (31.2 -> 16, not 32), so the conversion is only ever given values that are
+already codes, which every backend converts exactly. ``kernels.torch_path.round_to_code_grid``
+is the same arithmetic in PyTorch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 1.5 * 2**23: (r + M) - M rounds a float32 |r| < 2**22 to an integer, nearest, ties to even,
+# since M's ulp is 1; M * 2**k rounds to multiples of 2**k the same way.
+ROUND_MAGIC = tl.constexpr(12582912.0)
+# float32 biased exponent of e4m3's smallest normal (2**-6): below it the code step is 2**-9.
+E4M3_MIN_NORMAL_EXP = tl.constexpr(127 - 6)
+E4M3_MANTISSA_BITS = tl.constexpr(3)
+
+
+@triton.jit
+def round_to_code_grid(ratio, IS_FP8: tl.constexpr):
+    """Round float32 ``ratio`` (already within +-QMAX) to the nearest code, ties to even.
+
+    int8: the step is 1. e4m3: the step is ``2**(e - 3)`` for ``|ratio|`` in ``[2**e,
+    2**(e+1))``, ``2**-9`` below the smallest normal; a value rounding up into the next binade
+    lands on its first code, which is a multiple of the lower binade's step too.
+    """
+    if IS_FP8:
+        exponent = (ratio.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        step_exponent = tl.maximum(exponent, E4M3_MIN_NORMAL_EXP) - E4M3_MANTISSA_BITS
+        magic = (step_exponent << 23).to(tl.float32, bitcast=True) * ROUND_MAGIC
+    else:
+        magic = ROUND_MAGIC
+    return (ratio + magic) - magic
+
+
+@triton.jit
+def quantize_rows(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
+    """``(codes, scale)`` of float32 ``x [..., D]`` along its last axis.
+
+    ``scale = amax(|x|) / QMAX``; codes are ``x / scale`` clamped to +-QMAX and rounded to the
+    code grid, still float32 (convert them to the pool dtype: exact). A zero row gets scale 0
+    and codes 0, never NaN. Masked-off lanes must hold 0 so they do not raise the amax. Both
+    divisions round correctly (``div_rn``) so a GPU computes what the interpreter tested.
+    """
+    amax = tl.max(tl.abs(x), axis=-1)
+    scale = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    positive = scale > 0
+    divisor = tl.where(positive, scale, 1.0)
+    ratio = tl.div_rn(x, tl.expand_dims(divisor, -1))
+    ratio = tl.where(tl.expand_dims(positive, -1), ratio, 0.0)
+    ratio = tl.minimum(tl.maximum(ratio, -QMAX), QMAX)
+    return round_to_code_grid(ratio, IS_FP8), scale

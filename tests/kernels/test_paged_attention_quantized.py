@@ -1,0 +1,263 @@
+"""kernels.paged_attention on quantized caches (e4m3 / int8 codes, a float32 scale per slot and
+KV head) against the float64 oracle that dequantizes the same codes.
+
+The oracle reads the codes the kernel reads, so the quantization error is not in the tolerance:
+the dequantizing mode is held to the float32 tolerance of the unquantized tests. Every slot the
+block tables do not point at holds a NaN code (e4m3) or the never-written int8 code -128, and a
+NaN scale, so a kernel that reads one slot too many, or one scale too many, fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+import kernels
+import reference
+from kernels import _runtime
+from kernels.paged_attention import kv_path
+from reference.quantize import quantize
+from tests.helpers import DEVICE, nan_like
+from tests.kernels.paged_case import PagedCase, make_paged_case
+
+FORMATS = [
+    pytest.param(torch.float8_e4m3fn, id="e4m3"),
+    pytest.param(torch.int8, id="int8"),
+]
+# The unquantized tests' float32 tolerance (ieee dots), relative to the output's magnitude: the
+# scales below spread the dequantized values over two decades.
+FP32_ATOL = 2e-5
+
+
+def quantize_case(
+    case: PagedCase, dtype: torch.dtype, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(k_codes, v_codes, k_scale, v_scale)`` of the case's pools; unwritten slots poisoned.
+
+    Scales are multiplied by random factors in [1/8, 8] after quantizing (the oracle reads the
+    same codes and scales), so the K and V scale columns differ from key to key.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for cache in (case.k_cache, case.v_cache):
+        cache = cache.cpu()
+        written = ~torch.isnan(cache[..., 0])
+        codes, scale = quantize(cache.nan_to_num(0.0), dtype)
+        scale = scale * torch.exp2(torch.empty(scale.shape).uniform_(-3, 3, generator=gen))
+        poison = 0x7F if dtype == torch.float8_e4m3fn else -128  # e4m3 NaN; int8 never written
+        codes.view(torch.int8)[~written] = poison
+        scale[~written] = float("nan")
+        out.append((codes.to(DEVICE), scale.to(DEVICE)))
+    (k_codes, k_scale), (v_codes, v_scale) = out
+    return k_codes, v_codes, k_scale, v_scale
+
+
+def quantized_args(case: PagedCase, dtype: torch.dtype, seed: int = 0) -> tuple[tuple, dict]:
+    k_codes, v_codes, k_scale, v_scale = quantize_case(case, dtype, seed)
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    return args, {"k_scale": k_scale, "v_scale": v_scale, "max_seqlen_q": case.max_seqlen_q}
+
+
+def oracle(args: tuple, scales: dict, **kwargs) -> Tensor:
+    q = args[0]
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    kwargs = {k: v for k, v in kwargs.items() if k in ("causal", "key_limits", "key_gap")}
+    return reference.paged_attention(*args, **scales, out=out, **kwargs)
+
+
+def run_and_compare(case: PagedCase, dtype: torch.dtype, **kwargs) -> None:
+    args, scales = quantized_args(case, dtype)
+    out = nan_like(case.q)
+    got = kernels.paged_attention(*args, **scales, out=out, **kwargs)
+    assert got is out
+    want = oracle(args, scales, **kwargs)
+    assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
+    error = (got.double() - want).abs().max().item()
+    limit = FP32_ATOL * max(1.0, want.abs().max().item())
+    assert error <= limit, f"max error {error:.3e} > {limit:.3e}"
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("block_size", [1, 7, 24, 1560], ids=lambda b: f"B{b}")
+def test_any_block_size(dtype: torch.dtype, block_size: int) -> None:
+    # A single key, a chunk over several blocks, a row with no queries, head_dim 80, GQA 2.
+    long = 2 * block_size + 5 if block_size == 1560 else 4 * block_size + 30
+    case = make_paged_case(
+        q_lens=[3, 20, 0, 9],
+        k_lens=[1, long, 9, block_size + 3],
+        block_size=block_size,
+        head_dim=80,
+        device=DEVICE,
+    )
+    run_and_compare(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("group", [1, 2, 5])
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_gqa_and_head_dims(dtype: torch.dtype, group: int, head_dim: int) -> None:
+    case = make_paged_case(
+        q_lens=[7, 12],
+        k_lens=[40, 61],
+        block_size=16,
+        num_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        device=DEVICE,
+    )
+    run_and_compare(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("table_order", ["permuted", "repeated"])
+def test_table_orders(dtype: torch.dtype, table_order: str) -> None:
+    case = make_paged_case(
+        q_lens=[9, 21], k_lens=[50, 33], block_size=7, table_order=table_order, device=DEVICE
+    )
+    run_and_compare(case, dtype)
+
+
+# (block_size, block_n) of each key path with small tiles: many tiles, so the unmasked loop, the
+# masked head and tail and the prefetch past the last tile all run.
+PATHS = [
+    pytest.param(16, 16, id="contiguous-B16-N16"),
+    pytest.param(24, 16, id="two_blocks-B24-N16"),
+    pytest.param(1560, 64, id="two_blocks-B1560-N64"),
+    pytest.param(16, 64, id="rows-B16-N64"),
+    pytest.param(7, 16, id="rows-B7-N16"),
+    pytest.param(1, 16, id="rows-B1-N16"),
+]
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("block_size, block_n", PATHS)
+def test_key_paths_causal_limits_and_gaps(
+    dtype: torch.dtype, block_size: int, block_n: int
+) -> None:
+    # The queries are the last keys of a chunk that starts mid-block (causal); per-row limits
+    # and two gaps (one covering a whole tile, one mid-tile) put masked tiles between unmasked.
+    k_len = 2 * block_size + 37 if block_size > 64 else 6 * block_n + 9
+    case = make_paged_case(
+        q_lens=[21, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        device=DEVICE,
+    )
+    gen = torch.Generator().manual_seed(block_size + block_n)
+    key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
+    key_gap = torch.tensor(
+        [[[block_n + 3, 3 * block_n + 1], [4 * block_n + 2, 4 * block_n + 9]], [[1, 2], [0, 0]]],
+        dtype=torch.int32,
+    )
+    tiles = kernels.choose_tiles(
+        block_size=block_size, head_dim=64, max_seqlen_q=21, dtype=torch.float32, block_n=block_n
+    )
+    assert tiles["KV_PATH"] == kv_path(block_size, block_n)
+    run_and_compare(
+        case,
+        dtype,
+        causal=True,
+        key_limits=key_limits.to(DEVICE),
+        key_gap=key_gap.to(DEVICE),
+        block_m=16,
+        block_n=block_n,
+    )
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.setattr(_runtime, "interpreter_active", lambda: False)
+    assert _runtime.use_torch_path(torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_torch_path(no_interpreter, dtype: torch.dtype) -> None:
+    case = make_paged_case(
+        q_lens=[5, 0, 12], k_lens=[30, 4, 12], block_size=7, num_heads=6, head_dim=80
+    )
+    key_limits = torch.arange(17, dtype=torch.int32) % 9 + 3
+    key_gap = torch.tensor([[2, 11], [0, 0], [1, 3]], dtype=torch.int32)
+    run_and_compare(case, dtype, causal=True, key_limits=key_limits, key_gap=key_gap)
+
+
+def test_unquantized_pools_still_need_q_dtype() -> None:
+    case = make_paged_case(q_lens=[4], k_lens=[9], block_size=8)
+    with pytest.raises(TypeError, match="k_cache"):
+        kernels.paged_attention(
+            case.q, case.k_cache.half(), case.v_cache.half(), *case.args()[3:], max_seqlen_q=4
+        )
+
+
+def _bad_calls():
+    def swap(name, value):
+        return lambda a, s: ({**a, name: value(a, s)}, s)
+
+    def scale(name, value):
+        return lambda a, s: (a, {**s, name: value(a, s)})
+
+    return [
+        pytest.param(scale("k_scale", lambda a, s: None), ValueError, "k_scale", id="no-k-scale"),
+        pytest.param(scale("v_scale", lambda a, s: None), ValueError, "v_scale", id="no-v-scale"),
+        pytest.param(
+            scale("k_scale", lambda a, s: s["k_scale"].double()),
+            TypeError,
+            "k_scale",
+            id="k-scale-dtype",
+        ),
+        pytest.param(
+            scale("v_scale", lambda a, s: s["v_scale"][:, :-1]),
+            ValueError,
+            "v_scale",
+            id="v-scale-shape",
+        ),
+        pytest.param(
+            scale("k_scale", lambda a, s: s["k_scale"].numpy()),
+            TypeError,
+            "k_scale",
+            id="k-scale-not-tensor",
+        ),
+        pytest.param(
+            swap("v_cache", lambda a, s: a["v_cache"].view(torch.int8)),
+            TypeError,
+            "v_cache",
+            id="mixed-formats",
+        ),
+        pytest.param(
+            swap("q", lambda a, s: a["q"].to(torch.float8_e4m3fn)), TypeError, "q", id="q-fp8"
+        ),
+        pytest.param(
+            swap("fp8_mma", lambda a, s: 1), TypeError, "fp8_mma must be a bool", id="fp8-mma-int"
+        ),
+        pytest.param(
+            lambda a, s: (
+                {**a, "k_cache": a["k_cache"].float(), "v_cache": a["v_cache"].float()},
+                s,
+            ),
+            ValueError,
+            "k_scale is only for quantized",
+            id="scales-for-float-pools",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("change, error, word", _bad_calls())
+def test_rejects(change, error, word) -> None:
+    case = make_paged_case(q_lens=[4, 6], k_lens=[9, 20], block_size=8)
+    names = ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k")
+    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    args, scales = change(dict(zip(names, args, strict=True)), scales)
+    sentinel = torch.full_like(case.q, 7.0)
+    with pytest.raises(error, match=word):
+        positional = [args.pop(name) for name in names]
+        kernels.paged_attention(*positional, **args, **scales, out=sentinel)
+    assert torch.equal(sentinel, torch.full_like(sentinel, 7.0)), "a rejected call wrote out"
+
+
+def test_fp8_mma_needs_e4m3() -> None:
+    case = make_paged_case(q_lens=[4], k_lens=[9], block_size=8)
+    args, scales = quantized_args(case, torch.int8)
+    with pytest.raises(ValueError, match="fp8_mma needs float8_e4m3fn"):
+        kernels.paged_attention(*args, **scales, fp8_mma=True)
