@@ -37,6 +37,9 @@ def run_both(
     sigmas=(1.0,),
     action_tokens=0,
     seed=0,
+    kv_dtype=None,
+    smooth_keys=True,
+    caches=None,
 ):
     model = tiny_wan(seed)
     inputs = rollout_inputs(frames, blocks=BLOCKS, action_tokens=max(1, action_tokens), seed=seed)
@@ -52,14 +55,17 @@ def run_both(
         reset_at_boundary=reset,
         reuse_history_staging=staged,
         exact_window=exact,
+        kv_dtype=kv_dtype,
+        smooth_keys=smooth_keys,
     )
     common = dict(frames_per_block=frames, sigmas=sigmas, guidance_scale=GUIDANCE, actions=actions)
     with PagedWanRollout(model, config, guidance=guidance) as rollout:
-        rollout.cache.k_pools.fill_(float("nan"))  # a read of an unwritten slot shows as NaN
-        rollout.cache.v_pools.fill_(float("nan"))
+        poison(rollout.cache)
         free = rollout.cache.pool.num_free
         paged = rollout.generate(inputs.noise, inputs.prompt, negative, **common)
         assert rollout.cache.pool.num_free == free  # the session was closed
+        if caches is not None:
+            caches.append(rollout.cache)
     dense = reference_rollout(
         model,
         inputs.noise,
@@ -69,9 +75,19 @@ def run_both(
         window_frames=window,
         reset_at_boundary=reset,
         read_block_size=None if exact else block_size,
+        kv_dtype=kv_dtype,
+        smooth_keys=smooth_keys,
         **common,
     )
     return model, inputs, paged, dense
+
+
+def poison(cache) -> None:
+    """NaN in every pool slot (a read of an unwritten slot shows as NaN); quantized pools: in
+    the scales (int8 codes cannot be NaN) and, for float8_e4m3fn, the codes too."""
+    for pool in (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales):
+        if pool.dtype != torch.int8:
+            pool.fill_(float("nan"))
 
 
 def assert_equal_rollouts(paged, dense, frames, branches) -> None:

@@ -1,0 +1,98 @@
+"""The Wan rollout over quantized pools (``PagingConfig(kv_dtype=...)``) end to end.
+
+The oracle is the dense reference whose attention reads the same quantized K/V
+(``reference_rollout(kv_dtype=...)``: ``reference.quantize`` codes times scales in float64, keys
+smoothed by each layer's mean of its first write, as the cache chooses it). Against it the
+rollout must agree up to code flips at rounding ties (``assert_close_to_quantized_oracle`` says
+why and how much); against the unquantized reference only loosely: that difference is the
+quantization's, measured and bounded here, not a bug.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from reference.wan_rollout import reference_rollout
+from tests.models.test_wan_rollout import BLOCKS, CFG, GUIDANCE, run_both
+from tests.models.tiny import ATOL, assert_close_to_quantized_oracle
+
+QUANTIZED = [torch.float8_e4m3fn, torch.int8]
+# The quantized rollout against the unquantized reference (same model and inputs), measured on
+# this test's rollout: largest difference 5.3e-3 (e4m3) and 1.2e-3 (int8), mean 6.5e-4 and
+# 1.5e-4, latents of mean magnitude 0.95. Bounds at about twice that.
+UNQUANTIZED_MAX = {torch.float8_e4m3fn: 1e-2, torch.int8: 3e-3}
+UNQUANTIZED_MEAN = {torch.float8_e4m3fn: 1.5e-3, torch.int8: 3e-4}
+
+
+def assert_same_reads(paged, dense, branches) -> None:
+    for block in range(BLOCKS):
+        for ours, theirs in zip(paged.reads[block], dense.reads[block], strict=True):
+            assert ours.commit == theirs.commit
+            for branch in branches:
+                assert ours.positions[branch] == theirs.positions, (block, ours.step, branch)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED, ids=["e4m3", "int8"])
+def test_sliding_window_rollout_on_quantized_pools(kv_dtype):
+    # Sink 1 frame, window 4, 2 frames per block, blocks of 16 tokens, both CFG branches: the
+    # window slides and evicts from block 2 on; 8 blocks; unwritten pool slots NaN.
+    caches = []
+    model, inputs, paged, dense = run_both(
+        block_size=16, sink=1, window=4, frames=2, kv_dtype=kv_dtype, caches=caches
+    )
+    cache = caches[0]
+    assert cache.k_pools.dtype == cache.v_pools.dtype == kv_dtype
+    assert_same_reads(paged, dense, CFG)
+    assert_close_to_quantized_oracle(paged.latents, dense.latents, str(kv_dtype))
+    # The cache chose the reference's K means: per layer and head, from the first write.
+    assert cache.k_means_chosen.all()
+    for layer, mean in enumerate(dense.key_means):
+        torch.testing.assert_close(cache.k_means[layer], mean, atol=1e-6, rtol=1e-6)
+
+    # Against the unquantized rollout: close, but not equal (the pools really were quantized).
+    plain = reference_rollout(
+        model,
+        inputs.noise,
+        inputs.prompt,
+        inputs.negative,
+        frames_per_block=2,
+        sink_frames=1,
+        window_frames=4,
+        sigmas=(1.0,),
+        guidance_scale=GUIDANCE,
+    )
+    diff = (paged.latents - plain.latents).abs()
+    assert diff.max().item() > 10 * ATOL
+    assert diff.max().item() <= UNQUANTIZED_MAX[kv_dtype], diff.max().item()
+    assert diff.mean().item() <= UNQUANTIZED_MEAN[kv_dtype], diff.mean().item()
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "case"),
+    [
+        # No CFG, one table row: the window is restaged into history staging (codes and
+        # scales); keys quantized without smoothing; 3 action tokens per block.
+        (
+            torch.int8,
+            dict(staged=True, guidance=False, smooth_keys=False, sink=1, window=3, exact=True),
+        ),
+        # Reset at each commit, no sink, whole-block reads (boundary tokens read too), actions.
+        (
+            torch.float8_e4m3fn,
+            dict(reset=True, sink=0, window=3, exact=False),
+        ),
+    ],
+    ids=["int8-staged-unsmoothed", "e4m3-reset-whole-blocks"],
+)
+def test_quantized_rollout_blocks_of_7_with_actions(kv_dtype, case):
+    # 24-token frames on 7-token blocks: frames start and end mid-block.
+    _, _, paged, dense = run_both(
+        block_size=7, frames=1, action_tokens=3, kv_dtype=kv_dtype, seed=2, **case
+    )
+    assert_same_reads(paged, dense, CFG if case.get("guidance", True) else ("main",))
+    assert_close_to_quantized_oracle(paged.latents, dense.latents, str(kv_dtype))
+    if case.get("staged"):
+        assert all(read.stage_from >= 0 for block in paged.reads[1:] for read in block)
