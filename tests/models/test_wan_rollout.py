@@ -39,8 +39,10 @@ def run_both(
     seed=0,
     kv_dtype=None,
     smooth_keys=True,
-    caches=None,
+    extra=None,
 ):
+    """The paged and the dense rollout of one configuration. With a dict ``extra``, quantized
+    runs also store the paged rollout's ``cache`` and the ``unquantized`` dense rollout there."""
     model = tiny_wan(seed)
     inputs = rollout_inputs(frames, blocks=BLOCKS, action_tokens=max(1, action_tokens), seed=seed)
     actions = inputs.actions if action_tokens else None
@@ -64,21 +66,17 @@ def run_both(
         free = rollout.cache.pool.num_free
         paged = rollout.generate(inputs.noise, inputs.prompt, negative, **common)
         assert rollout.cache.pool.num_free == free  # the session was closed
-        if caches is not None:
-            caches.append(rollout.cache)
-    dense = reference_rollout(
-        model,
-        inputs.noise,
-        inputs.prompt,
-        negative,
+    common.update(
         sink_frames=sink,
         window_frames=window,
         reset_at_boundary=reset,
         read_block_size=None if exact else block_size,
-        kv_dtype=kv_dtype,
-        smooth_keys=smooth_keys,
-        **common,
     )
+    text = (inputs.noise, inputs.prompt, negative)
+    dense = reference_rollout(model, *text, kv_dtype=kv_dtype, smooth_keys=smooth_keys, **common)
+    if extra is not None and kv_dtype is not None:
+        extra["cache"] = rollout.cache
+        extra["unquantized"] = reference_rollout(model, *text, **common)
     return model, inputs, paged, dense
 
 

@@ -57,22 +57,27 @@ def rollout_inputs(frames: int, *, blocks: int, action_tokens: int = 3, seed: in
     )
 
 
-def assert_close_to_quantized_oracle(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
-    """A rollout over quantized pools against the reference reading the same quantized K/V.
+def assert_close_to_quantized_oracle(
+    got: torch.Tensor, oracle: torch.Tensor, unquantized: torch.Tensor, msg: str = ""
+) -> None:
+    """Latents of a rollout over quantized pools against the reference reading the same
+    quantized K/V (``oracle``), measured against what quantizing does (``unquantized``: the
+    reference without quantization).
 
-    Not ``assert_close`` at ``ATOL`` everywhere: a key or value whose ``x / scale`` lies within
-    float32 rounding of a rounding boundary gets the neighbouring code in one rollout and not
-    the other (their K/V differ by float32 rounding from the first block's attention on), and
-    one code step (e4m3: 1/16 to 1/8 of the value; int8: 1/127 of the row's largest) moves the
-    latents by up to ~2e-4. The reference itself does the same when its attention runs in
-    float32 instead of float64. So, over a whole rollout: at most 0.5% of the latents outside
-    ``ATOL``/``RTOL`` (measured: <= 0.13%), the mean difference <= 1e-5 (measured <= 4.3e-6; a
-    different quantization, e.g. no K smoothing, or none at all, is >= 1.3e-4) and the largest
-    <= 1e-3 (measured <= 2.0e-4).
+    Not ``assert_close`` at ``ATOL``: a key or value whose ``x / scale`` lies within float32
+    rounding of a rounding boundary gets the neighbouring code in one rollout and not the other
+    (their K/V differ by float32 rounding from the first block's attention on), and one code
+    step (e4m3: 1/16 to 1/8 of the value; int8: 1/127 of the row's largest) moves some latents
+    by up to ~5e-4. The reference does the same to itself with float32 instead of float64
+    attention. So the check is relative to the quantization's own effect on the latents: the
+    mean difference from the oracle at most 10% of the oracle's mean difference from the
+    unquantized rollout (measured: 0.2% to 2.1%; the same pools quantized another way, e.g. no
+    K smoothing, give ~90%), and the largest difference below the quantization's largest.
     """
     assert not torch.isnan(got).any(), f"{msg}: NaN latents"
-    diff = (got - want).abs()
-    outside = (diff > ATOL + RTOL * want.abs()).float().mean().item()
-    assert outside <= 5e-3, f"{msg}: {outside:.2%} of the latents outside ATOL"
-    assert diff.mean().item() <= 1e-5, f"{msg}: mean difference {diff.mean().item():.3e}"
-    assert diff.max().item() <= 1e-3, f"{msg}: largest difference {diff.max().item():.3e}"
+    diff = (got - oracle).abs()
+    effect = (oracle - unquantized).abs()
+    assert effect.max().item() > 2 * ATOL, f"{msg}: quantizing changed nothing"
+    ratio = diff.mean().item() / effect.mean().item()
+    assert ratio <= 0.1, f"{msg}: mean difference {ratio:.1%} of the quantization's"
+    assert diff.max().item() < effect.max().item(), f"{msg}: largest difference {diff.max()}"
