@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import datetime
 import importlib
+import itertools
 import json
 import os
 import re
@@ -35,6 +36,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
+# paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
+# (dequantized before bf16/fp16 MMAs), or e4m3 codes with FP8 MMAs (``fp8_mma=True``).
+KV_MODES = ("same", "fp8", "int8", "fp8_mma")
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
 SHIPPED_BLOCK_SIZES = (16, 24, 64, 256, 520, 1560)
 SHIPPED = {
@@ -82,7 +86,8 @@ Row = dict[str, object]
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One launch to compile: a kernel at one geometry (``block_m``/``block_n`` override tiles;
-    ``causal``, ``key_limits`` and ``gaps`` key gaps per row select the attention variant)."""
+    ``causal``, ``key_limits``, ``gaps`` key gaps per row and ``kv_mode`` (one of
+    ``KV_MODES``) select the attention variant)."""
 
     kernel: str
     block_size: int
@@ -96,6 +101,7 @@ class Config:
     causal: bool = False
     key_limits: bool = False
     gaps: int = 0
+    kv_mode: str = "same"
 
 
 def configs_for(
@@ -110,14 +116,20 @@ def configs_for(
     causal: bool = False,
     key_limits: bool = False,
     gaps: int = 0,
+    kv_modes: Sequence[str] = ("same",),
 ) -> list[Config]:
-    """Every (kernel, dtype, head_dim, block size); ``write_slots`` ignores the block size."""
+    """Every (kernel, dtype, head_dim, block size, K/V mode); ``write_slots`` ignores the block
+    size and only ``paged_attention`` takes K/V modes other than ``same``."""
+    for mode in kv_modes:
+        if mode not in KV_MODES:
+            raise ValueError(f"kv_modes: {mode!r} is not one of {', '.join(KV_MODES)}")
     configs = []
     for kernel in kernels:
+        modes = kv_modes if kernel == "paged_attention" else ("same",)
         for dtype in dtypes:
             for head_dim in head_dims:
                 sizes = block_sizes[:1] if kernel == "write_slots" else block_sizes
-                for block_size in sizes:
+                for block_size, kv_mode in itertools.product(sizes, modes):
                     configs.append(
                         Config(
                             kernel,
@@ -130,6 +142,7 @@ def configs_for(
                             causal=causal,
                             key_limits=key_limits,
                             gaps=gaps,
+                            kv_mode=kv_mode,
                         )
                     )
     return configs
@@ -236,11 +249,19 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
     d, bs = config.head_dim, config.block_size
     empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt)  # touches no memory
     if config.kernel == "paged_attention":
+        kv_dtype = {"same": dtype, "int8": torch.int8}.get(config.kv_mode, torch.float8_e4m3fn)
+        scales = {}
+        if config.kv_mode != "same":
+            scales = {
+                "k_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
+                "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
+                "fp8_mma": config.kv_mode == "fp8_mma",
+            }
         with _recording("kernels.paged_attention", "_paged_attention_kernel") as (real, rec):
             kernels.paged_attention(
                 empty(config.max_seqlen_q, config.heads, d),
-                empty(2, bs, config.kv_heads, d),
-                empty(2, bs, config.kv_heads, d),
+                empty(2, bs, config.kv_heads, d, dt=kv_dtype),
+                empty(2, bs, config.kv_heads, d, dt=kv_dtype),
                 torch.zeros(1, 2, dtype=torch.int32),
                 torch.tensor([0, config.max_seqlen_q], dtype=torch.int32),
                 torch.tensor([2 * bs], dtype=torch.int32),
@@ -255,6 +276,7 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
                 ),
                 key_gap=torch.zeros(1, config.gaps, 2, dtype=torch.int32) if config.gaps else None,
                 check_values=False,
+                **scales,
             )
         args, kwargs = rec.calls[0]
         launches = [("paged_attention", real, args, kwargs)]
@@ -393,8 +415,14 @@ def analyse_sass(text: str) -> dict[str, object]:
     cheapest one (where the key tiles that need no mask run). NOPs are not counted."""
     instructions = parse_sass(text)
     opcodes = [op for _, op, _ in instructions]
-    if any(op.startswith(("HGMMA", "QGMMA")) for op in opcodes):
-        mma = "wgmma"
+    # wgmma on 16-bit (HGMMA) and/or FP8 (QGMMA) operands.
+    gmma = [
+        kind
+        for prefix, kind in (("HGMMA", "wgmma"), ("QGMMA", "wgmma.fp8"))
+        if any(op.startswith(prefix) for op in opcodes)
+    ]
+    if gmma:
+        mma = "+".join(gmma)
     elif any(op.startswith("HMMA") for op in opcodes):
         mma = "mma.sync"
     else:
@@ -507,6 +535,8 @@ def _variant(config: Config) -> str:
     ]
     if config.gaps:
         parts.append(f"gaps={config.gaps}")
+    if config.kv_mode != "same":
+        parts.append(f"kv={config.kv_mode}")
     return "+".join(parts) or "plain"
 
 
@@ -618,6 +648,13 @@ def add_parser(
     parser.add_argument("--causal", action="store_true", help="paged_attention: causal")
     parser.add_argument("--key-limits", action="store_true", help="paged_attention: key_limits")
     parser.add_argument("--gaps", type=int, default=0, help="paged_attention: key gaps per row")
+    parser.add_argument(
+        "--kv-modes",
+        type=choices(KV_MODES),
+        default=("same",),
+        help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
+        "before 16-bit MMAs (fp8, int8), or e4m3 with FP8 MMAs (fp8_mma)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="compile processes")
     parser.add_argument("--out", type=Path, default=Path("out/compile.csv"), help="CSV path")
     return parser
@@ -644,6 +681,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         causal=args.causal,
         key_limits=args.key_limits,
         gaps=max(0, args.gaps),
+        kv_modes=args.kv_modes,
     )
     rows = compile_rows(configs, args.target, workers=max(1, args.workers))
     print(format_rows(rows))

@@ -33,9 +33,13 @@ def round_to_code_grid(ratio, IS_FP8: tl.constexpr):
         exponent = (ratio.to(tl.int32, bitcast=True) >> 23) & 0xFF
         step_exponent = tl.maximum(exponent, E4M3_MIN_NORMAL_EXP) - E4M3_MANTISSA_BITS
         magic = (step_exponent << 23).to(tl.float32, bitcast=True) * ROUND_MAGIC
+        rounded = (ratio + magic) - magic
+        # A negative value rounding to zero comes out +0; e4m3 keeps the sign (-0), as a
+        # direct conversion and the oracle do.
+        rounded = tl.where(rounded == 0.0, ratio * 0.0, rounded)
     else:
-        magic = ROUND_MAGIC
-    return (ratio + magic) - magic
+        rounded = (ratio + ROUND_MAGIC) - ROUND_MAGIC
+    return rounded
 
 
 @triton.jit

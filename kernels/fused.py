@@ -318,8 +318,6 @@ def _check_inputs(
     if not quantized and k_pools.dtype != query.dtype:
         raise TypeError(f"k_pools must have query's dtype {query.dtype}, got {k_pools.dtype}")
     smoothed = _check_quantized_pools(pools)
-    if not isinstance(inputs.fp8_mma, bool):
-        raise TypeError(f"fp8_mma must be a bool, got {type(inputs.fp8_mma).__name__}")
     if inputs.fp8_mma and k_pools.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_mma needs float8_e4m3fn pools, got {k_pools.dtype}")
     _checks.check_same_device(
@@ -489,6 +487,9 @@ def write_attend(
     for name, given, cls in (("pools", pools, PoolTensors), ("inputs", inputs, LayerInputs)):
         if getattr(given, "_fields", None) != cls._fields:
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(given).__name__}")
+    # Here: the dispatcher would turn an int into a bool.
+    if not isinstance(inputs.fp8_mma, bool):
+        raise TypeError(f"fp8_mma must be a bool, got {type(inputs.fp8_mma).__name__}")
     named = {**dict(zip(KV_ARGS, kv, strict=True)), **pools._asdict()}
     for name, tensor in named.items():
         _checks.check_tensor(name, tensor)

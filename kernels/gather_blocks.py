@@ -2,7 +2,8 @@
 
 Entry ``j`` of ``block_ids`` lands at staging rows ``j * block_size .. (j + 1) * block_size - 1``.
 Only entries ``j >= first_block`` are copied, so a forward that keeps the staged history can
-restage just its own chunk's blocks. Every other staging row is left untouched.
+restage just its own chunk's blocks. Every other staging row is left untouched. Quantized
+caches stage their codes bit for bit (as bytes) and their scales beside them, in one launch.
 """
 
 from __future__ import annotations

@@ -114,6 +114,22 @@ def _tile_rows(
 
 
 @triton.jit
+def _round_e4m3(x):
+    """Float32 ``x`` rounded to the nearest e4m3 code (ties to even), saturating at +-448.
+
+    Explicit, since the interpreter's float32 -> float8e4nv conversion rounds wrongly when the
+    rounding carries into the next binade: adding and subtracting ``1.5 * 2**(k + 23)`` rounds
+    to a multiple of ``2**k``, the code step of x's binade (``2**(e - 3)``, subnormals
+    ``2**-9``). The result converts exactly.
+    """
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = tl.maximum(exponent, -6) - 3
+    magic = ((step + 23 + 127) << 23 | 0x400000).to(tl.float32, bitcast=True)
+    return (x + magic) - magic
+
+
+@triton.jit
 def _attend_tiles(
     acc,
     row_max,
@@ -121,6 +137,8 @@ def _attend_tiles(
     q,
     k_head_ptr,
     v_head_ptr,
+    ks_head_ptr,
+    vs_head_ptr,
     table_row,
     stride_table_col,
     first_tile,
@@ -136,6 +154,10 @@ def _attend_tiles(
     stride_v_block,
     stride_v_slot,
     stride_v_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_vs_block,
+    stride_vs_slot,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -145,18 +167,29 @@ def _attend_tiles(
     MASKED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
     at ``tiles_start + (j - 1) * BLOCK_N``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
-    ``key_limit``. Unmasked: every row sees every key of every tile.
+    ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
+    or per row (``FP8_MMA``: the query rows' scales folded in); it must be >= 0.
+
+    ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
+    the scale pools). The K scales multiply the score columns; the V scales the probability
+    columns before the PV product (row sums from the unscaled probabilities). Without
+    ``FP8_MMA`` the codes convert exactly to q's compute dtype; with it, q is already e4m3 codes,
+    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 after
+    normalising by the tile's largest V scale (times 448, so they span the format).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_dims = k_head_ptr + offs_d[None, :] * stride_k_dim
     v_dims = v_head_ptr + offs_d[None, :] * stride_v_dim
     d_mask = offs_d[None, :] < HEAD_DIM
+    row_scale = scale_log2[:, None] if FP8_MMA else scale_log2
     id0, id1, ids = _tile_block_ids(
         table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
     )
@@ -184,25 +217,69 @@ def _attend_tiles(
             v_rows = _tile_rows(
                 id0, id1, ids, n_start, stride_v_block, stride_v_slot, BLOCK_N, BLOCK_SIZE, KV_PATH
             )
+        if QUANTIZED:
+            ks_rows = _tile_rows(
+                id0,
+                id1,
+                ids,
+                n_start,
+                stride_ks_block,
+                stride_ks_slot,
+                BLOCK_N,
+                BLOCK_SIZE,
+                KV_PATH,
+            )
+            if SAME_KV_STRIDES and KV_PATH != "contiguous":
+                vs_rows = ks_rows
+            else:
+                vs_rows = _tile_rows(
+                    id0,
+                    id1,
+                    ids,
+                    n_start,
+                    stride_vs_block,
+                    stride_vs_slot,
+                    BLOCK_N,
+                    BLOCK_SIZE,
+                    KV_PATH,
+                )
         if MASKED:
             keys = n_start + offs_n
             n_mask = (keys >= keys_lo) & (keys < keys_hi)
             # Hidden keys are never loaded: they may be unwritten slots holding NaN.
             k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
+            if QUANTIZED:
+                k_col = tl.load(ks_head_ptr + ks_rows, mask=n_mask, other=0.0)
+                v_col = tl.load(vs_head_ptr + vs_rows, mask=n_mask, other=0.0)
         elif HEAD_DIM == BLOCK_D:
             k = tl.load(k_dims + k_rows[:, None])
             v = tl.load(v_dims + v_rows[:, None])
+            if QUANTIZED:
+                k_col = tl.load(ks_head_ptr + ks_rows)
+                v_col = tl.load(vs_head_ptr + vs_rows)
         else:
             k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if QUANTIZED:
+                k_col = tl.load(ks_head_ptr + ks_rows)
+                v_col = tl.load(vs_head_ptr + vs_rows)
+        if FP8_MMA:
+            qk = tl.dot(q, tl.trans(k))
+        else:
+            if QUANTIZED:
+                # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7).
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            elif UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            qk = qk * k_col[None, :]
         if MASKED:
             visible = n_mask[None, :] & (keys[None, :] < key_limit[:, None])
-            scores = tl.where(visible, qk * scale_log2, float("-inf"))
+            scores = tl.where(visible, qk * row_scale, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of
             # -inf so exp2 gives 0, not NaN.
@@ -210,13 +287,24 @@ def _attend_tiles(
             probs = tl.math.exp2(scores - safe_max[:, None])
             rescale = tl.math.exp2(row_max - safe_max)
         else:
-            # scale_log2 > 0 (the launcher makes it so): max(qk) * scale is the scaled max,
+            # scale_log2 >= 0 (the launcher makes it so): max(qk) * scale is the scaled max,
             # and qk * scale - max is one FFMA per score.
             new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
-            probs = tl.math.exp2(qk * scale_log2 - new_max[:, None])
+            probs = tl.math.exp2(qk * row_scale - new_max[:, None])
             rescale = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8_MMA:
+            # max(v_col) > 0 unless the tile's V rows are all zero (then so is the product).
+            v_max = tl.max(v_col, axis=0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            p_codes = _round_e4m3(probs * (v_col * (448.0 / v_max))[None, :])
+            pv = tl.dot(p_codes.to(tl.float8e4nv), v) * (v_max / 448.0)
+        elif QUANTIZED:
+            probs = probs * v_col[None, :]
+            pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * rescale[:, None] + pv
         row_max = new_max
         id0, id1, ids = next_id0, next_id1, next_ids
     return acc, row_max, row_sum
@@ -230,6 +318,8 @@ def _attend_run(
     q,
     k_head_ptr,
     v_head_ptr,
+    ks_head_ptr,
+    vs_head_ptr,
     table_row,
     stride_table_col,
     run_lo,
@@ -243,6 +333,10 @@ def _attend_run(
     stride_v_block,
     stride_v_slot,
     stride_v_dim,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_vs_block,
+    stride_vs_slot,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -251,6 +345,8 @@ def _attend_run(
     SAME_KV_STRIDES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
@@ -266,6 +362,8 @@ def _attend_run(
         q,
         k_head_ptr,
         v_head_ptr,
+        ks_head_ptr,
+        vs_head_ptr,
         table_row,
         stride_table_col,
         full_lo,
@@ -281,6 +379,10 @@ def _attend_run(
         stride_v_block,
         stride_v_slot,
         stride_v_dim,
+        stride_ks_block,
+        stride_ks_slot,
+        stride_vs_block,
+        stride_vs_slot,
         BLOCK_N,
         BLOCK_D,
         HEAD_DIM,
@@ -290,6 +392,8 @@ def _attend_run(
         False,
         UPCAST,
         DOT_PRECISION,
+        QUANTIZED,
+        FP8_MMA,
     )
     # Masked: the head tile when the run starts mid-tile (and it is not also the tail), then
     # the tail from the unmasked tiles' end.
@@ -310,6 +414,8 @@ def _attend_run(
         q,
         k_head_ptr,
         v_head_ptr,
+        ks_head_ptr,
+        vs_head_ptr,
         table_row,
         stride_table_col,
         first_tile,
@@ -325,6 +431,10 @@ def _attend_run(
         stride_v_block,
         stride_v_slot,
         stride_v_dim,
+        stride_ks_block,
+        stride_ks_slot,
+        stride_vs_block,
+        stride_vs_slot,
         BLOCK_N,
         BLOCK_D,
         HEAD_DIM,
@@ -334,6 +444,8 @@ def _attend_run(
         True,
         UPCAST,
         DOT_PRECISION,
+        QUANTIZED,
+        FP8_MMA,
     )
     return acc, row_max, row_sum
 
@@ -342,6 +454,7 @@ def _attend_run(
     {
         "HAS_KEY_LIMITS": lambda args: args["key_limits_ptr"] is not None,
         "HAS_KEY_GAP": lambda args: args["key_gap_ptr"] is not None,
+        "QUANTIZED": lambda args: args["k_scale_ptr"] is not None,
     }
 )
 @triton.jit
@@ -355,6 +468,8 @@ def _paged_attention_kernel(
     seq_lens_k_ptr,
     key_limits_ptr,
     key_gap_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     gaps_per_row,
     stride_q_tok,
@@ -373,6 +488,12 @@ def _paged_attention_kernel(
     stride_o_dim,
     stride_table_row,
     stride_table_col,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -387,6 +508,8 @@ def _paged_attention_kernel(
     HAS_KEY_LIMITS: tl.constexpr,
     HAS_KEY_GAP: tl.constexpr,
     GAPS: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -417,7 +540,13 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if UPCAST:
+    if FP8_MMA:
+        # Each row as e4m3 codes and a scale (amax / 448), folded into the softmax scale.
+        q = q.to(tl.float32)
+        q_scale = tl.max(tl.abs(q), axis=1) / 448.0
+        q = _round_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None]).to(tl.float8e4nv)
+        scale_log2 = q_scale * scale_log2
+    elif UPCAST:
         q = q.to(tl.float32)
 
     # Exclusive upper bound on the keys each row sees; rows past q_len see nothing and do not
@@ -438,6 +567,12 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_row
     k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_v_head
+    if QUANTIZED:
+        ks_head_ptr = k_scale_ptr + kv_head.to(tl.int64) * stride_ks_head
+        vs_head_ptr = v_scale_ptr + kv_head.to(tl.int64) * stride_vs_head
+    else:
+        ks_head_ptr = k_scale_ptr
+        vs_head_ptr = v_scale_ptr
 
     if HAS_KEY_GAP:
         # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing
@@ -461,6 +596,8 @@ def _paged_attention_kernel(
                 q,
                 k_head_ptr,
                 v_head_ptr,
+                ks_head_ptr,
+                vs_head_ptr,
                 table_row,
                 stride_table_col,
                 run_lo,
@@ -474,6 +611,10 @@ def _paged_attention_kernel(
                 stride_v_block,
                 stride_v_slot,
                 stride_v_dim,
+                stride_ks_block,
+                stride_ks_slot,
+                stride_vs_block,
+                stride_vs_slot,
                 BLOCK_N,
                 BLOCK_D,
                 HEAD_DIM,
@@ -482,6 +623,8 @@ def _paged_attention_kernel(
                 SAME_KV_STRIDES,
                 UPCAST,
                 DOT_PRECISION,
+                QUANTIZED,
+                FP8_MMA,
             )
             # Skip the union of the gaps that cover run_hi.
             for _ in tl.static_range(GAPS):
@@ -496,6 +639,8 @@ def _paged_attention_kernel(
             q,
             k_head_ptr,
             v_head_ptr,
+            ks_head_ptr,
+            vs_head_ptr,
             table_row,
             stride_table_col,
             k_len * 0,
@@ -509,6 +654,10 @@ def _paged_attention_kernel(
             stride_v_block,
             stride_v_slot,
             stride_v_dim,
+            stride_ks_block,
+            stride_ks_slot,
+            stride_vs_block,
+            stride_vs_slot,
             BLOCK_N,
             BLOCK_D,
             HEAD_DIM,
@@ -517,6 +666,8 @@ def _paged_attention_kernel(
             SAME_KV_STRIDES,
             UPCAST,
             DOT_PRECISION,
+            QUANTIZED,
+            FP8_MMA,
         )
 
     # A query with no visible key outputs zeros, as FlashAttention does.
@@ -826,8 +977,7 @@ def paged_attention(
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
         return out
-    quantized = k_scale is not None
-    if use_torch_path(q) or quantized:
+    if use_torch_path(q):
         return torch_path.paged_attention(
             q,
             k_cache,
@@ -853,6 +1003,9 @@ def paged_attention(
     gaps_per_row = 1 if key_gap is None else key_gap.shape[1]
     rows = max_seqlen_q * group
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch, k_cache.shape[2])
+    # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
+    scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
+    same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -863,6 +1016,8 @@ def paged_attention(
         seq_lens_k,
         key_limits,
         key_gap,
+        k_scale,
+        v_scale,
         scale * LOG2E,
         gaps_per_row,
         *q.stride(),
@@ -870,12 +1025,14 @@ def paged_attention(
         *v_cache.stride(),
         *out.stride(),
         *block_table.stride(),
+        *scale_strides,
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_SIZE=block_size,
-        SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
+        SAME_KV_STRIDES=same_strides,
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
+        FP8_MMA=fp8_mma,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **tiles,

@@ -33,7 +33,8 @@ def round_to_code_grid(ratio: Tensor, dtype: torch.dtype) -> Tensor:
     exponent = (ratio.view(torch.int32) >> 23) & 0xFF
     step_exponent = exponent.clamp_min(E4M3_MIN_NORMAL_EXP) - E4M3_MANTISSA_BITS
     magic = (step_exponent << 23).view(torch.float32) * ROUND_MAGIC
-    return (ratio + magic) - magic
+    rounded = (ratio + magic) - magic
+    return torch.where(rounded == 0, ratio * 0.0, rounded)  # -0 stays -0, as in e4m3
 
 
 def quantize_rows(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

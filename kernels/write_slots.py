@@ -2,7 +2,9 @@
 
 Slots are arbitrary, so a chunk may start in the middle of a block and span any number of
 blocks. A negative slot is padding and is skipped. K and V are written by one launch, cast to
-the pools' dtype.
+the pools' dtype, or, for quantized pools (``float8_e4m3fn``, ``int8``), quantized per
+(token, KV head) with their float32 scales written beside them in the same launch
+(``kernels._quantize_jit``; K smoothing optional).
 """
 
 from __future__ import annotations

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import pytest
 import torch
+
+from kernels import _copy_tiles
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -11,3 +17,13 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     """A fresh tensor shaped like ``t`` and filled with NaN, so unwritten outputs cannot pass."""
     return torch.full_like(t, float("nan"))
+
+
+@contextlib.contextmanager
+def copy_tiling(gpu: bool) -> Iterator[None]:
+    """With ``gpu``, the copy kernels launch with the GPU's tile geometry (small tiles, column
+    chunks) even when interpreted; otherwise with this machine's."""
+    with pytest.MonkeyPatch.context() as patch:
+        if gpu:
+            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
+        yield

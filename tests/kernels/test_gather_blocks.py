@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kernels
-from kernels import _copy_tiles
-from tests.helpers import DEVICE
-
-
-@contextlib.contextmanager
-def tiling(gpu: bool):
-    """With ``gpu``, launch with the GPU's tile geometry (small tiles, column chunks) even when
-    interpreted; otherwise with this machine's."""
-    with pytest.MonkeyPatch.context() as patch:
-        if gpu:
-            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
-        yield
-
-
-@pytest.fixture
-def gpu_tiles():
-    with tiling(True):
-        yield
+from tests.helpers import DEVICE, copy_tiling
 
 
 def make_caches(num_blocks: int, block_size: int, heads: int, dim: int, dtype=torch.float32):
@@ -109,7 +90,7 @@ def test_property_matches_loop(block_size, num_blocks, heads, dim, data) -> None
     spare_rows = data.draw(st.integers(0, 2 * block_size))
     k_cache, v_cache = make_caches(num_blocks, block_size, heads, dim)
     block_ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
-    with tiling(data.draw(st.booleans(), label="gpu tiles")):
+    with copy_tiling(data.draw(st.booleans(), label="gpu tiles")):
         check_gather(k_cache, v_cache, block_ids, len(ids) * block_size + spare_rows, first_block)
 
 
@@ -152,7 +133,7 @@ def test_caches_and_staging_with_different_strides(gpu: bool) -> None:
     for j, block in enumerate(block_ids.tolist()[1:], start=1):
         k_want[j * block_size : (j + 1) * block_size] = k_cache[block]
         v_want[j * block_size : (j + 1) * block_size] = v_cache[block]
-    with tiling(gpu):
+    with copy_tiling(gpu):
         kernels.gather_blocks(k_cache, v_cache, block_ids, stage_k, stage_v, first_block=1)
     torch.testing.assert_close(stage_k, k_want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(stage_v, v_want, rtol=0, atol=0, equal_nan=True)

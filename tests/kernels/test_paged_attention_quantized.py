@@ -136,8 +136,9 @@ def test_key_paths_causal_limits_and_gaps(
     dtype: torch.dtype, block_size: int, block_n: int
 ) -> None:
     # The queries are the last keys of a chunk that starts mid-block (causal); per-row limits
-    # and two gaps (one covering a whole tile, one mid-tile) put masked tiles between unmasked.
-    k_len = 2 * block_size + 37 if block_size > 64 else 6 * block_n + 9
+    # and two gaps put masked tiles between unmasked ones.
+    # Block 1560 with 64-key tiles: tile 1536 spans blocks 0 and 1.
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
     case = make_paged_case(
         q_lens=[21, 3],
         k_lens=[k_len, 2 * block_n + 5],
@@ -148,10 +149,11 @@ def test_key_paths_causal_limits_and_gaps(
     )
     gen = torch.Generator().manual_seed(block_size + block_n)
     key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
-    key_gap = torch.tensor(
-        [[[block_n + 3, 3 * block_n + 1], [4 * block_n + 2, 4 * block_n + 9]], [[1, 2], [0, 0]]],
-        dtype=torch.int32,
-    )
+    # The first gap covers whole tiles (at block 1560 all but the last few, which are skipped),
+    # the second starts and ends inside one tile.
+    wide = (block_n + 3, max(3 * block_n + 1, k_len - 4 * block_n))
+    narrow = (k_len - 2 * block_n + 2, k_len - 2 * block_n + 9)
+    key_gap = torch.tensor([[wide, narrow], [(1, 2), (0, 0)]], dtype=torch.int32)
     tiles = kernels.choose_tiles(
         block_size=block_size, head_dim=64, max_seqlen_q=21, dtype=torch.float32, block_n=block_n
     )

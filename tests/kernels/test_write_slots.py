@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given
@@ -11,23 +9,7 @@ from hypothesis import strategies as st
 
 import kernels
 from kernels import _copy_tiles
-from tests.helpers import DEVICE
-
-
-@contextlib.contextmanager
-def tiling(gpu: bool):
-    """With ``gpu``, launch with the GPU's tile geometry (small tiles, column chunks) even when
-    interpreted; otherwise with this machine's."""
-    with pytest.MonkeyPatch.context() as patch:
-        if gpu:
-            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
-        yield
-
-
-@pytest.fixture
-def gpu_tiles():
-    with tiling(True):
-        yield
+from tests.helpers import DEVICE, copy_tiling
 
 
 def make_pools(num_slots: int, heads: int, dim: int, dtype=torch.float32):
@@ -143,7 +125,7 @@ def test_property_matches_loop(num_slots: int, heads: int, dim: int, data) -> No
     key = torch.randn(len(padded) + extra_tokens, heads, dim, device=DEVICE)
     value = torch.randn_like(key)
     slots = torch.tensor(padded, dtype=torch.int64, device=DEVICE)
-    with tiling(data.draw(st.booleans(), label="gpu tiles")):
+    with copy_tiling(data.draw(st.booleans(), label="gpu tiles")):
         check_write(key, value, k_pool, v_pool, slots)
 
 
@@ -199,7 +181,7 @@ def test_key_value_and_pools_with_different_strides(gpu: bool) -> None:
     k_pool = base[:, ::2]
     v_pool = torch.full((20, heads, dim), float("nan"), device=DEVICE)
     slots = torch.tensor([19, 0, -1, 7, 8, 9, 3, -4, 12, 11, 1, 2, 15], device=DEVICE)
-    with tiling(gpu):
+    with copy_tiling(gpu):
         check_write(key, value, k_pool, v_pool, slots)
     assert base[:, 1::2].isnan().all()
 
@@ -213,5 +195,5 @@ def test_flat_planes_with_padded_token_strides(gpu: bool) -> None:
     k_pool, v_pool = nan_pools(30, heads, dim)
     assert all(_copy_tiles.plane_is_flat(t) for t in (key, value, k_pool, v_pool))
     slots = torch.randperm(30, device=DEVICE)[:tokens]
-    with tiling(gpu):
+    with copy_tiling(gpu):
         check_write(key, value, k_pool, v_pool, slots)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from paging import PagingConfig, paging_block_size, window
 
@@ -63,11 +64,40 @@ def test_a_window_past_int32_keys_is_refused() -> None:
         ("reuse_history_staging", "yes", "reuse_history_staging must be a bool, got str"),
         ("exact_window", None, "exact_window must be a bool, got NoneType"),
         ("compaction", 0, "compaction must be a bool, got int"),
+        ("smooth_keys", 1, "smooth_keys must be a bool, got int"),
+        ("fp8_mma", "yes", "fp8_mma must be a bool, got str"),
+        (
+            "kv_dtype",
+            torch.float16,
+            "kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got torch.float16",
+        ),
+        (
+            "kv_dtype",
+            "int8",
+            "kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got 'int8'",
+        ),
     ],
 )
 def test_wrong_type_names_the_field(field: str, value: object, message: str) -> None:
     with raises_exactly(TypeError, message):
         PagingConfig(**{**VALID, field: value})
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_fp8_mma_needs_e4m3_pools(kv_dtype) -> None:
+    with raises_exactly(
+        ValueError,
+        "fp8_mma needs kv_dtype=torch.float8_e4m3fn (FP8 MMAs read e4m3 codes), got "
+        f"kv_dtype={kv_dtype}",
+    ):
+        PagingConfig(**VALID, kv_dtype=kv_dtype, fp8_mma=True)
+
+
+def test_quantized_switches_default_and_combine() -> None:
+    config = PagingConfig(**VALID)
+    assert (config.kv_dtype, config.smooth_keys, config.fp8_mma) == (None, True, False)
+    config = PagingConfig(**VALID, kv_dtype=torch.float8_e4m3fn, fp8_mma=True, smooth_keys=False)
+    assert config.fp8_mma and not config.smooth_keys
 
 
 def test_widths_worked_by_hand(ragged_config: PagingConfig) -> None:

@@ -1,11 +1,13 @@
 """Every public entry point that refuses its input leaves the cache exactly as it found it
 (DESIGN section 7): free count, tables, committed tokens, pending forwards, and every byte of
-the pools, the staging buffers and the staging record. One table of refusals over a cache with
-history, a staged forward, a pending committing forward, a cancelled and a stale plan.
+the pools, the staging buffers and the staging record, and for quantized caches of the scales,
+the K means and their flags. One table of refusals over a cache with history, a staged forward,
+a pending committing forward, a cancelled and a stale plan, with float and quantized pools.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -59,10 +61,10 @@ def run(cache: PagedKVCache, plan: ForwardPlan) -> ForwardCall:
     return call
 
 
-@pytest.fixture
-def world() -> World:
+@pytest.fixture(params=[None, torch.float8_e4m3fn, torch.int8], ids=["float", "e4m3", "int8"])
+def world(request: pytest.FixtureRequest) -> World:
     cache = PagedKVCache(
-        CONFIG,
+        dataclasses.replace(CONFIG, kv_dtype=request.param),
         num_layers=2,
         num_kv_heads=1,
         head_dim=4,
@@ -71,8 +73,11 @@ def world() -> World:
         dtype=torch.float32,
     )
     gen = torch.Generator().manual_seed(0)
-    for buffer in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v):
-        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    for buffer in cache.pool_tensors[:8]:  # pools, staging buffers and their scales
+        if buffer.dtype == torch.float32:
+            buffer.copy_(torch.randn(buffer.shape, generator=gen))
+        else:
+            buffer.view(torch.int8).copy_(torch.randint(-100, 100, buffer.shape, generator=gen))
     session = cache.open_session()
     cache.open_session()  # every session slot taken
     with plain_torch_kernels():
@@ -86,6 +91,10 @@ def world() -> World:
         run(cache, cache.plan(session, "pos", N, commit=True)).commit()
         run(cache, cache.plan(session, "pos", N))  # staged: the record holds its history
     assert (cache.stage_tags >= 0).all()
+    if cache.quantized:
+        # Means chosen, then unchosen again: a refused call must choose none.
+        assert cache.k_means_chosen.all()
+        cache.k_means_chosen.fill_(False)
     behind_pending = cache.plan(session, "neg", N)
     behind_pending.prepare()
     pending = cache.plan(session, "neg", N, commit=True)
@@ -95,7 +104,7 @@ def world() -> World:
 
 def full_snapshot(cache: PagedKVCache) -> tuple:
     """``snapshot`` plus the bytes of the pools, staging buffers and the staging record."""
-    buffers = (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v, cache.stage_tags)
+    buffers = (*cache.pool_tensors, cache.stage_tags)
     return snapshot(cache), [buffer.clone().view(torch.uint8) for buffer in buffers]
 
 
@@ -113,11 +122,12 @@ def attend(w: World, *, index: int = 0, actions: int = 2, **changes) -> None:
     call.attend(index, **args)
 
 
-def op(w: World, *, layer: int = 0, **changes) -> None:
-    """The fused op called directly with a scratch forward's inputs and ``changes``."""
+def op(w: World, *, layer: int = 0, pools: dict | None = None, **changes) -> None:
+    """The fused op called directly with a scratch forward's inputs and ``changes`` (and
+    ``pools`` replacing some of the cache's tensors)."""
     call = ForwardCall(w.cache, w.cache.plan(w.session, "pos", N), softmax_scale=0.5)
     inputs = call.layer(0)._replace(layer=torch.tensor(layer), **changes)
-    write_attend(*tensors(actions=0), w.cache.pool_tensors, inputs)
+    write_attend(*tensors(actions=0), w.cache.pool_tensors._replace(**(pools or {})), inputs)
 
 
 def foreign_plan() -> ForwardPlan:
@@ -128,6 +138,18 @@ def foreign_plan() -> ForwardPlan:
 def flat(w: World):
     layer = w.cache.layer(0)
     return layer.k_flat, layer.v_flat
+
+
+def scales(w: World, *, flat: bool = False, stage: bool = False) -> dict:
+    """Layer 0's scales as the kernels' keyword arguments (none for float pools)."""
+    c = w.cache
+    if not c.quantized:
+        return {}
+    k, v = (s[0].flatten(0, 1) if flat else s[0] for s in (c.k_scales, c.v_scales))
+    given = {"k_scale": k, "v_scale": v}
+    if stage:
+        given |= {"stage_k_scale": c.stage_k_scales[0], "stage_v_scale": c.stage_v_scales[0]}
+    return given
 
 
 REFUSALS = [
@@ -272,7 +294,10 @@ REFUSALS = [
     ("attend-query-rows", lambda w: attend(w, query=torch.zeros(N + 1, 2, 4)), ValueError, "query"),
     (
         "attend-query-dtype",
-        lambda w: attend(w, query=torch.zeros(N, 2, 4, dtype=torch.float16)),
+        # float32 pools take float32 queries; quantized pools any float query but float64
+        lambda w: attend(
+            w, query=torch.zeros(N, 2, 4, dtype=torch.float64 if w.cache.quantized else torch.half)
+        ),
         TypeError,
         "query",
     ),
@@ -305,11 +330,31 @@ REFUSALS = [
         ValueError,
         "cu_seqlens_q",
     ),
+    # the cache tensors of quantized pools (float pools: zero-size ones)
+    ("op-k-scales", lambda w: op(w, pools={"k_scales": torch.zeros(3)}), ValueError, "k_scales"),
+    ("op-k-means", lambda w: op(w, pools={"k_means": torch.zeros(2, 1, 5)}), ValueError, "k_means"),
+    (
+        "op-k-means-chosen",
+        lambda w: op(w, pools={"k_means_chosen": torch.zeros(3, dtype=torch.bool)}),
+        ValueError,
+        "k_means_chosen",
+    ),
+    (
+        "op-stage-v-scales",
+        lambda w: op(w, pools={"stage_v_scales": torch.zeros(1)}),
+        ValueError,
+        "stage_v_scales",
+    ),
+    ("op-fp8-mma-type", lambda w: op(w, fp8_mma="yes"), TypeError, "fp8_mma"),
     # the kernels on the cache's own pools
     (
         "write-slots-past-pool",
         lambda w: kernels.write_slots(
-            torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), *flat(w), torch.tensor([0, 10**6])
+            torch.zeros(2, 1, 4),
+            torch.zeros(2, 1, 4),
+            *flat(w),
+            torch.tensor([0, 10**6]),
+            **scales(w, flat=True),
         ),
         ValueError,
         "slot_mapping",
@@ -322,6 +367,7 @@ REFUSALS = [
             torch.tensor([1, 10**6]),
             w.cache.stage_k[0],
             w.cache.stage_v[0],
+            **scales(w, stage=True),
         ),
         ValueError,
         "block_ids",
@@ -337,6 +383,7 @@ REFUSALS = [
             torch.tensor([8], dtype=torch.int32),
             max_seqlen_q=N,
             softmax_scale="0.1",
+            **scales(w),
         ),
         TypeError,
         "softmax_scale",

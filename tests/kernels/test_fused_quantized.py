@@ -1,0 +1,345 @@
+"""The fused write+attend op over quantized pools (e4m3 / int8 codes, float32 scales, K means).
+
+Checked against: the three kernels called by hand with the mean the op chose (bit for bit),
+the float64 oracle over the dequantized pools, the float64 mean of the keys, eager calls of the
+op (compiled, with no recompile as the layer, slots and staging ids change), and a snapshot of
+every cache tensor after a refused call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import kernels
+import reference
+from kernels import fused
+from reference.quantize import nearest_code_error, quantize
+from tests.helpers import DEVICE
+from tests.kernels.test_fused import BLOCK, BLOCKS, DIM, KV_HEADS, LAYERS, WIDTH, make_forward
+
+FORMATS = [
+    pytest.param(torch.float8_e4m3fn, id="e4m3"),
+    pytest.param(torch.int8, id="int8"),
+]
+POISON = {torch.float8_e4m3fn: 0x7F, torch.int8: -128}  # e4m3 NaN; int8's never-written code
+ATOL = 2e-5
+
+
+def make_state(dtype: torch.dtype, seed: int = 0) -> fused.PoolTensors:
+    """Pools of quantized random K/V; staging buffers, their scales and the means poisoned
+    (NaN scales and means, NaN / never-written codes), no mean chosen."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, BLOCKS, BLOCK, KV_HEADS, DIM)
+    (k_pools, k_scales), (v_pools, v_scales) = (
+        quantize(torch.randn(shape, generator=gen) * 3, dtype) for _ in range(2)
+    )
+    stage_k = torch.empty(LAYERS, WIDTH * BLOCK, KV_HEADS, DIM, dtype=dtype)
+    stage_k.view(torch.int8).fill_(POISON[dtype])
+    stage_scales = torch.full(stage_k.shape[:-1], float("nan"))
+    pools = fused.PoolTensors(
+        k_pools,
+        v_pools,
+        stage_k,
+        stage_k.clone(),
+        k_scales,
+        v_scales,
+        stage_scales,
+        stage_scales.clone(),
+        torch.full((LAYERS, KV_HEADS, DIM), float("nan")),
+        torch.zeros(LAYERS, dtype=torch.bool),
+    )
+    return fused.PoolTensors(*(t.to(DEVICE) for t in pools))
+
+
+def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False):
+    """``make_forward``'s inputs with keys offset per channel (what smoothing removes)."""
+    tensors, inputs = make_forward(step, staged=staged, layer=layer)
+    offsets = torch.linspace(-20, 20, DIM, device=DEVICE)
+    tensors[1] = tensors[1] + offsets
+    tensors[3] = tensors[3] + offsets
+    return tensors, inputs._replace(fp8_mma=fp8_mma)
+
+
+def clone(pools: fused.PoolTensors) -> fused.PoolTensors:
+    return fused.PoolTensors(*(t.clone() for t in pools))
+
+
+def equal(a: fused.PoolTensors, b: fused.PoolTensors) -> bool:
+    """Bitwise, NaN included."""
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean):
+    """The op's work by hand: the three kernels, with ``mean`` as the K smoothing."""
+    query, key, value, action_key, action_value = tensors
+    layer = int(inputs.layer)
+    k_cache, v_cache = pools.k_pools[layer], pools.v_pools[layer]
+    k_scale, v_scale = pools.k_scales[layer], pools.v_scales[layer]
+    flat = (k_cache.flatten(0, 1), v_cache.flatten(0, 1))
+    scales = {"k_scale": k_scale.flatten(0, 1), "v_scale": v_scale.flatten(0, 1), "k_smooth": mean}
+    kernels.write_slots(key, value, *flat, inputs.video_slots, **scales)
+    kernels.write_slots(action_key, action_value, *flat, inputs.action_slots, **scales)
+    cache_k, cache_v, table = k_cache, v_cache, inputs.block_table
+    if int(inputs.stage_from) >= 0:
+        stage = (pools.stage_k_scales[layer], pools.stage_v_scales[layer])
+        kernels.gather_blocks(
+            k_cache,
+            v_cache,
+            inputs.block_table[0],
+            pools.stage_k[layer],
+            pools.stage_v[layer],
+            k_scale=k_scale,
+            v_scale=v_scale,
+            stage_k_scale=stage[0],
+            stage_v_scale=stage[1],
+            first_block=int(inputs.stage_from),
+        )
+        cache_k, cache_v = pools.stage_k[layer].unsqueeze(0), pools.stage_v[layer].unsqueeze(0)
+        k_scale, v_scale = stage[0].unsqueeze(0), stage[1].unsqueeze(0)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    return kernels.paged_attention(
+        query,
+        cache_k,
+        cache_v,
+        table,
+        inputs.cu_seqlens_q,
+        inputs.seq_lens_k,
+        max_seqlen_q=inputs.max_seqlen_q,
+        softmax_scale=inputs.softmax_scale,
+        key_gap=inputs.key_gap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        fp8_mma=inputs.fp8_mma,
+    )
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_matches_kernels_oracle_and_mean(dtype: torch.dtype, staged: bool) -> None:
+    state = make_state(dtype)
+    twin = clone(state)
+    tensors, inputs = forward(0, staged=staged, layer=1)
+    query, key = tensors[:2]
+    got = fused.write_attend(*tensors, state, inputs)
+
+    # The mean: the float64 mean of this call's video keys, per KV head, on layer 1 only.
+    torch.testing.assert_close(state.k_means[1].double(), key.double().mean(0), rtol=0, atol=1e-5)
+    assert state.k_means_chosen.tolist() == [False, True, False]
+    assert torch.isnan(state.k_means[0]).all() and torch.isnan(state.k_means[2]).all()
+
+    # Bit for bit the kernels called by hand with that mean; every mutated tensor too.
+    twin.k_means[1], twin.k_means_chosen[1] = state.k_means[1], True
+    want = direct_calls(tensors, inputs, twin, twin.k_means[1])
+    assert torch.equal(got, want)
+    assert equal(state, twin)
+
+    # Every written code is a nearest code of its key minus the mean.
+    slots = inputs.video_slots
+    codes = state.k_pools[1].flatten(0, 1)[slots]
+    scale = state.k_scales[1].flatten(0, 1)[slots]
+    assert nearest_code_error(codes, scale, key - state.k_means[1], dtype).max() <= 1 + 1e-3
+
+    # The float64 oracle over the dequantized pools (the mean shifts every score of a query
+    # by the same q . mean, so softmax, and the oracle, need not add it back).
+    oracle = reference.paged_attention(
+        query,
+        state.k_pools[1],
+        state.v_pools[1],
+        inputs.block_table,
+        inputs.cu_seqlens_q,
+        inputs.seq_lens_k,
+        max_seqlen_q=inputs.max_seqlen_q,
+        softmax_scale=inputs.softmax_scale,
+        key_gap=inputs.key_gap,
+        k_scale=state.k_scales[1],
+        v_scale=state.v_scales[1],
+    )
+    torch.testing.assert_close(got.double(), oracle.double(), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_mean_is_chosen_once_then_frozen(dtype: torch.dtype) -> None:
+    state = make_state(dtype)
+    tensors, inputs = forward(0, staged=False, layer=2)
+    fused.write_attend(*tensors, state, inputs)
+    first = state.k_means.clone()
+    # Later calls (other keys, other slots), and a call with no video tokens, keep it.
+    for step in (1, 2):
+        tensors, inputs = forward(step, staged=False, layer=2)
+        fused.write_attend(*tensors, state, inputs)
+    empty = [t[:0] for t in tensors[:3]] + tensors[3:]
+    fused.write_attend(*empty, state, inputs._replace(video_slots=inputs.video_slots[:0]))
+    assert torch.equal(state.k_means.nan_to_num(7.0), first.nan_to_num(7.0))
+    assert state.k_means_chosen.tolist() == [False, False, True]
+    # A first call with no video tokens chooses nothing: the next one with keys does.
+    fused.write_attend(
+        *empty, state, inputs._replace(layer=torch.tensor(0), video_slots=inputs.video_slots[:0])
+    )
+    assert state.k_means_chosen.tolist() == [False, False, True]
+
+
+def test_non_finite_keys_are_left_out_of_the_mean() -> None:
+    state = make_state(torch.int8)
+    tensors, inputs = forward(0, staged=False, layer=0)
+    key = tensors[1]
+    key[3, 0, 5] = float("nan")
+    key[4, 1, 6] = float("inf")
+    fused.write_attend(*tensors, state, inputs)
+    mean = state.k_means[0].double()
+    assert torch.isfinite(mean).all()
+    finite = key.double().isfinite()
+    want = torch.where(finite, key.double(), 0.0).sum(0) / finite.sum(0)
+    torch.testing.assert_close(mean, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_compiles_once_across_changing_values(dtype: torch.dtype, staged: bool) -> None:
+    compiled_state, eager_state = make_state(dtype), make_state(dtype)
+
+    def block(tensors, pools, inputs):
+        query, *rest = tensors
+        return fused.write_attend(query * 1.5, *rest, pools, inputs).sum(dim=1)
+
+    counter = CompileCounter()
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    compiled_tags, eager_tags = torch.full((LAYERS,), -1), torch.full((LAYERS,), -1)
+    for step in range(3):
+        # The layer, block table, slots, history length and staging ids all change value; the
+        # first call of each layer chooses its mean, inside the graph.
+        tensors, inputs = forward(step, staged=staged, layer=step)
+        inputs = inputs._replace(
+            stage_key=torch.tensor(step), stage_from=torch.tensor(step if staged else -1)
+        )
+        got = compiled(tensors, compiled_state, inputs._replace(stage_tags=compiled_tags))
+        want = block(tensors, eager_state, inputs._replace(stage_tags=eager_tags))
+        assert torch.equal(got, want)
+        assert equal(compiled_state, eager_state)
+        assert torch.equal(compiled_tags, eager_tags)
+    assert compiled_state.k_means_chosen.all()
+    assert counter.frame_count == 1
+
+
+def test_fp8_mma_reaches_attention() -> None:
+    state, twin = make_state(torch.float8_e4m3fn), make_state(torch.float8_e4m3fn)
+    tensors, inputs = forward(0, staged=False, layer=0, fp8_mma=True)
+    got = fused.write_attend(*tensors, state, inputs)
+    twin.k_means[0], twin.k_means_chosen[0] = state.k_means[0], True
+    assert torch.equal(got, direct_calls(tensors, inputs, twin, twin.k_means[0]))
+    dequantized = fused.write_attend(
+        *tensors, make_state(torch.float8_e4m3fn), inputs._replace(fp8_mma=False)
+    )
+    assert not torch.equal(got, dequantized)  # the switch changes the arithmetic
+
+
+def test_smoothing_off_writes_plain_codes() -> None:
+    state = make_state(torch.int8)
+    empty = state.k_means.new_empty(0)
+    state = state._replace(k_means=empty, k_means_chosen=empty.bool())
+    tensors, inputs = forward(0, staged=False, layer=0)
+    fused.write_attend(*tensors, state, inputs)
+    slots = inputs.video_slots
+    codes = state.k_pools[0].flatten(0, 1)[slots]
+    scale = state.k_scales[0].flatten(0, 1)[slots]
+    assert nearest_code_error(codes, scale, tensors[1], torch.int8).max() <= 1 + 1e-3
+
+
+def replaced(field: str, make):
+    return lambda pools, inputs: (pools._replace(**{field: make(getattr(pools, field))}), inputs)
+
+
+def changed(**changes):
+    return lambda pools, inputs: (pools, inputs._replace(**changes))
+
+
+REFUSALS = [
+    ("k-scales-dtype", replaced("k_scales", lambda t: t.double()), TypeError, "k_scales"),
+    ("k-scales-shape", replaced("k_scales", lambda t: t[:, 1:]), ValueError, "k_scales"),
+    ("v-scales-missing", replaced("v_scales", lambda t: t.new_empty(0)), ValueError, "v_scales"),
+    ("v-pools-dtype", replaced("v_pools", lambda t: t.view(torch.uint8)), TypeError, "v_pools"),
+    ("k-means-shape", replaced("k_means", lambda t: t[:, :, 1:]), ValueError, "k_means"),
+    ("k-means-dtype", replaced("k_means", lambda t: t.double()), TypeError, "k_means"),
+    (
+        "k-means-chosen-dtype",
+        replaced("k_means_chosen", lambda t: t.long()),
+        TypeError,
+        "k_means_chosen",
+    ),
+    (
+        "k-means-chosen-shape",
+        replaced("k_means_chosen", lambda t: t[1:]),
+        ValueError,
+        "k_means_chosen",
+    ),
+    (
+        "chosen-without-means",
+        replaced("k_means", lambda t: t.new_empty(0)),
+        ValueError,
+        "k_means_chosen",
+    ),
+    (
+        "stage-scales-missing",
+        lambda p, i: (
+            p._replace(stage_k_scales=p.stage_k_scales.new_empty(0)),
+            i._replace(stage_from=torch.tensor(0)),
+        ),
+        ValueError,
+        "stage_k_scales",
+    ),
+    (
+        "stage-float",
+        lambda p, i: (
+            p._replace(stage_v=p.stage_v.float()),
+            i._replace(stage_from=torch.tensor(0)),
+        ),
+        TypeError,
+        "stage_v",
+    ),
+    ("fp8-mma-int", changed(fp8_mma=1), TypeError, "fp8_mma"),
+    (
+        "action-rows",
+        changed(action_slots=torch.zeros(2, dtype=torch.int64)),
+        ValueError,
+        "action_key",
+    ),
+    ("stage-from", changed(stage_from=torch.tensor(WIDTH + 1)), ValueError, "stage_from"),
+]
+
+
+@pytest.mark.parametrize("change, error, match", [pytest.param(*r[1:], id=r[0]) for r in REFUSALS])
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_refused_call_changes_nothing(dtype: torch.dtype, change, error, match: str) -> None:
+    state = make_state(dtype)
+    before = clone(state)
+    tensors, inputs = forward(0, staged=False, layer=1)
+    pools, inputs = change(state, inputs)
+    with pytest.raises(error, match=match):
+        fused.write_attend(*tensors, pools, inputs)
+    assert equal(state, before)
+
+
+def test_fp8_mma_needs_e4m3_pools_and_changes_nothing() -> None:
+    state = make_state(torch.int8)
+    before = clone(state)
+    tensors, inputs = forward(0, staged=False, layer=1, fp8_mma=True)
+    with pytest.raises(ValueError, match="fp8_mma needs float8_e4m3fn pools"):
+        fused.write_attend(*tensors, state, inputs)
+    assert equal(state, before)
+
+
+def test_float_pools_refuse_scales() -> None:
+    state = make_state(torch.int8)
+    pools = fused.PoolTensors.build(
+        state.k_pools.float(), state.v_pools.float(), state.stage_k.float(), state.stage_v.float()
+    )
+    tensors, inputs = forward(0, staged=False, layer=1)
+    before = clone(pools)
+    with pytest.raises(ValueError, match=r"k_scales must be zero-size for torch\.float32 pools"):
+        fused.write_attend(*tensors, pools._replace(k_scales=state.k_scales), inputs)
+    assert equal(pools, before)
+    with pytest.raises(TypeError, match="unknown pool tensors"):
+        fused.PoolTensors.build(*pools[:4], scales=state.k_scales)

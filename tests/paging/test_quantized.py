@@ -1,0 +1,274 @@
+"""Quantized caches (``PagingConfig(kv_dtype=...)``) driven through plans and ``ForwardCall``.
+
+Every forward's attention is checked against float64 dense attention over the dequantized
+codes and scales of exactly the tokens the window oracle says it reads, each taken from the
+pools right after the forward that wrote it: so a token whose codes or scales were rewritten
+later (by eviction, compaction or another forward) fails, and so does one read from a wrong
+slot. Surviving tokens are also checked bit for bit after every commit. Pools start poisoned
+(NaN codes or int8's never-written -128, NaN scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import Tensor
+
+import reference
+from paging import PagedKVCache, PagingConfig, Session
+from paging.forward import ForwardCall
+from reference.quantize import dequantize, nearest_code_error
+from tests.paging.rollout import geometry_of
+
+FORMATS = [
+    pytest.param(torch.float8_e4m3fn, id="e4m3"),
+    pytest.param(torch.int8, id="int8"),
+]
+POISON = {torch.float8_e4m3fn: 0x7F, torch.int8: -128}
+ATOL = 2e-5
+LAYERS, HEADS, KV_HEADS, DIM = 2, 2, 1, 8
+# Chunks of 6 over blocks of 4 (the sink ends mid-block), a window of two chunks: evictions and
+# compactions (unit lcm(6, 4) = 12 tokens) start on the third commit.
+CONFIG = PagingConfig(
+    block_size=4, chunk_size=6, sink_chunks=1, window_chunks=2, max_action_tokens=3
+)
+
+
+def poisoned_cache(config: PagingConfig, **kwargs) -> PagedKVCache:
+    cache = PagedKVCache(
+        config,
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        dtype=torch.float32,
+        **kwargs,
+    )
+    for codes in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v):
+        codes.view(torch.int8).fill_(POISON[cache.k_pools.dtype])
+    for scales in (cache.k_scales, cache.v_scales, cache.stage_k_scales, cache.stage_v_scales):
+        scales.fill_(float("nan"))
+    return cache
+
+
+class QuantizedRollout:
+    """Forwards of one cache, each checked against the oracle over the dequantized pools."""
+
+    def __init__(self, config: PagingConfig, **kwargs) -> None:
+        self.cache = poisoned_cache(config, **kwargs)
+        self.config, self.geometry = config, geometry_of(config)
+        self.gen = torch.Generator().manual_seed(0)
+        # (session, branch, layer, model position) -> codes and scales as written, K and V.
+        self.stored: dict[tuple, tuple[Tensor, ...]] = {}
+        self.offsets = torch.linspace(-30, 30, DIM)  # K channel outliers, what smoothing removes
+
+    def _random(self, tokens: int, heads: int, offset: bool = False) -> Tensor:
+        x = torch.randn(tokens, heads, DIM, generator=self.gen)
+        return x + self.offsets if offset else x
+
+    def _read(self, layer: int, slots: Tensor) -> tuple[Tensor, ...]:
+        cache = self.cache
+        flat = [t[layer].flatten(0, 1)[slots].clone() for t in (cache.k_pools, cache.v_pools)]
+        scales = [t[layer].flatten(0, 1)[slots].clone() for t in (cache.k_scales, cache.v_scales)]
+        return flat[0], scales[0], flat[1], scales[1]
+
+    def forward(
+        self, rows: list[tuple[Session, str]], *, commit: bool, actions: int = 0
+    ) -> ForwardCall:
+        n = self.config.chunk_size
+        plans = [
+            self.cache.plan(session, branch, n, commit=commit, action_tokens=actions)
+            for session, branch in rows
+        ]
+        call = ForwardCall(self.cache, plans, softmax_scale=DIM**-0.5)
+        inputs = call.inputs
+        for layer in range(LAYERS):
+            q = self._random(n * len(rows), HEADS)
+            k, v = (
+                self._random(n * len(rows), KV_HEADS, True),
+                self._random(n * len(rows), KV_HEADS),
+            )
+            ak = self._random(actions * len(rows), KV_HEADS, True)
+            av = self._random(actions * len(rows), KV_HEADS)
+            out = call.attend(layer, q, k, v, ak, av)
+            assert not torch.isnan(out).any(), "attention read a poisoned slot"
+            video = self._read(layer, inputs.video_slots)
+            action = self._read(layer, inputs.action_slots)
+            mean = self.cache.k_means[layer] if self.config.smooth_keys else 0.0
+            dtype = self.cache.k_pools.dtype
+            assert nearest_code_error(video[0], video[1], k - mean, dtype).max() <= 1 + 1e-3
+            assert nearest_code_error(video[2], video[3], v, dtype).max() <= 1 + 1e-3
+            for r, plan in enumerate(plans):
+                rq, ra = slice(r * n, (r + 1) * n), slice(r * actions, (r + 1) * actions)
+                own = [t[rq] for t in video]
+                self._check_row(plan, layer, q[rq], out[rq], own, [t[ra] for t in action])
+                if commit:
+                    for t in range(n):
+                        key = (plan.session.id, plan.branch, layer, plan.history + t)
+                        self.stored[key] = tuple(x[t] for x in own)
+        call.commit()
+        self.check_survivors()
+        return call
+
+    def _check_row(self, plan, layer, q, out, own, action) -> None:
+        sid, branch = plan.session.id, plan.branch
+        reads = (
+            reference.kept_positions if self.config.exact_window else reference.block_read_positions
+        )
+        past = [p for p in reads(self.geometry, plan.history, plan.num_tokens) if p < plan.history]
+        rows = [self.stored[sid, branch, layer, p] for p in past]
+        k_codes, k_scale, v_codes, v_scale = (
+            torch.stack([row[i] for row in rows] + list(x) + list(a))
+            for i, (x, a) in enumerate(zip(own, action, strict=True))
+        )
+        keys, values = dequantize(k_codes, k_scale), dequantize(v_codes, v_scale)
+        want = reference.dense_attention(q, keys, values, softmax_scale=DIM**-0.5)
+        error = (out.double() - want).abs().max().item()
+        assert error <= ATOL, f"layer {layer}, history {plan.history}: max error {error:.2e}"
+
+    def check_survivors(self) -> None:
+        """Every resident committed token still holds its codes and scales, bit for bit."""
+        config, cache = self.config, self.cache
+        b, s = config.block_size, config.sink_tokens
+        for session in cache.sessions.values():
+            for branch, seq in session.sequences.items():
+                table = list.copy(seq.block_table)
+                for p in reference.resident_positions(self.geometry, seq.absolute):
+                    storage = p if p < s else p - seq.compacted
+                    slot = torch.tensor([table[storage // b] * b + storage % b])
+                    for layer in range(LAYERS):
+                        now = [t[0] for t in self._read(layer, slot)]
+                        was = self.stored[session.id, branch, layer, p]
+                        for x, y in zip(now, was, strict=True):
+                            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "staged, block_size",
+    [
+        pytest.param(False, 4, id="paged"),
+        pytest.param(True, 4, id="staged"),
+        # Chunks on block edges: committing forwards keep the staged history (and its scales).
+        pytest.param(True, 3, id="staged-kept"),
+    ],
+)
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_forwards_match_the_oracle_over_dequantized_pools(
+    dtype: torch.dtype, staged: bool, block_size: int
+) -> None:
+    config = dataclasses.replace(
+        CONFIG, block_size=block_size, kv_dtype=dtype, reuse_history_staging=staged
+    )
+    rollout = QuantizedRollout(config)
+    cache = rollout.cache
+    session = cache.open_session()
+    rows = [(session, "main")]
+    kept = []
+    for tick in range(7):
+        if tick % 2 == 0:
+            rollout.forward(rows, commit=False, actions=tick % 3)
+        kept.append(rollout.forward(rows, commit=True).stage_from > 0)
+        if tick == 0:
+            means = cache.k_means.clone()  # chosen by the first forward, a scratch one
+    assert any(kept) == (block_size == 3)
+    # The window slid and compacted, and no survivor's codes or scales were rewritten.
+    assert session.sequences["main"].compacted > 0
+    assert cache.k_means_chosen.all() and torch.equal(cache.k_means, means)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_batched_branches_share_one_mean_and_keep_their_codes(dtype: torch.dtype) -> None:
+    config = dataclasses.replace(CONFIG, kv_dtype=dtype, exact_window=True)
+    rollout = QuantizedRollout(config, branches=("pos", "neg"))
+    session = rollout.cache.open_session()
+    rows = [(session, "pos"), (session, "neg")]
+    rollout.forward(rows, commit=True, actions=2)
+    means = rollout.cache.k_means.clone()
+    # The first call's video keys, both rows: their mean is near the channel offsets.
+    assert (means - rollout.offsets).abs().max() < 1.0
+    for _ in range(3):
+        rollout.forward(rows, commit=False)
+        rollout.forward(rows, commit=True)
+    assert torch.equal(rollout.cache.k_means, means)
+
+
+def test_unsmoothed_cache_has_no_means() -> None:
+    config = dataclasses.replace(CONFIG, kv_dtype=torch.int8, smooth_keys=False)
+    rollout = QuantizedRollout(config)
+    assert rollout.cache.k_means.numel() == 0 and rollout.cache.k_means_chosen.numel() == 0
+    session = rollout.cache.open_session()
+    for _ in range(3):
+        rollout.forward([(session, "main")], commit=True)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+@pytest.mark.parametrize("dtype", [*FORMATS, pytest.param(None, id="float")])
+def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
+    config = dataclasses.replace(CONFIG, kv_dtype=dtype, reuse_history_staging=staged)
+    cache = PagedKVCache(config, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    pool = (3, cache.num_blocks, 4, 2, 8)
+    stage = (3, cache.max_seqlen_k if staged else 0, 2, 8)
+    assert cache.k_pools.shape == cache.v_pools.shape == pool
+    assert cache.stage_k.shape == cache.stage_v.shape == stage
+    tensors = cache.pool_tensors
+    assert [t.data_ptr() for t in tensors[:4]] == [
+        t.data_ptr() for t in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v)
+    ]
+    if dtype is None:
+        assert cache.k_pools.dtype == cache.stage_k.dtype == torch.float32
+        assert all(t.numel() == 0 for t in tensors[4:])
+        return
+    assert cache.k_pools.dtype == cache.v_pools.dtype == cache.stage_k.dtype == dtype
+    for name, shape, scale_dtype in (
+        ("k_scales", pool[:-1], torch.float32),
+        ("v_scales", pool[:-1], torch.float32),
+        ("stage_k_scales", stage[:-1], torch.float32),
+        ("stage_v_scales", stage[:-1], torch.float32),
+        ("k_means", (3, 2, 8), torch.float32),
+        ("k_means_chosen", (3,), torch.bool),
+    ):
+        tensor = getattr(tensors, name)
+        assert tensor is getattr(cache, name)
+        assert tensor.shape == shape and tensor.dtype == scale_dtype, name
+        assert tensor.device == cache.device
+    assert not cache.k_means_chosen.any() and not cache.k_means.any()
+    if staged:
+        assert cache.staging.k_scales is cache.stage_k_scales
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_pool_bytes_of_quantized_pools_are_at_most_53_percent_of_bf16(dtype: torch.dtype) -> None:
+    layers, heads, head_dim = 2, 3, 128
+    config = PagingConfig(block_size=16, chunk_size=24, sink_chunks=1, window_chunks=3)
+    sizes = dict(num_layers=layers, num_kv_heads=heads, head_dim=head_dim)
+    bf16 = PagedKVCache(config, **sizes, dtype=torch.bfloat16)
+    quantized = PagedKVCache(dataclasses.replace(config, kv_dtype=dtype), **sizes)
+    slots = layers * bf16.num_blocks * config.block_size
+    assert quantized.num_blocks == bf16.num_blocks and slots == 384
+    # Per (slot, KV head): bf16 K and V are 2 x 128 x 2 = 512 bytes; codes 2 x 128 x 1 and
+    # float32 scales 2 x 4 are 264, so 264 / 512 = 51.6%. Plus the K means: 4 bytes per
+    # (layer, KV head, channel), once: (384 * 264 + 2 * 128 * 4) / (384 * 512) = 0.5208.
+    assert bf16.pool_bytes == slots * heads * 2 * head_dim * 2
+    assert (
+        quantized.pool_bytes == slots * heads * 2 * (head_dim + 4) + layers * heads * head_dim * 4
+    )
+    ratio = quantized.pool_bytes / bf16.pool_bytes
+    assert ratio == (slots * 264 + layers * 128 * 4) / (slots * 512)
+    assert ratio <= 0.53
+
+
+def test_cache_dtype_may_name_the_quantized_format() -> None:
+    cache = PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int8)
+    assert cache.k_pools.dtype == torch.int8 and cache.k_scales.shape == cache.k_pools.shape[:-1]
+    config = dataclasses.replace(CONFIG, kv_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"dtype torch\.int8 and config\.kv_dtype"):
+        PagedKVCache(config, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int8)
+    with pytest.raises(TypeError, match="dtype must be a floating-point"):
+        PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int16)
+
+
+def test_quantized_pools_too_large_to_allocate_name_the_scales() -> None:
+    config = dataclasses.replace(CONFIG, kv_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"cannot allocate the pools .* float32 scales"):
+        PagedKVCache(config, num_layers=2**40, num_kv_heads=1, head_dim=4)
