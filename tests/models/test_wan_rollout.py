@@ -18,7 +18,7 @@ from models import wan_paged
 from models.wan_paged import PagedWanRollout, absolute_rotary
 from paging import PagingConfig
 from reference.wan_rollout import reference_rollout
-from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
+from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, poison, rollout_inputs, tiny_wan
 
 BLOCKS = 8
 GUIDANCE = 3.0
@@ -78,14 +78,6 @@ def run_both(
         extra["cache"] = rollout.cache
         extra["unquantized"] = reference_rollout(model, *text, **common)
     return model, inputs, paged, dense
-
-
-def poison(cache) -> None:
-    """NaN in every pool slot (a read of an unwritten slot shows as NaN); quantized pools: in
-    the scales (int8 codes cannot be NaN) and, for float8_e4m3fn, the codes too."""
-    for pool in (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales):
-        if pool.dtype != torch.int8:
-            pool.fill_(float("nan"))
 
 
 def assert_equal_rollouts(paged, dense, frames, branches) -> None:

@@ -57,6 +57,14 @@ def rollout_inputs(frames: int, *, blocks: int, action_tokens: int = 3, seed: in
     )
 
 
+def poison(cache) -> None:
+    """NaN in every pool slot (a read of an unwritten slot shows as NaN); quantized pools: in
+    the scales (int8 codes cannot be NaN) and, for float8_e4m3fn, the codes too."""
+    for pool in (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales):
+        if pool.dtype != torch.int8:
+            pool.fill_(float("nan"))
+
+
 def assert_close_to_quantized_oracle(
     got: torch.Tensor, oracle: torch.Tensor, unquantized: torch.Tensor, msg: str = ""
 ) -> None:
