@@ -43,7 +43,12 @@ def _usable_device(device: object) -> torch.device:
 
 
 class LayerCache(NamedTuple):
-    """One layer's storage: 4-D pools, their flat ``(num_blocks * B, ...)`` views, staging."""
+    """One layer's storage: 4-D pools, their flat ``(num_blocks * B, ...)`` views, staging.
+
+    Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` (the kernels'
+    ``k_scale``/``v_scale``; ``.flatten(0, 1)`` for ``write_slots``) and, with smoothing, the
+    layer's K mean ``(num_kv_heads, head_dim)`` (``write_slots``' ``k_smooth``); else None.
+    """
 
     k: Tensor
     v: Tensor
@@ -51,6 +56,9 @@ class LayerCache(NamedTuple):
     v_flat: Tensor
     stage_k: Tensor | None
     stage_v: Tensor | None
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
+    k_mean: Tensor | None = None
 
 
 class PagedKVCache:
@@ -237,6 +245,9 @@ class PagedKVCache:
             v_flat=v.flatten(0, 1),
             stage_k=self.stage_k[index] if staged else None,
             stage_v=self.stage_v[index] if staged else None,
+            k_scale=self.k_scales[index] if self.quantized else None,
+            v_scale=self.v_scales[index] if self.quantized else None,
+            k_mean=self.k_means[index] if self.k_means.numel() else None,
         )
 
     def scratch_blocks(self, session: Session, branch: str) -> range:

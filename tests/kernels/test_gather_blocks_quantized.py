@@ -16,9 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kernels
-from kernels import _copy_tiles
 from reference.quantize import nearest_code_error
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, copy_tiling
 
 gather_module = importlib.import_module("kernels.gather_blocks")
 
@@ -36,10 +35,8 @@ def as_bytes(codes: torch.Tensor) -> torch.Tensor:
 def backend(name: str):
     """``triton`` (this machine's tiles), ``gpu-tiles`` (a GPU's tile geometry, several
     programs per row, so only some copy the scales) or ``torch`` (the plain-PyTorch path)."""
-    with pytest.MonkeyPatch.context() as patch:
-        if name == "gpu-tiles":
-            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
-        elif name == "torch":
+    with copy_tiling(name == "gpu-tiles"), pytest.MonkeyPatch.context() as patch:
+        if name == "torch":
             patch.setattr(gather_module, "use_torch_path", lambda tensor: True)
         yield
 

@@ -16,10 +16,9 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels import _copy_tiles
 from kernels.quantize import QMAX
 from reference.quantize import nearest_code_error, quantize
-from tests.helpers import DEVICE, ON_GPU
+from tests.helpers import DEVICE, ON_GPU, copy_tiling
 
 write_module = importlib.import_module("kernels.write_slots")
 
@@ -39,10 +38,8 @@ def as_bytes(codes: torch.Tensor) -> torch.Tensor:
 def backend(name: str):
     """``triton``: the Triton kernel (the interpreter on a CPU), with this machine's tiles;
     ``gpu-tiles``: the kernel with a GPU's tile geometry; ``torch``: the plain-PyTorch path."""
-    with pytest.MonkeyPatch.context() as patch:
-        if name == "gpu-tiles":
-            patch.setattr(_copy_tiles, "interpreter_active", lambda: False)
-        elif name == "torch":
+    with copy_tiling(name == "gpu-tiles"), pytest.MonkeyPatch.context() as patch:
+        if name == "torch":
             patch.setattr(write_module, "use_torch_path", lambda tensor: True)
         yield
 

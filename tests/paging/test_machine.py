@@ -2,10 +2,11 @@
 
 Every forward is checked slot by slot against the window oracle and the slot ledger (see
 ``rollout.py``); a shadow cache without compaction runs the same steps and must keep the same
-model positions resident. A twin pair of caches (``twin.py``: one staging, one not) runs real
-``ForwardCall`` forwards, batched over several branches and sessions or single-row, among
-plans prepared and dropped, cancelled, re-prepared after cancel, and forwards abandoned part
-way; every output of the staged cache must equal the unstaged one bit for bit. Its kernels take
+model positions resident. A twin pair of caches (``twin.py``: one staging, one not; float,
+e4m3 or int8 pools, drawn per example) runs real ``ForwardCall`` forwards, batched over several
+branches and sessions or single-row, among plans prepared and dropped, cancelled, re-prepared
+after cancel, and forwards abandoned part way; every output of the staged cache must equal the
+unstaged one bit for bit. Its kernels take
 the plain-PyTorch path so each step stays cheap (the kernels are checked elsewhere); the plan
 rules launch nothing. Runs ``9 x`` the loaded profile's ``max_examples`` (>= 500 under
 ``--hypothesis-profile=ci``).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -33,7 +35,7 @@ from tests.paging.twin import Twin, plain_torch_kernels
 
 
 @st.composite
-def setups(draw) -> tuple[PagingConfig, tuple[str, ...], int]:
+def setups(draw) -> tuple[PagingConfig, tuple[str, ...], int, torch.dtype | None]:
     block_size = draw(st.integers(1, 64))
     window_chunks = draw(st.integers(1, 4))
     # Chunks of whole blocks are drawn often too: only they let history staging be reused.
@@ -50,13 +52,15 @@ def setups(draw) -> tuple[PagingConfig, tuple[str, ...], int]:
         exact_window=draw(st.booleans()),
     )
     branches = draw(st.sampled_from([("main",), ("positive", "negative")]))
-    return config, branches, draw(st.integers(1, 2))
+    # The twin's pools: float, or codes and scales (the same number of examples either way).
+    kv_dtype = draw(st.sampled_from([None, torch.float8_e4m3fn, torch.int8]))
+    return config, branches, draw(st.integers(1, 2)), kv_dtype
 
 
 class PagingMachine(RuleBasedStateMachine):
     @initialize(setup=setups())
     def build(self, setup) -> None:
-        config, branches, capacity = setup
+        config, branches, capacity, kv_dtype = setup
         self.config, self.branches, self.capacity = config, branches, capacity
         # Attention end to end on small forwards only (one through the kernel); the slot-by-slot
         # checks run on every forward.
@@ -71,7 +75,11 @@ class PagingMachine(RuleBasedStateMachine):
         self.shadow = Rollout(
             shadow_config, branches=branches, session_capacity=capacity, attention_limit=0
         )
-        self.twin = Twin(config, branches=branches, session_capacity=capacity)
+        self.twin = Twin(
+            dataclasses.replace(config, kv_dtype=kv_dtype),
+            branches=branches,
+            session_capacity=capacity,
+        )
         self.sessions: list[tuple] = []
         self.pending: dict[tuple[int, str], tuple] = {}
         # Twin rows (session index, branch) whose committing plans were prepared and dropped.

@@ -197,6 +197,7 @@ def test_unsmoothed_cache_has_no_means() -> None:
     config = dataclasses.replace(CONFIG, kv_dtype=torch.int8, smooth_keys=False)
     rollout = QuantizedRollout(config)
     assert rollout.cache.k_means.numel() == 0 and rollout.cache.k_means_chosen.numel() == 0
+    assert rollout.cache.layer(0).k_mean is None
     session = rollout.cache.open_session()
     for _ in range(3):
         rollout.forward([(session, "main")], commit=True)
@@ -215,10 +216,15 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
     assert [t.data_ptr() for t in tensors[:4]] == [
         t.data_ptr() for t in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v)
     ]
+    layer = cache.layer(1)
     if dtype is None:
         assert cache.k_pools.dtype == cache.stage_k.dtype == torch.float32
         assert all(t.numel() == 0 for t in tensors[4:])
+        assert layer.k_scale is layer.v_scale is layer.k_mean is None
         return
+    for name, whole in (("k_scale", "k_scales"), ("v_scale", "v_scales"), ("k_mean", "k_means")):
+        view, stacked = getattr(layer, name), getattr(cache, whole)
+        assert view.data_ptr() == stacked[1].data_ptr() and view.shape == stacked.shape[1:]
     assert cache.k_pools.dtype == cache.v_pools.dtype == cache.stage_k.dtype == dtype
     for name, shape, scale_dtype in (
         ("k_scales", pool[:-1], torch.float32),

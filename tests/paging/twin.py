@@ -30,6 +30,21 @@ def plain_torch_kernels() -> Iterator[None]:
         yield
 
 
+def poison(cache: PagedKVCache) -> None:
+    """NaN in the pools and staging buffers; quantized ones: NaN scales and NaN codes (e4m3)
+    or int8's never-written -128."""
+    codes = (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v)
+    if not cache.quantized:
+        for buffer in codes:
+            buffer.fill_(float("nan"))
+        return
+    nan_code = 0x7F if cache.k_pools.dtype == torch.float8_e4m3fn else -128
+    for buffer in codes:
+        buffer.view(torch.int8).fill_(nan_code)
+    for buffer in (cache.k_scales, cache.v_scales, cache.stage_k_scales, cache.stage_v_scales):
+        buffer.fill_(float("nan"))
+
+
 class Twin:
     """A staged and an unstaged ``PagedKVCache`` of one geometry, stepped together."""
 
@@ -59,8 +74,7 @@ class Twin:
             for staged in (True, False)
         )
         for cache in self.caches:
-            for buffer in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v):
-                buffer.fill_(float("nan"))
+            poison(cache)
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.scale = head_dim**-0.5
         self.generator = torch.Generator().manual_seed(seed)
