@@ -254,7 +254,9 @@ class PagedWanRollout:
     processors back; also a context manager). ``config.chunk_size`` must be the tokens of one
     latent frame after patching (``(height / 2) * (width / 2)`` for Wan's patch), and
     ``config.max_forward_chunks`` at least the frames per block. ``guidance=True`` keeps two
-    KV branches (positive and negative text), run as one batch; ``False`` one branch.
+    KV branches (positive and negative text), run as one batch; ``False`` one branch. A
+    quantized ``config.kv_dtype`` (``float8_e4m3fn``, ``int8``) needs nothing more: the cache
+    holds codes, scales and K means, and the fused op writes and attends over them.
 
     ``models.parallel.ParallelWanRollout`` overrides the ``_local_*``, ``_guide`` and
     ``_before_model`` hooks to shard the heads (Ulysses) or the CFG branches over ranks.
