@@ -39,12 +39,14 @@ def run_both(
     seed=0,
     kv_dtype=None,
     smooth_keys=True,
+    fp8_mma=False,
+    blocks=BLOCKS,
     extra=None,
 ):
     """The paged and the dense rollout of one configuration. With a dict ``extra``, quantized
     runs also store the paged rollout's ``cache`` and the ``unquantized`` dense rollout there."""
     model = tiny_wan(seed)
-    inputs = rollout_inputs(frames, blocks=BLOCKS, action_tokens=max(1, action_tokens), seed=seed)
+    inputs = rollout_inputs(frames, blocks=blocks, action_tokens=max(1, action_tokens), seed=seed)
     actions = inputs.actions if action_tokens else None
     negative = inputs.negative if guidance else None
     config = PagingConfig(
@@ -59,6 +61,7 @@ def run_both(
         exact_window=exact,
         kv_dtype=kv_dtype,
         smooth_keys=smooth_keys,
+        fp8_mma=fp8_mma,
     )
     common = dict(frames_per_block=frames, sigmas=sigmas, guidance_scale=GUIDANCE, actions=actions)
     with PagedWanRollout(model, config, guidance=guidance) as rollout:
