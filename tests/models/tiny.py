@@ -79,7 +79,7 @@ def assert_close_to_quantized_oracle(
     by up to ~5e-4. The reference does the same to itself with float32 instead of float64
     attention. So the check is relative to the quantization's own effect on the latents: the
     mean difference from the oracle at most 10% of the oracle's mean difference from the
-    unquantized rollout (measured: 0.2% to 2.1%; the same pools quantized another way, e.g. no
+    unquantized rollout (measured: 0.1% to 2.1%; the same pools quantized another way, e.g. no
     K smoothing, give ~90%), and the largest difference below the quantization's largest.
     """
     assert not torch.isnan(got).any(), f"{msg}: NaN latents"
