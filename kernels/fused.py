@@ -34,6 +34,7 @@ Why the odd-looking choices:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, get_type_hints
 
 import torch
@@ -94,8 +95,7 @@ class PoolTensors(NamedTuple):
             dtype = torch.bool if name == "k_means_chosen" else SCALE_DTYPE
             return k_pools.new_empty(0, dtype=dtype)
 
-        rest = [quantized.get(name) for name in cls._fields[4:]]
-        rest = [empty(n) if t is None else t for n, t in zip(cls._fields[4:], rest, strict=True)]
+        rest = [quantized[name] if name in quantized else empty(name) for name in cls._fields[4:]]
         return cls(k_pools, v_pools, stage_k, stage_v, *rest)
 
 
@@ -331,9 +331,8 @@ def _check_inputs(
         key_gap=inputs.key_gap,
     )
     _checks.check_softmax_scale(inputs.softmax_scale)
-    scales = {}
-    if quantized:
-        scales = {"k_scale": pools.k_scales[layer_index], "v_scale": pools.v_scales[layer_index]}
+    k_scale = pools.k_scales[layer_index] if quantized else None
+    v_scale = pools.v_scales[layer_index] if quantized else None
     check_attention_arguments(
         query,
         k_pools[layer_index],
@@ -346,7 +345,8 @@ def _check_inputs(
         None,
         inputs.key_gap,
         False,
-        **scales,
+        k_scale,
+        v_scale,
         fp8_mma=inputs.fp8_mma,
     )
     if first_block >= 0:
@@ -376,61 +376,63 @@ def _write_attend_impl(*args: object) -> Tensor:
     # Until this layer's restage is done, nothing in its staging buffers is vouched for.
     stage_tags[layer_index] = NOTHING_STAGED
     k_cache, v_cache = pools.k_pools[layer_index], pools.v_pools[layer_index]
-    quantized = is_quantized(k_cache.dtype)
-    # Keyword arguments of the kernels: empty for float pools, whose kernels take no scales.
-    read_scales: dict[str, Tensor] = {}  # gather_blocks / paged_attention over the pools
-    write_extra: dict[str, Tensor] = {}  # write_slots
+    # Scales and the K mean: None for float pools (and no mean without smoothing).
+    k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = None
+    if is_quantized(k_cache.dtype):
+        k_scale, v_scale = pools.k_scales[layer_index], pools.v_scales[layer_index]
+        stage_k_scale = pools.stage_k_scales[layer_index] if first_block >= 0 else None
+        stage_v_scale = pools.stage_v_scales[layer_index] if first_block >= 0 else None
+        if smoothed:
+            k_smooth = pools.k_means[layer_index]
+            if key.shape[0]:  # a shape, not a value: no sync
+                _choose_mean(k_smooth, pools.k_means_chosen[layer_index], key)
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    for k, v, slots in (
+        (key, value, inputs.video_slots),
+        (action_key, action_value, inputs.action_slots),
+    ):
+        write_slots(
+            k,
+            v,
+            k_flat,
+            v_flat,
+            slots,
+            k_scale=_apply(k_scale, Tensor.flatten, 0, 1),
+            v_scale=_apply(v_scale, Tensor.flatten, 0, 1),
+            k_smooth=k_smooth,
+            check_values=False,
+        )
     attend = {
         "max_seqlen_q": inputs.max_seqlen_q,
         "softmax_scale": inputs.softmax_scale,
         "key_gap": inputs.key_gap,
+        "fp8_mma": inputs.fp8_mma,
         "check_values": False,
     }
-    if quantized:
-        k_scale, v_scale = pools.k_scales[layer_index], pools.v_scales[layer_index]
-        read_scales = {"k_scale": k_scale, "v_scale": v_scale}
-        write_extra = {"k_scale": k_scale.flatten(0, 1), "v_scale": v_scale.flatten(0, 1)}
-        attend["fp8_mma"] = inputs.fp8_mma
-        if smoothed:
-            means = pools.k_means[layer_index]
-            if key.shape[0]:  # a shape, not a value: no sync
-                _choose_mean(means, pools.k_means_chosen[layer_index], key)
-            write_extra["k_smooth"] = means
-    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    write_slots(key, value, k_flat, v_flat, inputs.video_slots, **write_extra, check_values=False)
-    write_slots(
-        action_key,
-        action_value,
-        k_flat,
-        v_flat,
-        inputs.action_slots,
-        **write_extra,
-        check_values=False,
-    )
     table, cu_seqlens_q, seq_lens_k = inputs.block_table, inputs.cu_seqlens_q, inputs.seq_lens_k
     if first_block < 0:
         return paged_attention(
-            query, k_cache, v_cache, table, cu_seqlens_q, seq_lens_k, **read_scales, **attend
+            query,
+            k_cache,
+            v_cache,
+            table,
+            cu_seqlens_q,
+            seq_lens_k,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **attend,
         )
     layer_k, layer_v = pools.stage_k[layer_index], pools.stage_v[layer_index]
-    stage_extra: dict[str, Tensor] = {}  # gather_blocks' stage scales
-    staged_scales: dict[str, Tensor] = {}  # paged_attention over the staged run
-    if quantized:
-        stage_k_scale = pools.stage_k_scales[layer_index]
-        stage_v_scale = pools.stage_v_scales[layer_index]
-        stage_extra = {"stage_k_scale": stage_k_scale, "stage_v_scale": stage_v_scale}
-        staged_scales = {
-            "k_scale": stage_k_scale.unsqueeze(0),
-            "v_scale": stage_v_scale.unsqueeze(0),
-        }
     gather_blocks(
         k_cache,
         v_cache,
         table[0],
         layer_k,
         layer_v,
-        **read_scales,
-        **stage_extra,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        stage_k_scale=stage_k_scale,
+        stage_v_scale=stage_v_scale,
         first_block=first_block if kept else 0,
         check_values=False,
     )
@@ -444,9 +446,15 @@ def _write_attend_impl(*args: object) -> Tensor:
         single_block,
         cu_seqlens_q,
         seq_lens_k,
-        **staged_scales,
+        k_scale=_apply(stage_k_scale, Tensor.unsqueeze, 0),
+        v_scale=_apply(stage_v_scale, Tensor.unsqueeze, 0),
         **attend,
     )
+
+
+def _apply(tensor: Tensor | None, method: Callable[..., Tensor], *args: int) -> Tensor | None:
+    """``method(tensor, *args)``, or None for None (a float pool's missing scale)."""
+    return None if tensor is None else method(tensor, *args)
 
 
 def _register() -> object:

@@ -114,19 +114,22 @@ def _tile_rows(
 
 
 @triton.jit
-def _round_e4m3(x):
-    """Float32 ``x`` rounded to the nearest e4m3 code (ties to even), saturating at +-448.
+def _to_e4m3(x, EXPLICIT_ROUNDING: tl.constexpr):
+    """Float32 ``x`` as the nearest e4m3 code (ties to even), saturating at +-448.
 
-    Explicit, since the interpreter's float32 -> float8e4nv conversion rounds wrongly when the
-    rounding carries into the next binade: adding and subtracting ``1.5 * 2**(k + 23)`` rounds
-    to a multiple of ``2**k``, the code step of x's binade (``2**(e - 3)``, subnormals
-    ``2**-9``). The result converts exactly.
+    On a GPU the conversion is one ``cvt.rn.satfinite`` per pair. The interpreter's conversion
+    rounds wrongly when rounding carries into the next binade (31.2 -> 16), so there
+    (``EXPLICIT_ROUNDING``) x is first rounded in float32: adding and subtracting
+    ``1.5 * 2**(k + 23)`` rounds to a multiple of ``2**k``, the code step of x's binade
+    (``2**(e - 3)``, subnormals ``2**-9``), and the result converts exactly.
     """
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step = tl.maximum(exponent, -6) - 3
-    magic = ((step + 23 + 127) << 23 | 0x400000).to(tl.float32, bitcast=True)
-    return (x + magic) - magic
+    if EXPLICIT_ROUNDING:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.maximum(exponent, -6) - 3
+        magic = ((step + 23 + 127) << 23 | 0x400000).to(tl.float32, bitcast=True)
+        x = (x + magic) - magic
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -134,6 +137,7 @@ def _attend_tiles(
     acc,
     row_max,
     row_sum,
+    acc_scale,
     q,
     k_head_ptr,
     v_head_ptr,
@@ -169,6 +173,7 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
     at ``tiles_start + (j - 1) * BLOCK_N``.
@@ -297,17 +302,20 @@ def _attend_tiles(
             # max(v_col) > 0 unless the tile's V rows are all zero (then so is the product).
             v_max = tl.max(v_col, axis=0)
             v_max = tl.where(v_max > 0.0, v_max, 1.0)
-            p_codes = _round_e4m3(probs * (v_col * (448.0 / v_max))[None, :])
-            pv = tl.dot(p_codes.to(tl.float8e4nv), v) * (v_max / 448.0)
-        elif QUANTIZED:
-            probs = probs * v_col[None, :]
-            pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+            p_codes = _to_e4m3(probs * (v_col * (448.0 / v_max))[None, :], EXPLICIT_ROUNDING)
+            # acc holds the output in units of acc_scale: this tile's unit folds into the
+            # rescale, so the MMA accumulates in place (no multiply per output element).
+            tile_scale = v_max / 448.0
+            acc = acc * (rescale * (acc_scale / tile_scale))[:, None] + tl.dot(p_codes, v)
+            acc_scale = tile_scale
         else:
+            if QUANTIZED:
+                probs = probs * v_col[None, :]
             pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * rescale[:, None] + pv
+            acc = acc * rescale[:, None] + pv
         row_max = new_max
         id0, id1, ids = next_id0, next_id1, next_ids
-    return acc, row_max, row_sum
+    return acc, row_max, row_sum, acc_scale
 
 
 @triton.jit
@@ -315,6 +323,7 @@ def _attend_run(
     acc,
     row_max,
     row_sum,
+    acc_scale,
     q,
     k_head_ptr,
     v_head_ptr,
@@ -347,6 +356,7 @@ def _attend_run(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
@@ -355,10 +365,11 @@ def _attend_run(
     tiles_end = tl.cdiv(run_hi, BLOCK_N) * BLOCK_N
     full_lo = tl.cdiv(run_lo, BLOCK_N) * BLOCK_N
     full_hi = tl.maximum(full_lo, tl.minimum(run_hi, full_end) // BLOCK_N * BLOCK_N)
-    acc, row_max, row_sum = _attend_tiles(
+    acc, row_max, row_sum, acc_scale = _attend_tiles(
         acc,
         row_max,
         row_sum,
+        acc_scale,
         q,
         k_head_ptr,
         v_head_ptr,
@@ -394,6 +405,7 @@ def _attend_run(
         DOT_PRECISION,
         QUANTIZED,
         FP8_MMA,
+        EXPLICIT_ROUNDING,
     )
     # Masked: the head tile when the run starts mid-tile (and it is not also the tail), then
     # the tail from the unmasked tiles' end.
@@ -407,10 +419,11 @@ def _attend_run(
         first_tile = tail_start
         num_masked = tail_tiles
         tail_start = tail_start + BLOCK_N
-    acc, row_max, row_sum = _attend_tiles(
+    acc, row_max, row_sum, acc_scale = _attend_tiles(
         acc,
         row_max,
         row_sum,
+        acc_scale,
         q,
         k_head_ptr,
         v_head_ptr,
@@ -446,8 +459,9 @@ def _attend_run(
         DOT_PRECISION,
         QUANTIZED,
         FP8_MMA,
+        EXPLICIT_ROUNDING,
     )
-    return acc, row_max, row_sum
+    return acc, row_max, row_sum, acc_scale
 
 
 @triton.heuristics(
@@ -510,6 +524,7 @@ def _paged_attention_kernel(
     GAPS: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -544,7 +559,7 @@ def _paged_attention_kernel(
         # Each row as e4m3 codes and a scale (amax / 448), folded into the softmax scale.
         q = q.to(tl.float32)
         q_scale = tl.max(tl.abs(q), axis=1) / 448.0
-        q = _round_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None]).to(tl.float8e4nv)
+        q = _to_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None], EXPLICIT_ROUNDING)
         scale_log2 = q_scale * scale_log2
     elif UPCAST:
         q = q.to(tl.float32)
@@ -564,6 +579,7 @@ def _paged_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_scale = 1.0  # FP8_MMA: acc is the output in units of acc_scale
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_row
     k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_v_head
@@ -589,10 +605,11 @@ def _paged_attention_kernel(
             ahead = gap_hi > run_lo
             run_hi = tl.min(tl.where(ahead, tl.maximum(gap_lo, run_lo), keys_end), axis=0)
             run_hi = tl.minimum(run_hi, keys_end)
-            acc, row_max, row_sum = _attend_run(
+            acc, row_max, row_sum, acc_scale = _attend_run(
                 acc,
                 row_max,
                 row_sum,
+                acc_scale,
                 q,
                 k_head_ptr,
                 v_head_ptr,
@@ -625,6 +642,7 @@ def _paged_attention_kernel(
                 DOT_PRECISION,
                 QUANTIZED,
                 FP8_MMA,
+                EXPLICIT_ROUNDING,
             )
             # Skip the union of the gaps that cover run_hi.
             for _ in tl.static_range(GAPS):
@@ -632,10 +650,11 @@ def _paged_attention_kernel(
                 run_hi = tl.max(tl.where(covering, gap_hi, run_hi), axis=0)
             run_lo = run_hi
     else:
-        acc, row_max, row_sum = _attend_run(
+        acc, row_max, row_sum, acc_scale = _attend_run(
             acc,
             row_max,
             row_sum,
+            acc_scale,
             q,
             k_head_ptr,
             v_head_ptr,
@@ -668,8 +687,11 @@ def _paged_attention_kernel(
             DOT_PRECISION,
             QUANTIZED,
             FP8_MMA,
+            EXPLICIT_ROUNDING,
         )
 
+    if FP8_MMA:
+        acc = acc * acc_scale
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(
@@ -714,12 +736,16 @@ def choose_tiles(
     block_m: int | None = None,
     block_n: int | None = None,
     heads_per_kv_head: int = 1,
+    dequantize: bool = False,
 ) -> dict[str, int | str]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
     A tile's M rows are (query, head) pairs of one KV head, so ``heads_per_kv_head`` times the
     queries. Under the interpreter every program is a batch of numpy ops, so big tiles are much
     faster. On a GPU the settings come from a small table per (head_dim, dtype).
+    ``dequantize``: K/V codes converted to ``dtype`` before the MMAs. Triton's pipeliner then
+    keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
+    stage keeps as many K/V tiles in flight (checked by ``python -m bench compile``).
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -734,6 +760,7 @@ def choose_tiles(
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
         if short_q < default_m:
             default_m, warps = short_q, 4
+        stages += dequantize
     tile_m = block_m or default_m
     tile_n = block_n or default_n
     return {
@@ -973,6 +1000,7 @@ def paged_attention(
         block_m=block_m,
         block_n=block_n,
         heads_per_kv_head=group,
+        dequantize=k_scale is not None and not fp8_mma,
     )
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
@@ -1033,6 +1061,7 @@ def paged_attention(
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         FP8_MMA=fp8_mma,
+        EXPLICIT_ROUNDING=interpreter_active(),
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **tiles,

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 import kernels
 import reference
 from kernels import _runtime
-from kernels.paged_attention import kv_path
+from kernels.paged_attention import _to_e4m3, kv_path
+from reference.attention import attention_mask, gather_sequence
 from reference.quantize import quantize
 from tests.helpers import DEVICE, nan_like
 from tests.kernels.paged_case import PagedCase, make_paged_case
@@ -31,12 +34,12 @@ FP32_ATOL = 2e-5
 
 
 def quantize_case(
-    case: PagedCase, dtype: torch.dtype, seed: int = 0
+    case: PagedCase, dtype: torch.dtype, seed: int = 0, spread: float = 3.0
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(k_codes, v_codes, k_scale, v_scale)`` of the case's pools; unwritten slots poisoned.
 
-    Scales are multiplied by random factors in [1/8, 8] after quantizing (the oracle reads the
-    same codes and scales), so the K and V scale columns differ from key to key.
+    Scales are multiplied by random factors in [2**-spread, 2**spread] after quantizing (the
+    oracle reads the same codes and scales), so the K and V scale columns differ from key to key.
     """
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -44,7 +47,9 @@ def quantize_case(
         cache = cache.cpu()
         written = ~torch.isnan(cache[..., 0])
         codes, scale = quantize(cache.nan_to_num(0.0), dtype)
-        scale = scale * torch.exp2(torch.empty(scale.shape).uniform_(-3, 3, generator=gen))
+        scale = scale * torch.exp2(
+            torch.empty(scale.shape).uniform_(-spread, spread, generator=gen)
+        )
         poison = 0x7F if dtype == torch.float8_e4m3fn else -128  # e4m3 NaN; int8 never written
         codes.view(torch.int8)[~written] = poison
         scale[~written] = float("nan")
@@ -53,8 +58,10 @@ def quantize_case(
     return k_codes, v_codes, k_scale, v_scale
 
 
-def quantized_args(case: PagedCase, dtype: torch.dtype, seed: int = 0) -> tuple[tuple, dict]:
-    k_codes, v_codes, k_scale, v_scale = quantize_case(case, dtype, seed)
+def quantized_args(
+    case: PagedCase, dtype: torch.dtype, seed: int = 0, spread: float = 3.0
+) -> tuple[tuple, dict]:
+    k_codes, v_codes, k_scale, v_scale = quantize_case(case, dtype, seed, spread)
     args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
     return args, {"k_scale": k_scale, "v_scale": v_scale, "max_seqlen_q": case.max_seqlen_q}
 
@@ -263,3 +270,142 @@ def test_fp8_mma_needs_e4m3() -> None:
     args, scales = quantized_args(case, torch.int8)
     with pytest.raises(ValueError, match="fp8_mma needs float8_e4m3fn"):
         kernels.paged_attention(*args, **scales, fp8_mma=True)
+
+
+# ---------------------------------------------------------------- fp8_mma: FP8 MMAs, e4m3 q and P
+
+
+def _e4m3(x: Tensor) -> Tensor:
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float64)
+
+
+def emulate_fp8_mma(args: tuple, scales: dict, *, causal: bool = False, **kwargs) -> Tensor:
+    """The oracle with the fp8_mma mode's two roundings, in float64: each query row to e4m3
+    codes (scale amax / 448), and the probabilities times the V scales, normalised by the
+    sequence's largest V scale times 448, to e4m3 (the kernel normalises per key tile)."""
+    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k = args
+    q64 = q.cpu().to(torch.float64)
+    q_scale = q64.abs().amax(dim=-1, keepdim=True) / 448.0
+    q64 = _e4m3(q64 / torch.where(q_scale > 0, q_scale, 1.0)) * q_scale
+    group = q.shape[1] // k_cache.shape[2]
+    scale = 1.0 / q.shape[2] ** 0.5
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts = cu_seqlens_q.tolist()
+    for i, k_len in enumerate(seq_lens_k.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo or k_len == 0:
+            continue
+        k_codes, k_scale, v_codes, v_scale = (
+            gather_sequence(pool.cpu(), block_table[i].cpu(), k_len)
+            .to(torch.float64)
+            .repeat_interleave(group, dim=1)
+            .transpose(0, 1)
+            for pool in (k_cache, scales["k_scale"], v_cache, scales["v_scale"])
+        )
+        keys = k_codes * k_scale[..., None]
+        mask = attention_mask(
+            hi - lo,
+            k_len,
+            causal=causal,
+            key_limits=None if kwargs.get("key_limits") is None else kwargs["key_limits"][lo:hi],
+            key_gap=None if kwargs.get("key_gap") is None else kwargs["key_gap"][i].tolist(),
+        )
+        scores = q64[lo:hi].transpose(0, 1) @ keys.transpose(1, 2) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+        probs = torch.exp(scores - row_max)
+        unit = v_scale.amax(dim=-1, keepdim=True)[:, None] / 448.0
+        rounded = _e4m3(probs * (v_scale[:, None, :] / unit)) * unit
+        row_sum = probs.sum(dim=-1, keepdim=True)
+        out[lo:hi] = ((rounded @ v_codes) / torch.where(row_sum > 0, row_sum, 1.0)).transpose(0, 1)
+    return out
+
+
+# The FP8 mode cannot match the oracle to float32 accuracy: e4m3 keeps 3 mantissa bits, so each
+# query element and each (V-scaled) probability carries up to 2**-4 relative rounding error. Its
+# tolerance is the error of the float64 emulation of those two roundings against the oracle,
+# times a margin: the kernel rounds P per key tile, after a running (not the final) row max, so
+# its rounding errors differ element by element but not in size.
+FP8_MMA_MARGIN = 2.0
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [
+        pytest.param(16, 16, id="contiguous-B16-N16"),
+        pytest.param(24, 16, id="two_blocks-B24-N16"),
+        pytest.param(7, 16, id="rows-B7-N16"),
+        pytest.param(1560, 64, id="two_blocks-B1560-N64"),
+    ],
+)
+def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
+    case = make_paged_case(
+        q_lens=[21, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=80,
+        device=DEVICE,
+    )
+    key_limits = torch.arange(24, dtype=torch.int32) % 7 + k_len - 6
+    key_gap = torch.tensor([[[block_n + 3, 3 * block_n + 1]], [[1, 2]]], dtype=torch.int32)
+    kwargs = dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
+    # Scales spread over one octave: logits of order 1, as in a model (wider spreads make the
+    # softmax so sharp that e4m3's rounding of q moves whole probabilities).
+    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
+    want = oracle(args, scales, **kwargs)
+    limit = FP8_MMA_MARGIN * (emulate_fp8_mma(args, scales, **kwargs) - want.cpu()).abs().max()
+    errors = {}
+    for fp8_mma in (False, True):
+        got = kernels.paged_attention(
+            *args,
+            **scales,
+            **kwargs,
+            out=nan_like(case.q),
+            fp8_mma=fp8_mma,
+            block_m=16,
+            block_n=block_n,
+        )
+        assert not torch.isnan(got).any()
+        errors[fp8_mma] = (got.double() - want).abs().max().item()
+    assert errors[True] <= limit.item(), f"fp8_mma error {errors[True]:.3e} > {limit:.3e}"
+    # Reading the same codes, the dequantizing mode is far closer to the oracle.
+    assert errors[False] <= FP32_ATOL * max(1.0, want.abs().max().item())
+    assert 100 * errors[False] < errors[True], errors
+
+
+def test_fp8_mma_torch_path(no_interpreter) -> None:
+    case = make_paged_case(q_lens=[5, 12], k_lens=[30, 12], block_size=7, head_dim=80)
+    key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
+    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    got = kernels.paged_attention(*args, **scales, key_gap=key_gap, fp8_mma=True)
+    want = oracle(args, scales, key_gap=key_gap)
+    emulated = emulate_fp8_mma(args, scales, key_gap=key_gap)
+    # The torch path rounds as the emulation does (one tile): float32 apart.
+    torch.testing.assert_close(got.double(), emulated, atol=FP32_ATOL, rtol=0)
+    assert (got.double() - want).abs().max() > 10 * FP32_ATOL  # the roundings are there
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, N: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
+    offs = tl.arange(0, N)
+    codes = _to_e4m3(tl.load(x_ptr + offs), EXPLICIT_ROUNDING)
+    tl.store(out_ptr + offs, codes.to(tl.float32))
+
+
+def test_e4m3_rounding_is_nearest_even() -> None:
+    # Carries into the next binade (31.2 -> 32), ties (17 -> 16, 19 -> 20), subnormals
+    # (steps of 2**-9), saturation, zero and signs; plus random values over the whole range.
+    special = [31.2, 17.0, 19.0, 2.0**-9 * 2.5, 2.0**-9 * 3.5, 2.0**-7 * 0.3, 448.0, 460.0]
+    special += [1e6, 0.0, -31.2, -1e6, 240.0 + 7.99, 2.0**-6 * 1.0625]
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(256 - len(special), generator=gen) * torch.exp2(
+        torch.randint(-12, 9, (256 - len(special),), generator=gen).float()
+    )
+    x = torch.cat([torch.tensor(special), spread]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, N=256, EXPLICIT_ROUNDING=_runtime.interpreter_active())
+    want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    assert torch.equal(out, want), (x[out != want], out[out != want], want[out != want])
