@@ -18,6 +18,12 @@ program sees whole run in an unmasked loop; only tiles touching ``seq_lens_k``, 
 skipped. Query heads sharing a KV head are packed into the M dimension, so each K/V tile is
 loaded once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA),
 output in ``q``'s dtype.
+
+Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head, DESIGN section 9)
+load their code tiles and scales like the 16-bit tiles; by default the codes convert exactly to
+q's compute dtype and the scales multiply score and probability columns. ``fp8_mma`` runs both
+products as FP8 MMAs instead. The unquantized kernel is compiled without any of it (the scale
+pointer's absence is a compile-time flag).
 """
 
 from __future__ import annotations
@@ -958,8 +964,9 @@ def paged_attention(
 
     Quantized caches (``float8_e4m3fn`` or ``int8`` codes, DESIGN section 9) need ``k_scale``
     and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
-    as ``codes * scale``. By default the codes convert exactly to q's compute dtype, the K scale
-    multiplies the score columns and the V scale the probability columns before the PV product.
+    as ``codes * scale`` (scales >= 0, as ``write_slots`` writes them). By default the codes
+    convert exactly to q's compute dtype, the K scale multiplies the score columns and the V
+    scale the probability columns before the PV product.
     ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities to
     e4m3 and runs both products as FP8 MMAs with float32 accumulation.
     """

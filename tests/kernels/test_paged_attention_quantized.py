@@ -125,6 +125,36 @@ def test_table_orders(dtype: torch.dtype, table_order: str) -> None:
     run_and_compare(case, dtype)
 
 
+@pytest.mark.parametrize("block_n", [16, 64], ids=lambda n: f"N{n}")
+def test_strided_scale_pools(block_n: int) -> None:
+    # Scale pools stored head-major, K's and V's with different strides: the kernel must use
+    # each scale pool's own strides (two_blocks at N16, rows at N64).
+    case = make_paged_case(q_lens=[9, 4], k_lens=[70, 17], block_size=24, device=DEVICE)
+    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    k_scale = scales["k_scale"].transpose(1, 2).contiguous().transpose(1, 2)
+    v_scale = scales["v_scale"].permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    assert k_scale.stride() != v_scale.stride() != scales["v_scale"].stride()
+    strided = {**scales, "k_scale": k_scale, "v_scale": v_scale}
+    got = kernels.paged_attention(
+        *args, **strided, out=nan_like(case.q), block_m=16, block_n=block_n
+    )
+    want = oracle(args, scales)
+    assert (got.double() - want).abs().max() <= FP32_ATOL * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_fp16_queries(dtype: torch.dtype) -> None:
+    # Output in q's dtype; on a GPU the codes convert to fp16 for fp16 MMAs.
+    case = make_paged_case(q_lens=[9, 4], k_lens=[50, 17], block_size=24, device=DEVICE)
+    args, scales = quantized_args(case, dtype)
+    q = case.q.half()
+    got = kernels.paged_attention(q, *args[1:], **scales, out=nan_like(q))
+    want = oracle((q, *args[1:]), scales)
+    assert got.dtype == torch.float16
+    error = (got.double() - want).abs().max().item()
+    assert error <= 1e-3 * max(1.0, want.abs().max().item()), error
+
+
 # (block_size, block_n) of each key path with small tiles: many tiles, so the unmasked loop, the
 # masked head and tail and the prefetch past the last tile all run.
 PATHS = [
