@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from reference.wan_rollout import reference_rollout
 from tests.models.test_wan_rollout import BLOCKS, CFG, run_both
-from tests.models.tiny import ATOL, assert_close_to_quantized_oracle
+from tests.models.tiny import ATOL, assert_close_to_quantized_oracle, rollout_inputs, tiny_wan
 
 QUANTIZED = [torch.float8_e4m3fn, torch.int8]
 # The quantized rollout against the unquantized reference (same model and inputs), measured on
@@ -108,3 +109,17 @@ def test_fp8_mma_rollout_runs_and_stays_near():
     assert diff.max().item() <= 1.5e-2 and diff.mean().item() <= 2.5e-3, diff.max().item()
     # Not the dequantizing mode's result: the switch reached the kernel.
     assert (paged.latents - dense.latents).abs().max().item() > 10 * ATOL
+
+
+def test_reference_refuses_an_unknown_kv_dtype():
+    inputs = rollout_inputs(1, blocks=1)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        reference_rollout(
+            tiny_wan(),
+            inputs.noise,
+            inputs.prompt,
+            frames_per_block=1,
+            sink_frames=1,
+            window_frames=2,
+            kv_dtype=torch.float16,
+        )

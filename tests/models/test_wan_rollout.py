@@ -247,3 +247,16 @@ def test_bad_input_names_the_argument_and_changes_nothing():
         PagedWanRollout(model, object())
     rollout.close()
     assert type(model.blocks[1].attn1.processor).__name__ == "WanAttnProcessor"
+
+
+def test_projection_step_refuses_rotary_tables_of_other_tokens():
+    # project() is the step a parallel processor keeps: its rotary tables must match the
+    # tokens it was given (a Ulysses rank gets its shard of both), else a ValueError.
+    model = tiny_wan()
+    processor = wan_paged.PagedWanAttnProcessor(wan_paged.ForwardState(), 0)
+    hidden = torch.randn(1, 24, 64)
+    cos, sin = model.rope(torch.empty(1, 1, 2, 8, 12, device="meta"))  # 48 tokens' tables
+    with pytest.raises(ValueError, match="rotary_emb"):
+        processor.project(model.blocks[0].attn1, hidden, (cos, sin))
+    query, key, value = processor.project(model.blocks[0].attn1, hidden, (cos[:, :24], sin[:, :24]))
+    assert query.shape == key.shape == value.shape == (1, 24, 2, 32)
