@@ -726,6 +726,14 @@ _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
 }
 
 
+# Quantized caches at the 128 x 64 tile, hd 128, bf16 (`python -m bench compile --kv-modes
+# fp8,int8,fp8_mma`): Triton 3.9 fits them in 255 registers (spills of 8-28 bytes at some block
+# sizes), Triton 3.6 spills 250-480 bytes; with 32-key tiles 3.6 does not spill (dequantizing)
+# or spills 8-12 bytes (FP8 MMA).
+_QUANTIZED_BLOCK_N_OLD_TRITON = 32
+_OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
+
+
 def kv_path(block_size: int, block_n: int) -> str:
     """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``."""
     if block_size % block_n == 0:
@@ -743,6 +751,7 @@ def choose_tiles(
     block_n: int | None = None,
     heads_per_kv_head: int = 1,
     dequantize: bool = False,
+    fp8_mma: bool = False,
 ) -> dict[str, int | str]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
@@ -752,6 +761,8 @@ def choose_tiles(
     ``dequantize``: K/V codes converted to ``dtype`` before the MMAs. Triton's pipeliner then
     keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
     stage keeps as many K/V tiles in flight (checked by ``python -m bench compile``).
+    ``fp8_mma``: FP8 MMAs on e4m3 codes. Before Triton 3.9 either quantized mode takes 32-key
+    tiles (register pressure).
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -767,6 +778,8 @@ def choose_tiles(
         if short_q < default_m:
             default_m, warps = short_q, 4
         stages += dequantize
+        if (dequantize or fp8_mma) and _OLD_TRITON:
+            default_n = min(default_n, _QUANTIZED_BLOCK_N_OLD_TRITON)
     tile_m = block_m or default_m
     tile_n = block_n or default_n
     return {
@@ -1008,6 +1021,7 @@ def paged_attention(
         block_n=block_n,
         heads_per_kv_head=group,
         dequantize=k_scale is not None and not fp8_mma,
+        fp8_mma=fp8_mma,
     )
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
