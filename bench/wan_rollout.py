@@ -12,6 +12,12 @@ provider, the median time per generated block once the window is full (and the f
 and the largest difference between the two rollouts' latents (bf16: a sanity check, not an
 accuracy figure).
 
+``--kv-dtype`` runs the paged rollout once per pool dtype given: ``bf16`` keeps the pools in the
+model's dtype (bf16 at the 1.3B shape, float32 with ``--tiny``), ``float8_e4m3fn`` and ``int8``
+quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on); each row also gives the cache's
+pool bytes (K/V pools, scales and smoothing means) and its latents' difference from the plain
+rollout (for quantized pools: the quantization's effect, not a bug check).
+
 ``--tiny`` runs a 2-layer model in seconds on a CPU so the script is known to work; its
 timings are not GPU figures. Needs the ``diffusers`` extra.
 """
@@ -28,6 +34,9 @@ from torch import Tensor
 
 from models.wan_paged import PagedWanRollout, apply_rotary, rope_at_frame, wan_qkv
 from paging import PagingConfig
+
+# --kv-dtype: the paged pools' dtype (bf16: unquantized, the model's dtype).
+KV_DTYPES = {"bf16": None, "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -232,9 +241,14 @@ def run(
     steps: int,
     block_size: int,
     device: torch.device,
+    kv_dtypes: tuple[str, ...] = ("bf16",),
     warmup: bool = True,
-) -> dict[str, object]:
-    """Both rollouts of ``blocks`` blocks; the per-block times and the latents' difference."""
+) -> dict[str, dict[str, object]]:
+    """The plain rollout and one paged rollout per ``kv_dtypes`` entry, of ``blocks`` blocks.
+
+    Returns per provider (``plain``, ``paged <kv dtype>``): ``times`` (per block), ``pool``
+    (the pool dtype), ``pool_bytes`` (paged only) and ``max_diff`` (latents against plain).
+    """
     model = build_model(shape, device)
     g = torch.Generator(device="cpu").manual_seed(1)
     frames = blocks * shape.frames_per_block
@@ -242,36 +256,43 @@ def run(
     text = torch.randn(2, shape.text_tokens, shape.text_dim, generator=g)
     noise, text = noise.to(device, shape.dtype), text.to(device, shape.dtype)
     sigmas = [1.0 - i / steps for i in range(steps)]
-    config = PagingConfig(
-        block_size=block_size,
-        chunk_size=shape.tokens_per_frame,
-        sink_chunks=shape.sink_frames,
-        window_chunks=shape.window_frames,
-        max_forward_chunks=shape.frames_per_block,
-        exact_window=True,  # the same keys as the plain cache: no boundary tokens
-    )
     timer = BlockTimer(device)
-    results: dict[str, object] = {}
-    with PagedWanRollout(model, config) as rollout:
+    results: dict[str, dict[str, object]] = {}
+    paged_latents = {}
+    for name in kv_dtypes:
+        config = PagingConfig(
+            block_size=block_size,
+            chunk_size=shape.tokens_per_frame,
+            sink_chunks=shape.sink_frames,
+            window_chunks=shape.window_frames,
+            max_forward_chunks=shape.frames_per_block,
+            exact_window=True,  # the same keys as the plain cache: no boundary tokens
+            kv_dtype=KV_DTYPES[name],
+        )
+        with PagedWanRollout(model, config) as rollout:
 
-        def paged(on_block, count=blocks):
-            f = count * shape.frames_per_block
-            return rollout.generate(
-                noise[:, :, :f],
-                text[:1],
-                text[1:],
-                frames_per_block=shape.frames_per_block,
-                sigmas=sigmas,
-                guidance_scale=5.0,
-                record_reads=False,
-                on_block=on_block,
-            ).latents
+            def paged(on_block, count=blocks):
+                f = count * shape.frames_per_block
+                return rollout.generate(
+                    noise[:, :, :f],
+                    text[:1],
+                    text[1:],
+                    frames_per_block=shape.frames_per_block,
+                    sigmas=sigmas,
+                    guidance_scale=5.0,
+                    record_reads=False,
+                    on_block=on_block,
+                ).latents
 
-        if warmup:  # Triton compiles its kernels on the first launches
-            paged(lambda block: None, count=1)
-        timer.reset()
-        paged_latents = paged(timer)
-        results["paged"] = timer.times
+            if warmup:  # Triton compiles its kernels on the first launches
+                paged(lambda block: None, count=1)
+            timer.reset()
+            paged_latents[name] = paged(timer)
+            results[f"paged {name}"] = {
+                "times": timer.times,
+                "pool": rollout.cache.k_pools.dtype,
+                "pool_bytes": rollout.cache.pool_bytes,
+            }
     if warmup:
         plain_rollout(
             model,
@@ -284,8 +305,10 @@ def run(
         )
     timer.reset()
     plain_latents = plain_rollout(model, shape, noise, text, sigmas, 5.0, timer)
-    results["plain"] = timer.times
-    results["max_diff"] = (paged_latents.float() - plain_latents.float()).abs().max().item()
+    results["plain"] = {"times": timer.times, "pool": shape.dtype, "max_diff": 0.0}
+    for name, latents in paged_latents.items():
+        diff = (latents.float() - plain_latents.float()).abs().max().item()
+        results[f"paged {name}"]["max_diff"] = diff
     return results
 
 
@@ -296,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="denoising forwards per block")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--kv-dtype",
+        nargs="+",
+        choices=list(KV_DTYPES),
+        default=["bf16"],
+        help="paged pool dtypes, one paged rollout each (bf16: the model's dtype, unquantized)",
+    )
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else WAN_1_3B
     blocks = args.blocks or (3 if args.tiny else 10)
@@ -308,7 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
     device = torch.device(args.device)
-    results = run(shape, blocks=blocks, steps=steps, block_size=args.block_size, device=device)
+    results = run(
+        shape,
+        blocks=blocks,
+        steps=steps,
+        block_size=args.block_size,
+        device=device,
+        kv_dtypes=tuple(dict.fromkeys(args.kv_dtype)),
+    )
     # The window is full (steady state) once sink + window frames are generated.
     full = -(-(shape.sink_frames + shape.window_frames) // shape.frames_per_block)
     figures = "gpu" if device.type == "cuda" else "cpu (not GPU figures)"
@@ -319,15 +356,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{steps}+1 forwards/block, CFG batch 2, {str(shape.dtype).removeprefix('torch.')}, "
         f"{device} [{figures}]"
     )
-    print("provider  first_block_ms  steady_block_ms  blocks_timed")
-    for name in ("paged", "plain"):
-        times = results[name]
+    print(
+        "provider  kv_dtype       pool_MB  first_block_ms  steady_block_ms  blocks_timed  "
+        "max_diff_vs_plain"
+    )
+    for name, row in results.items():
+        times = row["times"]
         steady = times[full:] or times[-1:]
+        pool = str(row["pool"]).removeprefix("torch.")
+        megabytes = f"{row['pool_bytes'] / 1e6:.3f}" if "pool_bytes" in row else "-"
         print(
-            f"{name:8s}  {times[0] * 1e3:14.1f}  {statistics.median(steady) * 1e3:15.1f}  "
-            f"{len(steady):12d}"
+            f"{name.split()[0]:8s}  {pool:13s}  {megabytes:>7s}  {times[0] * 1e3:14.1f}  "
+            f"{statistics.median(steady) * 1e3:15.1f}  {len(steady):12d}  "
+            f"{row['max_diff']:17.3e}"
         )
-    print(f"max |paged - plain| latents: {results['max_diff']:.3e}")
     return 0
 
 

@@ -4,13 +4,14 @@
 ``r // ulysses_degree`` and Ulysses rank ``r % ulysses_degree`` (``ParallelLayout``).
 
 * **Ulysses** (``ulysses_degree = P``): the transformer blocks run on a sequence shard of the
-  forward's tokens (split at ``blocks[0]``'s input, gathered at ``proj_out``'s output, the split
-  points of diffusers' ``WanTransformer3DModel._cp_plan``). In self-attention, q/k/v of the shard
-  (every head) go through one ``all_to_all_single`` into every token of a head shard, the fused
-  write+attend op runs on the rank's own ``PagedKVCache`` (built with ``heads / P`` KV heads, so
-  its pools are ``1 / P`` of the single-process bytes), and one ``all_to_all_single`` brings the
-  output back to the sequence shard with every head. Action tokens are replicated: each rank
-  projects them and keeps its head shard, no communication.
+  forward's tokens (split at ``blocks[0]``'s input and ``rope``'s output, gathered at
+  ``proj_out``'s output, the split points of diffusers' ``WanTransformer3DModel._cp_plan``). In
+  self-attention, q/k/v of the shard (every head) go through one ``all_to_all_single`` into
+  every token of a head shard, the fused write+attend op runs on the rank's own
+  ``PagedKVCache`` (built with ``heads / P`` KV heads, so its pools are ``1 / P`` of the
+  single-process bytes), and one ``all_to_all_single`` brings the output back to the sequence
+  shard with every head. Action tokens are replicated: each rank projects them and keeps its
+  head shard, no communication.
 * **CFG parallel** (``cfg_degree = 2``): each rank holds one branch (positive or negative text)
   in a one-branch cache and runs only that branch; one ``all_gather`` per denoising step
   combines the guided flow, identically on both ranks. The committing forward needs none.
@@ -47,8 +48,6 @@ from models.wan_paged import (
     PagedWanAttnProcessor,
     PagedWanRollout,
     WanTransformer3DModel,
-    apply_rotary,
-    wan_qkv,
 )
 from paging import PagingConfig
 from paging.forward import ForwardCall
@@ -67,8 +66,9 @@ __all__ = [
 class UlyssesPagedWanAttnProcessor(PagedWanAttnProcessor):
     """``PagedWanAttnProcessor`` on a sequence shard, over this rank's head shard of the cache.
 
-    ``hidden_states`` is the rank's ``n / P`` tokens (every head); the rotary tables arrive for
-    all ``n`` tokens and the shard's rows are taken. One all-to-all before attention, one after.
+    ``hidden_states`` and the rotary tables are the rank's ``n / P`` tokens (every head); the
+    projection step is the single-process one. The attention step is wrapped in two
+    all-to-alls: every token of the rank's head shard in, the sequence shard of every head out.
     """
 
     def __init__(
@@ -77,53 +77,13 @@ class UlyssesPagedWanAttnProcessor(PagedWanAttnProcessor):
         super().__init__(state, layer)
         self.group = group
         self.degree = degree
-        self.index = index
+        self.head_shard = index
 
-    def __call__(
-        self,
-        attn: torch.nn.Module,
-        hidden_states: Tensor,
-        encoder_hidden_states: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        rotary_emb: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor:
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("UlyssesPagedWanAttnProcessor is for self-attention without a mask")
-        call = self.state.call
-        if call is None:
-            raise RuntimeError("UlyssesPagedWanAttnProcessor: no forward in progress")
-        query, key, value = wan_qkv(attn, hidden_states)
-        shard = query.shape[1]
-        if rotary_emb is not None:
-            if rotary_emb[0].shape[1] != shard * self.degree:
-                raise ValueError(
-                    f"rotary_emb must cover the {shard * self.degree} tokens of the forward, "
-                    f"got {rotary_emb[0].shape[1]}"
-                )
-            own_tokens = slice(self.index * shard, (self.index + 1) * shard)
-            cos, sin = (table[:, own_tokens] for table in rotary_emb)
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+    def attend(self, attn: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """The sequence shard's ``(rows, n / P, heads, head_dim)`` q/k/v in and out."""
         qkv = sequence_to_heads(torch.stack([query, key, value]), self.group, self.degree)
-        query, key, value = qkv.unbind(0)
-        rows, tokens, heads = query.shape[:3]
-        actions = self.state.action_states
-        action_key, action_value = key.flatten(0, 1)[:0], value.flatten(0, 1)[:0]
-        if actions is not None:
-            _, action_key, action_value = wan_qkv(attn, actions.to(hidden_states.dtype))
-            mine = slice(self.index * heads, (self.index + 1) * heads)
-            action_key = action_key[:, :, mine].flatten(0, 1)
-            action_value = action_value[:, :, mine].flatten(0, 1)
-        out = self.attend(
-            call,
-            query.flatten(0, 1),
-            key.flatten(0, 1),
-            value.flatten(0, 1),
-            action_key,
-            action_value,
-        )
-        out = heads_to_sequence(out.unflatten(0, (rows, tokens)), self.group, self.degree)
-        out = attn.to_out[0](out.flatten(2, 3).type_as(hidden_states))
-        return attn.to_out[1](out)
+        out = super().attend(attn, *qkv.unbind(0))
+        return heads_to_sequence(out, self.group, self.degree)
 
 
 class ParallelWanRollout(PagedWanRollout):
@@ -179,6 +139,7 @@ class ParallelWanRollout(PagedWanRollout):
         self._hooks = []
         if layout.ulysses_degree > 1:
             self._hooks = [
+                model.rope.register_forward_hook(self._split_rotary),
                 model.blocks[0].register_forward_pre_hook(self._split_sequence),
                 model.proj_out.register_forward_hook(self._gather_sequence),
             ]
@@ -216,6 +177,12 @@ class ParallelWanRollout(PagedWanRollout):
     def _before_model(self, call: ForwardCall, block: int, step: int) -> None:
         if self.check_plans:
             check_plans_agree(call, None, f"block {block}, forward {step}")
+
+    def _split_rotary(self, module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+        """``rope``'s hook: this rank's shard of the rotary tables' tokens (after the rollout's
+        own hook has put them at the block's absolute frames)."""
+        index, degree = self.groups.ulysses_index, self.groups.layout.ulysses_degree
+        return tuple(table.chunk(degree, dim=1)[index] for table in output)
 
     def _split_sequence(self, module: torch.nn.Module, args: tuple) -> tuple:
         """``blocks[0]``'s pre-hook: keep this rank's shard of the tokens."""

@@ -111,11 +111,17 @@ class ForwardState:
 class PagedWanAttnProcessor:
     """Wan self-attention over the paged cache: stock q/k/v, then the fused write+attend op.
 
-    The batch rows of the hidden states are the rows of ``state.call`` (one per plan, e.g. the
-    positive and negative CFG branches), packed in plan order into one attention launch.
-    ``state.action_states`` (``(rows, actions, dim)`` or None) are projected by this layer's
-    K/V projections into action keys that every query reads and nothing commits.
+    Two steps, so that a parallel processor replaces only the second: ``project`` (the stock
+    projections, RMS norm and rotary embedding) and ``attend`` (write K/V, attend over the
+    window). The batch rows of the hidden states are the rows of ``state.call`` (one per plan,
+    e.g. the positive and negative CFG branches), packed in plan order into one attention
+    launch. ``state.action_states`` (``(rows, actions, dim)`` or None) are projected by this
+    layer's K/V projections into action keys that every query reads and nothing commits.
     """
+
+    # Which shard of the model's heads the cache holds (heads ``shard * h .. (shard + 1) * h``
+    # for ``h`` heads per attend); 0 with every head. Ulysses ranks hold their own shard.
+    head_shard = 0
 
     def __init__(self, state: ForwardState, layer: int) -> None:
         self.state = state
@@ -132,28 +138,53 @@ class PagedWanAttnProcessor:
         attention_mask: Tensor | None = None,
         rotary_emb: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
+        name = type(self).__name__
         if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("PagedWanAttnProcessor is for self-attention without a mask")
-        call = self.state.call
-        if call is None:
-            raise RuntimeError("PagedWanAttnProcessor: no forward in progress (use the rollout)")
+            raise ValueError(f"{name} is for self-attention without a mask")
+        if self.state.call is None:
+            raise RuntimeError(f"{name}: no forward in progress (use the rollout)")
+        query, key, value = self.project(attn, hidden_states, rotary_emb)
+        out = self.attend(attn, query, key, value)
+        out = attn.to_out[0](out.flatten(2, 3).type_as(hidden_states))
+        return attn.to_out[1](out)
+
+    def project(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: Tensor,
+        rotary_emb: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``(rows, tokens, heads, head_dim)`` as the stock processor makes them, q and
+        k rotated by ``rotary_emb`` (one row per token of ``hidden_states``)."""
         query, key, value = wan_qkv(attn, hidden_states)
         if rotary_emb is not None:
+            if rotary_emb[0].shape[1] != query.shape[1]:
+                raise ValueError(
+                    f"rotary_emb must have one row per token ({query.shape[1]}), "
+                    f"got {rotary_emb[0].shape[1]}"
+                )
             query = apply_rotary(query, *rotary_emb)
             key = apply_rotary(key, *rotary_emb)
+        return query, key, value
+
+    def attend(self, attn: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Write the K/V and attend over the window and the action keys: ``(rows, tokens,
+        heads, head_dim)`` in and out, ``heads`` the cache's (shard ``head_shard`` of the
+        model's)."""
+        rows, tokens, heads = query.shape[:3]
         key, value = key.flatten(0, 1), value.flatten(0, 1)
         action_key, action_value = key[:0], value[:0]
         actions = self.state.action_states
         if actions is not None:
-            _, action_key, action_value = wan_qkv(attn, actions.to(hidden_states.dtype))
-            action_key, action_value = action_key.flatten(0, 1), action_value.flatten(0, 1)
-        rows, tokens = query.shape[:2]
-        out = self.attend(call, query.flatten(0, 1), key, value, action_key, action_value)
-        out = out.unflatten(0, (rows, tokens)).flatten(2, 3).type_as(query)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
+            _, action_key, action_value = wan_qkv(attn, actions.to(query.dtype))
+            own = slice(self.head_shard * heads, (self.head_shard + 1) * heads)
+            action_key = action_key[:, :, own].flatten(0, 1)
+            action_value = action_value[:, :, own].flatten(0, 1)
+        call = self.state.call
+        out = self.launch(call, query.flatten(0, 1), key, value, action_key, action_value)
+        return out.unflatten(0, (rows, tokens))
 
-    def attend(
+    def launch(
         self,
         call: ForwardCall,
         query: Tensor,
@@ -162,8 +193,8 @@ class PagedWanAttnProcessor:
         action_key: Tensor,
         action_value: Tensor,
     ) -> Tensor:
-        """``ForwardCall.attend(layer, ...)`` with the layer index as a tensor: packed
-        ``(tokens, heads, head_dim)`` q/k/v in, ``(tokens, heads, head_dim)`` out."""
+        """The fused op for this layer (``ForwardCall.attend(layer, ...)`` with the layer index
+        as a tensor): packed ``(tokens, heads, head_dim)`` q/k/v in, the same shape out."""
         return write_attend(
             query,
             key,
@@ -223,7 +254,9 @@ class PagedWanRollout:
     processors back; also a context manager). ``config.chunk_size`` must be the tokens of one
     latent frame after patching (``(height / 2) * (width / 2)`` for Wan's patch), and
     ``config.max_forward_chunks`` at least the frames per block. ``guidance=True`` keeps two
-    KV branches (positive and negative text), run as one batch; ``False`` one branch.
+    KV branches (positive and negative text), run as one batch; ``False`` one branch. A
+    quantized ``config.kv_dtype`` (``float8_e4m3fn``, ``int8``) needs nothing more: the cache
+    holds codes, scales and K means, and the fused op writes and attends over them.
 
     ``models.parallel.ParallelWanRollout`` overrides the ``_local_*``, ``_guide`` and
     ``_before_model`` hooks to shard the heads (Ulysses) or the CFG branches over ranks.
@@ -503,7 +536,9 @@ class PagedWanRollout:
             self.state.layer_inputs = call.layer(0)
             if action is not None:
                 self.state.action_states = action.unsqueeze(0).expand(rows, -1, -1)
-            hook = self.model.rope.register_forward_hook(rope_at_frame(first_frame))
+            # Prepended: the sequence split of a Ulysses rollout (a permanent hook on the rope)
+            # must shard these tables, not the stock ones.
+            hook = self.model.rope.register_forward_hook(rope_at_frame(first_frame), prepend=True)
             try:
                 out = self.model(
                     x.expand(rows, -1, -1, -1, -1),

@@ -9,6 +9,13 @@ Self-attention is dense float64 (by default) over exactly the model positions th
 reads cover (``block_read_positions``: the boundary tokens a non-exact paged cache also reads),
 plus the block's own tokens and its action keys. The rotary embedding of a block is the stock
 ``model.rope`` over all frames up to the block's end, keeping the block's own rows.
+
+Given ``kv_dtype`` (``float8_e4m3fn`` or ``int8``), every key and value attention reads (history,
+the block's own, actions) is what a quantized cache reads back: ``reference.quantize`` codes
+times their per-(token, head) scale, in float64. With ``smooth_keys``, keys are quantized minus
+the cache's smoothing mean: per layer and head, the mean of the keys of the video tokens (every
+row) of the first forward to reach that layer, frozen for the rollout. Attention does not add it
+back: it shifts each query's scores by the same amount.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from reference.quantize import dequantize, quantize
 from reference.window import WindowGeometry, block_read_positions, kept_positions
 
 
@@ -34,22 +42,46 @@ class ReferenceRead:
 
 @dataclass(frozen=True)
 class ReferenceRolloutResult:
+    """The latents, one ``ReferenceRead`` per forward per block, and with ``kv_dtype`` and
+    ``smooth_keys`` the smoothing mean of each layer (``(heads, head_dim)`` float32)."""
+
     latents: Tensor
     reads: list[list[ReferenceRead]]
+    key_means: list[Tensor] | None = None
 
 
 class _DenseHistory:
     """Per layer, per branch: the K and V of every committed token, in model position order."""
 
-    def __init__(self, layers: int, rows: int) -> None:
+    def __init__(
+        self, layers: int, rows: int, kv_dtype: torch.dtype | None, smooth_keys: bool
+    ) -> None:
         self.keys: list[list[Tensor | None]] = [[None] * rows for _ in range(layers)]
         self.values: list[list[Tensor | None]] = [[None] * rows for _ in range(layers)]
+        self.kv_dtype = kv_dtype
+        self.smooth_keys = smooth_keys
+        self.key_means: list[Tensor | None] = [None] * layers
         # Set by the driver for each forward.
         self.read: Tensor = torch.empty(0, dtype=torch.int64)
         self.rotary: tuple[Tensor, Tensor] | None = None
         self.actions: Tensor | None = None
         self.commit = False
         self.dtype = torch.float64
+
+    def choose_mean(self, layer: int, key: Tensor) -> None:
+        """At the first write to ``layer`` (quantized, smoothed): the mean of its video keys
+        ``(rows, tokens, heads, head_dim)`` over rows and tokens, float32 as the cache keeps it."""
+        if self.kv_dtype is not None and self.smooth_keys and self.key_means[layer] is None:
+            self.key_means[layer] = key.to(torch.float64).mean(dim=(0, 1)).to(torch.float32)
+
+    def stored(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """``(..., heads, head_dim)`` K and V as the cache reads them back (unchanged unless
+        ``kv_dtype``: dequantized codes, K minus the layer's smoothing mean, in float64)."""
+        if self.kv_dtype is None:
+            return key, value
+        mean = self.key_means[layer] if self.smooth_keys else None
+        k_codes, k_scale = quantize(key, self.kv_dtype, smooth=mean)
+        return dequantize(k_codes, k_scale), dequantize(*quantize(value, self.kv_dtype))
 
     def append(self, layer: int, row: int, key: Tensor, value: Tensor) -> None:
         old_k, old_v = self.keys[layer][row], self.values[layer][row]
@@ -92,8 +124,11 @@ class ReferenceWanSelfAttention:
         query, key, value = _qkv(attn, hidden_states)
         query = _rotate(query, *history.rotary)
         key = _rotate(key, *history.rotary)
+        history.choose_mean(layer, key)
+        key, value = history.stored(layer, key, value)
         if history.actions is not None:
             _, action_key, action_value = _qkv(attn, history.actions.to(hidden_states.dtype))
+            action_key, action_value = history.stored(layer, action_key, action_value)
         outs = []
         for row in range(hidden_states.shape[0]):
             keys, values = [key[row]], [value[row]]
@@ -126,14 +161,20 @@ def reference_rollout(
     read_block_size: int | None = None,
     actions: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
+    kv_dtype: torch.dtype | None = None,
+    smooth_keys: bool = True,
 ) -> ReferenceRolloutResult:
     """Generate like ``models.wan_paged.PagedWanRollout.generate``, densely.
 
     Frames are patched latent frames (the window's chunks). ``read_block_size=None`` reads
     exactly the kept frames; an int ``B`` reads every token in a ``B``-token block that holds a
     kept token (the positions a paged cache with blocks of ``B`` reads without ``exact_window``).
+    ``kv_dtype`` / ``smooth_keys``: attention reads K/V as a cache with
+    ``PagingConfig(kv_dtype=..., smooth_keys=...)`` stores them (the module docstring says how).
     The model's self-attention processors are swapped for the duration and put back.
     """
+    if kv_dtype is not None and kv_dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"kv_dtype must be None, float8_e4m3fn or int8, got {kv_dtype}")
     p_t, p_h, p_w = model.config.patch_size
     _, _, total, height, width = noise.shape
     frames = frames_per_block // p_t
@@ -151,7 +192,7 @@ def reference_rollout(
     if negative_prompt_embeds is not None:
         text = torch.cat([prompt_embeds, negative_prompt_embeds])
     rows = text.shape[0]
-    history = _DenseHistory(len(model.blocks), rows)
+    history = _DenseHistory(len(model.blocks), rows, kv_dtype, smooth_keys)
     history.dtype = dtype
     attention = [block.attn1 for block in model.blocks]
     stock = [attn.processor for attn in attention]
@@ -190,4 +231,5 @@ def reference_rollout(
     finally:
         for attn, processor in zip(attention, stock, strict=True):
             attn.set_processor(processor)
-    return ReferenceRolloutResult(latents=latents, reads=all_reads)
+    means = history.key_means if kv_dtype is not None and smooth_keys else None
+    return ReferenceRolloutResult(latents=latents, reads=all_reads, key_means=means)

@@ -57,6 +57,8 @@ UNGUIDED = dict(
     sigmas=(1.0,),
     guidance=False,
 )
+# Ulysses over int8 pools: each rank's K means are its heads' (every token of them is there).
+ULYSSES_INT8 = dict(ULYSSES, config=dict(ULYSSES["config"], kv_dtype=torch.int8))
 CFG = dict(
     config=dict(block_size=16, window_chunks=4, max_forward_chunks=2, reuse_history_staging=True),
     frames=2,
@@ -67,15 +69,14 @@ CFG = dict(
 
 def rollout(case: dict, rollout_factory, on_block=None):
     """Run ``case`` with ``rollout_factory(model, config)``; the latents, reads and pool bytes."""
-    from tests.models.tiny import rollout_inputs, tiny_wan
+    from tests.models.tiny import poison, rollout_inputs, tiny_wan
 
     model = tiny_wan(0)
     blocks = case.get("blocks", BLOCKS)
     inputs = rollout_inputs(case["frames"], blocks=blocks, action_tokens=max(1, case["actions"]))
     config = paging_config(**case["config"])
     with rollout_factory(model, config, guidance=case.get("guidance", True)) as paged:
-        paged.cache.k_pools.fill_(float("nan"))  # a read of an unwritten slot shows as NaN
-        paged.cache.v_pools.fill_(float("nan"))
+        poison(paged.cache)  # a read of an unwritten slot shows as NaN
         result = paged.generate(
             inputs.noise,
             inputs.prompt,
@@ -87,13 +88,12 @@ def rollout(case: dict, rollout_factory, on_block=None):
             on_block=on_block,
         )
         cache = paged.cache
-        pool_bytes = 2 * cache.k_pools.numel() * cache.k_pools.element_size()
         return {
             "latents": result.latents,
             "positions": [
                 [dict(read.positions) for read in block_reads] for block_reads in result.reads
             ],
-            "pool_bytes": pool_bytes,
+            "pool_bytes": cache.pool_bytes,
             "num_blocks": cache.num_blocks,
             "kv_heads": cache.k_pools.shape[3],
             "branches": paged.branches,
@@ -109,6 +109,7 @@ def _two(rank: int) -> dict:
     cfg = ParallelGroups(ParallelLayout(cfg_degree=2))
     results = {
         "ulysses": rollout(ULYSSES, partial(ParallelWanRollout, groups=ulysses)),
+        "ulysses_int8": rollout(ULYSSES_INT8, partial(ParallelWanRollout, groups=ulysses)),
         "unguided": rollout(UNGUIDED, partial(ParallelWanRollout, groups=ulysses)),
         "cfg": rollout(CFG, partial(ParallelWanRollout, groups=cfg)),
     }

@@ -10,13 +10,22 @@ from bench import wan_rollout
 
 
 def test_tiny_rollout_bench_runs_and_both_rollouts_agree(capsys):
-    assert wan_rollout.main(["--tiny", "--blocks", "2"]) == 0
+    assert wan_rollout.main(["--tiny", "--blocks", "2", "--kv-dtype", "bf16", "int8"]) == 0
     out = capsys.readouterr().out
-    lines = {line.split()[0]: line.split() for line in out.splitlines() if line}
-    assert {"paged", "plain"} <= lines.keys()
-    assert all(float(value) > 0 for name in ("paged", "plain") for value in lines[name][1:3])
+    header, *rows = [line.split() for line in out.splitlines()[1:] if line]
+    assert header[:3] == ["provider", "kv_dtype", "pool_MB"]
+    table = {(row[0], row[1]): dict(zip(header[2:], row[2:], strict=True)) for row in rows}
+    # --tiny is a float32 model: "bf16" keeps the pools in the model's dtype.
+    assert table.keys() == {("paged", "float32"), ("paged", "int8"), ("plain", "float32")}
+    for row in table.values():
+        assert float(row["first_block_ms"]) > 0 and float(row["steady_block_ms"]) > 0
+    paged, int8 = table["paged", "float32"], table["paged", "int8"]
     # fp32 tiny model: the paged rollout and the plain-cache rollout give the same latents.
-    assert float(out.rsplit(":", 1)[1]) < 1e-4
+    assert float(paged["max_diff_vs_plain"]) < 1e-4
+    # int8 pools: head_dim 32 codes + a float32 scale per (slot, head) against 32 float32s,
+    # plus the K means; the latents move by the quantization, not more.
+    assert float(int8["pool_MB"]) < 0.3 * float(paged["pool_MB"])
+    assert 1e-4 < float(int8["max_diff_vs_plain"]) < 1e-2
 
 
 def test_shipped_shape_is_wan_2_1_1_3b():

@@ -37,15 +37,23 @@ from tests.models.parallel_worker import (
     CFG,
     FOUR,
     ULYSSES,
+    ULYSSES_INT8,
     UNGUIDED,
     paging_config,
     rollout,
 )
-from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
+from tests.models.tiny import (
+    ATOL,
+    RTOL,
+    TOKENS_PER_FRAME,
+    assert_close_to_quantized_oracle,
+    rollout_inputs,
+    tiny_wan,
+)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
-DEADLINE_S = 240.0
+DEADLINE_S = 360.0
 
 
 def free_port() -> int:
@@ -88,12 +96,14 @@ def test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both(tmp_path, m
     def single():
         return {
             "ulysses": rollout(ULYSSES, PagedWanRollout),
+            "ulysses_int8": rollout(ULYSSES_INT8, PagedWanRollout),
             "unguided": rollout(UNGUIDED, PagedWanRollout),
             "cfg": rollout(CFG, PagedWanRollout),
         }
 
     ranks, single = spawn("two", 2, tmp_path, monkeypatch, single)
     check_ulysses(ranks, single)
+    check_quantized_ulysses(ranks, single)
     check_unguided_staged_ulysses(ranks, single)
     check_cfg_parallel(ranks, single)
     check_divergence(ranks)
@@ -129,6 +139,19 @@ def check_ulysses(ranks: list[dict], single: dict) -> None:
         assert rank["ulysses"]["kv_heads"] * 2 == single["ulysses"]["kv_heads"]
         assert rank["ulysses"]["num_blocks"] == single["ulysses"]["num_blocks"]
         assert rank["ulysses"]["pool_bytes"] * 2 == single["ulysses"]["pool_bytes"]
+
+
+def check_quantized_ulysses(ranks: list[dict], single: dict) -> None:
+    # The Ulysses rollout on int8 pools (K smoothing on) against the single-process one on int8
+    # pools, relative to what quantizing does (the float rollouts of the same case); each
+    # rank's pools, scales and K means are half the single process's.
+    for rank in ranks:
+        got, want = rank["ulysses_int8"], single["ulysses_int8"]
+        unquantized = single["ulysses"]["latents"]
+        assert_close_to_quantized_oracle(got["latents"], want["latents"], unquantized, "int8")
+        assert got["positions"] == want["positions"]
+        assert got["pool_bytes"] * 2 == want["pool_bytes"]
+        assert want["pool_bytes"] < single["ulysses"]["pool_bytes"] / 2
 
 
 def check_unguided_staged_ulysses(ranks: list[dict], single: dict) -> None:

@@ -10,15 +10,24 @@ pytest.importorskip("diffusers")
 from models.wan_paged import PagedWanRollout
 from paging import PagingConfig
 from reference.wan_rollout import reference_rollout
-from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
+from tests.models.tiny import (
+    ATOL,
+    RTOL,
+    TOKENS_PER_FRAME,
+    assert_close_to_quantized_oracle,
+    rollout_inputs,
+    tiny_wan,
+)
 
 
-def test_compiled_blocks_share_one_graph_over_the_rollout():
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["float", "e4m3"])
+def test_compiled_blocks_share_one_graph_over_the_rollout(kv_dtype):
     # Every block compiled with fullgraph=True (no graph break: the fused op is one custom op)
     # runs every forward of a sliding rollout (two denoising forwards and a committing one per
     # block): scratch and committing plans, new block ids and slots, a longer history, other
     # timesteps and rotary positions, and both layers (the layer index is a tensor). One graph
-    # in all, and the same latents as the dense reference.
+    # in all, and the same latents as the dense reference. With e4m3 pools the op also writes
+    # scales and chooses each layer's K mean (a flag on the device, not a guard).
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -30,6 +39,7 @@ def test_compiled_blocks_share_one_graph_over_the_rollout():
         sink_chunks=1,
         window_chunks=2,
         exact_window=True,
+        kv_dtype=kv_dtype,
     )
     counter = CompileCounter()
     with PagedWanRollout(model, config) as rollout:
@@ -42,14 +52,11 @@ def test_compiled_blocks_share_one_graph_over_the_rollout():
     assert counter.op_count > 10  # the block itself was captured, not an empty graph
     for i, block in enumerate(model.blocks):
         model.blocks[i] = block._orig_mod
-    dense = reference_rollout(
-        model,
-        inputs.noise,
-        inputs.prompt,
-        inputs.negative,
-        frames_per_block=1,
-        sink_frames=1,
-        window_frames=2,
-        sigmas=(1.0, 0.5),
-    )
-    torch.testing.assert_close(paged.latents, dense.latents, atol=ATOL, rtol=RTOL)
+    text = (inputs.noise, inputs.prompt, inputs.negative)
+    window = dict(frames_per_block=1, sink_frames=1, window_frames=2, sigmas=(1.0, 0.5))
+    dense = reference_rollout(model, *text, kv_dtype=kv_dtype, **window)
+    if kv_dtype is None:
+        torch.testing.assert_close(paged.latents, dense.latents, atol=ATOL, rtol=RTOL)
+    else:
+        plain = reference_rollout(model, *text, **window).latents
+        assert_close_to_quantized_oracle(paged.latents, dense.latents, plain, "compiled, e4m3")

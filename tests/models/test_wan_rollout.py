@@ -18,7 +18,7 @@ from models import wan_paged
 from models.wan_paged import PagedWanRollout, absolute_rotary
 from paging import PagingConfig
 from reference.wan_rollout import reference_rollout
-from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, rollout_inputs, tiny_wan
+from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, poison, rollout_inputs, tiny_wan
 
 BLOCKS = 8
 GUIDANCE = 3.0
@@ -37,9 +37,16 @@ def run_both(
     sigmas=(1.0,),
     action_tokens=0,
     seed=0,
+    kv_dtype=None,
+    smooth_keys=True,
+    fp8_mma=False,
+    blocks=BLOCKS,
+    extra=None,
 ):
+    """The paged and the dense rollout of one configuration. With a dict ``extra``, quantized
+    runs also store the paged rollout's ``cache`` and the ``unquantized`` dense rollout there."""
     model = tiny_wan(seed)
-    inputs = rollout_inputs(frames, blocks=BLOCKS, action_tokens=max(1, action_tokens), seed=seed)
+    inputs = rollout_inputs(frames, blocks=blocks, action_tokens=max(1, action_tokens), seed=seed)
     actions = inputs.actions if action_tokens else None
     negative = inputs.negative if guidance else None
     config = PagingConfig(
@@ -52,25 +59,27 @@ def run_both(
         reset_at_boundary=reset,
         reuse_history_staging=staged,
         exact_window=exact,
+        kv_dtype=kv_dtype,
+        smooth_keys=smooth_keys,
+        fp8_mma=fp8_mma,
     )
     common = dict(frames_per_block=frames, sigmas=sigmas, guidance_scale=GUIDANCE, actions=actions)
     with PagedWanRollout(model, config, guidance=guidance) as rollout:
-        rollout.cache.k_pools.fill_(float("nan"))  # a read of an unwritten slot shows as NaN
-        rollout.cache.v_pools.fill_(float("nan"))
+        poison(rollout.cache)
         free = rollout.cache.pool.num_free
         paged = rollout.generate(inputs.noise, inputs.prompt, negative, **common)
         assert rollout.cache.pool.num_free == free  # the session was closed
-    dense = reference_rollout(
-        model,
-        inputs.noise,
-        inputs.prompt,
-        negative,
+    common.update(
         sink_frames=sink,
         window_frames=window,
         reset_at_boundary=reset,
         read_block_size=None if exact else block_size,
-        **common,
     )
+    text = (inputs.noise, inputs.prompt, negative)
+    dense = reference_rollout(model, *text, kv_dtype=kv_dtype, smooth_keys=smooth_keys, **common)
+    if extra is not None and kv_dtype is not None:
+        extra["cache"] = rollout.cache
+        extra["unquantized"] = reference_rollout(model, *text, **common)
     return model, inputs, paged, dense
 
 
@@ -238,3 +247,16 @@ def test_bad_input_names_the_argument_and_changes_nothing():
         PagedWanRollout(model, object())
     rollout.close()
     assert type(model.blocks[1].attn1.processor).__name__ == "WanAttnProcessor"
+
+
+def test_projection_step_refuses_rotary_tables_of_other_tokens():
+    # project() is the step a parallel processor keeps: its rotary tables must match the
+    # tokens it was given (a Ulysses rank gets its shard of both), else a ValueError.
+    model = tiny_wan()
+    processor = wan_paged.PagedWanAttnProcessor(wan_paged.ForwardState(), 0)
+    hidden = torch.randn(1, 24, 64)
+    cos, sin = model.rope(torch.empty(1, 1, 2, 8, 12, device="meta"))  # 48 tokens' tables
+    with pytest.raises(ValueError, match="rotary_emb"):
+        processor.project(model.blocks[0].attn1, hidden, (cos, sin))
+    query, key, value = processor.project(model.blocks[0].attn1, hidden, (cos[:, :24], sin[:, :24]))
+    assert query.shape == key.shape == value.shape == (1, 24, 2, 32)

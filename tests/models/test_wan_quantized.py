@@ -1,0 +1,125 @@
+"""The Wan rollout over quantized pools (``PagingConfig(kv_dtype=...)``) end to end.
+
+The oracle is the dense reference whose attention reads the same quantized K/V
+(``reference_rollout(kv_dtype=...)``: ``reference.quantize`` codes times scales in float64, keys
+smoothed by each layer's mean of its first write, as the cache chooses it). Against it the
+rollout must agree up to code flips at rounding ties (``assert_close_to_quantized_oracle`` says
+why and how much); against the unquantized reference only loosely: that difference is the
+quantization's, measured and bounded here, not a bug.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from reference.wan_rollout import reference_rollout
+from tests.models.test_wan_rollout import BLOCKS, CFG, run_both
+from tests.models.tiny import ATOL, assert_close_to_quantized_oracle, rollout_inputs, tiny_wan
+
+QUANTIZED = [torch.float8_e4m3fn, torch.int8]
+# The quantized rollout against the unquantized reference (same model and inputs), measured on
+# this test's rollout: largest difference 5.3e-3 (e4m3) and 1.2e-3 (int8), mean 6.5e-4 and
+# 1.5e-4, latents of mean magnitude 0.95. Bounds at about twice that.
+UNQUANTIZED_MAX = {torch.float8_e4m3fn: 1e-2, torch.int8: 3e-3}
+UNQUANTIZED_MEAN = {torch.float8_e4m3fn: 1.5e-3, torch.int8: 3e-4}
+
+
+def assert_same_reads(paged, dense, branches) -> None:
+    for block in range(BLOCKS):
+        for ours, theirs in zip(paged.reads[block], dense.reads[block], strict=True):
+            assert ours.commit == theirs.commit
+            for branch in branches:
+                assert ours.positions[branch] == theirs.positions, (block, ours.step, branch)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED, ids=["e4m3", "int8"])
+def test_sliding_window_rollout_on_quantized_pools(kv_dtype):
+    # Sink 1 frame, window 4, 2 frames per block, blocks of 16 tokens, both CFG branches: the
+    # window slides and evicts from block 2 on; 8 blocks; unwritten pool slots NaN.
+    extra = {}
+    _, _, paged, dense = run_both(
+        block_size=16, sink=1, window=4, frames=2, kv_dtype=kv_dtype, extra=extra
+    )
+    cache, plain = extra["cache"], extra["unquantized"]
+    assert cache.k_pools.dtype == cache.v_pools.dtype == kv_dtype
+    assert_same_reads(paged, dense, CFG)
+    assert_close_to_quantized_oracle(paged.latents, dense.latents, plain.latents, str(kv_dtype))
+    # The cache chose the reference's K means: per layer and head, from the first write.
+    assert cache.k_means_chosen.all()
+    for layer, mean in enumerate(dense.key_means):
+        torch.testing.assert_close(cache.k_means[layer], mean, atol=1e-6, rtol=1e-6)
+
+    # Against the unquantized rollout: close, but not equal (the pools really were quantized).
+    diff = (paged.latents - plain.latents).abs()
+    assert diff.max().item() > 10 * ATOL
+    assert diff.max().item() <= UNQUANTIZED_MAX[kv_dtype], diff.max().item()
+    assert diff.mean().item() <= UNQUANTIZED_MEAN[kv_dtype], diff.mean().item()
+
+
+def test_int8_rollout_staged_reset_whole_blocks_of_7_with_actions():
+    # 24-token frames on 7-token blocks (frames start and end mid-block); no CFG, so one table
+    # row and the window is restaged into history staging (codes and scales); reset at each
+    # commit with a sink; whole-block reads (boundary tokens read too); 3 action tokens per
+    # block (written to scratch slots, quantized too); keys quantized without smoothing.
+    extra = {}
+    _, _, paged, dense = run_both(
+        block_size=7,
+        sink=1,
+        window=3,
+        frames=1,
+        reset=True,
+        staged=True,
+        exact=False,
+        guidance=False,
+        action_tokens=3,
+        seed=2,
+        kv_dtype=torch.int8,
+        smooth_keys=False,
+        extra=extra,
+    )
+    assert not extra["cache"].k_means.numel()
+    assert_same_reads(paged, dense, ("main",))
+    plain = extra["unquantized"].latents
+    assert_close_to_quantized_oracle(paged.latents, dense.latents, plain, "int8")
+    assert all(read.stage_from >= 0 for block in paged.reads[1:] for read in block)
+
+
+def test_fp8_mma_rollout_runs_and_stays_near():
+    # PagingConfig(fp8_mma=True): queries and probabilities are quantized to e4m3 too, which
+    # the dequantizing oracle does not model. So only loose, measured bounds (4 blocks, the
+    # window slides at block 2): against the unquantized rollout the latents moved by at most
+    # 7.7e-3, mean 1.2e-3 (the dequantizing mode: 4.9e-3, 7.7e-4), bounds at twice that.
+    extra = {}
+    _, _, paged, dense = run_both(
+        block_size=16,
+        sink=1,
+        window=4,
+        frames=2,
+        blocks=4,
+        kv_dtype=torch.float8_e4m3fn,
+        fp8_mma=True,
+        extra=extra,
+    )
+    assert not torch.isnan(paged.latents).any()
+    plain = extra["unquantized"].latents
+    diff = (paged.latents - plain).abs()
+    assert diff.max().item() <= 1.5e-2 and diff.mean().item() <= 2.5e-3, diff.max().item()
+    # Not the dequantizing mode's result: the switch reached the kernel.
+    assert (paged.latents - dense.latents).abs().max().item() > 10 * ATOL
+
+
+def test_reference_refuses_an_unknown_kv_dtype():
+    inputs = rollout_inputs(1, blocks=1)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        reference_rollout(
+            tiny_wan(),
+            inputs.noise,
+            inputs.prompt,
+            frames_per_block=1,
+            sink_frames=1,
+            window_frames=2,
+            kv_dtype=torch.float16,
+        )
