@@ -24,7 +24,6 @@ from bench.providers import (
 )
 from bench.results import read_rows
 from bench.sweep import (
-    SweepConfig,
     WrongResultError,
     _best_sdpa_row,
     accuracy_limit,
@@ -32,36 +31,17 @@ from bench.sweep import (
     run_sweep,
     selected_providers,
 )
-from bench.timing import TimingSettings
 from bench.workload import Geometry, make_workload, oracle_attention
 from tests.bench.rows import measured
+from tests.bench.tiny import TINY, paged_config
 
-TINY = Geometry(
-    chunk_size=8,
-    frames=1,
-    sink_chunks=1,
-    window_chunks=2,
-    heads=2,
-    kv_heads=1,
-    head_dim=16,
-    dtype="fp32",
-)
-QUICK = TimingSettings(cpu_reps=1)
 CPU = torch.device("cpu")
 
 
-def _config(**overrides: object) -> SweepConfig:
-    settings = dict(
-        geometries=(TINY,), block_sizes=(8,), kernels=("paged_attention",), timing=QUICK
-    )
-    settings.update(overrides)
-    return SweepConfig(**settings)
-
-
 def test_sdpa_best_names_the_three_forced_backends_and_flex_runs_last():
-    names = [p.name for p in selected_providers(_config(providers=("sdpa-best",)), PROVIDERS)]
+    names = [p.name for p in selected_providers(paged_config(providers=("sdpa-best",)), PROVIDERS)]
     assert names == list(SDPA_BACKENDS)
-    everything = [p.name for p in selected_providers(_config(), PROVIDERS)]
+    everything = [p.name for p in selected_providers(paged_config(), PROVIDERS)]
     assert everything[-1] == "flex" and everything.index("triton") < everything.index("flex")
     assert everything.index("sdpa-flash") < everything.index("flex")
 
@@ -84,7 +64,7 @@ def test_a_forced_backend_that_refuses_raises_with_torchs_reason():
 
 def test_the_sweep_reports_each_backend_run_or_skipped(tmp_path, capsys):
     result = run_sweep(
-        _config(providers=("triton", "sdpa-best", "flash_attn", "flex")),
+        paged_config(providers=("triton", "sdpa-best", "flash_attn", "flex")),
         tmp_path / "sweep.csv",
         progress=False,
     )
@@ -122,14 +102,14 @@ def test_sdpa_best_is_the_fastest_backend_of_the_case():
 
 def test_with_no_backend_left_sdpa_best_is_skipped(tmp_path):
     cuda_only = [p for p in PROVIDERS if p.name in ("sdpa-cudnn", "sdpa-efficient")]
-    result = run_sweep(_config(), tmp_path / "sweep.csv", providers=cuda_only, progress=False)
+    result = run_sweep(paged_config(), tmp_path / "sweep.csv", providers=cuda_only, progress=False)
     reasons = {s.provider: s.reason for s in result.skipped}
     assert "no forced SDPA backend ran" in reasons["sdpa-best"]
     assert all(r["kernel"] == "ceiling" for r in result.rows)
 
 
 def test_the_time_limit_skips_what_is_left_and_still_measures_the_end_ceilings(tmp_path):
-    result = run_sweep(_config(time_limit_s=1e-9), tmp_path / "sweep.csv", progress=False)
+    result = run_sweep(paged_config(time_limit_s=1e-9), tmp_path / "sweep.csv", progress=False)
     assert result.skipped and all(
         "time limit" in s.reason
         or "CUDA only" in s.reason
@@ -198,7 +178,7 @@ def test_dropping_one_block_of_28080_keys_fails_the_bf16_limit(long_errors):
 
 
 def test_the_sweep_rejects_the_planted_result_and_accepts_the_right_one(tmp_path):
-    config = _config(geometries=(LONG,), block_sizes=(16,), providers=("planted",))
+    config = paged_config(geometries=(LONG,), block_sizes=(16,), providers=("planted",))
     with pytest.raises(WrongResultError, match=r"planted .* disagrees .*torch SDPA's error"):
         run_sweep(config, tmp_path / "a.csv", providers=[_attention_without(0)], progress=False)
     result = run_sweep(

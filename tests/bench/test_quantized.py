@@ -11,33 +11,11 @@ import reference
 import reference.quantize
 from bench.providers import PROVIDERS, QUANTIZED_PROVIDERS, Bench, Provider, quantized_pools
 from bench.results import QUANTIZED_GOALS
-from bench.sweep import SweepConfig, WrongResultError, bytes_moved, run_sweep
+from bench.sweep import WrongResultError, bytes_moved, run_sweep
 from bench.table import format_ratios, quantized_cases
-from bench.timing import TimingSettings
 from bench.workload import Geometry, make_workload
 from tests.bench.rows import STEADY_CEILINGS, measured
-
-TINY = Geometry(
-    chunk_size=8,
-    frames=1,
-    sink_chunks=1,
-    window_chunks=2,
-    heads=2,
-    kv_heads=1,
-    head_dim=16,
-    dtype="fp32",
-)
-
-
-def _config(**overrides: object) -> SweepConfig:
-    settings = dict(
-        geometries=(TINY,),
-        block_sizes=(8,),
-        kernels=("paged_attention",),
-        timing=TimingSettings(cpu_reps=1),
-    )
-    settings.update(overrides)
-    return SweepConfig(**settings)
+from tests.bench.tiny import TINY, paged_config
 
 
 def test_quantized_pools_hold_the_codes_write_slots_makes():
@@ -57,7 +35,9 @@ def test_quantized_pools_hold_the_codes_write_slots_makes():
 
 def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
     names = tuple(QUANTIZED_PROVIDERS)
-    result = run_sweep(_config(providers=("triton", *names)), tmp_path / "s.csv", progress=False)
+    result = run_sweep(
+        paged_config(providers=("triton", *names)), tmp_path / "s.csv", progress=False
+    )
     rows = {r["provider"]: r for r in result.rows if r["kernel"] == "paged_attention"}
     assert set(rows) == {"triton", *names}
     for name in names:
@@ -110,7 +90,7 @@ def test_a_wrong_quantized_result_raises(tmp_path, name, build):
     template = next(p for p in PROVIDERS if p.name == name)
     wrong = Provider("paged_attention", "wrong", build, role="quantized", quant=template.quant)
     with pytest.raises(WrongResultError, match="paged_attention/wrong"):
-        run_sweep(_config(), tmp_path / "s.csv", providers=[wrong], progress=False)
+        run_sweep(paged_config(), tmp_path / "s.csv", providers=[wrong], progress=False)
 
 
 def test_a_quantized_pool_moves_about_half_the_bytes_of_bf16():

@@ -14,18 +14,7 @@ from bench.results import COLUMNS, KERNELS, read_rows
 from bench.sweep import FP8_MMA_ALLOWANCE, SweepConfig, WrongResultError, max_error, run_sweep
 from bench.timing import TimingSettings, figures_kind, measure
 from bench.workload import Geometry
-
-TINY = Geometry(
-    chunk_size=8,
-    frames=1,
-    sink_chunks=1,
-    window_chunks=2,
-    heads=2,
-    kv_heads=1,
-    head_dim=16,
-    dtype="fp32",
-)
-QUICK = TimingSettings(cpu_reps=1)
+from tests.bench.tiny import QUICK, TINY
 
 
 def tiny_config(**overrides: object) -> SweepConfig:

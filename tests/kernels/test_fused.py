@@ -64,26 +64,44 @@ def make_forward(step: int, *, staged: bool, layer: int = 0):
     return tensors, inputs
 
 
-def direct_calls(tensors, inputs, k_pools, v_pools, stage_k, stage_v):
-    """The same work as the op, done by calling the three kernels by hand."""
+def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None):
+    """The op's work by hand: the three kernels, with ``mean`` as the K smoothing.
+
+    Scales are passed only for quantized pools (the zero-size ones of float pools are not).
+    """
     query, key, value, action_key, action_value = tensors
     layer = int(inputs.layer)
-    k_cache, v_cache = k_pools[layer], v_pools[layer]
-    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    kernels.write_slots(key, value, k_flat, v_flat, inputs.video_slots)
-    kernels.write_slots(action_key, action_value, k_flat, v_flat, inputs.action_slots)
-    if int(inputs.stage_from) < 0:
-        cache_k, cache_v, table = k_cache, v_cache, inputs.block_table
-    else:
+    k_cache, v_cache = pools.k_pools[layer], pools.v_pools[layer]
+    quantized = pools.k_scales.numel() > 0
+    k_scale = pools.k_scales[layer] if quantized else None
+    v_scale = pools.v_scales[layer] if quantized else None
+    flat = (k_cache.flatten(0, 1), v_cache.flatten(0, 1))
+    scales = {}
+    if quantized:
+        scales = {"k_scale": k_scale.flatten(0, 1), "v_scale": v_scale.flatten(0, 1)}
+        scales["k_smooth"] = mean
+    kernels.write_slots(key, value, *flat, inputs.video_slots, **scales)
+    kernels.write_slots(action_key, action_value, *flat, inputs.action_slots, **scales)
+    cache_k, cache_v, table = k_cache, v_cache, inputs.block_table
+    if int(inputs.stage_from) >= 0:
+        stage = (pools.stage_k_scales[layer], pools.stage_v_scales[layer]) if quantized else None
+        stage_scales = {}
+        if quantized:
+            stage_scales = dict(
+                k_scale=k_scale, v_scale=v_scale, stage_k_scale=stage[0], stage_v_scale=stage[1]
+            )
         kernels.gather_blocks(
             k_cache,
             v_cache,
             inputs.block_table[0],
-            stage_k[layer],
-            stage_v[layer],
+            pools.stage_k[layer],
+            pools.stage_v[layer],
             first_block=int(inputs.stage_from),
+            **stage_scales,
         )
-        cache_k, cache_v = stage_k[layer].unsqueeze(0), stage_v[layer].unsqueeze(0)
+        cache_k, cache_v = pools.stage_k[layer].unsqueeze(0), pools.stage_v[layer].unsqueeze(0)
+        if quantized:
+            k_scale, v_scale = stage[0].unsqueeze(0), stage[1].unsqueeze(0)
         table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     return kernels.paged_attention(
         query,
@@ -95,6 +113,9 @@ def direct_calls(tensors, inputs, k_pools, v_pools, stage_k, stage_v):
         max_seqlen_q=inputs.max_seqlen_q,
         softmax_scale=inputs.softmax_scale,
         key_gap=inputs.key_gap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        fp8_mma=inputs.fp8_mma,
     )
 
 
@@ -130,7 +151,7 @@ def test_matches_direct_kernel_calls_bit_for_bit(staged: bool) -> None:
         tensors, inputs = make_forward(step, staged=staged, layer=step + 1)
         state_op, state_direct = make_state(), make_state()
         got = fused.write_attend(*tensors, fused.PoolTensors.build(*state_op), inputs)
-        want = direct_calls(tensors, inputs, *state_direct)
+        want = direct_calls(tensors, inputs, fused.PoolTensors.build(*state_direct))
         assert torch.equal(got, want)
         for a, b in zip(state_op, state_direct, strict=True):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), "mutated state differs"
@@ -158,9 +179,8 @@ def test_compiles_once_across_changing_values(staged: bool) -> None:
     for step in range(3):
         # Block tables, slots, history lengths and the layer all change value.
         tensors, inputs = make_forward(step, staged=staged, layer=step)
-        want = direct_calls(
-            [tensors[0] * 1.5, *tensors[1:]], inputs, *[t.clone() for t in make_state()]
-        )
+        twin = fused.PoolTensors.build(*make_state())
+        want = direct_calls([tensors[0] * 1.5, *tensors[1:]], inputs, twin)
         got = compiled(tensors, inputs)
         torch.testing.assert_close(got, want.sum(dim=1), rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1

@@ -12,12 +12,19 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-import kernels
-import reference
 from kernels import fused
 from reference.quantize import nearest_code_error, quantize
 from tests.helpers import DEVICE
-from tests.kernels.test_fused import BLOCK, BLOCKS, DIM, KV_HEADS, LAYERS, WIDTH, make_forward
+from tests.kernels.test_fused import (
+    BLOCK,
+    BLOCKS,
+    DIM,
+    KV_HEADS,
+    LAYERS,
+    WIDTH,
+    direct_calls,
+    make_forward,
+)
 
 FORMATS = [
     pytest.param(torch.float8_e4m3fn, id="e4m3"),
@@ -71,115 +78,6 @@ def equal(a: fused.PoolTensors, b: fused.PoolTensors) -> bool:
     return all(
         torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
     )
-
-
-def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean):
-    """The op's work by hand: the three kernels, with ``mean`` as the K smoothing."""
-    query, key, value, action_key, action_value = tensors
-    layer = int(inputs.layer)
-    k_cache, v_cache = pools.k_pools[layer], pools.v_pools[layer]
-    k_scale, v_scale = pools.k_scales[layer], pools.v_scales[layer]
-    flat = (k_cache.flatten(0, 1), v_cache.flatten(0, 1))
-    scales = {"k_scale": k_scale.flatten(0, 1), "v_scale": v_scale.flatten(0, 1), "k_smooth": mean}
-    kernels.write_slots(key, value, *flat, inputs.video_slots, **scales)
-    kernels.write_slots(action_key, action_value, *flat, inputs.action_slots, **scales)
-    cache_k, cache_v, table = k_cache, v_cache, inputs.block_table
-    if int(inputs.stage_from) >= 0:
-        stage = (pools.stage_k_scales[layer], pools.stage_v_scales[layer])
-        kernels.gather_blocks(
-            k_cache,
-            v_cache,
-            inputs.block_table[0],
-            pools.stage_k[layer],
-            pools.stage_v[layer],
-            k_scale=k_scale,
-            v_scale=v_scale,
-            stage_k_scale=stage[0],
-            stage_v_scale=stage[1],
-            first_block=int(inputs.stage_from),
-        )
-        cache_k, cache_v = pools.stage_k[layer].unsqueeze(0), pools.stage_v[layer].unsqueeze(0)
-        k_scale, v_scale = stage[0].unsqueeze(0), stage[1].unsqueeze(0)
-        table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
-    return kernels.paged_attention(
-        query,
-        cache_k,
-        cache_v,
-        table,
-        inputs.cu_seqlens_q,
-        inputs.seq_lens_k,
-        max_seqlen_q=inputs.max_seqlen_q,
-        softmax_scale=inputs.softmax_scale,
-        key_gap=inputs.key_gap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        fp8_mma=inputs.fp8_mma,
-    )
-
-
-@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
-@pytest.mark.parametrize("dtype", FORMATS)
-def test_matches_kernels_oracle_and_mean(dtype: torch.dtype, staged: bool) -> None:
-    state = make_state(dtype)
-    twin = clone(state)
-    tensors, inputs = forward(0, staged=staged, layer=1)
-    query, key = tensors[:2]
-    got = fused.write_attend(*tensors, state, inputs)
-
-    # The mean: the float64 mean of this call's video keys, per KV head, on layer 1 only.
-    torch.testing.assert_close(state.k_means[1].double(), key.double().mean(0), rtol=0, atol=1e-5)
-    assert state.k_means_chosen.tolist() == [False, True, False]
-    assert torch.isnan(state.k_means[0]).all() and torch.isnan(state.k_means[2]).all()
-
-    # Bit for bit the kernels called by hand with that mean; every mutated tensor too.
-    twin.k_means[1], twin.k_means_chosen[1] = state.k_means[1], True
-    want = direct_calls(tensors, inputs, twin, twin.k_means[1])
-    assert torch.equal(got, want)
-    assert equal(state, twin)
-
-    # Every written code is a nearest code of its key minus the mean.
-    slots = inputs.video_slots
-    codes = state.k_pools[1].flatten(0, 1)[slots]
-    scale = state.k_scales[1].flatten(0, 1)[slots]
-    assert nearest_code_error(codes, scale, key - state.k_means[1], dtype).max() <= 1 + 1e-3
-
-    # The float64 oracle over the dequantized pools (the mean shifts every score of a query
-    # by the same q . mean, so softmax, and the oracle, need not add it back).
-    oracle = reference.paged_attention(
-        query,
-        state.k_pools[1],
-        state.v_pools[1],
-        inputs.block_table,
-        inputs.cu_seqlens_q,
-        inputs.seq_lens_k,
-        max_seqlen_q=inputs.max_seqlen_q,
-        softmax_scale=inputs.softmax_scale,
-        key_gap=inputs.key_gap,
-        k_scale=state.k_scales[1],
-        v_scale=state.v_scales[1],
-    )
-    torch.testing.assert_close(got.double(), oracle.double(), rtol=0, atol=ATOL)
-
-
-@pytest.mark.parametrize("dtype", FORMATS)
-def test_mean_is_chosen_once_then_frozen(dtype: torch.dtype) -> None:
-    state = make_state(dtype)
-    tensors, inputs = forward(0, staged=False, layer=2)
-    fused.write_attend(*tensors, state, inputs)
-    first = state.k_means.clone()
-    # Later calls (other keys, other slots), and a call with no video tokens, keep it.
-    for step in (1, 2):
-        tensors, inputs = forward(step, staged=False, layer=2)
-        fused.write_attend(*tensors, state, inputs)
-    empty = [t[:0] for t in tensors[:3]] + tensors[3:]
-    fused.write_attend(*empty, state, inputs._replace(video_slots=inputs.video_slots[:0]))
-    assert torch.equal(state.k_means.nan_to_num(7.0), first.nan_to_num(7.0))
-    assert state.k_means_chosen.tolist() == [False, False, True]
-    # A first call with no video tokens chooses nothing: the next one with keys does.
-    fused.write_attend(
-        *empty, state, inputs._replace(layer=torch.tensor(0), video_slots=inputs.video_slots[:0])
-    )
-    assert state.k_means_chosen.tolist() == [False, False, True]
 
 
 def test_non_finite_keys_are_left_out_of_the_mean() -> None:
