@@ -11,7 +11,7 @@
 #
 # Change the cache block size or the attention tile, run `kernels.paged_attention` on a
 # realistic paged workload (randomly permuted blocks, sink + recent window), compare it with
-# the float64 oracle and see where the error sits.
+# the float64 oracle and see where the error sits, then the same over FP8 / INT8 pools.
 #
 # `NOTEBOOK_SMALL=1` shrinks everything (CI runs this file as a script that way);
 # `NOTEBOOK_OUT` is where the figures go (default `out/notebooks`).
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 import kernels  # without a GPU, importing it switches Triton's interpreter on
-from bench.workload import Geometry, make_workload, oracle_attention
+from bench.providers import quantized_pools
+from bench.workload import Geometry, dequantized_sequences, make_workload, oracle_attention
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
 OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
@@ -147,3 +148,53 @@ ax.set_title("log10 relative max error")
 figure.colorbar(image, ax=ax)
 figure.savefig(OUT / "playground_grid.png", dpi=100)
 print(relative)
+
+# %% [markdown]
+# ## Quantized pools (FP8 / INT8)
+#
+# The same workload with its pools written as e4m3 or int8 codes plus a float32 scale per
+# (slot, KV head). Two errors per mode, kept apart: the kernel's against the oracle that
+# dequantizes the same codes in float64 (rounding level for the dequantizing modes; FP8-MMA
+# also rounds queries and probabilities to e4m3), and the quantization's own, against the
+# unquantized oracle above.
+
+# %%
+modes = {
+    "e4m3": (torch.float8_e4m3fn, False),
+    "e4m3 fp8-mma": (torch.float8_e4m3fn, True),
+    "int8": (torch.int8, False),
+}
+kernel_error, quantization_error = {}, {}
+for label, (kv_dtype, fp8_mma) in modes.items():
+    pools = quantized_pools(workload, kv_dtype)
+    got = kernels.paged_attention(
+        workload.q,
+        pools.k_cache,
+        pools.v_cache,
+        workload.block_table,
+        workload.cu_seqlens_q,
+        workload.seq_lens_k,
+        max_seqlen_q=geometry.q_tokens,
+        k_scale=pools.k_scale,
+        v_scale=pools.v_scale,
+        fp8_mma=fp8_mma,
+    ).double()
+    keys, values = dequantized_sequences(workload, pools)
+    dequantized = oracle_attention(workload, keys=keys, values=values)
+    kernel_error[label] = (got - dequantized).abs().max().item() / scale
+    quantization_error[label] = (got - want).abs().max().item() / scale
+    print(
+        f"{label:13s} kernel vs dequantizing oracle {kernel_error[label]:.2e}, "
+        f"vs unquantized oracle {quantization_error[label]:.2e} (relative max error)"
+    )
+
+figure, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+positions = np.arange(len(modes))
+ax.bar(positions - 0.2, list(kernel_error.values()), 0.4, label="kernel vs dequantizing oracle")
+ax.bar(positions + 0.2, list(quantization_error.values()), 0.4, label="vs unquantized oracle")
+ax.set_xticks(positions, list(modes))
+ax.set_yscale("log")
+ax.set_ylabel("relative max error")
+ax.set_title(f"quantized pools, block {BLOCK_SIZE}")
+ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize="small")
+figure.savefig(OUT / "playground_quantized.png", dpi=100)

@@ -13,7 +13,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = {
     "ar_rollout.py": {"ar_rollout_reads.png", "ar_rollout_blocks.png"},
-    "kernel_playground.py": {"playground_error.png", "playground_grid.png"},
+    "kernel_playground.py": {
+        "playground_error.png",
+        "playground_grid.png",
+        "playground_quantized.png",
+    },
     "window_anatomy.py": {"window_block_tables.png", "window_reads.png"},
     "sweep_plots.py": {
         "paged_attention.png",
