@@ -20,8 +20,8 @@ Why the odd-looking choices:
   them; the staging buffers hold codes too, with stage scales. K smoothing: each layer's mean
   ``k_means[layer]`` (``(num_kv_heads, head_dim)``) is subtracted from K before quantizing. It
   is chosen by the first call that writes video keys to the layer (the mean of that call's
-  finite video keys, per KV head) and frozen by ``k_means_chosen[layer]``; the choice is a
-  ``torch.where`` on the device, so it costs no sync and no graph break.
+  finite video keys, per KV head) and frozen by ``k_means_chosen[layer]``, a CPU flag like the
+  tags: reading it costs no sync, and later calls skip the reduction.
 * Every argument is checked before the first write: a refused call leaves the pools, scales,
   means, flags, the staging buffers and the tags as they were, and names the argument as the
   caller wrote it.
@@ -62,7 +62,7 @@ class PoolTensors(NamedTuple):
     may be 0 when staging is off). Quantized pools only, zero-size otherwise:
     ``k_scales``/``v_scales`` ``(L, N, B, H)`` float32; ``stage_k_scales``/``stage_v_scales``
     ``(L, T, H)`` float32; ``k_means`` ``(L, H, D)`` float32 and ``k_means_chosen`` ``(L,)`` bool
-    (both zero-size when keys are not smoothed).
+    on the CPU (both zero-size when keys are not smoothed).
     """
 
     k_pools: Tensor
@@ -92,8 +92,9 @@ class PoolTensors(NamedTuple):
         _checks.check_tensor("k_pools", k_pools)
 
         def empty(name: str) -> Tensor:
-            dtype = torch.bool if name == "k_means_chosen" else SCALE_DTYPE
-            return k_pools.new_empty(0, dtype=dtype)
+            if name == "k_means_chosen":
+                return torch.empty(0, dtype=torch.bool)
+            return k_pools.new_empty(0, dtype=SCALE_DTYPE)
 
         rest = [quantized[name] if name in quantized else empty(name) for name in cls._fields[4:]]
         return cls(k_pools, v_pools, stage_k, stage_v, *rest)
@@ -191,10 +192,10 @@ def _check_quantized_pools(pools: PoolTensors) -> bool:
             f"{tuple(pools.k_means.shape)}"
         )
     _checks.check_dtype("k_means_chosen", pools.k_means_chosen, (torch.bool,))
-    if pools.k_means_chosen.shape != (num_layers,):
+    if pools.k_means_chosen.shape != (num_layers,) or pools.k_means_chosen.device.type != "cpu":
         raise ValueError(
-            f"k_means_chosen must have shape ({num_layers},) (one flag per layer), got "
-            f"{tuple(pools.k_means_chosen.shape)}"
+            f"k_means_chosen must be a CPU tensor of shape ({num_layers},) (one flag per layer), "
+            f"got {tuple(pools.k_means_chosen.shape)} on {pools.k_means_chosen.device}"
         )
     return True
 
@@ -322,7 +323,8 @@ def _check_inputs(
         raise ValueError(f"fp8_mma needs float8_e4m3fn pools, got {k_pools.dtype}")
     _checks.check_same_device(
         **dict(zip(KV_ARGS, kv, strict=True)),
-        **pools._asdict(),
+        # The flags are read on the host (as the tags are), so they live on the CPU.
+        **pools._replace(k_means_chosen=None)._asdict(),
         video_slots=inputs.video_slots,
         action_slots=inputs.action_slots,
         block_table=inputs.block_table,
@@ -354,15 +356,12 @@ def _check_inputs(
     return layer_index, first_block, smoothed
 
 
-def _choose_mean(means: Tensor, chosen: Tensor, key: Tensor) -> None:
-    """Set this layer's K mean to ``key``'s (per KV head, finite keys only) unless it was chosen
-    before; then mark it chosen. On the device, without a sync: ``torch.where`` on the flag."""
+def _choose_mean(mean: Tensor, key: Tensor) -> None:
+    """Set this layer's K mean to ``key``'s: per KV head, over its finite keys."""
     keys = key.to(SCALE_DTYPE)
     finite = keys.isfinite()
     counts = finite.sum(dim=0).clamp_min(1)
-    fresh = torch.where(finite, keys, 0.0).sum(dim=0) / counts
-    means.copy_(torch.where(chosen, means, fresh))
-    chosen.fill_(True)
+    mean.copy_(torch.where(finite, keys, 0.0).sum(dim=0) / counts)
 
 
 def _write_attend_impl(*args: object) -> Tensor:
@@ -384,8 +383,11 @@ def _write_attend_impl(*args: object) -> Tensor:
         stage_v_scale = pools.stage_v_scales[layer_index] if first_block >= 0 else None
         if smoothed:
             k_smooth = pools.k_means[layer_index]
-            if key.shape[0]:  # a shape, not a value: no sync
-                _choose_mean(k_smooth, pools.k_means_chosen[layer_index], key)
+            # The CPU flag and a shape, not device values: no sync. Only the first call that
+            # writes video keys pays for the reduction.
+            if key.shape[0] and not bool(pools.k_means_chosen[layer_index]):
+                _choose_mean(k_smooth, key)
+                pools.k_means_chosen[layer_index] = True
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     for k, v, slots in (
         (key, value, inputs.video_slots),

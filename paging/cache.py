@@ -79,7 +79,7 @@ class PagedKVCache:
     ``v_scales`` ``(num_layers, num_blocks, B, num_kv_heads)`` and ``stage_k_scales``/
     ``stage_v_scales`` ``(num_layers, width * B, num_kv_heads)``; with ``smooth_keys``,
     ``k_means`` ``(num_layers, num_kv_heads, head_dim)`` float32 and ``k_means_chosen``
-    ``(num_layers,)`` bool (on the device) are each layer's frozen K mean and whether it has
+    ``(num_layers,)`` bool (on the CPU) are each layer's frozen K mean and whether it has
     been chosen. A float cache has zero-size tensors in their place. ``pool_tensors`` hands
     them all to the fused op.
     """
@@ -165,9 +165,8 @@ class PagedKVCache:
         smoothed = quantized and self.config.smooth_keys
         self.k_means = empty(*((num_layers, num_kv_heads, head_dim) if smoothed else (0,)))
         self.k_means.zero_()
-        self.k_means_chosen = torch.zeros(
-            num_layers if smoothed else 0, dtype=torch.bool, device=device
-        )
+        # On the CPU, as stage_tags: the fused op reads it without a device sync.
+        self.k_means_chosen = torch.zeros(num_layers if smoothed else 0, dtype=torch.bool)
         self.staging: HistoryStaging | None = None
         if self.config.reuse_history_staging:
             self.staging = HistoryStaging(

@@ -45,7 +45,7 @@ def make_state(dtype: torch.dtype, seed: int = 0) -> fused.PoolTensors:
     stage_k = torch.empty(LAYERS, WIDTH * BLOCK, KV_HEADS, DIM, dtype=dtype)
     stage_k.view(torch.int8).fill_(POISON[dtype])
     stage_scales = torch.full(stage_k.shape[:-1], float("nan"))
-    pools = fused.PoolTensors(
+    on_device = (
         k_pools,
         v_pools,
         stage_k,
@@ -55,9 +55,10 @@ def make_state(dtype: torch.dtype, seed: int = 0) -> fused.PoolTensors:
         stage_scales,
         stage_scales.clone(),
         torch.full((LAYERS, KV_HEADS, DIM), float("nan")),
-        torch.zeros(LAYERS, dtype=torch.bool),
     )
-    return fused.PoolTensors(*(t.to(DEVICE) for t in pools))
+    # The flags stay on the CPU: the op reads them without a device sync.
+    flags = torch.zeros(LAYERS, dtype=torch.bool)
+    return fused.PoolTensors(*(t.to(DEVICE) for t in on_device), flags)
 
 
 def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False):
