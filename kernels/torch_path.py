@@ -14,27 +14,12 @@ from torch import Tensor
 
 from kernels.quantize import QMAX
 
-# 1.5 * 2**23: adding then subtracting it rounds a float32 of magnitude < 2**22 to an integer
-# (nearest, ties to even); scaled by a power of two it rounds to that power's multiples.
-ROUND_MAGIC = 12582912.0
-# float32 biased exponent of e4m3's smallest normal, 2**-6; below it the code step is 2**-9.
-E4M3_MIN_NORMAL_EXP = 127 - 6
-E4M3_MANTISSA_BITS = 3
 
-
-def round_to_code_grid(ratio: Tensor, dtype: torch.dtype) -> Tensor:
-    """Round float32 ``ratio`` (already clamped to +-QMAX) to the nearest code of ``dtype``.
-
-    The same arithmetic as ``kernels._quantize_jit.round_to_code_grid``: add and subtract a
-    magic number whose ulp is the code step, so converting the result to ``dtype`` is exact.
-    """
-    if dtype == torch.int8:
-        return (ratio + ROUND_MAGIC) - ROUND_MAGIC
-    exponent = (ratio.view(torch.int32) >> 23) & 0xFF
-    step_exponent = exponent.clamp_min(E4M3_MIN_NORMAL_EXP) - E4M3_MANTISSA_BITS
-    magic = (step_exponent << 23).view(torch.float32) * ROUND_MAGIC
-    rounded = (ratio + magic) - magic
-    return torch.where(rounded == 0, ratio * 0.0, rounded)  # -0 stays -0, as in e4m3
+def _to_codes(ratio: Tensor, dtype: torch.dtype) -> Tensor:
+    """Float32 ``ratio`` (within +-QMAX) as the nearest code of ``dtype``, ties to even: torch's
+    own conversion for e4m3 (which rounds right, unlike Triton's interpreter); int8 conversion
+    truncates, so it is rounded first."""
+    return (torch.round(ratio) if dtype == torch.int8 else ratio).to(dtype)
 
 
 def quantize_rows(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -45,7 +30,7 @@ def quantize_rows(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     positive = (scale > 0).unsqueeze(-1)
     ratio = x / torch.where(positive, scale.unsqueeze(-1), 1.0)
     ratio = torch.where(positive, ratio, 0.0).clamp(-qmax, qmax)
-    return round_to_code_grid(ratio, dtype).to(dtype), scale
+    return _to_codes(ratio, dtype), scale
 
 
 def write_slots(
@@ -119,7 +104,11 @@ def paged_attention(
     block_size = k_cache.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     group = q.shape[1] // k_cache.shape[2]
-    queries = _round_rows_e4m3(q.float()) if fp8_mma else (q.float(), None)
+    if fp8_mma:
+        codes, row_scale = quantize_rows(q.float(), torch.float8_e4m3fn)
+        queries = (codes.float(), row_scale)
+    else:
+        queries = (q.float(), None)
     starts = cu_seqlens_q.tolist()
     for row, k_len in enumerate(seq_lens_k.tolist()):
         lo, hi = starts[row], starts[row + 1]
@@ -152,8 +141,8 @@ def paged_attention(
             col_scale = v_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
             if fp8_mma:
                 tile_max = col_scale.amax(dim=-1, keepdim=True).clamp_min(1e-38)
-                codes = _round_e4m3(probs * (col_scale * (448.0 / tile_max)))
-                probs = codes * (tile_max / 448.0)
+                ratio = (probs * (col_scale * (448.0 / tile_max))).clamp(-448.0, 448.0)
+                probs = _to_codes(ratio, torch.float8_e4m3fn).float() * (tile_max / 448.0)
             else:
                 probs = probs * col_scale
         out_rows = torch.einsum("hqk,khd->qhd", probs, values)
@@ -162,16 +151,3 @@ def paged_attention(
             out.dtype
         )
     return out
-
-
-def _round_e4m3(x: Tensor) -> Tensor:
-    """``x`` (float32, |x| <= 448) rounded to the nearest e4m3 code, ties to even."""
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-
-
-def _round_rows_e4m3(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Each row of ``x (tokens, heads, dim)`` as e4m3 codes and a float32 scale per row:
-    ``scale = amax / 448``, codes ``x / scale`` (a zero row: scale 0, codes 0)."""
-    row_scale = x.abs().amax(dim=-1) / 448.0
-    ratio = x / torch.where(row_scale > 0, row_scale, 1.0).unsqueeze(-1)
-    return _round_e4m3(ratio), row_scale
