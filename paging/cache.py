@@ -194,18 +194,8 @@ class PagedKVCache:
         """Every cache tensor the fused op reads or writes (``kernels.fused.PoolTensors``)."""
         from kernels.fused import PoolTensors  # here: bookkeeping alone never loads Triton
 
-        return PoolTensors(
-            self.k_pools,
-            self.v_pools,
-            self.stage_k,
-            self.stage_v,
-            self.k_scales,
-            self.v_scales,
-            self.stage_k_scales,
-            self.stage_v_scales,
-            self.k_means,
-            self.k_means_chosen,
-        )
+        # The cache's attributes carry the fields' names.
+        return PoolTensors(*(getattr(self, name) for name in PoolTensors._fields))
 
     @property
     def pool_bytes(self) -> int:
