@@ -1,4 +1,6 @@
-"""Benchmark sweeps for the paged attention kernels: ``python -m bench sweep|plot|table``.
+"""Benchmark sweeps for the paged attention kernels.
+
+``python -m paged_video.bench sweep|plot|table|...``.
 
 Every timed run is first checked against the float64 oracle in ``reference/``; timings go to a
 long-format CSV, and plots and tables are drawn from that CSV by separate steps.
@@ -6,4 +8,7 @@ long-format CSV, and plots and tables are drawn from that CSV by separate steps.
 
 # First, before anything imports triton: without a GPU, importing the kernels switches Triton's
 # interpreter on, and triton 3.9 reads that switch when triton itself is imported.
-import kernels  # noqa: F401
+from paged_video import kernels  # noqa: F401
+
+if __name__ != "paged_video.bench":  # a bare `import bench` from a clone's root
+    raise ImportError("this folder is paged_video.bench; import it by that name")

@@ -1,3 +1,3 @@
-from bench.cli import main
+from paged_video.bench.cli import main
 
 raise SystemExit(main())

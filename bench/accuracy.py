@@ -1,4 +1,5 @@
-"""``python -m bench accuracy``: how far quantized KV pools move attention from float64 attention.
+"""``python -m paged_video.bench accuracy``: how far quantized KV pools move attention from
+float64 attention.
 
 One frame of queries attends over the sink + window of the shipped model (by default 9 + 9
 frames of 1,560 tokens: 28,080 keys; head_dim 128). Every row writes K/V through the real
@@ -34,11 +35,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-import kernels
-import reference
-from bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance, sig3
-from bench.table import aligned
-from bench.timing import figures_kind
+from paged_video import kernels, reference
+from paged_video.bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance, sig3
+from paged_video.bench.table import aligned
+from paged_video.bench.timing import figures_kind
 
 DATA_KINDS = ("random", "k-outliers")
 # Quantized formats by their short name; "bf16" (the baseline pool) is always measured.

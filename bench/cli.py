@@ -1,6 +1,6 @@
-"""``python -m bench sweep|plot|table|compare|compile|accuracy``: run a checked sweep, redraw its
-plots, print its ratio table, compare two runs, compile the kernels for a GPU target and report on
-the machine code, or measure the accuracy of quantized (FP8/INT8) KV pools.
+"""``python -m paged_video.bench sweep|plot|table|compare|compile|accuracy``: run a checked
+sweep, redraw its plots, print its ratio table, compare two runs, compile the kernels for a GPU
+target and report on the machine code, or measure the accuracy of quantized (FP8/INT8) KV pools.
 
 Each subcommand is a pair: ``_add_<name>(commands)`` declares it and sets its handler (and
 itself as ``command_parser``, for errors), ``_<name>(parser, args) -> exit status`` runs it;
@@ -17,15 +17,18 @@ from pathlib import Path
 
 import torch
 
-from bench import accuracy, compile_report
-from bench.compare import format_compare
-from bench.plot import plot_rows
-from bench.providers import PROVIDER_NAMES, Tile  # importing the kernels picks the interpreter
-from bench.results import KERNELS, Row, read_rows
-from bench.sweep import SweepConfig, WrongResultError, run_sweep
-from bench.table import format_pivot, format_ratios, format_table, skip_lines
-from bench.timing import TimingSettings
-from bench.workload import DTYPES, Geometry
+from paged_video.bench import accuracy, compile_report
+from paged_video.bench.compare import format_compare
+from paged_video.bench.plot import plot_rows
+from paged_video.bench.providers import (  # importing the kernels picks the interpreter
+    PROVIDER_NAMES,
+    Tile,
+)
+from paged_video.bench.results import KERNELS, Row, read_rows
+from paged_video.bench.sweep import SweepConfig, WrongResultError, run_sweep
+from paged_video.bench.table import format_pivot, format_ratios, format_table, skip_lines
+from paged_video.bench.timing import TimingSettings
+from paged_video.bench.workload import DTYPES, Geometry
 
 # The shipped model: 40 heads of 128, bf16, 1560-token frames, 3 frames per forward, sink 9
 # frames and window 9 frames (4680 queries over 28080 keys).
@@ -265,7 +268,9 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_video.bench", description=__doc__.split("\n\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(commands)

@@ -1,4 +1,5 @@
-"""``python -m bench compare OLD.csv NEW.csv``: what changed between two runs, case by case.
+"""``python -m paged_video.bench compare OLD.csv NEW.csv``: what changed between two runs, case
+by case.
 
 A case is one (kernel, provider, tile, block size, geometry). For each case in both CSVs it
 prints the medians and ``new / old``; it calls a change (``faster`` / ``slower``) only when the
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.results import GEOMETRY_COLUMNS, Row
-from bench.table import aligned, noise_line, sig3
+from paged_video.bench.results import GEOMETRY_COLUMNS, Row
+from paged_video.bench.table import aligned, noise_line, sig3
 
 CASE_COLUMNS = ("kernel", "provider", "tile", "block_size", *GEOMETRY_COLUMNS)
 

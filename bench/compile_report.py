@@ -1,4 +1,4 @@
-"""``python -m bench compile``: what the GPU would run, read on a CPU.
+"""``python -m paged_video.bench compile``: what the GPU would run, read on a CPU.
 
 Compiles the launch configurations that ``paged_attention``, ``write_slots`` and
 ``gather_blocks`` would use at given geometries for a named target (default ``cuda:90``, built
@@ -173,7 +173,7 @@ def compile_rows(configs: Sequence[Config], target: str = "cuda:90", workers: in
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "bench.compile_report", "--worker", target],
+            [sys.executable, "-m", "paged_video.bench.compile_report", "--worker", target],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -241,9 +241,9 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
     """``(kernel, jit function, args, kwargs)`` of the launches one configuration makes."""
     import torch
 
-    import kernels
-    from bench.reference_loop import reference_attention_kernel
-    from bench.workload import DTYPES
+    from paged_video import kernels
+    from paged_video.bench.reference_loop import reference_attention_kernel
+    from paged_video.bench.workload import DTYPES
 
     dtype = DTYPES[config.dtype]
     d, bs = config.head_dim, config.block_size
@@ -257,7 +257,10 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
                 "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
                 "fp8_mma": config.kv_mode == "fp8_mma",
             }
-        with _recording("kernels.paged_attention", "_paged_attention_kernel") as (real, rec):
+        with _recording("paged_video.kernels.paged_attention", "_paged_attention_kernel") as (
+            real,
+            rec,
+        ):
             kernels.paged_attention(
                 empty(config.max_seqlen_q, config.heads, d),
                 empty(2, bs, config.kv_heads, d, dt=kv_dtype),
@@ -304,7 +307,7 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
         return launches
     if config.kernel == "write_slots":
         tokens = config.max_seqlen_q
-        with _recording("kernels.write_slots", "_write_slots_kernel") as (real, rec):
+        with _recording("paged_video.kernels.write_slots", "_write_slots_kernel") as (real, rec):
             kernels.write_slots(
                 empty(tokens, config.kv_heads, d),
                 empty(tokens, config.kv_heads, d),
@@ -314,7 +317,10 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
                 check_values=False,
             )
     elif config.kernel == "gather_blocks":
-        with _recording("kernels.gather_blocks", "_gather_blocks_kernel") as (real, rec):
+        with _recording("paged_video.kernels.gather_blocks", "_gather_blocks_kernel") as (
+            real,
+            rec,
+        ):
             kernels.gather_blocks(
                 empty(2, bs, config.kv_heads, d),
                 empty(2, bs, config.kv_heads, d),
@@ -558,7 +564,7 @@ def _tile_label(kwargs: dict) -> str:
 def _provenance(target: str) -> Row:
     import triton
 
-    from bench.results import git_commit
+    from paged_video.bench.results import git_commit
 
     return {
         "target": target,
@@ -692,5 +698,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--worker"] or len(sys.argv) != 3:
-        raise SystemExit("usage: python -m bench.compile_report --worker TARGET  (internal)")
+        raise SystemExit(
+            "usage: python -m paged_video.bench.compile_report --worker TARGET  (internal)"
+        )
     _worker(sys.argv[2])

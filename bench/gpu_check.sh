@@ -13,7 +13,7 @@
 #    ones against the dequantizing oracle) before it is timed.
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
-# 3. `python -m bench accuracy` at the shipped geometry with all 40 heads, bf16 queries
+# 3. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries
 #    (OUT_DIR/accuracy.csv, log in OUT_DIR/accuracy.log, table printed);
 # 4. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
 # 5. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
@@ -60,7 +60,7 @@ sweep_budget=${SWEEP_BUDGET:-150}
 echo "== shipped-geometry sweep, block sizes $block_sizes (runs start until ${sweep_budget}s," \
     "limit ${sweep_timeout}s)"
 start=$SECONDS
-timeout "$sweep_timeout" "$python" -m bench sweep --preset shipped \
+timeout "$sweep_timeout" "$python" -m paged_video.bench sweep --preset shipped \
     --block-sizes "$block_sizes" ${SWEEP_PROVIDERS:+--providers "$SWEEP_PROVIDERS"} \
     --time-limit "$sweep_budget" --out "$out_dir" --no-plot --no-progress \
     >"$out_dir/sweep.log" 2>&1
@@ -71,13 +71,13 @@ echo "== sweep: exit $sweep_rc after $((SECONDS - start))s"
 
 echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-60}s)"
 start=$SECONDS
-timeout "${ACCURACY_TIMEOUT:-60}" "$python" -m bench accuracy --out "$out_dir" \
+timeout "${ACCURACY_TIMEOUT:-60}" "$python" -m paged_video.bench accuracy --out "$out_dir" \
     >"$out_dir/accuracy.log" 2>&1
 accuracy_rc=$?
 grep -vE "^(random|k-outliers) .*: cosine" "$out_dir/accuracy.log" | tail -n 20
 echo "== accuracy: exit $accuracy_rc after $((SECONDS - start))s"
 
-# --- spot for a `python -m bench compile` step (the compile report), added by the lead ------
+# --- spot for a `python -m paged_video.bench compile` step (the compile report), added by the lead ------
 
 workers=()
 if "$python" -c "import xdist" 2>/dev/null; then
@@ -91,9 +91,9 @@ tests_rc=${PIPESTATUS[0]}
 echo "== kernel tests: exit $tests_rc after $((SECONDS - start))s"
 
 if [ -s "$out_dir/sweep.csv" ]; then
-    "$python" -m bench plot "$out_dir/sweep.csv" --out "$out_dir"
+    "$python" -m paged_video.bench plot "$out_dir/sweep.csv" --out "$out_dir"
     echo "== sweep exit $sweep_rc, accuracy exit $accuracy_rc, tests exit $tests_rc; ratio table:"
-    "$python" -m bench table "$out_dir/sweep.csv" --goal
+    "$python" -m paged_video.bench table "$out_dir/sweep.csv" --goal
 else
     echo "== sweep exit $sweep_rc, accuracy exit $accuracy_rc, tests exit $tests_rc;" \
         "the sweep wrote no CSV"

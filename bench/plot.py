@@ -1,6 +1,7 @@
 """Plots drawn from a results CSV: the speed-up against block size, then one PNG per kernel.
 
-Kept apart from timing: ``python -m bench plot out/sweep.csv --out out/`` redraws any CSV.
+Kept apart from timing: ``python -m paged_video.bench plot out/sweep.csv --out out/`` redraws
+any CSV.
 The headline is ``speedup.png``: the fastest baseline's median over ours, per kernel, with the
 1.0 line. Per kernel, attention is plotted in TFLOP/s, the copy kernels in GB/s; the bars span
 the throughput at the 80th and 20th percentile times. A y axis whose values span more than a
@@ -16,8 +17,14 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, QUANTIZED_GOALS, Row, read_rows
-from bench.table import geometry_label, quantized_cases, ratio_cases, series_label
+from paged_video.bench.results import (
+    ATTENTION_KERNELS,
+    GEOMETRY_COLUMNS,
+    QUANTIZED_GOALS,
+    Row,
+    read_rows,
+)
+from paged_video.bench.table import geometry_label, quantized_cases, ratio_cases, series_label
 
 # Values spanning more than this factor get a log y axis.
 LOG_SPAN = 10.0

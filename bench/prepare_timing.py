@@ -1,6 +1,7 @@
 """Host cost of ``ForwardPlan.prepare()`` at the shipped geometry, early and deep in a rollout.
 
-``python -m bench.prepare_timing`` rolls one session forward (one committing forward of 3
+``python -m paged_video.bench.prepare_timing`` rolls one session forward (one committing
+forward of 3
 frames per tick) and times ``prepare()`` of a scratch and of a committing forward at tick 10
 and tick 1000. With compaction the block table stays bounded, so both ticks should cost the
 same. ``prepare`` does not depend on heads or layers; the cache uses the shipped 40 x 128 bf16
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from paging import PagedKVCache, PagingConfig
+from paged_video.paging import PagedKVCache, PagingConfig
 
 SHIPPED = PagingConfig(
     block_size=16, chunk_size=1560, sink_chunks=9, window_chunks=9, max_forward_chunks=3

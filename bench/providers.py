@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
-import reference
-from bench.results import QUANTIZED_GOALS
-from bench.workload import Geometry, QuantizedPools, Workload
+from paged_video import kernels, reference
+from paged_video.bench.results import QUANTIZED_GOALS
+from paged_video.bench.workload import Geometry, QuantizedPools, Workload
 
 # Largest float64 score tensor the timed oracle provider may build (it is timed whole).
 ORACLE_TIMING_BYTES = 1 << 28

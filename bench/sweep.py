@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import reference.quantize
-from bench.providers import (
+from paged_video import reference
+from paged_video.bench.providers import (
     PROVIDERS,
     SDPA_BACKENDS,
     SDPA_BEST,
@@ -37,7 +37,7 @@ from bench.providers import (
     quantized_pools,
     torch_sdpa_output,
 )
-from bench.results import (
+from paged_video.bench.results import (
     ATTENTION_KERNELS,
     GEOMETRY_COLUMNS,
     KERNELS,
@@ -47,7 +47,7 @@ from bench.results import (
     provenance,
     write_rows,
 )
-from bench.timing import (
+from paged_video.bench.timing import (
     Ceiling,
     Timing,
     TimingSettings,
@@ -56,7 +56,7 @@ from bench.timing import (
     matmul_ceiling,
     measure,
 )
-from bench.workload import (
+from paged_video.bench.workload import (
     DTYPES,
     Geometry,
     Workload,

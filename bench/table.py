@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.results import ATTENTION_KERNELS, GEOMETRY_COLUMNS, QUANTIZED_GOALS, STEADY, Row, sig3
+from paged_video.bench.results import (
+    ATTENTION_KERNELS,
+    GEOMETRY_COLUMNS,
+    QUANTIZED_GOALS,
+    STEADY,
+    Row,
+    sig3,
+)
 
 
 def sci3(value: object) -> str:

@@ -1,6 +1,7 @@
 """Time per generated block of an autoregressive Wan rollout: paged cache against a plain one.
 
-``python -m bench.wan_rollout`` builds a random-weight diffusers ``WanTransformer3DModel`` of the
+``python -m paged_video.bench.wan_rollout`` builds a random-weight diffusers
+``WanTransformer3DModel`` of the
 Wan 2.1 1.3B shape (30 layers, 12 heads of 128, bf16, 1560 tokens per 832x480 latent frame,
 3 frames per block, sink 9 and window 9 frames, both CFG branches) and generates ``--blocks``
 blocks twice: with ``models.wan_paged.PagedWanRollout`` (this project's fused write+attend op
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from models.wan_paged import PagedWanRollout, apply_rotary, rope_at_frame, wan_qkv
-from paging import PagingConfig
+from paged_video.models.wan_paged import PagedWanRollout, apply_rotary, rope_at_frame, wan_qkv
+from paged_video.paging import PagingConfig
 
 # --kv-dtype: the paged pools' dtype (bf16: unquantized, the model's dtype).
 KV_DTYPES = {"bf16": None, "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-import reference
-import reference.quantize
-from reference.attention import gather_sequence
+from paged_video import reference
+from paged_video.reference.attention import gather_sequence
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._runtime import interpreter_active
+from paged_video.kernels._runtime import interpreter_active
 
 # Elements per tensor per program, and the widest column chunk, on a GPU.
 GPU_TILE = 1 << 12

@@ -40,12 +40,12 @@ from typing import NamedTuple, get_type_hints
 import torch
 from torch import Tensor
 
-from kernels import _checks
-from kernels.gather_blocks import gather_blocks
-from kernels.paged_attention import _check_arguments as check_attention_arguments
-from kernels.paged_attention import paged_attention
-from kernels.quantize import SCALE_DTYPE, check_scales, is_quantized
-from kernels.write_slots import write_slots
+from paged_video.kernels import _checks
+from paged_video.kernels.gather_blocks import gather_blocks
+from paged_video.kernels.paged_attention import _check_arguments as check_attention_arguments
+from paged_video.kernels.paged_attention import paged_attention
+from paged_video.kernels.quantize import SCALE_DTYPE, check_scales, is_quantized
+from paged_video.kernels.write_slots import write_slots
 
 NAMESPACE = "paged_video"
 OP_NAME = "write_attend"

@@ -27,8 +27,8 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from kernels import _checks
-from kernels.paged_attention import paged_attention
+from paged_video.kernels import _checks
+from paged_video.kernels.paged_attention import paged_attention
 
 Span = tuple[int, int]
 # One list of spans shared by every row, or one list per row.

@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, quantize, torch_path
-from kernels._quantize_jit import round_to_code_grid
-from kernels._runtime import interpreter_active, use_torch_path
+from paged_video.kernels import _checks, quantize, torch_path
+from paged_video.kernels._quantize_jit import round_to_code_grid
+from paged_video.kernels._runtime import interpreter_active, use_torch_path
 
 LOG2E = 1.4426950408889634
 
@@ -712,7 +712,7 @@ def _is_tile(value: int) -> bool:
 
 
 # GPU launch settings per (head_dim up to, 16-bit or fp32): BLOCK_M, BLOCK_N, warps, stages.
-# Checked for registers, spills and pipelining by `python -m bench compile`.
+# Checked for registers, spills and pipelining by `python -m paged_video.bench compile`.
 _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
     (64, True): (128, 64, 8, 3),
     (128, True): (128, 64, 8, 3),
@@ -723,10 +723,10 @@ _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
 }
 
 
-# Quantized caches at the 128 x 64 tile, hd 128, bf16 (`python -m bench compile --kv-modes
-# fp8,int8,fp8_mma`): Triton 3.9 fits them in 255 registers (spills of 8-28 bytes at some block
-# sizes), Triton 3.6 spills 250-480 bytes; with 32-key tiles 3.6 does not spill (dequantizing)
-# or spills 8-12 bytes (FP8 MMA).
+# Quantized caches at the 128 x 64 tile, hd 128, bf16
+# (`python -m paged_video.bench compile --kv-modes fp8,int8,fp8_mma`): Triton 3.9 fits them in
+# 255 registers (spills of 8-28 bytes at some block sizes), Triton 3.6 spills 250-480 bytes; with
+# 32-key tiles 3.6 does not spill (dequantizing) or spills 8-12 bytes (FP8 MMA).
 _QUANTIZED_BLOCK_N_OLD_TRITON = 32
 _OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
 
@@ -757,7 +757,7 @@ def choose_tiles(
     faster. On a GPU the settings come from a small table per (head_dim, dtype).
     ``dequantize``: K/V codes converted to ``dtype`` before the MMAs. Triton's pipeliner then
     keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
-    stage keeps as many K/V tiles in flight (checked by ``python -m bench compile``).
+    stage keeps as many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
     ``fp8_mma``: FP8 MMAs on e4m3 codes. Before Triton 3.9 either quantized mode takes 32-key
     tiles (register pressure).
     """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import _checks
+from paged_video.kernels import _checks
 
 # The largest finite code of each quantized dtype: e4m3fn's 448 (S.1111.110), int8's 127
 # (symmetric, so -128 is never written).

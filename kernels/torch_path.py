@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.quantize import QMAX
+from paged_video.kernels.quantize import QMAX
 
 
 def _to_codes(ratio: Tensor, dtype: torch.dtype) -> Tensor:

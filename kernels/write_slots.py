@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import _checks, quantize, torch_path
-from kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
-from kernels._quantize_jit import quantize_rows
-from kernels._runtime import use_torch_path
+from paged_video.kernels import _checks, quantize, torch_path
+from paged_video.kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
+from paged_video.kernels._quantize_jit import quantize_rows
+from paged_video.kernels._runtime import use_torch_path
 
 
 @triton.jit

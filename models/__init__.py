@@ -6,3 +6,6 @@ with its self-attention reading and writing the paged KV cache through ``paging.
 parallel, CFG parallel); ``models.distributed`` is its torch-only plumbing.
 Nothing in ``kernels``, ``paging`` or ``reference`` imports this package.
 """
+
+if __name__ != "paged_video.models":  # a bare `import models` from a clone's root
+    raise ImportError("this folder is paged_video.models; import it by that name")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from paging.forward import ForwardCall
+    from paged_video.paging.forward import ForwardCall
 
 
 class PlanDivergenceError(RuntimeError):

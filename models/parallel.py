@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from models.distributed import (
+from paged_video.models.distributed import (
     ParallelGroups,
     ParallelLayout,
     PlanDivergenceError,
@@ -42,15 +42,15 @@ from models.distributed import (
     plan_digest,
     sequence_to_heads,
 )
-from models.wan_paged import (
+from paged_video.models.wan_paged import (
     CFG_BRANCHES,
     ForwardState,
     PagedWanAttnProcessor,
     PagedWanRollout,
     WanTransformer3DModel,
 )
-from paging import PagingConfig
-from paging.forward import ForwardCall
+from paged_video.paging import PagingConfig
+from paged_video.paging.forward import ForwardCall
 
 __all__ = [
     "ParallelGroups",

@@ -29,9 +29,9 @@ from torch import Tensor
 
 # kernels (also imported by paging.forward), without a GPU, switches Triton's interpreter on; that
 # must happen before triton is imported, and importing diffusers imports triton.
-from kernels.fused import LayerInputs, write_attend
-from paging import PagedKVCache, PagingConfig
-from paging.forward import ForwardCall
+from paged_video.kernels.fused import LayerInputs, write_attend
+from paged_video.paging import PagedKVCache, PagingConfig
+from paged_video.paging.forward import ForwardCall
 
 try:
     from diffusers import WanTransformer3DModel

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from matplotlib.patches import Patch
 
-from models.wan_paged import PagedWanRollout
-from paging import PagingConfig
-from reference.wan_rollout import reference_rollout
+from paged_video.models.wan_paged import PagedWanRollout
+from paged_video.paging import PagingConfig
+from paged_video.reference.wan_rollout import reference_rollout
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
 # After models.wan_paged: it imports kernels (Triton's interpreter without a GPU) first.

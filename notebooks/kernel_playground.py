@@ -24,9 +24,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-import kernels  # without a GPU, importing it switches Triton's interpreter on
-from bench.providers import quantized_pools
-from bench.workload import Geometry, dequantized_sequences, make_workload, oracle_attention
+from paged_video import kernels  # without a GPU, importing it switches Triton's interpreter on
+from paged_video.bench.providers import quantized_pools
+from paged_video.bench.workload import (
+    Geometry,
+    dequantized_sequences,
+    make_workload,
+    oracle_attention,
+)
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
 OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))

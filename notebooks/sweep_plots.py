@@ -9,8 +9,8 @@
 # %% [markdown]
 # # The sweep's plots
 #
-# Reads a results CSV written by `python -m bench sweep` (set `SWEEP_CSV`), or runs a small
-# checked sweep here when none is given, then draws the standard per-kernel plots and two
+# Reads a results CSV written by `python -m paged_video.bench sweep` (set `SWEEP_CSV`), or runs
+# a small checked sweep here when none is given, then draws the standard per-kernel plots and two
 # comparisons the CLI does not: the Triton kernel's speed against the fastest baseline, and
 # the paged kernel against the staged path (gather + attention) at each block size.
 #
@@ -24,12 +24,12 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from bench.plot import plot_rows
-from bench.results import read_rows
-from bench.sweep import SweepConfig, run_sweep
-from bench.table import format_pivot, geometry_label
-from bench.timing import TimingSettings
-from bench.workload import Geometry
+from paged_video.bench.plot import plot_rows
+from paged_video.bench.results import read_rows
+from paged_video.bench.sweep import SweepConfig, run_sweep
+from paged_video.bench.table import format_pivot, geometry_label
+from paged_video.bench.timing import TimingSettings
+from paged_video.bench.workload import Geometry
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
 OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))

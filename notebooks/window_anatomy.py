@@ -27,11 +27,13 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Patch, Rectangle
 
-import kernels  # without a GPU, importing it switches Triton's interpreter on
-import reference
-from paging import NULL_BLOCK, PagedKVCache, PagingConfig
-from paging import window as paging_window
-from reference.attention import gather_sequence
+from paged_video import (
+    kernels,  # without a GPU, importing it switches Triton's interpreter on
+    reference,
+)
+from paged_video.paging import NULL_BLOCK, PagedKVCache, PagingConfig
+from paged_video.paging import window as paging_window
+from paged_video.reference.attention import gather_sequence
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
 OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))

@@ -5,14 +5,14 @@ Only ``paging.forward`` (one forward through the fused op) imports ``kernels``; 
 imported here, so bookkeeping alone never loads Triton. The contract is DESIGN section 4.
 """
 
-from paging.batch import batch_plans
-from paging.block_size import paging_block_size
-from paging.cache import LayerCache, PagedKVCache
-from paging.config import PagingConfig
-from paging.plan import AttentionInputs, ForwardPlan, PlanState
-from paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError
-from paging.session import Sequence, Session
-from paging.staging import HistoryStaging, StagingDecision
+from paged_video.paging.batch import batch_plans
+from paged_video.paging.block_size import paging_block_size
+from paged_video.paging.cache import LayerCache, PagedKVCache
+from paged_video.paging.config import PagingConfig
+from paged_video.paging.plan import AttentionInputs, ForwardPlan, PlanState
+from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError
+from paged_video.paging.session import Sequence, Session
+from paged_video.paging.staging import HistoryStaging, StagingDecision
 
 __all__ = [
     "NULL_BLOCK",
@@ -31,3 +31,6 @@ __all__ = [
     "batch_plans",
     "paging_block_size",
 ]
+
+if __name__ != "paged_video.paging":  # a bare `import paging` from a clone's root
+    raise ImportError("this folder is paged_video.paging; import it by that name")

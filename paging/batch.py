@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paging.plan import AttentionInputs, ForwardPlan
+from paged_video.paging.plan import AttentionInputs, ForwardPlan
 
 
 def batch_plans(plans: Sequence[ForwardPlan]) -> AttentionInputs:

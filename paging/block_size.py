@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from paging._validate import require_int
+from paged_video.paging._validate import require_int
 
 
 def paging_block_size(tokens_per_frame: int, supported: Iterable[int] | None = None) -> int:

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from paging import window
-from paging._validate import require_bool, require_int
-from paging.config import KV_DTYPES, PagingConfig
-from paging.plan import ForwardPlan
-from paging.pool import BlockPool
-from paging.session import Sequence, Session
-from paging.staging import NOTHING_STAGED, HistoryStaging
+from paged_video.paging import window
+from paged_video.paging._validate import require_bool, require_int
+from paged_video.paging.config import KV_DTYPES, PagingConfig
+from paged_video.paging.plan import ForwardPlan
+from paged_video.paging.pool import BlockPool
+from paged_video.paging.session import Sequence, Session
+from paged_video.paging.staging import NOTHING_STAGED, HistoryStaging
 
 if TYPE_CHECKING:
-    from kernels.fused import PoolTensors
+    from paged_video.kernels.fused import PoolTensors
 
 
 def _usable_device(device: object) -> torch.device:
@@ -192,7 +192,9 @@ class PagedKVCache:
     @property
     def pool_tensors(self) -> PoolTensors:
         """Every cache tensor the fused op reads or writes (``kernels.fused.PoolTensors``)."""
-        from kernels.fused import PoolTensors  # here: bookkeeping alone never loads Triton
+        from paged_video.kernels.fused import (
+            PoolTensors,  # here: bookkeeping alone never loads Triton
+        )
 
         # The cache's attributes carry the fields' names.
         return PoolTensors(*(getattr(self, name) for name in PoolTensors._fields))

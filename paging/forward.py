@@ -19,12 +19,12 @@ from collections.abc import Sequence as SequenceOf
 import torch
 from torch import Tensor
 
-from kernels._checks import check_tensor
-from kernels.fused import LayerInputs, write_attend
-from paging.batch import batch_plans
-from paging.cache import PagedKVCache
-from paging.plan import ForwardPlan, PlanState
-from paging.staging import NOTHING_STAGED
+from paged_video.kernels._checks import check_tensor
+from paged_video.kernels.fused import LayerInputs, write_attend
+from paged_video.paging.batch import batch_plans
+from paged_video.paging.cache import PagedKVCache
+from paged_video.paging.plan import ForwardPlan, PlanState
+from paged_video.paging.staging import NOTHING_STAGED
 
 
 class ForwardCall:

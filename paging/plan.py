@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from paging import window
-from paging.staging import StagingDecision
-from paging.transfer import to_device
+from paged_video.paging import window
+from paged_video.paging.staging import StagingDecision
+from paged_video.paging.transfer import to_device
 
 if TYPE_CHECKING:
-    from paging.cache import PagedKVCache
-    from paging.session import Sequence, Session
+    from paged_video.paging.cache import PagedKVCache
+    from paged_video.paging.session import Sequence, Session
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from paging._validate import require_int
+from paged_video.paging._validate import require_int
 
 NULL_BLOCK = 0
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from paging import window
-from paging.config import PagingConfig
-from paging.pool import NULL_BLOCK, BlockPool
+from paged_video.paging import window
+from paged_video.paging.config import PagingConfig
+from paged_video.paging.pool import NULL_BLOCK, BlockPool
 
 if TYPE_CHECKING:
-    from paging.plan import ForwardPlan
+    from paged_video.paging.plan import ForwardPlan
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from paging.config import PagingConfig
+from paged_video.paging.config import PagingConfig
 
 
 def sink_blocks(config: PagingConfig) -> int:

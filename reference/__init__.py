@@ -1,8 +1,14 @@
 """Pure-PyTorch float64 oracles. Imports nothing else of this project."""
 
-from reference.attention import attention_mask, dense_attention, paged_attention
-from reference.masks import MaskSegment, mask_segments, mixed_mask_attention, per_segment_attention
-from reference.window import (
+from paged_video.reference import quantize
+from paged_video.reference.attention import attention_mask, dense_attention, paged_attention
+from paged_video.reference.masks import (
+    MaskSegment,
+    mask_segments,
+    mixed_mask_attention,
+    per_segment_attention,
+)
+from paged_video.reference.window import (
     SlotLedger,
     WindowGeometry,
     block_read_positions,
@@ -23,6 +29,10 @@ __all__ = [
     "mixed_mask_attention",
     "paged_attention",
     "per_segment_attention",
+    "quantize",
     "resident_positions",
     "slots_read",
 ]
+
+if __name__ != "paged_video.reference":  # a bare `import reference` from a clone's root
+    raise ImportError("this folder is paged_video.reference; import it by that name")

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from reference.quantize import dequantize
+from paged_video.reference.quantize import dequantize
 
 
 def attention_mask(

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from reference.attention import paged_attention
+from paged_video.reference.attention import paged_attention
 
 Span = tuple[int, int]
 AttentionFn = Callable[..., Tensor]

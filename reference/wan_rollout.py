@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reference.quantize import dequantize, quantize
-from reference.window import WindowGeometry, block_read_positions, kept_positions
+from paged_video.reference.quantize import dequantize, quantize
+from paged_video.reference.window import WindowGeometry, block_read_positions, kept_positions
 
 
 @dataclass(frozen=True)

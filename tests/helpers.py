@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import _copy_tiles
+from paged_video.kernels import _copy_tiles
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import kernels
-import reference
-from paging import ForwardPlan, PagedKVCache, PagingConfig, Session
-from paging.forward import ForwardCall
-from reference import WindowGeometry
+from paged_video import kernels, reference
+from paged_video.paging import ForwardPlan, PagedKVCache, PagingConfig, Session
+from paged_video.paging.forward import ForwardCall
+from paged_video.reference import WindowGeometry
 from tests.helpers import DEVICE
 
 ATOL = 3e-5
@@ -321,7 +320,7 @@ def test_real_plans_compile_once(staged: bool) -> None:
     # time; the compiled block must not recompile.
     from torch._dynamo.testing import CompileCounter
 
-    from kernels.fused import write_attend
+    from paged_video.kernels.fused import write_attend
 
     config = PagingConfig(
         **RAGGED,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.results import COLUMNS, MEASURE_COLUMNS, Row
+from paged_video.bench.results import COLUMNS, MEASURE_COLUMNS, Row
 
 GEOMETRY = dict(
     chunk_size=1560,

@@ -1,4 +1,5 @@
-"""``python -m bench accuracy`` on a tiny geometry: the metrics, the goal, the rows, the CSV."""
+"""``python -m paged_video.bench accuracy`` on a tiny geometry: the metrics, the goal, the rows,
+the CSV."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import math
 import pytest
 import torch
 
-import reference
-import reference.quantize
-from bench import accuracy
-from bench.accuracy import (
+from paged_video import reference
+from paged_video.bench import accuracy
+from paged_video.bench.accuracy import (
     ACCURACY_COLUMNS,
     AccuracyConfig,
     Variant,
@@ -21,7 +21,7 @@ from bench.accuracy import (
     run_accuracy,
     smoothing_mean,
 )
-from bench.cli import main
+from paged_video.bench.cli import main
 
 # One query frame of 8 tokens over 3 frames of keys, blocks of 5 (a frame straddles blocks).
 TINY = AccuracyConfig(

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-import reference
-from bench.cli import main
-from bench.providers import (
+from paged_video import reference
+from paged_video.bench.cli import main
+from paged_video.bench.providers import (
     PROVIDERS,
     SDPA_BACKENDS,
     Bench,
@@ -22,8 +22,8 @@ from bench.providers import (
     pregathered,
     sdpa_unsupported,
 )
-from bench.results import read_rows
-from bench.sweep import (
+from paged_video.bench.results import read_rows
+from paged_video.bench.sweep import (
     WrongResultError,
     _best_sdpa_row,
     accuracy_limit,
@@ -31,7 +31,7 @@ from bench.sweep import (
     run_sweep,
     selected_providers,
 )
-from bench.workload import Geometry, make_workload, oracle_attention
+from paged_video.bench.workload import Geometry, make_workload, oracle_attention
 from tests.bench.rows import measured
 from tests.bench.tiny import TINY, paged_config
 
@@ -165,7 +165,7 @@ def long_errors():
     w = make_workload(LONG, 16)
     expected = oracle_attention(w)
     dropped = _attention_without(0).build(w, None).run()
-    from bench.providers import torch_sdpa_output
+    from paged_video.bench.providers import torch_sdpa_output
 
     return max_error(torch_sdpa_output(w), expected), max_error(dropped, expected)
 

@@ -1,4 +1,5 @@
-"""``python -m bench``: bad input names the argument; the README's command works end to end."""
+"""``python -m paged_video.bench``: bad input names the argument; the README's command works end
+to end."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.cli import main
-from bench.results import read_rows
+from paged_video.bench.cli import main
+from paged_video.bench.results import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,11 +88,14 @@ def test_sweep_then_plot_and_table_from_the_csv(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="times the CPU run of the README command")
 def test_the_readme_main_job_runs_the_small_preset(tmp_path):
-    """``python -m bench sweep --preset small --out out/``, exactly as README.md gives it."""
-    assert "python -m bench sweep --preset small --out out/" in (REPO / "README.md").read_text()
+    """``python -m paged_video.bench sweep --preset small --out out/``, as README.md gives it."""
+    assert (
+        "python -m paged_video.bench sweep --preset small --out out/"
+        in (REPO / "README.md").read_text()
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "sweep", "--preset", "small", "--out", "out/"],
+        [sys.executable, "-m", "paged_video.bench", "sweep", "--preset", "small", "--out", "out/"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -115,8 +119,14 @@ def test_the_gpu_check_runs_the_shipped_block_sizes_first_and_ends_with_the_rati
     script = (REPO / "bench" / "gpu_check.sh").read_text()
     assert subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")]).returncode == 0
     assert "BLOCK_SIZES:-16,1560,24,64,256,520,32,128}" in script
-    assert "--time-limit" in script and "python -m bench compile" in script  # the lead's spot
-    commands = [line for line in script.splitlines() if '"$python" -m bench' in line]
+    assert (
+        "--time-limit" in script and "python -m paged_video.bench compile" in script
+    )  # the lead's spot
+    commands = [line for line in script.splitlines() if '"$python" -m paged_video.bench' in line]
     assert "sweep" in commands[0]  # the sweep first, the plots and the ratio table last
-    assert any("-m bench accuracy" in line for line in commands)  # FP8/INT8 accuracy on the GPU
-    assert commands[-1].strip() == '"$python" -m bench table "$out_dir/sweep.csv" --goal'
+    assert any(
+        "-m paged_video.bench accuracy" in line for line in commands
+    )  # FP8/INT8 accuracy on the GPU
+    assert (
+        commands[-1].strip() == '"$python" -m paged_video.bench table "$out_dir/sweep.csv" --goal'
+    )

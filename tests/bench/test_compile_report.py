@@ -1,5 +1,6 @@
-"""``python -m bench compile``: the sm_90a machine code of ``paged_attention`` against a table-free
-flash-attention loop, read on a CPU (no GPU needed; skipped where Triton's wheel has no ptxas).
+"""``python -m paged_video.bench compile``: the sm_90a machine code of ``paged_attention``
+against a table-free flash-attention loop, read on a CPU (no GPU needed; skipped where Triton's
+wheel has no ptxas).
 
 Every shipped bf16/fp16, head_dim 64/128 configuration at block sizes 16..1560 is compiled once
 per session (two processes) and must: not spill, use wgmma, prefetch K/V as deep as the reference
@@ -20,8 +21,8 @@ import os
 import pytest
 from filelock import FileLock
 
-from bench import compile_report
-from bench.cli import main
+from paged_video.bench import compile_report
+from paged_video.bench.cli import main
 
 DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 128)

@@ -6,14 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import reference
-import reference.quantize
-from bench.providers import PROVIDERS, QUANTIZED_PROVIDERS, Bench, Provider, quantized_pools
-from bench.results import QUANTIZED_GOALS
-from bench.sweep import WrongResultError, bytes_moved, run_sweep
-from bench.table import format_ratios, quantized_cases
-from bench.workload import Geometry, make_workload
+from paged_video import kernels, reference
+from paged_video.bench.providers import (
+    PROVIDERS,
+    QUANTIZED_PROVIDERS,
+    Bench,
+    Provider,
+    quantized_pools,
+)
+from paged_video.bench.results import QUANTIZED_GOALS
+from paged_video.bench.sweep import WrongResultError, bytes_moved, run_sweep
+from paged_video.bench.table import format_ratios, quantized_cases
+from paged_video.bench.workload import Geometry, make_workload
 from tests.bench.rows import STEADY_CEILINGS, measured
 from tests.bench.tiny import TINY, paged_config
 
@@ -130,7 +134,7 @@ def test_the_ratio_table_rates_quantized_rows_against_the_bf16_pool():
 
 
 def test_the_speedup_plot_draws_the_quantized_pools_without_a_baseline(tmp_path):
-    from bench.plot import plot_rows
+    from paged_video.bench.plot import plot_rows
 
     rows = [
         *STEADY_CEILINGS,

@@ -8,12 +8,18 @@ import math
 import pytest
 import torch
 
-import reference
-from bench.providers import PROVIDERS, Bench, Provider
-from bench.results import COLUMNS, KERNELS, read_rows
-from bench.sweep import FP8_MMA_ALLOWANCE, SweepConfig, WrongResultError, max_error, run_sweep
-from bench.timing import TimingSettings, figures_kind, measure
-from bench.workload import Geometry
+from paged_video import reference
+from paged_video.bench.providers import PROVIDERS, Bench, Provider
+from paged_video.bench.results import COLUMNS, KERNELS, read_rows
+from paged_video.bench.sweep import (
+    FP8_MMA_ALLOWANCE,
+    SweepConfig,
+    WrongResultError,
+    max_error,
+    run_sweep,
+)
+from paged_video.bench.timing import TimingSettings, figures_kind, measure
+from paged_video.bench.workload import Geometry
 from tests.bench.tiny import QUICK, TINY
 
 
@@ -163,7 +169,7 @@ def test_provider_filter_keeps_only_the_named_providers(tmp_path):
 
 
 def test_tiles_are_swept_for_the_triton_attention_only(tmp_path):
-    from bench.providers import Tile
+    from paged_video.bench.providers import Tile
 
     config = tiny_config(
         kernels=("paged_attention",),

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from bench.cli import main
-from bench.compare import compare_rows, verdict
-from bench.results import noise_verdict, read_rows, write_rows
-from bench.table import format_ratios, format_table, ratio_cases, sig3
+from paged_video.bench.cli import main
+from paged_video.bench.compare import compare_rows, verdict
+from paged_video.bench.results import noise_verdict, read_rows, write_rows
+from paged_video.bench.table import format_ratios, format_table, ratio_cases, sig3
 from tests.bench.rows import STEADY_CEILINGS, ceiling, measured
 
 
@@ -172,7 +172,7 @@ def test_bad_paths_end_in_one_line_naming_the_argument(tmp_path, capsys):
 
 def test_a_csv_from_before_the_new_columns_still_reads(tmp_path, capsys):
     """``compare OLD.csv NEW.csv`` must take a CSV written before backend/role/noise existed."""
-    from bench.results import COLUMNS, LATER_COLUMNS
+    from paged_video.bench.results import COLUMNS, LATER_COLUMNS
 
     old_columns = [c for c in COLUMNS if c not in LATER_COLUMNS]
     rows = [measured("write_slots", "triton", 16, 0.5), measured("write_slots", "torch", 16, 1.0)]
@@ -192,7 +192,7 @@ def test_a_csv_from_before_the_new_columns_still_reads(tmp_path, capsys):
 
 
 def test_the_headline_plot_draws_the_ratio_with_the_one_line_on_a_log_axis_when_needed():
-    from bench.plot import draw_kernel, draw_speedup
+    from paged_video.bench.plot import draw_kernel, draw_speedup
 
     ax = draw_speedup(ROWS).axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}

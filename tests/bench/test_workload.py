@@ -7,9 +7,15 @@ import warnings
 import pytest
 import torch
 
-from bench.providers import flex_key_tile, flex_mask_block, flex_paged_inputs
-from bench.workload import Geometry, make_workload, oracle_attention, oracle_pools, oracle_stage
-from reference.attention import gather_sequence
+from paged_video.bench.providers import flex_key_tile, flex_mask_block, flex_paged_inputs
+from paged_video.bench.workload import (
+    Geometry,
+    make_workload,
+    oracle_attention,
+    oracle_pools,
+    oracle_stage,
+)
+from paged_video.reference.attention import gather_sequence
 
 GEOMETRY = Geometry(
     chunk_size=10,

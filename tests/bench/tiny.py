@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench.sweep import SweepConfig
-from bench.timing import TimingSettings
-from bench.workload import Geometry
+from paged_video.bench.sweep import SweepConfig
+from paged_video.bench.timing import TimingSettings
+from paged_video.bench.workload import Geometry
 
 TINY = Geometry(
     chunk_size=8,

@@ -113,7 +113,7 @@ def tolerance_anchor(
     softmax_scale: float | None = None,
 ) -> float:
     """Max error of the same attention done by PyTorch in the test dtype (flash-attn's anchor)."""
-    from reference.attention import attention_mask, gather_sequence
+    from paged_video.reference.attention import attention_mask, gather_sequence
 
     dtype = case.q.dtype
     worst = 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from paged_video import kernels
 from tests.kernels.paged_case import make_paged_case
 
 

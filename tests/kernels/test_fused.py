@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-import kernels
-from kernels import fused
+from paged_video import kernels
+from paged_video.kernels import fused
 from tests.helpers import DEVICE
 
 LAYERS, BLOCKS, BLOCK, KV_HEADS, HEADS, DIM, WIDTH = 3, 12, 16, 2, 4, 32, 5

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from kernels import fused
-from reference.quantize import nearest_code_error, quantize
+from paged_video.kernels import fused
+from paged_video.reference.quantize import nearest_code_error, quantize
 from tests.helpers import DEVICE
 from tests.kernels.test_fused import (
     BLOCK,

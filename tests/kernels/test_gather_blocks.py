@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels
+from paged_video import kernels
 from tests.helpers import DEVICE, copy_tiling
 
 

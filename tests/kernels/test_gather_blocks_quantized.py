@@ -15,11 +15,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels
-from reference.quantize import nearest_code_error
+from paged_video import kernels
+from paged_video.reference.quantize import nearest_code_error
 from tests.helpers import DEVICE, copy_tiling
 
-gather_module = importlib.import_module("kernels.gather_blocks")
+gather_module = importlib.import_module("paged_video.kernels.gather_blocks")
 
 FORMATS = [
     pytest.param(torch.float8_e4m3fn, id="e4m3"),

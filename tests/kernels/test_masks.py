@@ -11,11 +11,10 @@ import torch
 from hypothesis import given
 from triton.runtime.jit import KernelInterface
 
-import kernels
-import reference
-from kernels._runtime import interpreter_active
-from kernels.masks import key_limits_from_spans, mixed_mask_attention
-from reference.masks import per_segment_attention, segments_for_batch
+from paged_video import kernels, reference
+from paged_video.kernels._runtime import interpreter_active
+from paged_video.kernels.masks import key_limits_from_spans, mixed_mask_attention
+from paged_video.reference.masks import per_segment_attention, segments_for_batch
 from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import PagedCase, make_paged_case
 from tests.reference.test_masks import (

@@ -7,9 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels
-import reference
-from kernels.paged_attention import kv_path
+from paged_video import kernels, reference
+from paged_video.kernels.paged_attention import kv_path
 from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import PagedCase, make_paged_case, tolerance_anchor
 

@@ -15,12 +15,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-import kernels
-import reference
-from kernels import _runtime
-from kernels.paged_attention import _to_e4m3, kv_path
-from reference.attention import attention_mask, gather_sequence
-from reference.quantize import quantize
+from paged_video import kernels, reference
+from paged_video.kernels import _runtime
+from paged_video.kernels.paged_attention import _to_e4m3, kv_path
+from paged_video.reference.attention import attention_mask, gather_sequence
+from paged_video.reference.quantize import quantize
 from tests.helpers import DEVICE, nan_like
 from tests.kernels.paged_case import PagedCase, make_paged_case
 

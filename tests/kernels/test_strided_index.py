@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import reference
-from kernels import fused
-from kernels.masks import key_limits_from_spans, mixed_mask_attention
+from paged_video import kernels, reference
+from paged_video.kernels import fused
+from paged_video.kernels.masks import key_limits_from_spans, mixed_mask_attention
 from tests.helpers import DEVICE, nan_like
 from tests.kernels.paged_case import make_paged_case
 from tests.kernels.test_fused import direct_calls, make_forward, make_state

@@ -9,9 +9,8 @@ import sys
 import pytest
 import torch
 
-import kernels
-import reference
-from kernels import _runtime
+from paged_video import kernels, reference
+from paged_video.kernels import _runtime
 from tests.helpers import nan_like
 from tests.kernels.paged_case import make_paged_case
 
@@ -66,8 +65,9 @@ def test_write_and_gather(no_interpreter) -> None:
 def test_cpu_process_without_interpreter() -> None:
     # A user who turned the interpreter off on a CPU still gets correct attention.
     script = (
-        "import torch, kernels, reference\n"
-        "from kernels._runtime import interpreter_active\n"
+        "import torch\n"
+        "from paged_video import kernels, reference\n"
+        "from paged_video.kernels._runtime import interpreter_active\n"
         "assert not interpreter_active()\n"
         "q = torch.randn(4, 2, 16); kc = torch.randn(3, 5, 1, 16); vc = torch.randn(3, 5, 1, 16)\n"
         "t = torch.tensor([[2, 0, 1]], dtype=torch.int32)\n"

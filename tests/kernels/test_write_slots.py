@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels
-from kernels import _copy_tiles
+from paged_video import kernels
+from paged_video.kernels import _copy_tiles
 from tests.helpers import DEVICE, copy_tiling
 
 

@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels.quantize import QMAX
-from reference.quantize import nearest_code_error, quantize
+from paged_video import kernels
+from paged_video.kernels.quantize import QMAX
+from paged_video.reference.quantize import nearest_code_error, quantize
 from tests.helpers import DEVICE, ON_GPU, copy_tiling
 
-write_module = importlib.import_module("kernels.write_slots")
+write_module = importlib.import_module("paged_video.kernels.write_slots")
 
 FORMATS = [
     pytest.param(torch.float8_e4m3fn, id="e4m3"),
@@ -249,7 +249,7 @@ def _coarse_grid(ratio, IS_FP8: tl.constexpr):
     return rounded
 
 
-_grid = importlib.import_module("kernels._quantize_jit").round_to_code_grid
+_grid = importlib.import_module("paged_video.kernels._quantize_jit").round_to_code_grid
 
 
 @pytest.mark.skipif(ON_GPU, reason="patches the kernel's Python globals: interpreter only")
@@ -258,7 +258,7 @@ _grid = importlib.import_module("kernels._quantize_jit").round_to_code_grid
 def test_assertion_catches_wrong_rounding(dtype, broken, monkeypatch) -> None:
     """The checks above can fail: with the rounding helper broken, they do (even without the
     bitwise comparison), while the same data passes with the real one."""
-    quantize_jit = importlib.import_module("kernels._quantize_jit")
+    quantize_jit = importlib.import_module("paged_video.kernels._quantize_jit")
     key, value, _ = random_kv(16, 2, 80, seed=1)
     value[0, 0] = torch.linspace(31.0, 32.0, 80)  # 31.2 is the interpreter's 31.2 -> 16 case
     slots = torch.arange(16, device=DEVICE)

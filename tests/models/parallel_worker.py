@@ -31,7 +31,7 @@ GUIDANCE = 3.0
 
 
 def paging_config(**overrides):
-    from paging import PagingConfig
+    from paged_video.paging import PagingConfig
     from tests.models.tiny import TOKENS_PER_FRAME
 
     settings = dict(
@@ -103,7 +103,7 @@ def rollout(case: dict, rollout_factory, on_block=None):
 
 def _two(rank: int) -> dict:
     """Ulysses P=2, CFG parallel, and two planted divergences (a config, a stolen block)."""
-    from models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
+    from paged_video.models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
 
     ulysses = ParallelGroups(ParallelLayout(ulysses_degree=2))
     cfg = ParallelGroups(ParallelLayout(cfg_degree=2))
@@ -143,7 +143,7 @@ def _two(rank: int) -> dict:
 
 def refusals(ulysses, cfg) -> list[tuple[str, str, bool]]:
     """Rollouts the layout cannot carry: (error, message, model left stock?) for each."""
-    from models.parallel import ParallelWanRollout
+    from paged_video.models.parallel import ParallelWanRollout
     from tests.models.tiny import tiny_wan
 
     cases = [
@@ -166,7 +166,7 @@ def refusals(ulysses, cfg) -> list[tuple[str, str, bool]]:
 def _four(rank: int) -> dict:
     """Ulysses x CFG with P=4: the groups, and the Ulysses all-to-alls within them (torch only,
     no diffusers or kernels imported: four ranks on two cores stay cheap)."""
-    from models.distributed import (
+    from paged_video.models.distributed import (
         ParallelGroups,
         ParallelLayout,
         heads_to_sequence,
@@ -199,7 +199,7 @@ FOUR = dict(ULYSSES, config=dict(ULYSSES["config"], window_chunks=2, sink_chunks
 
 def _four_rollout(rank: int) -> dict:
     """A Ulysses x CFG rollout on 4 ranks (opt-in: four diffusers imports on two cores)."""
-    from models.parallel import ParallelLayout, ParallelWanRollout
+    from paged_video.models.parallel import ParallelLayout, ParallelWanRollout
 
     layout = ParallelLayout(ulysses_degree=2, cfg_degree=2)
     return rollout(FOUR, partial(ParallelWanRollout, groups=layout))

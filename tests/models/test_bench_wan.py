@@ -1,4 +1,5 @@
-"""``python -m bench.wan_rollout --tiny`` runs (the GPU run of the 1.3B shape is the same code)."""
+"""``python -m paged_video.bench.wan_rollout --tiny`` runs (the GPU run of the 1.3B shape is the
+same code)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from bench import wan_rollout
+from paged_video.bench import wan_rollout
 
 
 def test_tiny_rollout_bench_runs_and_both_rollouts_agree(capsys):

@@ -26,11 +26,16 @@ pytest.importorskip("diffusers")
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models import parallel
-from models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout, plan_digest
-from models.wan_paged import PagedWanRollout
-from paging import PagedKVCache
-from paging.forward import ForwardCall
+from paged_video.models import parallel
+from paged_video.models.parallel import (
+    ParallelGroups,
+    ParallelLayout,
+    ParallelWanRollout,
+    plan_digest,
+)
+from paged_video.models.wan_paged import PagedWanRollout
+from paged_video.paging import PagedKVCache
+from paged_video.paging.forward import ForwardCall
 from tests.models import parallel_worker
 from tests.models.parallel_worker import (
     BLOCKS,

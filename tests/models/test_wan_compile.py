@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from models.wan_paged import PagedWanRollout
-from paging import PagingConfig
-from reference.wan_rollout import reference_rollout
+from paged_video.models.wan_paged import PagedWanRollout
+from paged_video.paging import PagingConfig
+from paged_video.reference.wan_rollout import reference_rollout
 from tests.models.tiny import (
     ATOL,
     RTOL,

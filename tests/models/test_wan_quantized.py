@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from reference.wan_rollout import reference_rollout
+from paged_video.reference.wan_rollout import reference_rollout
 from tests.models.test_wan_rollout import BLOCKS, CFG, run_both
 from tests.models.tiny import ATOL, assert_close_to_quantized_oracle, rollout_inputs, tiny_wan
 

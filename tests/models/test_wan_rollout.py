@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from kernels.fused import write_attend
-from models import wan_paged
-from models.wan_paged import PagedWanRollout, absolute_rotary
-from paging import PagingConfig
-from reference.wan_rollout import reference_rollout
+from paged_video.kernels.fused import write_attend
+from paged_video.models import wan_paged
+from paged_video.models.wan_paged import PagedWanRollout, absolute_rotary
+from paged_video.paging import PagingConfig
+from paged_video.reference.wan_rollout import reference_rollout
 from tests.models.tiny import ATOL, RTOL, TOKENS_PER_FRAME, poison, rollout_inputs, tiny_wan
 
 BLOCKS = 8

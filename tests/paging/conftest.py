@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paging import PagingConfig
+from paged_video.paging import PagingConfig
 
 
 @pytest.fixture

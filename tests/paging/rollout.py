@@ -15,11 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import paging
-import reference
-from kernels import paged_attention as kernel_attention
-from paging import NULL_BLOCK, ForwardPlan, PagedKVCache, PagingConfig, Session, window
-from reference import SlotLedger, WindowGeometry
+from paged_video import paging, reference
+from paged_video.kernels import paged_attention as kernel_attention
+from paged_video.paging import NULL_BLOCK, ForwardPlan, PagedKVCache, PagingConfig, Session, window
+from paged_video.reference import SlotLedger, WindowGeometry
 
 ATOL = 2e-5
 # The kernel runs under Triton's interpreter on CPUs: only forwards this small use it.

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from paging import PagingConfig
+from paged_video.paging import PagingConfig
 from tests.paging.rollout import Rollout
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from paging import PagedKVCache, PagingConfig, PoolExhaustedError, batch_plans
+from paged_video.paging import PagedKVCache, PagingConfig, PoolExhaustedError, batch_plans
 from tests.paging.rollout import snapshot
 
 CONFIG = PagingConfig(

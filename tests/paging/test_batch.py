@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from paging import PagingConfig, batch_plans
+from paged_video.paging import PagingConfig, batch_plans
 from tests.paging.rollout import Rollout
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from paging import PagingConfig, paging_block_size, window
+from paged_video.paging import PagingConfig, paging_block_size, window
 
 VALID = dict(block_size=4, chunk_size=6, window_chunks=2)
 

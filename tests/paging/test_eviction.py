@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from paging import NULL_BLOCK, PagingConfig, window
+from paged_video.paging import NULL_BLOCK, PagingConfig, window
 from tests.paging.rollout import Rollout
 
 # C = 10, S = 20, W = 30 (B only matters for blocks).

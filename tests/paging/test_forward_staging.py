@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paging import PagingConfig
-from paging.forward import ForwardCall
+from paged_video.paging import PagingConfig
+from paged_video.paging.forward import ForwardCall
 from tests.paging.twin import Twin, plain_torch_kernels
 
 # C = 2B: every chunk starts and ends on block edges, so single-row forwards may reuse staging.

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from paging import PagingConfig, paging_block_size, window
+from paged_video.paging import PagingConfig, paging_block_size, window
 from tests.paging.rollout import Rollout, resident_model_positions
 
 SHIPPED = PagingConfig(

@@ -28,8 +28,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from paging import PagingConfig
-from paging.forward import ForwardCall
+from paged_video.paging import PagingConfig
+from paged_video.paging.forward import ForwardCall
 from tests.paging.rollout import Rollout, check_pool, resident_model_positions, snapshot
 from tests.paging.twin import Twin, plain_torch_kernels
 

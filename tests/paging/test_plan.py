@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from paging import NULL_BLOCK, PagedKVCache, PagingConfig, PlanState
+from paged_video.paging import NULL_BLOCK, PagedKVCache, PagingConfig, PlanState
 from tests.paging.rollout import Rollout, snapshot
 
 

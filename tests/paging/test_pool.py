@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paging import NULL_BLOCK, BlockPool, PoolExhaustedError
+from paged_video.paging import NULL_BLOCK, BlockPool, PoolExhaustedError
 
 
 def test_hands_out_every_block_but_the_null_block() -> None:

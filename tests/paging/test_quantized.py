@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import Tensor
 
-import reference
-from paging import PagedKVCache, PagingConfig, Session
-from paging.forward import ForwardCall
-from reference.quantize import dequantize, nearest_code_error
+from paged_video import reference
+from paged_video.paging import PagedKVCache, PagingConfig, Session
+from paged_video.paging.forward import ForwardCall
+from paged_video.reference.quantize import dequantize, nearest_code_error
 from tests.paging.rollout import geometry_of
 
 FORMATS = [

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
-from kernels.fused import write_attend
-from paging import ForwardPlan, PagedKVCache, PagingConfig, Session, batch_plans
-from paging.forward import ForwardCall
+from paged_video import kernels
+from paged_video.kernels.fused import write_attend
+from paged_video.paging import ForwardPlan, PagedKVCache, PagingConfig, Session, batch_plans
+from paged_video.paging.forward import ForwardCall
 from tests.paging.rollout import snapshot
 from tests.paging.twin import plain_torch_kernels
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from paging import PagingConfig
+from paged_video.paging import PagingConfig
 from tests.paging.rollout import Rollout
 
 # C = B * 2: every chunk starts and ends on block edges. S = 8 (2 blocks), W = 16.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paging import PagedKVCache, PagingConfig, plan, transfer
+from paged_video.paging import PagedKVCache, PagingConfig, plan, transfer
 from tests.helpers import DEVICE, ON_GPU
 
 CONFIGS = [

@@ -16,9 +16,9 @@ from unittest import mock
 import torch
 from torch import Tensor
 
-from kernels import _runtime
-from paging import ForwardPlan, PagedKVCache, PagingConfig, Session
-from paging.forward import ForwardCall
+from paged_video.kernels import _runtime
+from paged_video.paging import ForwardPlan, PagedKVCache, PagingConfig, Session
+from paged_video.paging.forward import ForwardCall
 
 
 @contextlib.contextmanager

@@ -14,9 +14,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference
-from reference.attention import gather_sequence
-from reference.masks import (
+from paged_video import reference
+from paged_video.reference.attention import gather_sequence
+from paged_video.reference.masks import (
     MaskSegment,
     mask_segments,
     per_segment_attention,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference.window import (
+from paged_video.reference.window import (
     SlotLedger,
     WindowGeometry,
     block_read_positions,
