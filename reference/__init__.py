@@ -1,6 +1,6 @@
 """Pure-PyTorch float64 oracles. Imports nothing else of this project."""
 
-from paged_video.reference import quantize
+from paged_video.reference import quantize, quantized_attention
 from paged_video.reference.attention import attention_mask, dense_attention, paged_attention
 from paged_video.reference.masks import (
     MaskSegment,
@@ -30,6 +30,7 @@ __all__ = [
     "paged_attention",
     "per_segment_attention",
     "quantize",
+    "quantized_attention",
     "resident_positions",
     "slots_read",
 ]
