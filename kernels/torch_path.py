@@ -42,6 +42,8 @@ def write_slots(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     k_smooth: Tensor | None = None,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
 ) -> None:
     mapped = slot_mapping.shape[0]
     keep = slot_mapping >= 0
@@ -51,11 +53,15 @@ def write_slots(
         k_pool[slots] = key.to(k_pool.dtype)
         v_pool[slots] = value.to(v_pool.dtype)
         return
-    key = key.float()
+    key, value = key.float(), value.float()
     if k_smooth is not None:
         key = key - k_smooth
+    if k_equalizer is not None:
+        key = key / k_equalizer
+    if v_equalizer is not None:
+        value = value / v_equalizer
     k_pool[slots], k_scale[slots] = quantize_rows(key, k_pool.dtype)
-    v_pool[slots], v_scale[slots] = quantize_rows(value.float(), v_pool.dtype)
+    v_pool[slots], v_scale[slots] = quantize_rows(value, v_pool.dtype)
 
 
 def gather_blocks(
