@@ -329,7 +329,8 @@ def write_slots(
     ``k_equalizer``/``v_equalizer`` (the same shape, float32, > 0) then divide each channel of
     K/V (``kernels.equalize``: attention multiplies them back in). With ``equalizers_chosen``
     (0-dim bool, CPU: a cache's flag), a call that finds it False first sets both factors from
-    the rows it writes (those with a slot) and sets it True.
+    the rows it writes (those with a slot; K's with ``kernels.equalize.K_SHARE``) and sets it
+    True.
     ``check_values=False`` skips the checks that read values (no device sync).
     """
     _check_arguments(
@@ -352,8 +353,9 @@ def write_slots(
         return
     if equalizers_chosen is not None and not bool(equalizers_chosen):  # a CPU flag: no sync
         used = slot_mapping >= 0
-        k_equalizer.copy_(equalize.choose_factors(key[:num_tokens], k_smooth, used))
-        v_equalizer.copy_(equalize.choose_factors(value[:num_tokens], None, used))
+        keys, values = key[:num_tokens], value[:num_tokens]
+        k_equalizer.copy_(equalize.choose_factors(keys, k_smooth, used, equalize.K_SHARE))
+        v_equalizer.copy_(equalize.choose_factors(values, None, used, equalize.V_SHARE))
         equalizers_chosen.fill_(True)
     if use_torch_path(key):
         torch_path.write_slots(

@@ -24,6 +24,9 @@ QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 # exact in every float format), at least 1 (only channels wider than the head's median channel
 # shrink) and at most 2**MAX_FACTOR_LOG2 (q times a factor stays finite in float16).
 MAX_FACTOR_LOG2 = 8
+# The share of a channel's excess width (log2) taken out of K (the rest goes to q) and of V.
+K_SHARE = 0.5
+V_SHARE = 1.0
 # quantize_best_scale tries scales amax / qmax * t for this many t evenly spaced in [0.5, 1].
 BEST_SCALE_STEPS = 65
 
@@ -70,12 +73,13 @@ def quantize_best_scale(
     return _codes(x64, best_scale, dtype), best_scale
 
 
-def channel_factors(x: Tensor, *, smooth: Tensor | None = None) -> Tensor:
+def channel_factors(x: Tensor, *, smooth: Tensor | None = None, share: float = V_SHARE) -> Tensor:
     """Equalization factors ``(heads, head_dim)`` chosen from the rows ``x (tokens, heads,
     head_dim)`` of a first write (minus ``smooth``): per (head, channel), the root mean square
-    over the finite rows divided by the head's median channel's (the lower middle one), rounded
-    to the nearest power of two in log2, and clamped to ``[1, 2**MAX_FACTOR_LOG2]``. A head
-    whose median is 0 or not finite, and a channel with no finite row, get factor 1."""
+    over the finite rows divided by the head's median channel's (the lower middle one); its
+    log2 times ``share`` (``K_SHARE`` for keys), rounded to an integer and clamped to
+    ``[0, MAX_FACTOR_LOG2]``, is the factor's exponent. A head whose median is 0 or not finite,
+    and a channel with no finite row, get factor 1."""
     x64 = x.to(torch.float64)
     if smooth is not None:
         x64 = x64 - smooth.to(torch.float64)
@@ -85,7 +89,7 @@ def channel_factors(x: Tensor, *, smooth: Tensor | None = None) -> Tensor:
     median = rms.median(dim=-1, keepdim=True).values
     ratio = torch.log2(rms / median)
     usable = ratio.isfinite() & (median > 0) & finite.any(dim=0)
-    exponent = torch.where(usable, torch.round(ratio), 0.0).clamp(0, MAX_FACTOR_LOG2)
+    exponent = torch.where(usable, torch.round(share * ratio), 0.0).clamp(0, MAX_FACTOR_LOG2)
     return torch.exp2(exponent).to(torch.float32)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_video.kernels.equalize import MAX_FACTOR_LOG2, choose_factors
+from paged_video.kernels.equalize import K_SHARE, MAX_FACTOR_LOG2, choose_factors
 from paged_video.reference.quantize import channel_factors
 from tests.helpers import DEVICE
 
@@ -17,6 +17,10 @@ def test_a_case_worked_by_hand():
     want = torch.tensor([[1.0, 1.0, 4.0, 2.0**MAX_FACTOR_LOG2]])
     assert torch.equal(choose_factors(rows.to(DEVICE)).cpu(), want)
     assert torch.equal(channel_factors(rows), want)
+    # K's share is half the log2: 0, 0, 0.79 -> 1, 4.98 -> 5.
+    half = torch.tensor([[1.0, 1.0, 2.0, 32.0]])
+    assert torch.equal(choose_factors(rows.to(DEVICE), share=K_SHARE).cpu(), half)
+    assert torch.equal(channel_factors(rows, share=K_SHARE), half)
 
 
 def test_smoothing_nan_rows_and_degenerate_heads_match_the_oracle():
@@ -29,14 +33,14 @@ def test_smoothing_nan_rows_and_degenerate_heads_match_the_oracle():
     rows[3, 1] = float("nan")  # a non-finite row counts for nothing
     rows[:, 2], mean[2] = 0.0, 0.0  # a head of zeros: median 0, every factor 1
     rows[:, 3, 5] = float("inf")  # a channel with no finite row: factor 1
-    want = channel_factors(rows, smooth=mean)
-    got = choose_factors(rows.to(DEVICE), mean.to(DEVICE)).cpu()
+    want = channel_factors(rows, smooth=mean, share=K_SHARE)
+    got = choose_factors(rows.to(DEVICE), mean.to(DEVICE), share=K_SHARE).cpu()
     assert got.dtype == torch.float32 and got.shape == (heads, dim)
     assert torch.equal(got, want)
     assert torch.equal(got[2], torch.ones(dim)) and got[3, 5] == 1.0
-    assert got.min() == 1.0 and 2.0**4 <= got.max() <= 2.0**MAX_FACTOR_LOG2
+    assert got.min() == 1.0 and 2.0**2 <= got.max() <= 2.0**MAX_FACTOR_LOG2
     # Smoothing matters: without the mean, the offsets dominate the RMS.
-    assert not torch.equal(choose_factors(rows.to(DEVICE)).cpu(), got)
+    assert not torch.equal(choose_factors(rows.to(DEVICE), share=K_SHARE).cpu(), got)
 
 
 def test_equalized_outlier_channels_keep_every_channel_within_an_octave_of_the_median():

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from paged_video import kernels
 from paged_video.kernels.quantize import QMAX
-from paged_video.reference.quantize import channel_factors, nearest_code_error, quantize
+from paged_video.reference.quantize import K_SHARE, channel_factors, nearest_code_error, quantize
 from tests.helpers import DEVICE, ON_GPU, copy_tiling
 
 write_module = importlib.import_module("paged_video.kernels.write_slots")
@@ -231,10 +231,10 @@ def test_the_first_write_chooses_the_factors_once(where) -> None:
             equalizers_chosen=chosen,
         )
     assert bool(chosen)
-    want_k = channel_factors(key.cpu()[used.cpu()], smooth=mean.cpu())
+    want_k = channel_factors(key.cpu()[used.cpu()], smooth=mean.cpu(), share=K_SHARE)
     want_v = channel_factors(value.cpu()[used.cpu()])
     assert torch.equal(k_equalizer.cpu(), want_k) and torch.equal(v_equalizer.cpu(), want_v)
-    assert want_k[:, :3].min() >= 16 and want_v[1, 7] >= 8 and want_v[0].max() <= 2
+    assert want_k[:, :3].min() >= 4 and want_v[1, 7] >= 8 and want_v[0].max() <= 2
     # The rows were stored with the chosen factors.
     check_quantized_write(key, value, slots, poisoned_pools(12, heads, dim, dtype), mean, **factors)
     stored = poisoned_pools(12, heads, dim, dtype)
