@@ -1,4 +1,4 @@
-"""Plain-PyTorch versions of the three kernels, for a CPU without Triton's interpreter.
+"""Plain-PyTorch versions of the kernels, for a CPU without Triton's interpreter.
 
 The launchers dispatch here when their tensors are on the CPU and ``TRITON_INTERPRET`` is not
 ``1`` (Triton cannot compile for a CPU). Same semantics, float32 accumulation; slow but exact
@@ -165,3 +165,28 @@ def paged_attention(
             out.dtype
         )
     return out
+
+
+def merge_attention_states(
+    outs: list[Tensor], lses: list[Tensor], *, out: Tensor, out_lse: Tensor
+) -> None:
+    """Partial attentions merged by their LSEs into ``out``/``out_lse``, float32 math: weights
+    ``exp(lse_i - max lse)``; a part with LSE -inf weighs 0 (its output is not used), and a row
+    no part saw gets zeros and -inf."""
+    if not outs:
+        out.zero_()
+        out_lse.fill_(-math.inf)
+        return
+    lse = torch.stack(lses)
+    row_max = lse.amax(dim=0)
+    row_max = torch.where(row_max == -math.inf, 0.0, row_max)
+    weights = torch.exp(lse - row_max)
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for part, part_lse, weight in zip(outs, lses, weights, strict=True):
+        seen = (part_lse > -math.inf).unsqueeze(-1)
+        acc += torch.where(seen, part.float() * weight.unsqueeze(-1), 0.0)
+    weight_sum = weights.sum(dim=0)
+    seen_any = weight_sum > 0
+    weight_sum = torch.where(seen_any, weight_sum, 1.0)
+    out.copy_(acc / weight_sum.unsqueeze(-1))
+    out_lse.copy_(torch.where(seen_any, row_max + torch.log(weight_sum), -math.inf))
