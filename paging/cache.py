@@ -48,6 +48,9 @@ class LayerCache(NamedTuple):
     Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` (the kernels'
     ``k_scale``/``v_scale``; ``.flatten(0, 1)`` for ``write_slots``) and, with smoothing, the
     layer's K mean ``(num_kv_heads, head_dim)`` (``write_slots``' ``k_smooth``); else None.
+    With channel equalization, the layer's factors ``(num_kv_heads, head_dim)`` (``write_slots``'
+    and ``paged_attention``'s ``k_equalizer``/``v_equalizer``) and its flag (a 0-dim CPU view:
+    ``write_slots``' ``equalizers_chosen``); else None.
     """
 
     k: Tensor
@@ -59,6 +62,9 @@ class LayerCache(NamedTuple):
     k_scale: Tensor | None = None
     v_scale: Tensor | None = None
     k_mean: Tensor | None = None
+    k_equalizer: Tensor | None = None
+    v_equalizer: Tensor | None = None
+    equalizers_chosen: Tensor | None = None
 
 
 class PagedKVCache:
@@ -80,8 +86,10 @@ class PagedKVCache:
     ``stage_v_scales`` ``(num_layers, width * B, num_kv_heads)``; with ``smooth_keys``,
     ``k_means`` ``(num_layers, num_kv_heads, head_dim)`` float32 and ``k_means_chosen``
     ``(num_layers,)`` bool (on the CPU) are each layer's frozen K mean and whether it has
-    been chosen. A float cache has zero-size tensors in their place. ``pool_tensors`` hands
-    them all to the fused op.
+    been chosen; with channel equalization (``config.channel_equalization``), ``k_equalizers``/
+    ``v_equalizers`` ``(num_layers, num_kv_heads, head_dim)`` float32 and ``equalizers_chosen``
+    ``(num_layers,)`` bool (on the CPU) likewise. A float cache has zero-size tensors in their
+    place. ``pool_tensors`` hands them all to the fused op.
     """
 
     def __init__(
@@ -167,6 +175,12 @@ class PagedKVCache:
         self.k_means.zero_()
         # On the CPU, as stage_tags: the fused op reads it without a device sync.
         self.k_means_chosen = torch.zeros(num_layers if smoothed else 0, dtype=torch.bool)
+        # Factors of 1 until a layer's first write chooses them (then frozen, as the mean).
+        equalized = quantized and self.config.channel_equalization(kv_dtype)
+        factor_shape = (num_layers, num_kv_heads, head_dim) if equalized else (0,)
+        self.k_equalizers = torch.ones(factor_shape, device=device)
+        self.v_equalizers = torch.ones(factor_shape, device=device)
+        self.equalizers_chosen = torch.zeros(num_layers if equalized else 0, dtype=torch.bool)
         self.staging: HistoryStaging | None = None
         if self.config.reuse_history_staging:
             self.staging = HistoryStaging(
@@ -201,12 +215,21 @@ class PagedKVCache:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the K/V pools, their scale pools (quantized caches) and the K means.
+        """Bytes of the K/V pools, their scale pools (quantized caches), the K means and the
+        equalization factors.
 
         Not counted: the history staging buffers and their scales (a window per layer, only
-        with ``reuse_history_staging``), the means' per-layer flags and the host bookkeeping.
+        with ``reuse_history_staging``), the per-layer flags and the host bookkeeping.
         """
-        stored = (self.k_pools, self.v_pools, self.k_scales, self.v_scales, self.k_means)
+        stored = (
+            self.k_pools,
+            self.v_pools,
+            self.k_scales,
+            self.v_scales,
+            self.k_means,
+            self.k_equalizers,
+            self.v_equalizers,
+        )
         return sum(t.numel() * t.element_size() for t in stored)
 
     @property
@@ -229,6 +252,7 @@ class PagedKVCache:
             raise ValueError(f"index must be < num_layers ({self.num_layers}), got {index}")
         k, v = self.k_pools[index], self.v_pools[index]
         staged = self.staging is not None
+        equalized = self.equalizers_chosen.numel() > 0
         return LayerCache(
             k=k,
             v=v,
@@ -239,6 +263,9 @@ class PagedKVCache:
             k_scale=self.k_scales[index] if self.quantized else None,
             v_scale=self.v_scales[index] if self.quantized else None,
             k_mean=self.k_means[index] if self.k_means.numel() else None,
+            k_equalizer=self.k_equalizers[index] if equalized else None,
+            v_equalizer=self.v_equalizers[index] if equalized else None,
+            equalizers_chosen=self.equalizers_chosen[index] if equalized else None,
         )
 
     def scratch_blocks(self, session: Session, branch: str) -> range:
