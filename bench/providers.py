@@ -67,14 +67,20 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 
 @dataclass(frozen=True)
 class Quant:
-    """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``)."""
+    """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
+    neither: dequantizing)."""
 
     dtype: torch.dtype
     fp8_mma: bool = False
+    int8_mma: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "fp8-mma" if self.fp8_mma else "int8-mma" if self.int8_mma else "dequant"
 
     def __str__(self) -> str:
         name = {torch.float8_e4m3fn: "e4m3", torch.int8: "int8"}[self.dtype]
-        return f"{name} {'fp8-mma' if self.fp8_mma else 'dequant'}"
+        return f"{name} {self.mode}"
 
 
 @dataclass(frozen=True)
@@ -258,6 +264,7 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
                 k_scale=pools.k_scale,
                 v_scale=pools.v_scale,
                 fp8_mma=quant.fp8_mma,
+                int8_mma=quant.int8_mma,
                 check_values=False,
                 **tiles,
             )
@@ -632,6 +639,7 @@ QUANTIZED_PROVIDERS = {
     "triton-fp8": Quant(torch.float8_e4m3fn),
     "triton-fp8-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
     "triton-int8": Quant(torch.int8),
+    "triton-int8-mma": Quant(torch.int8, int8_mma=True),
 }
 assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)
 BASELINE = "baseline"
