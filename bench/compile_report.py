@@ -37,8 +37,9 @@ from pathlib import Path
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs), or e4m3 codes with FP8 MMAs (``fp8_mma=True``).
-KV_MODES = ("same", "fp8", "int8", "fp8_mma")
+# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``), or int8
+# codes with an int8 Q K^T MMA (``int8_mma=True``).
+KV_MODES = ("same", "fp8", "int8", "fp8_mma", "int8_mma")
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
 SHIPPED_BLOCK_SIZES = (16, 24, 64, 256, 520, 1560)
 SHIPPED = {
@@ -249,13 +250,16 @@ def _launches(config: Config) -> list[tuple[str, object, tuple, dict]]:
     d, bs = config.head_dim, config.block_size
     empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt)  # touches no memory
     if config.kernel == "paged_attention":
-        kv_dtype = {"same": dtype, "int8": torch.int8}.get(config.kv_mode, torch.float8_e4m3fn)
+        kv_dtype = {"same": dtype, "int8": torch.int8, "int8_mma": torch.int8}.get(
+            config.kv_mode, torch.float8_e4m3fn
+        )
         scales = {}
         if config.kv_mode != "same":
             scales = {
                 "k_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
                 "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
                 "fp8_mma": config.kv_mode == "fp8_mma",
+                "int8_mma": config.kv_mode == "int8_mma",
             }
         with _recording("paged_video.kernels.paged_attention", "_paged_attention_kernel") as (
             real,
@@ -421,10 +425,10 @@ def analyse_sass(text: str) -> dict[str, object]:
     cheapest one (where the key tiles that need no mask run). NOPs are not counted."""
     instructions = parse_sass(text)
     opcodes = [op for _, op, _ in instructions]
-    # wgmma on 16-bit (HGMMA) and/or FP8 (QGMMA) operands.
+    # wgmma on 16-bit (HGMMA), FP8 (QGMMA) and/or int8 (IGMMA) operands.
     gmma = [
         kind
-        for prefix, kind in (("HGMMA", "wgmma"), ("QGMMA", "wgmma.fp8"))
+        for prefix, kind in (("HGMMA", "wgmma"), ("QGMMA", "wgmma.fp8"), ("IGMMA", "wgmma.s8"))
         if any(op.startswith(prefix) for op in opcodes)
     ]
     if gmma:
@@ -436,7 +440,7 @@ def analyse_sass(text: str) -> dict[str, object]:
     loops = []
     for first, last in sass_loops(instructions):
         body = [(op, args) for a, op, args in instructions if first <= a <= last and op != "NOP"]
-        if any(op.startswith(("HGMMA", "HMMA", "QGMMA")) for op, _ in body):
+        if any(op.startswith(("HGMMA", "HMMA", "QGMMA", "IGMMA", "IMMA")) for op, _ in body):
             loops.append((first, last, body))
     innermost = [
         loop
@@ -659,7 +663,8 @@ def add_parser(
         type=choices(KV_MODES),
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
-        "before 16-bit MMAs (fp8, int8), or e4m3 with FP8 MMAs (fp8_mma)",
+        "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
+        "Q K^T MMA (int8_mma)",
     )
     parser.add_argument("--workers", type=int, default=2, help="compile processes")
     parser.add_argument("--out", type=Path, default=Path("out/compile.csv"), help="CSV path")

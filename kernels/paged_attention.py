@@ -74,10 +74,11 @@ def choose_tiles(
     ``dequantize``: K/V codes converted to ``dtype`` before the MMAs. Triton's pipeliner then
     keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
     stage keeps as many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
-    ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes (V
-    still converts, so it counts as ``dequantize`` for the stages). Before Triton 3.9 every
-    quantized mode takes 32-key tiles (register pressure). The 8-bit MMAs reduce over at least
-    32 channels, so their ``BLOCK_D`` is at least 32.
+    ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
+    the table's stages (K feeds its MMA unconverted; one stage more spills 20-64 bytes at blocks
+    16 and 1560, Triton 3.9's cubin, while 3 stages keep 3 K/V buffers in flight and spill
+    none). Before Triton 3.9 every quantized mode takes 32-key tiles (register pressure). The
+    8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least 32.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -92,7 +93,7 @@ def choose_tiles(
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
         if short_q < default_m:
             default_m, warps = short_q, 4
-        stages += dequantize or int8_mma
+        stages += dequantize
         if (dequantize or fp8_mma or int8_mma) and _OLD_TRITON:
             default_n = min(default_n, _QUANTIZED_BLOCK_N_OLD_TRITON)
     tile_m = block_m or default_m

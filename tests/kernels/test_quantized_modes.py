@@ -10,6 +10,8 @@ outside what the tables point at, outputs NaN-poisoned before the launch.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import Tensor
@@ -29,6 +31,7 @@ from tests.kernels.test_paged_attention_quantized import (
     quantized_args,
 )
 
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
 # The INT8-MMA mode against the dequantizing oracle: twice its emulation's error (the
 # emulation rounds the query rows exactly as the kernel does; the margin is the FP8-MMA rule).
 EMULATION_MARGIN = 2.0
@@ -223,12 +226,18 @@ def test_torch_path_int8_mma_and_equalizers(no_interpreter) -> None:  # noqa: F8
     torch.testing.assert_close(got.double(), emulated, atol=FP32_ATOL * 40, rtol=1e-5)
 
 
-def test_int8_mma_tiles() -> None:
-    # The 8-bit MMAs reduce over 32 channels at least; V still converts (one stage more).
+def test_int8_mma_tiles(monkeypatch) -> None:
+    # The 8-bit MMAs reduce over 32 channels at least. On a GPU the INT8-MMA mode keeps the
+    # table's stages (the dequantizing mode takes one more; with it the INT8-MMA mode spills).
     small = dict(block_size=16, head_dim=16, max_seqlen_q=64, dtype=torch.bfloat16)
     assert choose_tiles(**small, int8_mma=True)["BLOCK_D"] == 32
     assert choose_tiles(**small, fp8_mma=True)["BLOCK_D"] == 32
     assert choose_tiles(**small)["BLOCK_D"] == 16
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    shipped = dict(block_size=16, head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
+    plain = choose_tiles(**shipped)["num_stages"]
+    assert choose_tiles(**shipped, int8_mma=True)["num_stages"] == plain
+    assert choose_tiles(**shipped, dequantize=True)["num_stages"] == plain + 1
 
 
 def _bad_calls():
