@@ -70,7 +70,7 @@ def test_int8_mma_against_its_emulation_and_the_oracle(
     # unmasked and masked tiles both run; a row with no queries.
     k_len = block_size + 2 * block_n + 9 if block_size > 64 else 4 * block_n + 9
     case = make_paged_case(
-        q_lens=[11, 0, 3],
+        q_lens=[7, 0, 3],
         k_lens=[k_len, 5, 2 * block_n + 5],
         block_size=block_size,
         num_heads=4,
@@ -80,9 +80,9 @@ def test_int8_mma_against_its_emulation_and_the_oracle(
         device=DEVICE,
     )
     assert choose_tiles(
-        block_size=block_size, head_dim=80, max_seqlen_q=11, dtype=torch.float32, block_n=block_n
+        block_size=block_size, head_dim=80, max_seqlen_q=7, dtype=torch.float32, block_n=block_n
     )["KV_PATH"] == kv_path(block_size, block_n)
-    key_limits = torch.arange(14, dtype=torch.int32) % 5 + k_len - 4
+    key_limits = torch.arange(10, dtype=torch.int32) % 5 + k_len - 4
     key_gap = torch.tensor([[(block_n + 3, 2 * block_n + 1)], [(0, 0)], [(1, 2)]])
     kwargs = dict(
         causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE, torch.int32)
