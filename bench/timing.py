@@ -14,6 +14,7 @@ median. ``headline_ms`` in ``bench.results`` picks the right one for a row.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +56,10 @@ class TimingSettings:
 
 # Timed calls a CPU case gets at least, whatever its budget (fewer only when cpu_reps is lower).
 CPU_MIN_REPS = 3
+# A ceiling gets this many times the case's calls on a CPU: its minimum must find a quiet moment
+# on a shared machine, or the start and end ceilings disagree for no fault of the run; its
+# calls take milliseconds.
+CPU_CEILING_REPS_FACTOR = 3
 
 
 def figures_kind(device: torch.device) -> str:
@@ -108,6 +113,10 @@ class Ceiling:
     gbps: float | None = None
 
 
+def _ceiling_settings(settings: TimingSettings) -> TimingSettings:
+    return dataclasses.replace(settings, cpu_reps=CPU_CEILING_REPS_FACTOR * settings.cpu_reps)
+
+
 def matmul_ceiling(
     dtype_name: str, dtype: torch.dtype, device: torch.device, settings: TimingSettings
 ) -> Ceiling:
@@ -117,7 +126,7 @@ def matmul_ceiling(
     b = torch.randn(n, n, device=device).to(dtype)
     fn = lambda: torch.matmul(a, b)
     fn()
-    timing = measure(fn, device, settings)
+    timing = measure(fn, device, _ceiling_settings(settings))
     return Ceiling("matmul", dtype_name, timing, tflops=2 * n**3 / timing.headline(device) / 1e9)
 
 
@@ -128,5 +137,5 @@ def copy_ceiling(device: torch.device, settings: TimingSettings) -> Ceiling:
     dst = torch.empty_like(src)
     fn = lambda: dst.copy_(src)
     fn()
-    timing = measure(fn, device, settings)
+    timing = measure(fn, device, _ceiling_settings(settings))
     return Ceiling("copy", "", timing, gbps=2 * size / timing.headline(device) / 1e6)
