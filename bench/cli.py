@@ -225,7 +225,7 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "accuracy",
         help="quantized KV pools (FP8/INT8) against float64 attention on bf16 K/V: cosine, "
-        "relative L1, max error, the issue's goal",
+        "relative L1, max error, the goal",
         description="Every row writes K/V with write_slots and attends with paged_attention "
         "(the Triton interpreter on a CPU). Defaults: the shipped geometry (one frame of 1560 "
         "queries over sink 9 + window 9 frames of 1560 keys, head_dim 128) with "
