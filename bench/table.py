@@ -255,14 +255,18 @@ def quantized_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
 
 
 def _format_quantized(cases: Sequence[dict[str, object]], goal: bool) -> list[str]:
-    """The quantized pools' table: their median, the bf16 pool's, the speedup and its goal."""
+    """The quantized pools' table: their time, our unquantized pool's (in the run's dtype, named
+    in the header), the speedup and its goal."""
     goals = ", ".join(f"{name} {sig3(g)}x" for name, g in QUANTIZED_GOALS.items())
+    dtypes = {str(c["row"]["dtype"]) for c in cases}
+    pool = dtypes.pop() if len(dtypes) == 1 else "unquantized"
     lines = [
         "",
-        f"quantized KV pools: speedup = our bf16-pool time / the quantized pool's (goals: {goals})",
+        f"quantized KV pools: speedup = our {pool}-pool time / the quantized pool's "
+        f"(goals: {goals})",
     ]
     varying = _varying([c["row"] for c in cases])
-    header = ["kernel", "block", *varying, "provider", "ms", "bf16 ms", "speedup", "goal"]
+    header = ["kernel", "block", *varying, "provider", "ms", f"{pool} ms", "speedup", "goal"]
     body = []
     missed = 0
     for case in cases:
