@@ -20,7 +20,7 @@ K smoothing subtracts a per-(head, channel) mean before quantizing; softmax does
 query's scores all shift by ``q . mean``). The mean is chosen as the cache chooses it: over the
 video tokens of the first write, here the first frame of the sink, in float32, then frozen.
 
-Goal (issue 12): cosine similarity >= 0.9995 and relative L1 (``sum|o - r| / sum|r|``) <= 0.02.
+Goal: cosine similarity >= 0.9995 and relative L1 (``sum|o - r| / sum|r|``) <= 0.02.
 """
 
 from __future__ import annotations

@@ -629,8 +629,8 @@ def _chunk_bytes(workload: Workload) -> int:
 
 # Our paged attention over quantized pools, by provider name (their goals: QUANTIZED_GOALS).
 QUANTIZED_PROVIDERS = {
-    "triton-fp8": Quant(torch.float8_e4m3fn),
-    "triton-fp8-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
+    "triton-e4m3": Quant(torch.float8_e4m3fn),
+    "triton-e4m3-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
     "triton-int8": Quant(torch.int8),
 }
 assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)

@@ -2,9 +2,10 @@
 
 Importing this package switches Triton's interpreter on when no GPU is visible and
 ``TRITON_INTERPRET`` is unset: the variable is read when kernels are decorated.
+``backend(device)`` says which path the kernels take: "triton", "interpreter" or "torch".
 """
 
-from paged_video.kernels._runtime import enable_interpreter_if_no_gpu
+from paged_video.kernels._runtime import backend, enable_interpreter_if_no_gpu
 
 enable_interpreter_if_no_gpu()
 
@@ -14,6 +15,7 @@ from paged_video.kernels.paged_attention import choose_tiles, paged_attention  #
 from paged_video.kernels.write_slots import write_slots  # noqa: E402
 
 __all__ = [
+    "backend",
     "choose_tiles",
     "gather_blocks",
     "key_limits_from_spans",

@@ -16,7 +16,7 @@ Why the odd-looking choices:
   its tag is the forward's ``stage_key``, else from block 0, and its tag becomes the key once
   the restage is done. Attending without staging sets the tag to -1 (nothing reusable), as does
   a call that fails part way, so no later forward keeps rows that nothing filled.
-* Quantized pools (DESIGN section 9) hold codes with a float32 scale per (slot, KV head) beside
+* Quantized pools (docs/quantization.md) hold codes with a float32 scale per (slot, KV head) beside
   them; the staging buffers hold codes too, with stage scales. K smoothing: each layer's mean
   ``k_means[layer]`` (``(num_kv_heads, head_dim)``) is subtracted from K before quantizing. It
   is chosen by the first call that writes video keys to the layer (the mean of that call's

@@ -19,7 +19,7 @@ skipped. Query heads sharing a KV head are packed into the M dimension, so each 
 loaded once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA),
 output in ``q``'s dtype.
 
-Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head, DESIGN section 9)
+Quantized caches (e4m3 or int8 codes, a float32 scale per slot and KV head: docs/quantization.md)
 load their code tiles and scales like the 16-bit tiles; by default the codes convert exactly to
 q's compute dtype and the scales multiply score and probability columns. ``fp8_mma`` runs both
 products as FP8 MMAs instead. The unquantized kernel is compiled without any of it (the scale
@@ -972,7 +972,7 @@ def paged_attention(
     ``block_m``/``block_n`` override the tile. ``check_values=False`` skips the checks that
     read tensor values (no device sync).
 
-    Quantized caches (``float8_e4m3fn`` or ``int8`` codes, DESIGN section 9) need ``k_scale``
+    Quantized caches (``float8_e4m3fn`` or ``int8`` codes, docs/quantization.md) need ``k_scale``
     and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
     as ``codes * scale`` (scales >= 0, as ``write_slots`` writes them). By default the codes
     convert exactly to q's compute dtype, the K scale multiplies the score columns and the V

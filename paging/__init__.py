@@ -2,7 +2,7 @@
 
 Builds the tensors the kernels consume (slot mappings, fixed-width block tables, lengths).
 Only ``paging.forward`` (one forward through the fused op) imports ``kernels``; it is not
-imported here, so bookkeeping alone never loads Triton. The contract is DESIGN section 4.
+imported here, so bookkeeping alone never loads Triton. The rules are in docs/paging.md.
 """
 
 from paged_video.paging.batch import batch_plans

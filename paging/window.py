@@ -1,6 +1,6 @@
 """Chunk-window arithmetic in storage positions: eviction, freed blocks, compaction, widths.
 
-Pure functions of the configuration and a few counts, so every rule of DESIGN section 4 is one
+Pure functions of the configuration and a few counts, so every rule of docs/paging.md is one
 formula here and the stateful code (``session.py``, ``plan.py``) only applies them. Storage
 position = model position for the sink, model position - compacted after it.
 """

@@ -1,4 +1,4 @@
-"""Bad input (DESIGN section 7): a clear TypeError/ValueError naming the argument, and a cache
+"""Bad input (docs/errors.md): a clear TypeError/ValueError naming the argument, and a cache
 left exactly as it was (free count, tables, committed tokens)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every public entry point that refuses its input leaves the cache exactly as it found it
-(DESIGN section 7): free count, tables, committed tokens, pending forwards, and every byte of
+(docs/errors.md): free count, tables, committed tokens, pending forwards, and every byte of
 the pools, the staging buffers and the staging record, and for quantized caches of the scales,
 the K means and their flags. One table of refusals over a cache with history, a staged forward,
 a pending committing forward, a cancelled and a stale plan, with float and quantized pools.
