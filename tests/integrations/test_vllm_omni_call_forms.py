@@ -146,6 +146,24 @@ def test_cuda_branch_gather_form_staged_then_reused(
     assert standin.flash_attn_calls == []
 
 
+def test_cuda_branch_traces_fullgraph_as_one_opaque_op(standin, kernel_calls, cuda_branch):
+    """A compiled block that calls the entry point directly keeps one graph."""
+    case = ar_case(block_size=16, history_chunks=1)
+    install()
+    entry = standin.model.ar_diffusion_paged_attention
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(
+            lambda q: entry(q, case.key_cache, case.value_cache, **case.kwargs()) * 1.0,
+            backend="eager",
+            fullgraph=True,
+        )
+        assert_matches(compiled(case.query), case.expected())
+    finally:
+        torch._dynamo.reset()
+    assert kernel_calls["paged_attention"] == 1
+
+
 def test_cuda_branch_keeps_vllm_omnis_refusals(standin, cuda_branch, monkeypatch):
     """Misdescribed staged reuse and an unaligned window are refused before anything is staged."""
     monkeypatch.setenv(GATHER_ENV, "1")
