@@ -10,8 +10,7 @@
 #    vllm-omni 0.30.0 without their dependencies (`pip install vllm-omni` alone would replace
 #    torch with a CUDA build and not bring vllm), torchvision 0.28.0 without dependencies, then
 #    the pure-Python packages their imports need, Hugging Face's `kernels` among them;
-# 2. installs this clone into it (not PYTHONPATH: a clone's root on sys.path shows its folders as
-#    top-level `kernels`, `paging`, ... to transformers' probe of Hugging Face's `kernels`);
+# 2. installs this clone into it, as a vllm-omni user would;
 # 3. runs the AR-Diffusion tests (VLLM_OMNI_TESTS, default tests/diffusion/ar_diffusion; on a CPU
 #    only the `cpu`-marked ones) three times: as shipped; with the backend installed
 #    (`-p paged_video.integrations.vllm_omni.pytest_plugin`; on a CPU under Triton's

@@ -4,5 +4,7 @@
 ``paged_video.kernels``. Importing this package loads nothing heavy.
 """
 
-if __name__ != "paged_video.integrations":  # a bare `import integrations` from a clone's root
-    raise ImportError("this folder is paged_video.integrations; import it by that name")
+if __name__ != "paged_video.integrations":  # a bare `import integrations` found this clone's folder
+    from paged_video._clone import hand_over
+
+    hand_over(__name__, __file__)

@@ -83,3 +83,57 @@ def test_paged_video_runs_beside_a_package_named_kernels(tmp_path: Path) -> None
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage" in result.stdout and result.stdout.rstrip().endswith("coexists")
+
+
+CLONE_FIRST = textwrap.dedent(
+    """
+    import importlib
+    import sys
+
+    clone, site = sys.argv[1:3]
+    sys.path[:0] = [clone] + ([site] if site else [])  # the clone first, as `python -m` puts it
+    for name in ("kernels", "paging", "reference", "bench", "models", "integrations"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            print(name, "absent", error.name)
+        else:
+            print(name, "standin" if getattr(module, "STANDIN", False) else module.__file__)
+    from paged_video.kernels import paged_attention  # still importable by its own name
+    print("paged_video", paged_attention.__module__)
+    """
+)
+
+
+def _import_bare_names(tmp_path: Path, site: Path | None) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", CLONE_FIRST, str(REPO), str(site or "")],
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.splitlines()
+
+
+def test_a_clone_on_sys_path_hands_bare_names_to_the_packages_that_own_them(tmp_path: Path):
+    # Running from a clone puts its root first on sys.path, before site-packages: its folders
+    # must not shadow Hugging Face's `kernels` (or any other `models`, `bench`, ...).
+    site = tmp_path / "site"
+    for name in ("kernels", "models"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text("STANDIN = True\n")
+    lines = _import_bare_names(tmp_path, site)
+    assert "kernels standin" in lines and "models standin" in lines
+    assert {"paging absent paging", "reference absent reference"} <= set(lines)
+    assert lines[-1] == "paged_video paged_video.kernels.paged_attention"
+
+
+def test_a_bare_name_nobody_else_owns_is_not_found(tmp_path: Path):
+    lines = _import_bare_names(tmp_path, None)
+    assert lines[:6] == [
+        f"{name} absent {name}"
+        for name in ("kernels", "paging", "reference", "bench", "models", "integrations")
+    ]
