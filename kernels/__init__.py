@@ -16,6 +16,10 @@ else:
 
     from paged_video.kernels.gather_blocks import gather_blocks
     from paged_video.kernels.masks import key_limits_from_spans, mixed_mask_attention
+    from paged_video.kernels.merge_states import (
+        merge_attention_states,
+        merge_stacked_attention_states,
+    )
     from paged_video.kernels.paged_attention import choose_tiles, paged_attention
     from paged_video.kernels.write_slots import write_slots
 
@@ -24,6 +28,8 @@ __all__ = [
     "choose_tiles",
     "gather_blocks",
     "key_limits_from_spans",
+    "merge_attention_states",
+    "merge_stacked_attention_states",
     "mixed_mask_attention",
     "paged_attention",
     "write_slots",

@@ -13,6 +13,7 @@ else:
         mixed_mask_attention,
         per_segment_attention,
     )
+    from paged_video.reference.merge import merge_attention_states
     from paged_video.reference.window import (
         SlotLedger,
         WindowGeometry,
@@ -31,6 +32,7 @@ __all__ = [
     "dense_attention",
     "kept_positions",
     "mask_segments",
+    "merge_attention_states",
     "mixed_mask_attention",
     "paged_attention",
     "per_segment_attention",
