@@ -29,6 +29,10 @@ Why the odd-looking choices:
   the schema is built from those two NamedTuples, so the list is written down once.
 * Mutable arguments have no default values: older PyTorch strips trailing defaults before its
   mutation handlers index the arguments.
+* The op always returns ``(out, lse)``: ``lse`` is the float32 ``(q, H)`` log-sum-exp when
+  ``return_lse`` is set and zero-size otherwise. A fixed output list keeps one schema (and one
+  compiled graph per value of the flag, which a model does not change); ``write_attend``
+  returns ``out`` alone unless asked, so callers that do not ask are unchanged.
 * Registration is guarded, so re-importing (or reloading) this module does not raise.
 """
 
@@ -107,7 +111,8 @@ class LayerInputs(NamedTuple):
     ``stage_from`` is the first block-table entry to restage when the layer's staging buffers
     hold the history ``stage_key`` names (any other layer restages all), or -1 to attend
     without staging; ``stage_tags`` is the cache's record of what each layer's buffers hold
-    (mutated); ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` pools only).
+    (mutated); ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` pools only); ``return_lse``
+    also returns each query row's log-sum-exp (see ``paged_attention``).
     """
 
     layer: Tensor
@@ -123,6 +128,7 @@ class LayerInputs(NamedTuple):
     max_seqlen_q: int
     softmax_scale: float
     fp8_mma: bool = False
+    return_lse: bool = False
 
 
 MUTATED_ARGS = (*PoolTensors._fields, "stage_tags")
@@ -144,7 +150,7 @@ def _schema() -> str:
     for i, (name, hint) in enumerate(types.items()):
         kind = _SCHEMA_TYPES[hint] + (f"(a{i}!)" if name in MUTATED_ARGS else "")
         args.append(f"{kind} {name}")
-    return f"({', '.join(args)}) -> Tensor"
+    return f"({', '.join(args)}) -> (Tensor, Tensor)"
 
 
 def _split(args: tuple) -> tuple[list[Tensor], PoolTensors, LayerInputs]:
@@ -364,7 +370,17 @@ def _choose_mean(mean: Tensor, key: Tensor) -> None:
     mean.copy_(torch.where(finite, keys, 0.0).sum(dim=0) / counts)
 
 
-def _write_attend_impl(*args: object) -> Tensor:
+def _no_lse(query: Tensor) -> Tensor:
+    """The op's second output when the LSE is not asked for: zero-size float32."""
+    return query.new_empty((0, query.shape[1]), dtype=torch.float32)
+
+
+def _with_lse(result: Tensor | tuple[Tensor, Tensor], query: Tensor) -> tuple[Tensor, Tensor]:
+    """``paged_attention``'s result as the op's ``(out, lse)``."""
+    return result if isinstance(result, tuple) else (result, _no_lse(query))
+
+
+def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
     kv, pools, inputs = _split(args)
     layer_index, first_block, smoothed = _check_inputs(kv, pools, inputs)
     query, key, value, action_key, action_value = kv
@@ -409,11 +425,12 @@ def _write_attend_impl(*args: object) -> Tensor:
         "softmax_scale": inputs.softmax_scale,
         "key_gap": inputs.key_gap,
         "fp8_mma": inputs.fp8_mma,
+        "return_lse": inputs.return_lse,
         "check_values": False,
     }
     table, cu_seqlens_q, seq_lens_k = inputs.block_table, inputs.cu_seqlens_q, inputs.seq_lens_k
     if first_block < 0:
-        return paged_attention(
+        result = paged_attention(
             query,
             k_cache,
             v_cache,
@@ -424,6 +441,7 @@ def _write_attend_impl(*args: object) -> Tensor:
             v_scale=v_scale,
             **attend,
         )
+        return _with_lse(result, query)
     layer_k, layer_v = pools.stage_k[layer_index], pools.stage_v[layer_index]
     gather_blocks(
         k_cache,
@@ -441,7 +459,7 @@ def _write_attend_impl(*args: object) -> Tensor:
     stage_tags[layer_index] = history
     # The staged window is one contiguous run: attend over it as a single block.
     single_block = torch.zeros(1, 1, dtype=torch.int32, device=query.device)
-    return paged_attention(
+    result = paged_attention(
         query,
         layer_k.unsqueeze(0),
         layer_v.unsqueeze(0),
@@ -452,6 +470,7 @@ def _write_attend_impl(*args: object) -> Tensor:
         v_scale=_apply(stage_v_scale, Tensor.unsqueeze, 0),
         **attend,
     )
+    return _with_lse(result, query)
 
 
 def _apply(tensor: Tensor | None, method: Callable[..., Tensor], *args: int) -> Tensor | None:
@@ -469,8 +488,10 @@ def _register() -> object:
     )
 
     @op.register_fake
-    def _fake(query: Tensor, *args: object) -> Tensor:
-        return torch.empty_like(query)
+    def _fake(query: Tensor, *args: object) -> tuple[Tensor, Tensor]:
+        if not _split((query, *args))[2].return_lse:
+            return torch.empty_like(query), _no_lse(query)
+        return torch.empty_like(query), query.new_empty(query.shape[:2], dtype=torch.float32)
 
     return getattr(namespace, OP_NAME).default
 
@@ -486,11 +507,13 @@ def write_attend(
     action_value: Tensor,
     pools: PoolTensors,
     inputs: LayerInputs,
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """Write this layer's K/V (video, then action) into the pools and attend; returns ``(q, H, D)``.
 
     ``pools`` holds every cache tensor the op touches (see ``PoolTensors``; a cache's
-    ``pool_tensors``), ``inputs`` the forward's plan tensors with this layer's index.
+    ``pool_tensors``), ``inputs`` the forward's plan tensors with this layer's index. With
+    ``inputs.return_lse``, returns ``(out, lse)``, ``lse`` float32 ``(q, H)`` as
+    ``paged_attention`` gives it.
     """
     kv = (query, key, value, action_key, action_value)
     # By fields, not class: reloading this module makes new NamedTuple classes.
@@ -498,11 +521,14 @@ def write_attend(
         if getattr(given, "_fields", None) != cls._fields:
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(given).__name__}")
     # Here: the dispatcher would turn an int into a bool.
-    if not isinstance(inputs.fp8_mma, bool):
-        raise TypeError(f"fp8_mma must be a bool, got {type(inputs.fp8_mma).__name__}")
+    for name in ("fp8_mma", "return_lse"):
+        flag = getattr(inputs, name)
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     named = {**dict(zip(KV_ARGS, kv, strict=True)), **pools._asdict()}
     for name, tensor in named.items():
         _checks.check_tensor(name, tensor)
     # Here, not only in the op: a meta tensor among real ones would dispatch to the fake.
     _checks.check_same_device(**named)
-    return write_attend_op(*kv, *pools, *inputs)
+    out, lse = write_attend_op(*kv, *pools, *inputs)
+    return (out, lse) if inputs.return_lse else out

@@ -41,6 +41,8 @@ from paged_video.kernels._quantize_jit import round_to_code_grid
 from paged_video.kernels._runtime import interpreter_active, use_torch_path
 
 LOG2E = 1.4426950408889634
+# ln 2 for the kernel (a global a jit function reads must be a constexpr).
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -472,6 +474,7 @@ def _attend_run(
         "HAS_KEY_LIMITS": lambda args: args["key_limits_ptr"] is not None,
         "HAS_KEY_GAP": lambda args: args["key_gap_ptr"] is not None,
         "QUANTIZED": lambda args: args["k_scale_ptr"] is not None,
+        "HAS_LSE": lambda args: args["lse_ptr"] is not None,
     }
 )
 @triton.jit
@@ -480,6 +483,7 @@ def _paged_attention_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    lse_ptr,
     block_table_ptr,
     cu_seqlens_q_ptr,
     seq_lens_k_ptr,
@@ -511,6 +515,8 @@ def _paged_attention_kernel(
     stride_vs_block,
     stride_vs_slot,
     stride_vs_head,
+    stride_lse_tok,
+    stride_lse_head,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -528,6 +534,7 @@ def _paged_attention_kernel(
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -705,6 +712,17 @@ def _paged_attention_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=io_mask,
     )
+    if HAS_LSE:
+        # row_max and the scores are in log2 units (the scale folds in log2(e)): the row sums
+        # are of exp2(score - row_max), so the natural-log LSE is (row_max + log2(sum)) * ln 2.
+        # A row that saw no key kept row_max -inf (and sum 0, read as 1 here so that no log of
+        # 0 is taken): its LSE is -inf, its output zeros.
+        lse = (row_max + tl.math.log2(tl.where(row_sum > 0.0, row_sum, 1.0))) * LN2
+        tl.store(
+            lse_ptr + q_rows * stride_lse_tok + head.to(tl.int64) * stride_lse_head,
+            lse,
+            mask=m_mask,
+        )
 
 
 def _is_tile(value: int) -> bool:
@@ -962,7 +980,8 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     fp8_mma: bool = False,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of packed queries ``q (total_q, H, D)`` over a paged cache.
 
     ``key_limits`` (int32 ``(total_q,)``) caps the keys each query sees (exclusive), e.g. for
@@ -979,6 +998,17 @@ def paged_attention(
     scale the probability columns before the PV product.
     ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities to
     e4m3 and runs both products as FP8 MMAs with float32 accumulation.
+
+    A query that sees no key (every key masked by ``causal``, ``key_limits`` or ``key_gap``, or
+    ``seq_lens_k`` 0) outputs zeros, as FlashAttention does.
+
+    ``return_lse=True`` returns ``(out, lse)``: ``lse`` is float32 of shape
+    ``(total_q, num_heads)``, the natural log of the sum of ``exp(softmax_scale * q.k)`` over
+    the keys the row sees (after every mask), ``-inf`` for a row that sees none. Partial
+    attentions over disjoint key sets merge exactly by it (``merge_attention_states``). With
+    quantized caches the scores are of the dequantized keys (``codes * k_scale``); with
+    ``fp8_mma`` they are the scores the kernel used, of the e4m3-rounded query rows. Off (the
+    default), the kernel is compiled without it.
     """
     _check_arguments(
         q,
@@ -997,8 +1027,9 @@ def paged_attention(
         fp8_mma=fp8_mma,
     )
     _checks.check_softmax_scale(softmax_scale)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     # The kernel reads these as ptr + i (block_table's strides are passed).
     cu_seqlens_q, seq_lens_k, key_limits, key_gap = (
         _checks.contiguous_index(index) for index in (cu_seqlens_q, seq_lens_k, key_limits, key_gap)
@@ -1020,11 +1051,14 @@ def paged_attention(
         dequantize=k_scale is not None and not fp8_mma,
         fp8_mma=fp8_mma,
     )
+    lse = None
+    if return_lse:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     batch = block_table.shape[0]
     if batch == 0 or q.shape[0] == 0 or max_seqlen_q == 0:
-        return out
+        return (out, lse) if return_lse else out
     if use_torch_path(q):
-        return torch_path.paged_attention(
+        out = torch_path.paged_attention(
             q,
             k_cache,
             v_cache,
@@ -1039,7 +1073,9 @@ def paged_attention(
             k_scale=k_scale,
             v_scale=v_scale,
             fp8_mma=fp8_mma,
+            lse=lse,
         )
+        return (out, lse) if return_lse else out
     if scale < 0:
         # The kernel's unmasked loop takes the row max of unscaled scores: keep the scale >= 0.
         q, scale = -q, -scale
@@ -1057,6 +1093,7 @@ def paged_attention(
         k_cache,
         v_cache,
         out,
+        lse,
         block_table,
         cu_seqlens_q,
         seq_lens_k,
@@ -1072,6 +1109,7 @@ def paged_attention(
         *out.stride(),
         *block_table.stride(),
         *scale_strides,
+        *(lse.stride() if lse is not None else (0, 0)),
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_SIZE=block_size,
@@ -1084,4 +1122,4 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **tiles,
     )
-    return out
+    return (out, lse) if return_lse else out

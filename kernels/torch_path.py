@@ -1,4 +1,4 @@
-"""Plain-PyTorch versions of the three kernels, for a CPU without Triton's interpreter.
+"""Plain-PyTorch versions of the kernels, for a CPU without Triton's interpreter.
 
 The launchers dispatch here when their tensors are on the CPU and ``TRITON_INTERPRET`` is not
 ``1`` (Triton cannot compile for a CPU). Same semantics, float32 accumulation; slow but exact
@@ -96,11 +96,14 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     fp8_mma: bool = False,
+    lse: Tensor | None = None,
 ) -> Tensor:
     """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
     scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
     query row and the V-scaled probabilities to e4m3 codes as the kernel does, taking the whole
-    sequence as one key tile (the kernel normalises by each tile's largest V scale)."""
+    sequence as one key tile (the kernel normalises by each tile's largest V scale). ``lse``
+    (float32 ``(total_q, H)``) receives each row's log-sum-exp of its visible scores, -inf for
+    a row that sees none."""
     block_size = k_cache.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     group = q.shape[1] // k_cache.shape[2]
@@ -113,6 +116,13 @@ def paged_attention(
     for row, k_len in enumerate(seq_lens_k.tolist()):
         lo, hi = starts[row], starts[row + 1]
         if hi == lo:
+            continue
+        if k_len == 0:
+            # No keys: zeros and -inf, as for rows whose keys are all hidden (a max over no
+            # keys would raise).
+            out[lo:hi] = 0
+            if lse is not None:
+                lse[lo:hi] = float("-inf")
             continue
         positions = torch.arange(k_len)
         blocks = block_table[row, positions // block_size].long()
@@ -135,8 +145,12 @@ def paged_attention(
             scores = scores * k_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         row_max = scores.amax(dim=-1, keepdim=True)
-        probs = torch.exp(scores - torch.where(row_max == float("-inf"), 0.0, row_max))
+        safe_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+        probs = torch.exp(scores - safe_max)
         row_sum = probs.sum(dim=-1, keepdim=True)
+        if lse is not None:
+            # (H, q, 1) -> (q, H); log(0) is the -inf of a row that sees nothing.
+            lse[lo:hi] = (safe_max + torch.log(row_sum)).squeeze(-1).T
         if v_scale is not None:
             col_scale = v_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
             if fp8_mma:
@@ -151,3 +165,28 @@ def paged_attention(
             out.dtype
         )
     return out
+
+
+def merge_attention_states(
+    outs: list[Tensor], lses: list[Tensor], *, out: Tensor, out_lse: Tensor
+) -> None:
+    """Partial attentions merged by their LSEs into ``out``/``out_lse``, float32 math: weights
+    ``exp(lse_i - max lse)``; a part with LSE -inf weighs 0 (its output is not used), and a row
+    no part saw gets zeros and -inf."""
+    if not outs:
+        out.zero_()
+        out_lse.fill_(-math.inf)
+        return
+    lse = torch.stack(lses)
+    row_max = lse.amax(dim=0)
+    row_max = torch.where(row_max == -math.inf, 0.0, row_max)
+    weights = torch.exp(lse - row_max)
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for part, part_lse, weight in zip(outs, lses, weights, strict=True):
+        seen = (part_lse > -math.inf).unsqueeze(-1)
+        acc += torch.where(seen, part.float() * weight.unsqueeze(-1), 0.0)
+    weight_sum = weights.sum(dim=0)
+    seen_any = weight_sum > 0
+    weight_sum = torch.where(seen_any, weight_sum, 1.0)
+    out.copy_(acc / weight_sum.unsqueeze(-1))
+    out_lse.copy_(torch.where(seen_any, row_max + torch.log(weight_sum), -math.inf))

@@ -8,6 +8,7 @@ from paged_video.reference.masks import (
     mixed_mask_attention,
     per_segment_attention,
 )
+from paged_video.reference.merge import merge_attention_states
 from paged_video.reference.window import (
     SlotLedger,
     WindowGeometry,
@@ -26,6 +27,7 @@ __all__ = [
     "dense_attention",
     "kept_positions",
     "mask_segments",
+    "merge_attention_states",
     "mixed_mask_attention",
     "paged_attention",
     "per_segment_attention",

@@ -53,12 +53,15 @@ def dense_attention(
     softmax_scale: float | None = None,
     causal: bool = False,
     mask: Tensor | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Float64 attention of one sequence: ``q (Lq, H, D)`` over ``k, v (Lk, Hkv, D)``.
 
     GQA when ``H`` is a multiple of ``Hkv``. ``mask`` is an optional boolean ``(Lq, Lk)`` mask
     (True = attend), combined with ``causal`` (bottom-right). A query that may attend no key
-    gets zeros, as FlashAttention returns. The result is float64 ``(Lq, H, D)``.
+    gets zeros, as FlashAttention returns. The result is float64 ``(Lq, H, D)``; with
+    ``return_lse`` also the float64 ``(Lq, H)`` natural-log sum of ``exp`` of each query's
+    visible scaled scores (``-inf`` when it sees no key).
     """
     q_len, num_heads, head_dim = q.shape
     k_len, num_kv_heads, _ = k.shape
@@ -75,7 +78,11 @@ def dense_attention(
     probs = torch.softmax(scores, dim=-1)
     # softmax of an all -inf row is NaN; such a query sees nothing and its output is zero.
     probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
-    return torch.matmul(probs, v64).transpose(0, 1).contiguous()
+    out = torch.matmul(probs, v64).transpose(0, 1).contiguous()
+    if not return_lse:
+        return out
+    # logsumexp of a row of -inf (or of no keys) is -inf.
+    return out, torch.logsumexp(scores, dim=-1).transpose(0, 1).contiguous()
 
 
 def gather_sequence(cache: Tensor, block_table_row: Tensor, length: int) -> Tensor:
@@ -102,15 +109,19 @@ def paged_attention(
     key_gap: Tensor | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The kernel's signature, computed by a loop over sequences in float64.
 
     Returns a tensor in ``q``'s dtype (written into ``out`` when given). ``max_seqlen_q`` is
     accepted for signature parity and only checked. Quantized caches come with ``k_scale`` /
     ``v_scale`` (``cache.shape[:-1]``): the codes are dequantized in float64 first, so a kernel
     reading the same codes is held to the float32 tolerance, quantization error aside.
+    ``return_lse`` also returns the float64 ``(total_q, H)`` log-sum-exp of each row's visible
+    scaled scores (``-inf`` for a row that sees no key).
     """
     result = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
     starts = cu_seqlens_q.tolist()
     lengths_k = seq_lens_k.tolist()
     if max(b - a for a, b in itertools.pairwise(starts)) > max_seqlen_q:
@@ -132,10 +143,17 @@ def paged_attention(
             key_gap=None if key_gap is None else key_gap[i].reshape(-1, 2).tolist(),
             device=q.device,
         )
-        result[lo:hi] = dense_attention(
-            q[lo:hi], keys, values, softmax_scale=softmax_scale, causal=causal, mask=mask
+        result[lo:hi], lse[lo:hi] = dense_attention(
+            q[lo:hi],
+            keys,
+            values,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            mask=mask,
+            return_lse=True,
         )
     if out is None:
-        return result.to(q.dtype)
-    out.copy_(result)
-    return out
+        out = result.to(q.dtype)
+    else:
+        out.copy_(result)
+    return (out, lse) if return_lse else out

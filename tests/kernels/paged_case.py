@@ -136,3 +136,17 @@ def tolerance_anchor(
         out = torch.einsum("hqk,khd->qhd", probs, v)
         worst = max(worst, (out.double() - reference_out[lo:hi].double()).abs().max().item())
     return worst
+
+
+def assert_lse_close(got: Tensor, want: Tensor, rtol: float) -> None:
+    """``got`` (a kernel's float32 LSE) against the float64 oracle's: ``-inf`` exactly where the
+    oracle's row sees no key, elsewhere finite and within ``rtol`` of the largest magnitude."""
+    assert got.dtype == torch.float32 and got.shape == want.shape, (got.dtype, got.shape)
+    empty = torch.isneginf(want)
+    assert torch.equal(torch.isneginf(got), empty), "a row with no visible key must give -inf"
+    if empty.all():
+        return
+    assert torch.isfinite(got[~empty]).all(), "LSE left NaN or inf on a row that sees keys"
+    error = (got.double() - want)[~empty].abs().max().item()
+    limit = rtol * max(1.0, want[~empty].abs().max().item())
+    assert error <= limit, f"LSE max error {error:.3e} > {limit:.3e}"

@@ -120,6 +120,12 @@ ATTENTION_CASES = [
         id="softmax-scale-nan",
     ),
     pytest.param(lambda a: {"causal": 1}, TypeError, "causal must be a bool", id="causal-int"),
+    pytest.param(
+        lambda a: {"return_lse": "yes"},
+        TypeError,
+        "return_lse must be a bool",
+        id="return-lse-str",
+    ),
 ]
 
 

@@ -26,7 +26,7 @@ def make_state(seed: int = 0):
     return k_pools, v_pools, stage_k, stage_v
 
 
-def make_forward(step: int, *, staged: bool, layer: int = 0):
+def make_forward(step: int, *, staged: bool, layer: int = 0, return_lse: bool = False):
     """A forward whose block table, slots and history length all depend on ``step``."""
     gen = torch.Generator().manual_seed(100 + step)
     num_q, num_action = 20, 3
@@ -50,6 +50,7 @@ def make_forward(step: int, *, staged: bool, layer: int = 0):
         stage_tags=torch.full((LAYERS,), -1),
         max_seqlen_q=num_q,
         softmax_scale=DIM**-0.5,
+        return_lse=return_lse,
     )
     tensors = [
         torch.randn(n, h, DIM, generator=gen).to(DEVICE)
@@ -116,6 +117,7 @@ def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None):
         k_scale=k_scale,
         v_scale=v_scale,
         fp8_mma=inputs.fp8_mma,
+        return_lse=inputs.return_lse,
     )
 
 
@@ -125,6 +127,8 @@ def test_schema_declares_mutations_without_defaults() -> None:
     assert mutated == set(fused.MUTATED_ARGS)
     for arg in schema.arguments:
         assert not arg.has_default_value(), f"{arg.name} has a default"
+    # (out, lse): one output list whether or not the LSE is asked for.
+    assert [str(ret.type) for ret in schema.returns] == ["Tensor", "Tensor"]
 
 
 def test_reimport_is_idempotent() -> None:
@@ -141,29 +145,52 @@ def test_fake_returns_query_shape() -> None:
     tensors, inputs = make_forward(0, staged=False)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = [mode.from_tensor(t) for t in (*tensors, *state)]
-        out = fused.write_attend(*fake[:5], fused.PoolTensors.build(*fake[5:]), inputs)
+        pools = fused.PoolTensors.build(*fake[5:])
+        out = fused.write_attend(*fake[:5], pools, inputs)
+        with_lse = fused.write_attend(*fake[:5], pools, inputs._replace(return_lse=True))
     assert out.shape == tensors[0].shape and out.dtype == tensors[0].dtype
+    out, lse = with_lse
+    assert out.shape == tensors[0].shape
+    assert lse.shape == tensors[0].shape[:2] and lse.dtype == torch.float32
+
+
+def test_return_lse_must_be_a_bool() -> None:
+    # The dispatcher would turn 1 into True; the refusal comes first and writes nothing.
+    state = make_state()
+    before = [t.clone() for t in state]
+    tensors, inputs = make_forward(0, staged=False)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        fused.write_attend(*tensors, fused.PoolTensors.build(*state), inputs._replace(return_lse=1))
+    for a, b in zip(state, before, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
 def test_matches_direct_kernel_calls_bit_for_bit(staged: bool) -> None:
+    # The second step also returns the LSE: the direct call's, bit for bit.
     for step in range(2):
-        tensors, inputs = make_forward(step, staged=staged, layer=step + 1)
+        tensors, inputs = make_forward(step, staged=staged, layer=step + 1, return_lse=step == 1)
         state_op, state_direct = make_state(), make_state()
         got = fused.write_attend(*tensors, fused.PoolTensors.build(*state_op), inputs)
         want = direct_calls(tensors, inputs, fused.PoolTensors.build(*state_direct))
-        assert torch.equal(got, want)
+        assert isinstance(got, tuple) == (step == 1)
+        for a, b in zip(*((got, want) if step == 1 else ((got,), (want,))), strict=True):
+            assert torch.equal(a, b)
         for a, b in zip(state_op, state_direct, strict=True):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), "mutated state differs"
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
-def test_compiles_once_across_changing_values(staged: bool) -> None:
+@pytest.mark.parametrize(
+    "staged, return_lse",
+    [(False, False), (True, False), (True, True)],
+    ids=["paged", "staged", "staged-lse"],
+)
+def test_compiles_once_across_changing_values(staged: bool, return_lse: bool) -> None:
     pools = fused.PoolTensors.build(*make_state())
 
     def block(tensors, inputs):
         query, key, value, action_key, action_value = tensors
-        out = fused.write_attend(
+        result = fused.write_attend(
             query * 1.5,
             key,
             value,
@@ -172,15 +199,22 @@ def test_compiles_once_across_changing_values(staged: bool) -> None:
             pools,
             inputs,
         )
-        return out.sum(dim=1)
+        if inputs.return_lse:
+            out, lse = result
+            return out.sum(dim=1), lse * 2.0
+        return result.sum(dim=1)
 
     counter = CompileCounter()
     compiled = torch.compile(block, fullgraph=True, backend=counter)
     for step in range(3):
         # Block tables, slots, history lengths and the layer all change value.
-        tensors, inputs = make_forward(step, staged=staged, layer=step)
+        tensors, inputs = make_forward(step, staged=staged, layer=step, return_lse=return_lse)
         twin = fused.PoolTensors.build(*make_state())
         want = direct_calls([tensors[0] * 1.5, *tensors[1:]], inputs, twin)
         got = compiled(tensors, inputs)
-        torch.testing.assert_close(got, want.sum(dim=1), rtol=1e-6, atol=1e-6)
+        if return_lse:
+            torch.testing.assert_close(got[0], want[0].sum(dim=1), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got[1], want[1] * 2.0, rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(got, want.sum(dim=1), rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1

@@ -10,11 +10,19 @@ from hypothesis import strategies as st
 from paged_video import kernels, reference
 from paged_video.kernels.paged_attention import kv_path
 from tests.helpers import DEVICE, ON_GPU, nan_like
-from tests.kernels.paged_case import PagedCase, make_paged_case, tolerance_anchor
+from tests.kernels.paged_case import (
+    PagedCase,
+    assert_lse_close,
+    make_paged_case,
+    tolerance_anchor,
+)
 
 # fp32 runs with ieee dot precision, so it must match float64 closely. fp16/bf16 are anchored
 # on PyTorch's own error at that precision (kernel error <= 2x torch's, plus a small floor).
 FP32_ATOL = 2e-5
+# LSE: relative to its largest magnitude. Scores are float32 sums of exact products in every
+# dtype (16-bit MMAs accumulate in float32), so low precision gets only a small margin.
+LSE_RTOL = {torch.float32: 2e-6, torch.float16: 1e-5, torch.bfloat16: 1e-5}
 LOW_PRECISION_DTYPES = [
     pytest.param(torch.float16, id="fp16"),
     pytest.param(
@@ -26,19 +34,27 @@ LOW_PRECISION_DTYPES = [
 
 
 def run_and_compare(case: PagedCase, *, causal: bool = False, **kwargs) -> None:
+    """Output and LSE (``return_lse=True``) against the oracle's."""
     out = nan_like(case.q)
-    got = kernels.paged_attention(
-        *case.args(), max_seqlen_q=case.max_seqlen_q, causal=causal, out=out, **kwargs
+    got, lse = kernels.paged_attention(
+        *case.args(),
+        max_seqlen_q=case.max_seqlen_q,
+        causal=causal,
+        out=out,
+        return_lse=True,
+        **kwargs,
     )
     assert got is out
     oracle_kwargs = {k: v for k, v in kwargs.items() if k in ("key_limits", "key_gap")}
-    want = reference.paged_attention(
+    want, want_lse = reference.paged_attention(
         *case.args(),
         max_seqlen_q=case.max_seqlen_q,
         causal=causal,
         out=torch.empty(case.q.shape, dtype=torch.float64, device=case.q.device),
+        return_lse=True,
         **oracle_kwargs,
     )
+    assert_lse_close(lse, want_lse, LSE_RTOL[case.q.dtype])
     assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
     if got.numel() == 0:
         return
@@ -251,12 +267,67 @@ def test_rows_that_see_no_key_and_a_limit_of_zero() -> None:
 
 @pytest.mark.parametrize("scale", [-0.2, 0.0, 1.7])
 def test_softmax_scale_any_sign(scale: float) -> None:
+    # A negative scale runs as -q with -scale: the LSE is still of scale * q.k.
     case = make_paged_case(q_lens=[9], k_lens=[70], block_size=24, device=DEVICE)
-    got = kernels.paged_attention(
-        *case.args(), max_seqlen_q=9, softmax_scale=scale, block_m=16, block_n=16
+    got, lse = kernels.paged_attention(
+        *case.args(),
+        max_seqlen_q=9,
+        softmax_scale=scale,
+        block_m=16,
+        block_n=16,
+        return_lse=True,
     )
-    want = reference.paged_attention(*case.args(), max_seqlen_q=9, softmax_scale=scale)
+    want, want_lse = reference.paged_attention(
+        *case.args(), max_seqlen_q=9, softmax_scale=scale, return_lse=True
+    )
     torch.testing.assert_close(got, want.to(got.dtype), atol=FP32_ATOL, rtol=0)
+    assert_lse_close(lse, want_lse, LSE_RTOL[torch.float32])
+
+
+def test_lse_off_is_the_plain_call() -> None:
+    # return_lse only adds the LSE: the output is bit for bit the plain call's, which returns
+    # the output tensor alone.
+    case = make_paged_case(q_lens=[9, 4], k_lens=[40, 17], block_size=7, device=DEVICE)
+    plain = kernels.paged_attention(*case.args(), max_seqlen_q=9, causal=True)
+    assert isinstance(plain, torch.Tensor)
+    out, lse = kernels.paged_attention(*case.args(), max_seqlen_q=9, causal=True, return_lse=True)
+    assert torch.equal(out, plain)
+    assert lse.shape == (13, 4) and lse.is_contiguous()
+
+
+def test_lse_of_rows_that_see_no_key(monkeypatch) -> None:
+    # Rows with nothing visible, each a different way: a key limit of 0 (row 0), causal rows
+    # above the diagonal when q is longer than k (sequence 1's first rows), a gap over all keys
+    # (sequence 2), no keys at all (sequence 3). Their LSE is -inf and their output zeros. The
+    # LSE buffer is allocated NaN-filled here, so a row the kernel skips cannot pass.
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    case = make_paged_case(
+        q_lens=[6, 9, 3, 2], k_lens=[30, 5, 20, 0], block_size=7, num_heads=6, device=DEVICE
+    )
+    key_limits = torch.tensor([0] + [30] * 19, dtype=torch.int32, device=DEVICE)
+    key_gap = torch.tensor([[0, 0], [0, 0], [0, 20], [0, 0]], dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out, lse = kernels.paged_attention(
+        *case.args(),
+        max_seqlen_q=9,
+        causal=True,
+        key_limits=key_limits,
+        key_gap=key_gap,
+        out=nan_like(case.q),
+        block_m=16,
+        block_n=16,
+        return_lse=True,
+    )
+    monkeypatch.undo()
+    blind = torch.zeros(20, dtype=torch.bool)
+    blind[[0, 6, 7, 8, 9, 15, 16, 17, 18, 19]] = True
+    assert torch.isneginf(lse[blind]).all() and torch.isfinite(lse[~blind]).all()
+    assert torch.equal(out[blind], torch.zeros_like(out[blind]))
+    run_and_compare(case, causal=True, key_limits=key_limits, key_gap=key_gap)
 
 
 def test_head_dim_256() -> None:

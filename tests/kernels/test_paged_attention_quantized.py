@@ -21,7 +21,7 @@ from paged_video.kernels.paged_attention import _to_e4m3, kv_path
 from paged_video.reference.attention import attention_mask, gather_sequence
 from paged_video.reference.quantize import quantize
 from tests.helpers import DEVICE, nan_like
-from tests.kernels.paged_case import PagedCase, make_paged_case
+from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
 
 FORMATS = [
     pytest.param(torch.float8_e4m3fn, id="e4m3"),
@@ -30,6 +30,8 @@ FORMATS = [
 # The unquantized tests' float32 tolerance (ieee dots), relative to the output's magnitude: the
 # scales below spread the dequantized values over two decades.
 FP32_ATOL = 2e-5
+# The LSE's tolerance relative to its magnitude (the scores are of the same dequantized keys).
+LSE_RTOL = 2e-6
 
 
 def quantize_case(
@@ -65,19 +67,21 @@ def quantized_args(
     return args, {"k_scale": k_scale, "v_scale": v_scale, "max_seqlen_q": case.max_seqlen_q}
 
 
-def oracle(args: tuple, scales: dict, **kwargs) -> Tensor:
+def oracle(args: tuple, scales: dict, *, return_lse: bool = False, **kwargs) -> Tensor:
     q = args[0]
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     kwargs = {k: v for k, v in kwargs.items() if k in ("causal", "key_limits", "key_gap")}
-    return reference.paged_attention(*args, **scales, out=out, **kwargs)
+    return reference.paged_attention(*args, **scales, out=out, return_lse=return_lse, **kwargs)
 
 
 def run_and_compare(case: PagedCase, dtype: torch.dtype, **kwargs) -> None:
+    """Output and LSE against the oracle's."""
     args, scales = quantized_args(case, dtype)
     out = nan_like(case.q)
-    got = kernels.paged_attention(*args, **scales, out=out, **kwargs)
+    got, lse = kernels.paged_attention(*args, **scales, out=out, return_lse=True, **kwargs)
     assert got is out
-    want = oracle(args, scales, **kwargs)
+    want, want_lse = oracle(args, scales, return_lse=True, **kwargs)
+    assert_lse_close(lse, want_lse, LSE_RTOL)
     assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
     error = (got.double() - want).abs().max().item()
     limit = FP32_ATOL * max(1.0, want.abs().max().item())
@@ -353,6 +357,16 @@ def emulate_fp8_mma(args: tuple, scales: dict, *, causal: bool = False, **kwargs
     return out
 
 
+def lse_oracle(args: tuple, scales: dict, *, fp8_mma: bool, **kwargs) -> Tensor:
+    """The oracle's LSE; for ``fp8_mma`` of the query rows rounded to e4m3 as the kernel rounds
+    them (codes of ``q / (amax / 448)``), the scores its softmax used."""
+    q = args[0]
+    if fp8_mma:
+        codes, row_scale = quantize(q.cpu(), torch.float8_e4m3fn)
+        q = reference.quantize.dequantize(codes, row_scale).to(q.device)
+    return oracle((q, *args[1:]), scales, return_lse=True, **kwargs)[1]
+
+
 # The FP8 mode cannot match the oracle to float32 accuracy: e4m3 keeps 3 mantissa bits, so each
 # query element and each (V-scaled) probability carries up to 2**-4 relative rounding error. Its
 # tolerance is the error of the float64 emulation of those two roundings against the oracle,
@@ -391,7 +405,7 @@ def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
     limit = FP8_MMA_MARGIN * (emulate_fp8_mma(args, scales, **kwargs) - want.cpu()).abs().max()
     errors = {}
     for fp8_mma in (False, True):
-        got = kernels.paged_attention(
+        got, lse = kernels.paged_attention(
             *args,
             **scales,
             **kwargs,
@@ -399,9 +413,12 @@ def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
             fp8_mma=fp8_mma,
             block_m=16,
             block_n=block_n,
+            return_lse=True,
         )
         assert not torch.isnan(got).any()
         errors[fp8_mma] = (got.double() - want).abs().max().item()
+        # The LSE is of the scores the kernel used: with fp8_mma, of the e4m3-rounded queries.
+        assert_lse_close(lse, lse_oracle(args, scales, fp8_mma=fp8_mma, **kwargs), LSE_RTOL)
     assert errors[True] <= limit.item(), f"fp8_mma error {errors[True]:.3e} > {limit:.3e}"
     # Reading the same codes, the dequantizing mode is far closer to the oracle.
     assert errors[False] <= FP32_ATOL * max(1.0, want.abs().max().item())
@@ -412,7 +429,10 @@ def test_fp8_mma_torch_path(no_interpreter) -> None:
     case = make_paged_case(q_lens=[5, 12], k_lens=[30, 12], block_size=7, head_dim=80)
     key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
     args, scales = quantized_args(case, torch.float8_e4m3fn)
-    got = kernels.paged_attention(*args, **scales, key_gap=key_gap, fp8_mma=True)
+    got, lse = kernels.paged_attention(
+        *args, **scales, key_gap=key_gap, fp8_mma=True, return_lse=True
+    )
+    assert_lse_close(lse, lse_oracle(args, scales, fp8_mma=True, key_gap=key_gap), LSE_RTOL)
     want = oracle(args, scales, key_gap=key_gap)
     emulated = emulate_fp8_mma(args, scales, key_gap=key_gap)
     # The torch path rounds as the emulation does (one tile): float32 apart.

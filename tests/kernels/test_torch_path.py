@@ -12,7 +12,7 @@ import torch
 from paged_video import kernels, reference
 from paged_video.kernels import _runtime
 from tests.helpers import nan_like
-from tests.kernels.paged_case import make_paged_case
+from tests.kernels.paged_case import assert_lse_close, make_paged_case
 
 
 @pytest.fixture
@@ -35,9 +35,24 @@ def test_attention(no_interpreter, block_size: int, causal: bool) -> None:
     key_limits = torch.arange(17, dtype=torch.int32) % 9
     key_gap = torch.tensor([[2, 11], [0, 0], [1, 3]], dtype=torch.int32)
     kwargs = dict(max_seqlen_q=12, causal=causal, key_limits=key_limits, key_gap=key_gap)
-    got = kernels.paged_attention(*case.args(), out=nan_like(case.q), **kwargs)
-    want = reference.paged_attention(*case.args(), **kwargs)
+    got, lse = kernels.paged_attention(
+        *case.args(), out=nan_like(case.q), return_lse=True, **kwargs
+    )
+    want, want_lse = reference.paged_attention(*case.args(), return_lse=True, **kwargs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert_lse_close(lse, want_lse, 2e-6)
+
+
+def test_attention_over_no_keys(no_interpreter) -> None:
+    # A sequence with no keys gives zeros and -inf (a max over no keys must not raise).
+    case = make_paged_case(q_lens=[3, 2], k_lens=[0, 9], block_size=4, num_heads=2)
+    got, lse = kernels.paged_attention(
+        *case.args(), max_seqlen_q=3, out=nan_like(case.q), return_lse=True
+    )
+    want, want_lse = reference.paged_attention(*case.args(), max_seqlen_q=3, return_lse=True)
+    assert torch.equal(got[:3], torch.zeros_like(got[:3]))
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0)
+    assert_lse_close(lse, want_lse, 2e-6)
 
 
 def test_write_and_gather(no_interpreter) -> None:
