@@ -4,9 +4,9 @@ kernels), so a world starts in about a second.
 Each rank runs guarded all-gathers in a loop; one rank fails in the scenario's way at round 3.
 Every rank saves ``{"failed_at": wall time of the failure, "raised_at": wall time it raised,
 "error": "Type: message"}`` (the failing rank before it fails) to ``out_dir/rank<r>.json``, then
-leaves with ``os._exit(0)`` (rank 0, which hosts the store, after the others have recorded):
-``destroy_process_group`` would wait for the abandoned collective until the process group's
-timeout while a stopped peer keeps its connections open.
+leaves with ``os._exit(0)`` once the others have recorded: ``destroy_process_group`` would wait
+for the abandoned collective until the process group's timeout while a stopped peer keeps its
+connections open.
 """
 
 from __future__ import annotations
@@ -57,10 +57,13 @@ def run(rank: int, port: int, world_size: int, scenario: str, out_dir: str) -> N
         if rank == world_size - 1:  # the failing rank tells the others, as the rollout does
             guard.post(f"raised at {guard.where}: {result['error']}")
     out.write_text(json.dumps(result))
-    # Rank 0 hosts the store: it leaves last, or a slower rank would see the store gone.
+    # Every rank stays until all have recorded: the raising rank stays alive (its connections
+    # open), so only its posted error can tell the others in time; and rank 0, which hosts the
+    # store, must not take it away from a slower rank.
     store = dist.distributed_c10d._get_default_store()
     store.add("recorded", 1)
-    deadline = time.monotonic() + 20
-    while rank == 0 and store.add("recorded", 0) < world_size - 1 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    alive = world_size if scenario == "raise" else world_size - 1
+    while store.add("recorded", 0) < alive and time.monotonic() < deadline:
         time.sleep(0.05)
     os._exit(0)

@@ -32,9 +32,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(target, world_size: int, args: tuple, monkeypatch) -> list:
-    """The started processes of ``target(rank, port, world_size, *args)``, rank order."""
-    for name, value in RANK_ENV.items():
+def start(target, world_size: int, args: tuple, monkeypatch, **env: str) -> list:
+    """The started processes of ``target(rank, port, world_size, *args)``, rank order, with
+    ``RANK_ENV`` and ``env`` in their environment."""
+    for name, value in {**RANK_ENV, **env}.items():
         monkeypatch.setenv(name, value)
     if sys.platform.startswith("linux"):
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
