@@ -193,9 +193,11 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _finish(work: dist.Work | None, guard: FailFast | None, what: str, host: bool) -> None:
+def _finish(
+    work: dist.Work | None, guard: FailFast | None, what: str, tensor: Tensor, host: bool
+) -> None:
     if guard is not None:
-        guard.wait(work, what, host=host)
+        guard.wait(work, what, cuda=tensor.device.type == "cuda", host=host)
 
 
 def all_gather(
@@ -204,19 +206,19 @@ def all_gather(
     guard: FailFast | None,
     what: str,
     *,
-    host: bool | None = None,
+    host: bool = False,
 ) -> Tensor:
     """``(ranks, *tensor.shape)``: every rank's ``tensor`` in group-rank order.
 
-    Waited for through ``guard`` when given (``host``: whether the caller reads the result on
-    the host; by default when the tensor is on the CPU), else blocking.
+    Waited for through ``guard`` when given, else blocking. ``host``: the caller reads the
+    result on the host at once (CUDA tensors: wait for it, not only order the stream).
     """
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
     gathered = [torch.empty_like(tensor) for _ in range(size)]
     _log(what, group, (size - 1) * _nbytes(tensor), (size - 1) * _nbytes(tensor))
     work = dist.all_gather(gathered, tensor, group=group, async_op=guard is not None)
-    _finish(work, guard, what, tensor.device.type == "cpu" if host is None else host)
+    _finish(work, guard, what, tensor, host)
     return torch.stack(gathered)
 
 
@@ -230,7 +232,7 @@ def all_to_all(
     share = _nbytes(send) // size
     _log(what, group, (size - 1) * share, (size - 1) * share)
     work = dist.all_to_all_single(received, send, group=group, async_op=guard is not None)
-    _finish(work, guard, what, send.device.type == "cpu")
+    _finish(work, guard, what, send, host=False)
     return received
 
 

@@ -14,10 +14,11 @@ gloo). ``FailFast`` is a side channel beside the collectives, on the store the r
   moved for ``dead_after_s`` is a rank that was killed or stopped (``SIGKILL``, ``SIGSTOP``, a
   machine lost), and the waiting rank sets the flag naming it.
 * **guarded waits**: the rollout's collectives are issued with ``async_op=True`` and handed to
-  ``wait``, which polls ``Work.is_completed()`` (sleeping between polls, so a waiting rank
-  leaves its core to the others) and looks at the flag and the heartbeats while the peers are
-  late. A collective that fails (gloo reports a peer's closed connection at once) sets the flag
-  too. A rank blocked in a collective therefore raises within ``check_s`` of the flag being set.
+  ``wait``, which waits for them ``check_s`` at a time (gloo: a blocking wait that ends the
+  moment the collective does, so a healthy wait costs nothing) and between waits looks at the
+  flag and the heartbeats. A collective that fails (gloo reports a peer's closed connection at
+  once) sets the flag too. A rank blocked in a collective therefore raises within ``check_s``
+  of the flag being set.
 
 Why a side channel rather than short collective timeouts: a healthy peer may legitimately be
 minutes late (a long first forward, compilation), so no collective timeout tells slow from dead;
@@ -25,8 +26,9 @@ the heartbeats do, and the flag carries the failing rank's own error to everyone
 
 On CUDA tensors (NCCL) waiting for the host would stall the launch queue at every collective, so
 ``wait`` only orders the current stream after the collective (``Work.wait()``); a hang is seen at
-the next wait that needs the result on the host (``host=True``: the per-forward plan digest).
-The CPU path (gloo) is what the tests run; the NCCL path is the same code, not measured here.
+the next wait that needs the result on the host (``host=True``: the per-forward plan digest),
+which polls ``Work.is_completed()``. The CPU path (gloo) is what the tests run; the NCCL path is
+the same code, not measured here.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import contextlib
 import threading
 import time
 import weakref
+from datetime import timedelta
 from typing import ClassVar
 
 import torch.distributed as dist
@@ -195,27 +198,49 @@ class FailFast:
         )
         return self.posted()
 
-    def wait(self, work: dist.Work, what: str, *, host: bool = True) -> None:
+    def wait(self, work: dist.Work, what: str, *, cuda: bool = False, host: bool = True) -> None:
         """Wait for ``work`` (issued with ``async_op=True``) while watching the flag and the
         heartbeats; ``RankFailedError`` when a rank failed or the collective did.
 
-        ``host=False`` (CUDA tensors): only order the current stream after the collective.
+        CPU tensors (gloo): blocking waits of ``check_s`` each, so the wait ends the moment the
+        collective does. CUDA tensors (``cuda``): with ``host=False`` only order the current
+        stream after the collective; with ``host`` poll ``is_completed()`` between short sleeps.
         """
-        if not host:
+        if cuda and not host:
             work.wait()
             return
-        pause, next_check = 1e-4, time.monotonic() + self.check_s
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_check:
-                self.check(what)
-                next_check = now + self.check_s
-            time.sleep(pause)
-            pause = min(2 * pause, self.check_s / 4)
         try:
-            work.wait()
-        except Exception as error:  # e.g. gloo: a peer closed its connection (it died)
+            if cuda:
+                self._poll(work, what)
+            else:
+                timeout = timedelta(seconds=self.check_s)
+                while not self._wait_for(work, timeout):
+                    self.check(what)
+        except RankFailedError:
+            raise
+        except Exception as error:  # the collective failed, e.g. a peer's connection closed
             # A peer that failed first has posted why: that is the cause to report.
             self.post(f"{what} failed at {self.where}: {type(error).__name__}: {error}")
             self.check(what)
             raise RankFailedError(f"rank {self.rank}: {what} failed at {self.where}") from error
+
+    @staticmethod
+    def _wait_for(work: dist.Work, timeout: timedelta) -> bool:
+        """Whether ``work`` finished within ``timeout`` (its own failure raises)."""
+        try:
+            work.wait(timeout)
+        except Exception:
+            if work.is_completed():
+                raise
+            return False  # only the wait's timeout: the collective goes on
+        return True
+
+    def _poll(self, work: dist.Work, what: str) -> None:
+        pause, next_check = 1e-4, time.monotonic() + self.check_s
+        while not work.is_completed():
+            if time.monotonic() >= next_check:
+                self.check(what)
+                next_check = time.monotonic() + self.check_s
+            time.sleep(pause)
+            pause = min(2 * pause, self.check_s / 4)
+        work.wait()

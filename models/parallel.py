@@ -167,8 +167,8 @@ class ShardedPagedWanAttnProcessor(PagedWanAttnProcessor):
         action_value: Tensor,
     ) -> Tensor:
         """Write this rank's blocks' K/V and attend over its keys: the packed partial states
-        (``pack_states``) of every query."""
-        inputs = self.state.layer_inputs._replace(layer=self.layer_index, return_lse=True)
+        (``pack_states``) of every query (``ShardedForwardCall``'s inputs ask for the LSE)."""
+        inputs = self.state.layer_inputs._replace(layer=self.layer_index)
         out, lse = write_attend(
             query, key, value, action_key, action_value, call.cache.pool_tensors, inputs
         )

@@ -277,7 +277,9 @@ class ShardedForwardCall(ForwardCall):
     single process's; ``local_inputs`` is this rank's share, and ``layer`` hands the fused op
     that share: the rank's blocks, lengths and key gaps, the slots of the tokens it stores
     (``-1`` for the others', which the write skips) and, with staging, its own first block.
-    The queries (and the K/V handed to the op) are every token of every row.
+    The queries (and the K/V handed to the op) are every token of every row. A rank's attention
+    is partial, so ``layer`` asks the op for the log-sum-exp too: ``attend`` returns
+    ``(out, lse)``, to merge with the other ranks' (``merge_stacked_attention_states``).
     """
 
     def __init__(
@@ -307,7 +309,8 @@ class ShardedForwardCall(ForwardCall):
         self._key_gap = self.local_inputs.key_gap if self.local_inputs.exact_window else None
 
     def layer(self, index: int) -> LayerInputs:
-        """The fused op's inputs for layer ``index``: this rank's share of the forward."""
+        """The fused op's inputs for layer ``index``: this rank's share of the forward, with
+        ``return_lse``."""
         local = self.local_inputs
         return (
             super()
@@ -317,5 +320,6 @@ class ShardedForwardCall(ForwardCall):
                 action_slots=local.action_slots,
                 block_table=local.block_table,
                 seq_lens_k=local.seq_lens_k,
+                return_lse=True,
             )
         )
