@@ -65,3 +65,28 @@ def wait(processes: list, deadline_s: float, *, frozen: tuple[int, ...] = ()) ->
                 os.kill(process.pid, signal.SIGCONT)  # a stopped process cannot die otherwise
                 process.kill()
                 process.join(5)
+
+
+def leave_together(rank: int, alive: int, timeout_s: float = 30.0) -> None:
+    """In a rank: wait until ``alive`` ranks have called this, then exit (``os._exit(0)``),
+    rank 0 last: it hosts the store, and a rank still talking to it would fail.
+
+    A rank that raised therefore stays alive (its connections open, as in a real job) until the
+    others have raised: only its posted error can have told them.
+    """
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + timeout_s
+
+    def wait_for(key: str, count: int) -> None:
+        while store.add(key, 0) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    store.add("arrived", 1)
+    wait_for("arrived", alive)
+    if rank == 0:
+        wait_for("left", alive - 1)
+    else:
+        store.add("left", 1)
+    os._exit(0)

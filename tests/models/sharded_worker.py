@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.models import ranks
 from tests.models.parallel_worker import CFG, GUIDANCE, ULYSSES, rollout
 
 # A slower rank is not a dead one: far past the heartbeats' verdict and the test's deadline.
@@ -136,13 +137,4 @@ def run(rank: int, port: int, world_size: int, scenario: str, out_dir: str) -> N
     )
     out = Path(out_dir) / f"{scenario}-rank{rank}.pt"
     torch.save(SCENARIOS[scenario](rank, out), out)
-    # Every rank stays until all have saved: a rank that raised stays alive (its connections
-    # open, as in a real job), so only its posted error can tell the others in time; and rank
-    # 0, which hosts the store, must not take it away from a slower rank.
-    store = dist.distributed_c10d._get_default_store()
-    store.add("saved", 1)
-    deadline = time.monotonic() + 30
-    alive = world_size - (scenario == "four")  # the killed rank never saves again
-    while store.add("saved", 0) < alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os._exit(0)
+    ranks.leave_together(rank, alive=world_size - (scenario == "four"))  # one was killed
