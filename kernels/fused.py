@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 
 from paged_video.kernels import _checks
+from paged_video.kernels._attention_checks import check_arguments as check_attention_arguments
 from paged_video.kernels.gather_blocks import gather_blocks
-from paged_video.kernels.paged_attention import _check_arguments as check_attention_arguments
 from paged_video.kernels.paged_attention import paged_attention
 from paged_video.kernels.quantize import SCALE_DTYPE, check_scales, is_quantized
 from paged_video.kernels.write_slots import write_slots

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from paged_video import kernels, reference
 from paged_video.kernels import _runtime
-from paged_video.kernels.paged_attention import _to_e4m3, kv_path
+from paged_video.kernels._attention_jit import _to_e4m3
+from paged_video.kernels.paged_attention import kv_path
 from paged_video.reference.attention import attention_mask, gather_sequence
 from paged_video.reference.quantize import quantize
 from tests.helpers import DEVICE, nan_like

@@ -1,0 +1,165 @@
+"""Argument checks of ``paged_attention``, shared with the fused op: every error names the
+argument at fault, and nothing is written before they pass."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch import Tensor
+
+from paged_video.kernels import _checks, quantize
+
+
+def check_arguments(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens_k: Tensor,
+    max_seqlen_q: int,
+    out: Tensor | None,
+    key_limits: Tensor | None,
+    key_gap: Tensor | None,
+    check_values: bool,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    fp8_mma: bool = False,
+) -> None:
+    _checks.check_rank("q", q, 3, "(total_q, num_heads, head_dim)")
+    layout = "(num_blocks, block_size, num_kv_heads, head_dim)"
+    _checks.check_rank("k_cache", k_cache, 4, layout)
+    _checks.check_rank("v_cache", v_cache, 4, layout)
+    _checks.check_rank("block_table", block_table, 2, "(batch, width)")
+    _checks.check_rank("cu_seqlens_q", cu_seqlens_q, 1, "(batch + 1,)")
+    _checks.check_rank("seq_lens_k", seq_lens_k, 1, "(batch,)")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            _checks.check_tensor(name, scale)
+    _checks.check_same_device(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens_k=seq_lens_k,
+        out=out,
+        key_limits=key_limits,
+        key_gap=key_gap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
+    _check_cache_dtypes(q, k_cache, v_cache, fp8_mma)
+    quantize.check_scales("k_scale", k_scale, "k_cache", k_cache)
+    quantize.check_scales("v_scale", v_scale, "v_cache", v_cache)
+    for name, index in (
+        ("block_table", block_table),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens_k", seq_lens_k),
+    ):
+        _checks.check_dtype(name, index, (torch.int32,))
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    _checks.check_head_dim("q", head_dim)
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q num_heads {num_heads} must be a multiple of k_cache num_kv_heads {num_kv_heads}"
+        )
+    batch = block_table.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens_q must have shape ({batch + 1},) for a block_table of {batch} rows, "
+            f"got {tuple(cu_seqlens_q.shape)}"
+        )
+    if seq_lens_k.shape[0] != batch:
+        raise ValueError(f"seq_lens_k must have shape ({batch},), got {tuple(seq_lens_k.shape)}")
+    _checks.check_int("max_seqlen_q", max_seqlen_q, minimum=0)
+    if out is not None:
+        _checks.check_tensor("out", out)
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(
+                f"out must match q: shape {tuple(q.shape)} dtype {q.dtype}, "
+                f"got {tuple(out.shape)} {out.dtype}"
+            )
+    if key_limits is not None:
+        _checks.check_rank("key_limits", key_limits, 1, "(total_q,)")
+        _checks.check_dtype("key_limits", key_limits, (torch.int32,))
+        if key_limits.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"key_limits must have shape ({q.shape[0]},), got {tuple(key_limits.shape)}"
+            )
+    if key_gap is not None:
+        _checks.check_tensor("key_gap", key_gap)
+        _checks.check_dtype("key_gap", key_gap, (torch.int32,))
+        if key_gap.dim() not in (2, 3) or key_gap.shape[0] != batch or key_gap.shape[-1] != 2:
+            raise ValueError(
+                f"key_gap must have shape ({batch}, 2) or ({batch}, gaps, 2), "
+                f"got {tuple(key_gap.shape)}"
+            )
+    if check_values:
+        _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
+
+
+def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_mma: object) -> None:
+    """Caches in q's dtype, or both in one quantized dtype; ``fp8_mma`` only for e4m3 caches."""
+    if not isinstance(fp8_mma, bool):
+        raise TypeError(f"fp8_mma must be a bool, got {type(fp8_mma).__name__}")
+    if quantize.is_quantized(k_cache.dtype):
+        if v_cache.dtype != k_cache.dtype:
+            raise TypeError(
+                f"v_cache must have k_cache's quantized dtype {k_cache.dtype}, got {v_cache.dtype}"
+            )
+    else:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dtype != q.dtype:
+                allowed = ", ".join(str(d) for d in quantize.QUANT_DTYPES)
+                raise TypeError(
+                    f"{name} must have q's dtype {q.dtype} or a quantized one ({allowed}), "
+                    f"got {cache.dtype}"
+                )
+    if fp8_mma and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_mma needs float8_e4m3fn caches, got {k_cache.dtype}")
+
+
+def _check_values(
+    q: Tensor,
+    k_cache: Tensor,
+    block_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens_k: Tensor,
+    max_seqlen_q: int,
+) -> None:
+    """Checks that read tensor values (one device sync); the fused op skips them."""
+    starts = cu_seqlens_q.tolist()
+    if starts[0] != 0 or starts[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must run from 0 to total_q={q.shape[0]}, got {starts}")
+    q_lens = [b - a for a, b in itertools.pairwise(starts)]
+    if any(length < 0 for length in q_lens):
+        raise ValueError(f"cu_seqlens_q must be non-decreasing, got {starts}")
+    if q_lens and max(q_lens) > max_seqlen_q:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query {max(q_lens)}")
+    lengths = seq_lens_k.tolist()
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"seq_lens_k must be >= 0, got {lengths}")
+    block_size = k_cache.shape[1]
+    needed = max((math.ceil(length / block_size) for length in lengths), default=0)
+    if needed > block_table.shape[1]:
+        raise ValueError(
+            f"block_table width {block_table.shape[1]} is too narrow: seq_lens_k needs {needed} "
+            f"blocks of {block_size}"
+        )
+    for row, length in enumerate(lengths):
+        used = block_table[row, : math.ceil(length / block_size)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[0]):
+            raise ValueError(
+                f"block_table row {row} points outside the cache's {k_cache.shape[0]} blocks"
+            )

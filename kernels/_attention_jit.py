@@ -1,0 +1,596 @@
+"""The paged attention kernel's Triton code (the launcher is ``kernels/paged_attention.py``).
+
+Any block size >= 1. Key position ``p`` of sequence ``i`` lives in block
+``block_table[i, p // block_size]`` at offset ``p % block_size``. The block size is a
+compile-time constant (a model has one), so no path divides by it at run time. A key tile of
+``BLOCK_N`` rows finds its cache rows one of three ways (``KV_PATH``):
+
+* ``contiguous``: the tile divides the block size, so one table entry gives the whole tile;
+* ``two_blocks``: the block is at least a tile but not a multiple of it, so a tile spans at
+  most two blocks and each row picks one of two bases;
+* ``rows``: blocks smaller than the tile; each row reads its block id (a vector load), or,
+  when the block divides the tile, each of the tile's blocks reads it once for all its rows.
+
+The next tile's block ids are read one iteration ahead (loop-carried), so the software pipeliner
+keeps K/V loads as many tiles ahead as in a table-free loop. Key tiles every query row of the
+program sees whole run in an unmasked loop; only tiles touching ``seq_lens_k``, a row's
+``key_limits``, the causal diagonal or a ``key_gap`` edge run masked, and tiles inside a gap are
+skipped. Query heads sharing a KV head are packed into the M dimension, so each K/V tile is
+loaded once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA),
+output in ``q``'s dtype; optionally each row's log-sum-exp (``HAS_LSE``).
+
+Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
+tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
+and the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
+MMAs instead. The unquantized kernel is compiled without any of it (the scale pointer's absence
+is a compile-time flag), as the kernel without ``HAS_LSE`` is without the LSE.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from paged_video.kernels._quantize_jit import round_to_code_grid
+
+# ln 2 for the kernel (a global a jit function reads must be a constexpr).
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _tile_block_ids(
+    table_row,
+    stride_table_col,
+    n_start,
+    keys_end,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+):
+    """Block ids of the key tile at ``n_start``: ``(first, second, per_row)``; unused ones are 0.
+
+    Only entries of keys below ``keys_end`` are read: padding past the sequence is never touched.
+    """
+    if KV_PATH == "rows":
+        if BLOCK_N % BLOCK_SIZE == 0:
+            # Whole blocks per tile: load each entry once and repeat it over its block's rows.
+            NUM_BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            blocks = n_start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
+            entries = table_row + blocks * stride_table_col
+            per_block = tl.load(entries, mask=blocks * BLOCK_SIZE < keys_end, other=0)
+            ids = tl.reshape(
+                tl.broadcast_to(per_block[:, None], (NUM_BLOCKS, BLOCK_SIZE)), (BLOCK_N,)
+            )
+        else:
+            pos = n_start + tl.arange(0, BLOCK_N)
+            entries = table_row + (pos // BLOCK_SIZE) * stride_table_col
+            ids = tl.load(entries, mask=pos < keys_end, other=0)
+        return 0, 0, ids
+    else:
+        first = n_start // BLOCK_SIZE
+        id0 = tl.load(table_row + first * stride_table_col, mask=n_start < keys_end, other=0)
+        if KV_PATH == "two_blocks":
+            edge = (first + 1) * BLOCK_SIZE
+            second_needed = (edge < n_start + BLOCK_N) & (edge < keys_end)
+            id1 = tl.load(table_row + (first + 1) * stride_table_col, mask=second_needed, other=0)
+            return id0, id1, tl.zeros([BLOCK_N], dtype=tl.int32)
+        else:
+            return id0, 0, tl.zeros([BLOCK_N], dtype=tl.int32)
+
+
+@triton.jit
+def _tile_rows(
+    id0,
+    id1,
+    ids,
+    n_start,
+    cache,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+):
+    """Element offsets (int64) of the tile's key rows in one cache, from its block ids.
+
+    ``cache`` is ``(head pointer, block stride, slot stride, ...)``. Tiles start at multiples of
+    ``BLOCK_N``; the per-row parts are loop-invariant where they can be, so a tile costs a
+    scalar base plus, for ``two_blocks``, one select per row.
+    """
+    stride_block = cache[1]
+    stride_slot = cache[2]
+    offs_n = tl.arange(0, BLOCK_N)
+    if KV_PATH == "rows":
+        # When the block divides the tile, every tile's slots are the same (loop-invariant).
+        shift = 0 if BLOCK_N % BLOCK_SIZE == 0 else n_start
+        slot = (shift + offs_n) % BLOCK_SIZE
+        rows = ids.to(tl.int64) * stride_block + slot.to(tl.int64) * stride_slot
+    else:
+        first_slot = n_start % BLOCK_SIZE
+        base = id0.to(tl.int64) * stride_block + first_slot.to(tl.int64) * stride_slot
+        rows = base + offs_n.to(tl.int64) * stride_slot
+        if KV_PATH == "two_blocks":
+            # Rows past the block's end move from block id0 slot BLOCK_SIZE + i to block id1
+            # slot i.
+            jump = (id1 - id0).to(tl.int64) * stride_block - BLOCK_SIZE * stride_slot
+            # (A select here hides the rows' alignment from the pipeliner; a product does not.)
+            rows += (offs_n >= BLOCK_SIZE - first_slot).to(tl.int64) * jump
+    return rows
+
+
+@triton.jit
+def _to_e4m3(x, EXPLICIT_ROUNDING: tl.constexpr):
+    """Float32 ``x`` as the nearest e4m3 code (ties to even), saturating at +-448.
+
+    On a GPU the conversion is one ``cvt.rn.satfinite`` per pair: rounding explicitly here, in
+    the hot loop, would cost ~250 instructions per tile. The interpreter's conversion rounds
+    wrongly when rounding carries into the next binade (31.2 -> 16), so there
+    (``EXPLICIT_ROUNDING``) x is first rounded to the code grid as the write kernel does
+    (``round_to_code_grid``), and the result converts exactly.
+    """
+    if EXPLICIT_ROUNDING:
+        x = round_to_code_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), True)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _attend_tiles(
+    state,
+    q,
+    caches,
+    table,
+    first_tile,
+    tiles_start,
+    num_tiles,
+    keys_lo,
+    keys_hi,
+    key_limit,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
+):
+    """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
+    at ``tiles_start + (j - 1) * BLOCK_N``. The one tile body of both loops: ``MASKED`` adds the
+    masks (a compile-time flag, so the unmasked loop carries none of them).
+
+    ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated; ``caches`` the K and
+    V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
+    block stride, slot stride[, dim stride])``; ``table`` the sequence's ``(block table row,
+    column stride)``.
+
+    ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
+    ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
+    or per row (``FP8_MMA``: the query rows' scales folded in); it must be >= 0.
+
+    ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
+    the scale pools). The K scales multiply the score columns; the V scales the probability
+    columns before the PV product (row sums from the unscaled probabilities). Without
+    ``FP8_MMA`` the codes convert exactly to q's compute dtype; with it, q is already e4m3 codes,
+    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 after
+    normalising by the tile's largest V scale (times 448, so they span the format).
+    """
+    acc, row_max, row_sum, acc_scale = state
+    k_cache = caches[0]
+    v_cache = caches[1]
+    if QUANTIZED:
+        k_scales = caches[2]
+        v_scales = caches[3]
+    table_row, stride_table_col = table
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
+    v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
+    d_mask = offs_d[None, :] < HEAD_DIM
+    row_scale = scale_log2[:, None] if FP8_MMA else scale_log2
+    # With equal K/V strides the V (scale) rows are the K (scale) rows (the contiguous path
+    # computes both).
+    share_rows = SAME_KV_STRIDES and KV_PATH != "contiguous"
+    id0, id1, ids = _tile_block_ids(
+        table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
+    )
+    for j in range(0, num_tiles):
+        if MASKED:
+            n_start = tl.where(j == 0, first_tile, tiles_start + (j - 1) * BLOCK_N)
+        else:
+            n_start = first_tile + j * BLOCK_N
+        # The next tile's block ids first: its K/V addresses are known a whole iteration early.
+        next_id0, next_id1, next_ids = _tile_block_ids(
+            table_row,
+            stride_table_col,
+            tiles_start + j * BLOCK_N,
+            keys_hi,
+            BLOCK_N,
+            BLOCK_SIZE,
+            KV_PATH,
+        )
+        k_rows = _tile_rows(id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
+        if share_rows:
+            v_rows = k_rows
+        else:
+            v_rows = _tile_rows(id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
+        if QUANTIZED:
+            ks_rows = _tile_rows(id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
+            if share_rows:
+                vs_rows = ks_rows
+            else:
+                vs_rows = _tile_rows(id0, id1, ids, n_start, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
+        if MASKED:
+            keys = n_start + offs_n
+            n_mask = (keys >= keys_lo) & (keys < keys_hi)
+            # Hidden keys are never loaded: they may be unwritten slots holding NaN.
+            k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
+            v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
+            if QUANTIZED:
+                k_col = tl.load(k_scales[0] + ks_rows, mask=n_mask, other=0.0)
+                v_col = tl.load(v_scales[0] + vs_rows, mask=n_mask, other=0.0)
+        else:
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_dims + k_rows[:, None])
+                v = tl.load(v_dims + v_rows[:, None])
+            else:
+                k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
+                v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
+            if QUANTIZED:
+                k_col = tl.load(k_scales[0] + ks_rows)
+                v_col = tl.load(v_scales[0] + vs_rows)
+        if FP8_MMA:
+            qk = tl.dot(q, tl.trans(k))
+        else:
+            if QUANTIZED:
+                # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7).
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            elif UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            qk = qk * k_col[None, :]
+        if MASKED:
+            visible = n_mask[None, :] & (keys[None, :] < key_limit[:, None])
+            scores = tl.where(visible, qk * row_scale, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of
+            # -inf so exp2 gives 0, not NaN.
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            probs = tl.math.exp2(scores - safe_max[:, None])
+            rescale = tl.math.exp2(row_max - safe_max)
+        else:
+            # scale_log2 >= 0 (the launcher makes it so): max(qk) * scale is the scaled max,
+            # and qk * scale - max is one FFMA per score.
+            new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
+            probs = tl.math.exp2(qk * row_scale - new_max[:, None])
+            rescale = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        if FP8_MMA:
+            # max(v_col) > 0 unless the tile's V rows are all zero (then so is the product).
+            v_max = tl.max(v_col, axis=0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            p_codes = _to_e4m3(probs * (v_col * (448.0 / v_max))[None, :], EXPLICIT_ROUNDING)
+            # acc holds the output in units of acc_scale: this tile's unit folds into the
+            # rescale, so the MMA accumulates in place (no multiply per output element).
+            tile_scale = v_max / 448.0
+            acc = acc * (rescale * (acc_scale / tile_scale))[:, None] + tl.dot(p_codes, v)
+            acc_scale = tile_scale
+        else:
+            if QUANTIZED:
+                probs = probs * v_col[None, :]
+            pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * rescale[:, None] + pv
+        row_max = new_max
+        id0, id1, ids = next_id0, next_id1, next_ids
+    return acc, row_max, row_sum, acc_scale
+
+
+@triton.jit
+def _attend_run(
+    state,
+    q,
+    caches,
+    table,
+    run_lo,
+    run_hi,
+    full_end,
+    key_limit,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
+):
+    """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
+    below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
+    tile holding ``run_lo`` and the tiles from the unmasked ones' end to ``run_hi`` run masked
+    (``state`` as in ``_attend_tiles``)."""
+    head_tile = run_lo // BLOCK_N * BLOCK_N
+    tiles_end = tl.cdiv(run_hi, BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(run_lo, BLOCK_N) * BLOCK_N
+    full_hi = tl.maximum(full_lo, tl.minimum(run_hi, full_end) // BLOCK_N * BLOCK_N)
+    # Pass 0, unmasked: the whole tiles. Pass 1, masked: the head tile when the run starts
+    # mid-tile (and it is not also the tail), then the tail from the unmasked tiles' end.
+    for masked in tl.static_range(2):
+        if masked:
+            has_head = (head_tile < full_lo) & (full_lo <= tiles_end)
+            tail_start = tl.maximum(full_hi, tl.minimum(full_lo, tiles_end))
+            tail_tiles = tl.maximum(tiles_end - tail_start, 0) // BLOCK_N
+            if has_head:
+                first_tile = head_tile
+                num_tiles = tail_tiles + 1
+            else:
+                first_tile = tail_start
+                num_tiles = tail_tiles
+                tail_start = tail_start + BLOCK_N
+            tiles_start = tail_start
+        else:
+            first_tile = full_lo
+            tiles_start = full_lo + BLOCK_N
+            num_tiles = (full_hi - full_lo) // BLOCK_N
+        state = _attend_tiles(
+            state,
+            q,
+            caches,
+            table,
+            first_tile,
+            tiles_start,
+            num_tiles,
+            run_lo,
+            run_hi,
+            key_limit,
+            scale_log2,
+            BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            KV_PATH,
+            SAME_KV_STRIDES,
+            masked == 1,
+            UPCAST,
+            DOT_PRECISION,
+            QUANTIZED,
+            FP8_MMA,
+            EXPLICIT_ROUNDING,
+        )
+    return state
+
+
+@triton.heuristics(
+    {
+        "HAS_KEY_LIMITS": lambda args: args["key_limits_ptr"] is not None,
+        "HAS_KEY_GAP": lambda args: args["key_gap_ptr"] is not None,
+        "QUANTIZED": lambda args: args["k_scale_ptr"] is not None,
+        "HAS_LSE": lambda args: args["lse_ptr"] is not None,
+    }
+)
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    block_table_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_k_ptr,
+    key_limits_ptr,
+    key_gap_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_log2,
+    gaps_per_row,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_v_dim,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    stride_table_row,
+    stride_table_col,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
+    stride_lse_tok,
+    stride_lse_head,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_KEY_LIMITS: tl.constexpr,
+    HAS_KEY_GAP: tl.constexpr,
+    GAPS: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    FP8_MMA: tl.constexpr,
+    EXPLICIT_ROUNDING: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
+
+    Row r is query r // GROUP of the sequence, query head h * GROUP + r % GROUP.
+    """
+    tile_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile_m * BLOCK_M >= q_len * GROUP:
+        return
+    k_len = tl.load(seq_lens_k_ptr + seq)
+
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    query = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    m_mask = query < q_len
+    io_mask = m_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_rows = (q_start + query).to(tl.int64)
+    q = tl.load(
+        q_ptr
+        + q_rows[:, None] * stride_q_tok
+        + head[:, None].to(tl.int64) * stride_q_head
+        + offs_d[None, :] * stride_q_dim,
+        mask=io_mask,
+        other=0.0,
+    )
+    if FP8_MMA:
+        # Each row as e4m3 codes and a scale (amax / 448), folded into the softmax scale.
+        q = q.to(tl.float32)
+        q_scale = tl.max(tl.abs(q), axis=1) / 448.0
+        q = _to_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None], EXPLICIT_ROUNDING)
+        scale_log2 = q_scale * scale_log2
+    elif UPCAST:
+        q = q.to(tl.float32)
+
+    # Exclusive upper bound on the keys each row sees; rows past q_len see nothing and do not
+    # count for the keys every row sees whole.
+    key_limit = tl.zeros([BLOCK_M], dtype=tl.int32) + k_len
+    if CAUSAL:
+        key_limit = tl.minimum(key_limit, query + (k_len - q_len) + 1)
+    if HAS_KEY_LIMITS:
+        row_limits = tl.load(key_limits_ptr + q_start + query, mask=m_mask, other=0)
+        key_limit = tl.minimum(key_limit, row_limits)
+    key_limit = tl.maximum(tl.where(m_mask, key_limit, 0), 0)
+    keys_end = tl.max(key_limit, axis=0)
+    full_end = tl.min(tl.where(m_mask, key_limit, keys_end), axis=0)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_scale = 1.0  # FP8_MMA: acc is the output in units of acc_scale
+    table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
+    # Each pool of this KV head as (head pointer, block stride, slot stride[, dim stride]): K and
+    # V, then the K and V scales of quantized pools.
+    kv_head_i64 = kv_head.to(tl.int64)
+    caches = (
+        (k_ptr + kv_head_i64 * stride_k_head, stride_k_block, stride_k_slot, stride_k_dim),
+        (v_ptr + kv_head_i64 * stride_v_head, stride_v_block, stride_v_slot, stride_v_dim),
+    )
+    if QUANTIZED:
+        caches = (
+            caches[0],
+            caches[1],
+            (k_scale_ptr + kv_head_i64 * stride_ks_head, stride_ks_block, stride_ks_slot),
+            (v_scale_ptr + kv_head_i64 * stride_vs_head, stride_vs_block, stride_vs_slot),
+        )
+
+    if HAS_KEY_GAP:
+        # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing
+        # ones load as the empty [0, 0). Visible runs between gaps are attended one by one.
+        offs_g = tl.arange(0, GAPS)
+        g_mask = offs_g < gaps_per_row
+        gap_row = key_gap_ptr + seq * 2 * gaps_per_row + 2 * offs_g
+        gap_lo = tl.load(gap_row, mask=g_mask, other=0)
+        gap_hi = tl.load(gap_row + 1, mask=g_mask, other=0)
+        gap_lo = tl.where(gap_lo < gap_hi, gap_lo, keys_end)
+        gap_hi = tl.where(gap_lo < gap_hi, gap_hi, keys_end)
+        run_lo = k_len * 0
+        while run_lo < keys_end:
+            ahead = gap_hi > run_lo
+            run_hi = tl.min(tl.where(ahead, tl.maximum(gap_lo, run_lo), keys_end), axis=0)
+            run_hi = tl.minimum(run_hi, keys_end)
+            acc, row_max, row_sum, acc_scale = _attend_run(
+                (acc, row_max, row_sum, acc_scale),
+                q,
+                caches,
+                table,
+                run_lo,
+                run_hi,
+                full_end,
+                key_limit,
+                scale_log2,
+                BLOCK_N,
+                BLOCK_D,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                KV_PATH,
+                SAME_KV_STRIDES,
+                UPCAST,
+                DOT_PRECISION,
+                QUANTIZED,
+                FP8_MMA,
+                EXPLICIT_ROUNDING,
+            )
+            # Skip the union of the gaps that cover run_hi.
+            for _ in tl.static_range(GAPS):
+                covering = (gap_lo <= run_hi) & (gap_hi > run_hi)
+                run_hi = tl.max(tl.where(covering, gap_hi, run_hi), axis=0)
+            run_lo = run_hi
+    else:
+        acc, row_max, row_sum, acc_scale = _attend_run(
+            (acc, row_max, row_sum, acc_scale),
+            q,
+            caches,
+            table,
+            k_len * 0,
+            keys_end,
+            full_end,
+            key_limit,
+            scale_log2,
+            BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            KV_PATH,
+            SAME_KV_STRIDES,
+            UPCAST,
+            DOT_PRECISION,
+            QUANTIZED,
+            FP8_MMA,
+            EXPLICIT_ROUNDING,
+        )
+
+    if FP8_MMA:
+        acc = acc * acc_scale
+    # A query with no visible key outputs zeros, as FlashAttention does.
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    tl.store(
+        out_ptr
+        + q_rows[:, None] * stride_o_tok
+        + head[:, None].to(tl.int64) * stride_o_head
+        + offs_d[None, :] * stride_o_dim,
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+    if HAS_LSE:
+        # row_max and the scores are in log2 units (the scale folds in log2(e)): the row sums
+        # are of exp2(score - row_max), so the natural-log LSE is (row_max + log2(sum)) * ln 2.
+        # A row that saw no key kept row_max -inf (and sum 0, read as 1 here so that no log of
+        # 0 is taken): its LSE is -inf, its output zeros.
+        lse = (row_max + tl.math.log2(tl.where(row_sum > 0.0, row_sum, 1.0))) * LN2
+        tl.store(
+            lse_ptr + q_rows * stride_lse_tok + head.to(tl.int64) * stride_lse_head,
+            lse,
+            mask=m_mask,
+        )
