@@ -17,7 +17,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from paged_video.paging import PagedKVCache, PagingConfig
+from paged_video.paging import PagedKVCache, PagingConfig, PlanState, PoolExhaustedError
 from paged_video.paging.forward import ForwardCall
 from paged_video.paging.shard import ShardedForwardCall, ShardedKVCache
 
@@ -190,3 +190,36 @@ def test_shard_index_and_degree_are_checked():
     with pytest.raises(TypeError, match="cache must be a ShardedKVCache"):
         cache = PagedKVCache(config, **geometry)
         ShardedForwardCall(cache, cache.plan(cache.open_session(), "main", 4), softmax_scale=1.0)
+
+
+def test_a_refused_call_gives_back_every_block():
+    # No physical block is left for a committing forward's new block of this rank: the call
+    # refuses, and the single-process plan it prepared is undone (its block back in the pool).
+    config = PagingConfig(block_size=4, chunk_size=4, window_chunks=2)
+    cache = ShardedKVCache(
+        config, shard_degree=2, shard_index=0, num_layers=1, num_kv_heads=1, head_dim=1
+    )
+    session = cache.open_session()
+    taken = cache.storage_pool.allocate(cache.storage_pool.num_free)
+    free = cache.pool.num_free
+    plan = cache.plan(session, "main", 4, commit=True)  # block at position 0: this rank's
+    with pytest.raises(PoolExhaustedError):
+        ShardedForwardCall(cache, plan, softmax_scale=1.0)
+    assert plan.state is PlanState.NEW and session.sequences["main"].pending is None
+    assert cache.pool.num_free == free and cache.storage_pool.num_free == 0
+    cache.storage_pool.free(taken)
+    ShardedForwardCall(cache, plan, softmax_scale=1.0).commit()  # now it runs
+    assert cache.storage_pool.num_held == 1
+
+
+def test_project_needs_a_prepared_plan_of_this_cache():
+    config = PagingConfig(block_size=4, chunk_size=4, window_chunks=2)
+    geometry = dict(num_layers=1, num_kv_heads=1, head_dim=1, shard_degree=2)
+    cache, other = (ShardedKVCache(config, shard_index=i, **geometry) for i in range(2))
+    plan = other.plan(other.open_session(), "main", 4)
+    plan.prepare()
+    with pytest.raises(ValueError, match="prepared plan of this cache"):
+        cache.project(plan)
+    plan = cache.plan(cache.open_session(), "main", 4)  # not prepared
+    with pytest.raises(ValueError, match="prepared plan of this cache"):
+        cache.project(plan)

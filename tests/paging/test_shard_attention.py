@@ -7,7 +7,9 @@ pools; each rank writes the K/V of its own blocks and attends every query over i
 single process's ``ForwardCall.attend`` (float32: the merge reorders the softmax's sums, a few
 roundings, so 2e-5). Blocks of 7 tokens over frames of 5 (chunks start mid-block), GQA, head_dim
 80, action tokens, two CFG rows in one call, the window sliding; with 3 ranks some rows leave a
-rank no key (its LSE is -inf and the merge skips it).
+rank no key (its LSE is -inf and the merge skips it). Over int8 pools every rank quantizes with
+the K mean of every key of the first forward, as one process does, so the codes are the same
+and the merged attention still equals the single process's.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 80
 STEPS = [(1, True, 0, 2), (2, False, 3, 2), (2, True, 3, 1), (2, True, 2, 1)]
 
 
-@pytest.mark.parametrize(("degree", "exact_window", "staged"), [(2, True, False), (3, False, True)])
-def test_merged_partials_equal_one_process(degree, exact_window, staged):
+@pytest.mark.parametrize(
+    ("degree", "exact_window", "staged", "kv_dtype"),
+    [(2, True, False, None), (3, False, True, torch.int8)],
+)
+def test_merged_partials_equal_one_process(degree, exact_window, staged, kv_dtype):
     config = PagingConfig(
         block_size=7,
         chunk_size=5,
@@ -37,6 +42,7 @@ def test_merged_partials_equal_one_process(degree, exact_window, staged):
         max_action_tokens=3,
         exact_window=exact_window,
         reuse_history_staging=staged,
+        kv_dtype=kv_dtype,
     )
     geometry = dict(
         num_layers=1,
