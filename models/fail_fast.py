@@ -10,9 +10,9 @@ gloo). ``FailFast`` is a side channel beside the collectives, on the store the r
   every rank raises ``RankFailedError`` with that line. Destroy the process group and start over
   (``torchrun --max-restarts`` does that): the collectives' order is broken for good.
 * **heartbeats**: a daemon thread per process adds 1 to its rank's counter every
-  ``heartbeat_s``. A waiting rank reads the others' counters every ``check_s``; one that has not
-  moved for ``dead_after_s`` is a rank that was killed or stopped (``SIGKILL``, ``SIGSTOP``, a
-  machine lost), and the waiting rank sets the flag naming it.
+  ``heartbeat_s``. A waiting rank reads the others' counters 8 times per ``dead_after_s``; one
+  that has not moved for ``dead_after_s`` is a rank that was killed or stopped (``SIGKILL``,
+  ``SIGSTOP``, a machine lost), and the waiting rank sets the flag naming it.
 * **guarded waits**: the rollout's collectives are issued with ``async_op=True`` and handed to
   ``wait``, which waits for them ``check_s`` at a time (gloo: a blocking wait that ends the
   moment the collective does, so a healthy wait costs nothing) and between waits looks at the
@@ -95,6 +95,9 @@ class FailFast:
         self._world: weakref.ref | None = None
         # Per peer: the last counter seen and when (this process's monotonic clock) it moved.
         self._seen: dict[int, tuple[int, float]] = {}
+        # The peers' counters are read a few times per dead_after_s, not at every check: a
+        # large world would otherwise read every rank's counter every check_s.
+        self._next_heartbeats = 0.0
         self._stop = threading.Event()
         self._beat()  # the first heartbeat before anyone can wait for it
         self._thread = threading.Thread(
@@ -164,7 +167,8 @@ class FailFast:
         """Raise ``RankFailedError`` if the flag is set or a peer's heartbeat stopped."""
         try:
             line = self.posted()
-            if line is None:
+            if line is None and time.monotonic() >= self._next_heartbeats:
+                self._next_heartbeats = time.monotonic() + self.dead_after_s / 8
                 line = self._dead_peers()
         except RankFailedError:
             raise

@@ -187,14 +187,19 @@ class ShardedKVCache(PagedKVCache):
         positions = plan.block_positions
         if len(positions) != count:
             raise RuntimeError(f"plan has {len(positions)} block positions for {count} blocks")
-        scratch = iter(self._local_scratch(plan.session, plan.branch))
+        # The row's scratch entries are one contiguous run: this rank's share fits its lane.
+        scratch = self._local_scratch(plan.session, plan.branch)
+        scratch_used = 0
         local = torch.full((count,), -1, dtype=torch.int64)  # row block -> local index
         blocks: list[int] = []
         for i, (block, position) in enumerate(zip(visible, positions, strict=True)):
             if not self.owns(position):
                 continue
             if block >= self.first_scratch_block:
-                physical = next(scratch)
+                if scratch_used == len(scratch):
+                    raise RuntimeError(f"more scratch blocks than the lane's {len(scratch)}")
+                physical = scratch[scratch_used]
+                scratch_used += 1
             else:
                 physical = self._physical.get(block)
                 if physical is None:
