@@ -309,22 +309,23 @@ class ShardedForwardCall(ForwardCall):
             for plan in reversed(fresh):
                 plan.unprepare()
             raise
-        if rows[0].stage_from is not None and int(self._stage_from) >= 0:
-            self._stage_from = torch.tensor(rows[0].stage_from)
+        # With staging (one row): this rank's first block to restage when its buffers hold the
+        # forward's history, where the single process's is its count of history blocks.
+        first = rows[0].stage_from
+        self._local_stage_from = None if first is None else torch.tensor(first)
         self._key_gap = self.local_inputs.key_gap if self.local_inputs.exact_window else None
 
     def layer(self, index: int) -> LayerInputs:
         """The fused op's inputs for layer ``index``: this rank's share of the forward, with
         ``return_lse``."""
         local = self.local_inputs
-        return (
-            super()
-            .layer(index)
-            ._replace(
-                video_slots=local.video_slots,
-                action_slots=local.action_slots,
-                block_table=local.block_table,
-                seq_lens_k=local.seq_lens_k,
-                return_lse=True,
-            )
+        inputs = super().layer(index)
+        staged = self._local_stage_from is not None and int(inputs.stage_from) >= 0
+        return inputs._replace(
+            video_slots=local.video_slots,
+            action_slots=local.action_slots,
+            block_table=local.block_table,
+            seq_lens_k=local.seq_lens_k,
+            stage_from=self._local_stage_from if staged else inputs.stage_from,
+            return_lse=True,
         )

@@ -22,12 +22,15 @@ import torch
 import torch.distributed as dist
 
 from tests.models import ranks
-from tests.models.parallel_worker import CFG, GUIDANCE, ULYSSES, rollout
+from tests.models.parallel_worker import CFG, GUIDANCE, ULYSSES, UNGUIDED, rollout
 
 # A slower rank is not a dead one: far past the heartbeats' verdict and the test's deadline.
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # The window slides from block 3 on and compacts (24-token frames over 16-token blocks).
 SHARDED = ULYSSES
+# Staging, two frames (three whole blocks) per block and no actions: each committing forward
+# restages only its own blocks, on each rank its own of them.
+SHARDED_KEPT = UNGUIDED
 # No exact window (whole-block reads add boundary tokens), staging, two frames per block.
 SHARDED_STAGED = dict(
     CFG,
@@ -100,6 +103,7 @@ def _two(rank: int, out: Path) -> dict:
     results = {
         "sharded": rollout(SHARDED, factory),
         "staged": rollout(SHARDED_STAGED, factory),
+        "kept": rollout(SHARDED_KEPT, factory),
         "one_more_block": _diverged(rank, groups, blocks=3),
         "other_guidance": _diverged(rank, groups, guidance=GUIDANCE + 1),
         "other_noise_shape": _diverged(rank, groups, height=6),

@@ -28,7 +28,7 @@ from paged_video.models.wan_paged import PagedWanRollout
 from paged_video.paging import window as paging_window
 from tests.models import ranks, sharded_worker
 from tests.models.parallel_worker import paging_config, rollout
-from tests.models.sharded_worker import FAIL_BLOCK, SHARDED, SHARDED_STAGED
+from tests.models.sharded_worker import FAIL_BLOCK, SHARDED, SHARDED_KEPT, SHARDED_STAGED
 from tests.models.tiny import ATOL, RTOL
 from tests.paging.twin import plain_torch_kernels
 
@@ -94,6 +94,7 @@ def test_two_window_shards_equal_one_process_and_fail_together(tmp_path, monkeyp
         return {
             "sharded": rollout(SHARDED, PagedWanRollout),
             "staged": rollout(SHARDED_STAGED, PagedWanRollout),
+            "kept": rollout(SHARDED_KEPT, PagedWanRollout),
         }
 
     results, codes, want = spawn("two", 2, tmp_path, monkeypatch, single)
@@ -101,7 +102,11 @@ def test_two_window_shards_equal_one_process_and_fail_together(tmp_path, monkeyp
     for rank in results:
         assert_same_rollout(rank["sharded"], want["sharded"])
         assert_same_rollout(rank["staged"], want["staged"])
-        assert rank["staged"]["stage_from"] == want["staged"]["stage_from"]
+        assert_same_rollout(rank["kept"], want["kept"])
+        for name in ("staged", "kept"):
+            assert rank[name]["stage_from"] == want[name]["stage_from"]
+        # Each committing forward kept the staged history (restaged from a block > 0).
+        assert all(commit > 0 for _, commit in rank["kept"]["stage_from"][1:])
         assert rank["sharded"]["num_blocks"] == want["sharded"]["num_blocks"]  # the plans' ids
     # Eviction happened: the last forward read the sink and the last three frames only.
     last = want["sharded"]["positions"][-1][0]["positive"]
