@@ -97,6 +97,11 @@ class ForwardPlan:
         # Model positions committed before this forward (its first token's position).
         self.history: int | None = None
         self._stage_from = -1
+        # ``inputs`` as built on the host, and the model position where each block of its
+        # table row starts (video blocks, then action blocks): what a sequence-sharded window
+        # (``paging.shard``) lays out again for each rank's share of the blocks.
+        self.host_inputs: AttentionInputs | None = None
+        self.block_positions: list[int] | None = None
 
     @property
     def sequence(self) -> Sequence:
@@ -139,6 +144,7 @@ class ForwardPlan:
         if self.committing and not self.session.closed:
             self.sequence.drop_pending(self.cache.pool)
         self.inputs, self.staging, self.history = None, None, None
+        self.host_inputs, self.block_positions = None, None
         self._stage_from = -1
         self.state = PlanState.NEW
 
@@ -176,8 +182,20 @@ class ForwardPlan:
 
         spill = max(0, actions - (-video_keys % b))
         first_action = last_entry - table_entries
-        visible += scratch[first_action : first_action + -(-spill // b)]
+        action_entries = -(-spill // b)
+        visible += scratch[first_action : first_action + action_entries]
         seq_len = video_keys + actions
+        # Entry e holds storage positions [e*B, (e+1)*B): model positions too in the sink's
+        # entries, shifted by what compaction removed after them (scratch entries continue).
+        entries = [
+            *range(sink_entries),
+            *range(first_recent, last_entry),
+            *range(last_entry, last_entry + action_entries),
+        ]
+        first_after_sink = window.sink_blocks(config)
+        self.block_positions = [
+            e * b + (sequence.compacted if e >= first_after_sink else 0) for e in entries
+        ]
 
         if sink_end < recent < end:
             gap_end = recent if recent // b < sink_entries else sink_entries * b + recent % b
@@ -193,29 +211,18 @@ class ForwardPlan:
 
         if self.cache.staging is not None:
             self.staging = self._decide_staging(sequence, visible, video_blocks, seq_len)
+        host = (
+            video_slots,
+            action_slots,
+            table,
+            torch.tensor([0, n], dtype=torch.int32),
+            torch.tensor([seq_len], dtype=torch.int32),
+            torch.tensor([[sink_end, gap_end]], dtype=torch.int32),
+        )
+        sizes = {"max_seqlen_q": n, "max_seqlen_k": width * b, "exact_window": config.exact_window}
+        self.host_inputs = AttentionInputs(*host, **sizes)
         # One asynchronous copy for all of them: preparing never waits for the GPU.
-        video_slots, action_slots, table, cu_seqlens_q, seq_lens_k, key_gap = to_device(
-            (
-                video_slots,
-                action_slots,
-                table,
-                torch.tensor([0, n], dtype=torch.int32),
-                torch.tensor([seq_len], dtype=torch.int32),
-                torch.tensor([[sink_end, gap_end]], dtype=torch.int32),
-            ),
-            self.cache.device,
-        )
-        return AttentionInputs(
-            video_slots=video_slots,
-            action_slots=action_slots,
-            block_table=table,
-            cu_seqlens_q=cu_seqlens_q,
-            seq_lens_k=seq_lens_k,
-            key_gap=key_gap,
-            max_seqlen_q=n,
-            max_seqlen_k=width * b,
-            exact_window=config.exact_window,
-        )
+        return AttentionInputs(*to_device(host, self.cache.device), **sizes)
 
     def _decide_staging(
         self, sequence: Sequence, visible: list[int], video_blocks: int, seq_len: int
