@@ -243,8 +243,11 @@ class PagedKVCache:
 
     def scratch_blocks(self, session: Session, branch: str) -> range:
         """The scratch blocks of ``session``'s sequence on ``branch``, outside the pool."""
-        lane = session.lane * len(self.branches) + self.branches.index(branch)
-        first = self.first_scratch_block + lane * self.scratch_lane_blocks
+        return self._scratch_lane(session.lane, branch)
+
+    def _scratch_lane(self, lane: int, branch: str) -> range:
+        index = lane * len(self.branches) + self.branches.index(branch)
+        first = self.first_scratch_block + index * self.scratch_lane_blocks
         return range(first, first + self.scratch_lane_blocks)
 
     def open_session(self) -> Session:
@@ -254,10 +257,14 @@ class PagedKVCache:
                 f"session_capacity={self.session_capacity} sessions are open; close one or "
                 "build the cache with a larger session_capacity"
             )
+        lane = self._free_lanes.pop()
         session = Session(
             id=self._next_session_id,
-            lane=self._free_lanes.pop(),
-            sequences={branch: Sequence(self.config) for branch in self.branches},
+            lane=lane,
+            sequences={
+                branch: Sequence(self.config, self.pool, self._scratch_lane(lane, branch))
+                for branch in self.branches
+            },
         )
         self._next_session_id += 1
         self.sessions[session.id] = session
@@ -274,9 +281,7 @@ class PagedKVCache:
     def close_session(self, session: Session) -> None:
         """Return every block of every branch of ``session`` and free its slot."""
         self.check_open(session)
-        for sequence in session.sequences.values():
-            sequence.release(self.pool)
-        session.closed = True
+        session.close()
         del self.sessions[session.id]
         self._free_lanes.append(session.lane)
 

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from paged_video.paging import window
-from paged_video.paging.staging import StagingDecision
+from paged_video.paging.config import PagingConfig
+from paged_video.paging.session import Sequence, Session
+from paged_video.paging.staging import HistoryStaging, StagingDecision
 from paged_video.paging.transfer import to_device
-
-if TYPE_CHECKING:
-    from paged_video.paging.cache import PagedKVCache
-    from paged_video.paging.session import Sequence, Session
 
 
 @dataclass(frozen=True)
@@ -65,6 +63,18 @@ class PlanState(enum.Enum):
     CANCELLED = "cancelled"
 
 
+class CacheView(Protocol):
+    """What a plan reads of the cache that made it (a ``PagedKVCache``): the configuration,
+    the device its tensors go to and the staging record (None without staging)."""
+
+    @property
+    def config(self) -> PagingConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def staging(self) -> HistoryStaging | None: ...
+
+
 class ForwardPlan:
     """One forward of one sequence; made by ``PagedKVCache.plan``, which validates it.
 
@@ -77,7 +87,7 @@ class ForwardPlan:
 
     def __init__(
         self,
-        cache: PagedKVCache,
+        cache: CacheView,
         session: Session,
         branch: str,
         num_tokens: int,
@@ -111,6 +121,13 @@ class ForwardPlan:
         """
         return self._stage_from
 
+    def _check_session(self) -> None:
+        if self.session.closed:
+            raise ValueError(
+                f"plan: session {self.session.id} is not open (it was closed); plan forwards "
+                "of an open session"
+            )
+
     def prepare(self) -> AttentionInputs:
         """Allocate (committing forward) and build the tensors; later calls return the same.
 
@@ -120,7 +137,7 @@ class ForwardPlan:
             raise ValueError("plan: this plan was cancelled; make a new one")
         if self.inputs is not None:
             return self.inputs
-        self.cache.check_open(self.session)
+        self._check_session()
         sequence = self.sequence
         if sequence.pending is not None:
             raise ValueError(
@@ -137,7 +154,7 @@ class ForwardPlan:
         if self.state is not PlanState.PREPARED:
             return
         if self.committing and not self.session.closed:
-            self.sequence.drop_pending(self.cache.pool)
+            self.sequence.drop_pending()
         self.inputs, self.staging, self.history = None, None, None
         self._stage_from = -1
         self.state = PlanState.NEW
@@ -150,13 +167,11 @@ class ForwardPlan:
         end = history + n
         last_entry = -(-end // b)
         if self.committing:
-            new_blocks = self.cache.pool.allocate(last_entry - sequence.history_entries)
-            sequence.block_table.extend(new_blocks)
-            sequence.pending = self
+            sequence.begin(self, n)
             table_entries = last_entry
         else:
             table_entries = sequence.history_entries
-        scratch = self.cache.scratch_blocks(self.session, self.branch)
+        scratch = sequence.scratch
 
         def blocks(first: int, stop: int) -> list[int]:
             """Block ids of entries ``[first, stop)``: the table's, then scratch blocks."""
@@ -257,8 +272,8 @@ class ForwardPlan:
         """
         if not self.committing or self.state is not PlanState.PREPARED:
             return False
-        self.cache.check_open(self.session)
-        self.sequence.commit(self.num_tokens, self.cache.pool)
+        self._check_session()
+        self.sequence.commit(self.num_tokens)
         self.state = PlanState.COMMITTED
         return True
 
@@ -267,7 +282,7 @@ class ForwardPlan:
         if self.state is PlanState.COMMITTED:
             raise ValueError("plan: already committed; it cannot be cancelled")
         if self.state is PlanState.PREPARED and self.committing and not self.session.closed:
-            self.sequence.drop_pending(self.cache.pool)
-        if self.cache.staging is not None and self.staging is not None:
+            self.sequence.drop_pending()
+        if self.staging is not None:  # only a staging cache decides
             self.cache.staging.forget(self.staging.key)
         self.state = PlanState.CANCELLED
