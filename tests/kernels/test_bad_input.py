@@ -242,6 +242,26 @@ QUANTIZED_WRITE_CASES = [
         "k_smooth",
         id="smooth-dtype",
     ),
+    pytest.param(
+        lambda a, k: k.update(k_smooth_chosen=torch.tensor(False)),
+        ValueError,
+        "k_smooth_chosen needs k_smooth",
+        id="chosen-without-mean",
+    ),
+    pytest.param(
+        lambda a, k: k.update(k_smooth=torch.zeros(2, 16), k_smooth_chosen=torch.tensor(0)),
+        TypeError,
+        "k_smooth_chosen",
+        id="chosen-dtype",
+    ),
+    pytest.param(
+        lambda a, k: k.update(
+            k_smooth=torch.zeros(2, 16), k_smooth_chosen=torch.zeros(1, dtype=torch.bool)
+        ),
+        ValueError,
+        "k_smooth_chosen must be a 0-dim",
+        id="chosen-shape",
+    ),
 ]
 
 
