@@ -233,6 +233,8 @@ def test_pool_tensors_and_query_heads_are_checked() -> None:
     state = make_state()
     with pytest.raises(TypeError, match=r"unknown pool tensors \['k_scale'\]"):
         fused.PoolTensors.build(*state, k_scale=torch.zeros(1))
+    with pytest.raises(TypeError, match=r"k_pools must be a torch\.Tensor"):
+        fused.PoolTensors.build([0.0], *state[1:])
     tensors, inputs = make_forward(0, staged=False)
     tensors[0] = tensors[0][:, :3]  # 3 query heads over 2 KV heads
     before = state[0].clone()

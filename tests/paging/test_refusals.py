@@ -460,6 +460,18 @@ REFUSALS = [
         "stage_key",
     ),
     (
+        "op-stage-tags-rank",
+        lambda w: op(w, stage_tags=torch.zeros(2, 1, dtype=torch.int64)),
+        ValueError,
+        "stage_tags must have rank 1",
+    ),
+    (
+        "op-video-slots-rank",
+        lambda w: op(w, video_slots=(torch.arange(N) + 4).view(N, 1)),
+        ValueError,
+        "video_slots must have rank 1",
+    ),
+    (
         "op-stage-tags-dtype",
         lambda w: op(w, stage_tags=torch.zeros(2, dtype=torch.int32)),
         TypeError,
