@@ -45,9 +45,12 @@ def _usable_device(device: object) -> torch.device:
 class LayerCache(NamedTuple):
     """One layer's storage: 4-D pools, their flat ``(num_blocks * B, ...)`` views, staging.
 
-    Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` (the kernels'
-    ``k_scale``/``v_scale``; ``.flatten(0, 1)`` for ``write_slots``) and, with smoothing, the
-    layer's K mean ``(num_kv_heads, head_dim)`` (``write_slots``' ``k_smooth``); else None.
+    Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` and, with
+    smoothing, the layer's K mean ``(num_kv_heads, head_dim)`` and its 0-dim CPU flag
+    ``k_mean_chosen``; else None. A driver of its own passes ``write_kwargs()`` to
+    ``write_slots`` and ``attention_kwargs()`` to ``paged_attention``: the scales, and the mean
+    with its flag, so the first write chooses the layer's mean and records it for every later
+    write (the fused op's included).
     """
 
     k: Tensor
@@ -59,6 +62,23 @@ class LayerCache(NamedTuple):
     k_scale: Tensor | None = None
     v_scale: Tensor | None = None
     k_mean: Tensor | None = None
+    k_mean_chosen: Tensor | None = None
+
+    def write_kwargs(self) -> dict[str, Tensor]:
+        """Keyword arguments for ``write_slots`` after ``key, value, k_flat, v_flat, slots``:
+        flat scales, the K mean and its flag (none for a float cache)."""
+        if self.k_scale is None:
+            return {}
+        kwargs = {"k_scale": self.k_scale.flatten(0, 1), "v_scale": self.v_scale.flatten(0, 1)}
+        if self.k_mean is not None:
+            kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}
+        return kwargs
+
+    def attention_kwargs(self) -> dict[str, Tensor]:
+        """Keyword arguments for ``paged_attention`` over ``k, v``: the scales (float: none)."""
+        if self.k_scale is None:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
 
 class PagedKVCache:
@@ -239,12 +259,16 @@ class PagedKVCache:
             k_scale=self.k_scales[index] if self.quantized else None,
             v_scale=self.v_scales[index] if self.quantized else None,
             k_mean=self.k_means[index] if self.k_means.numel() else None,
+            k_mean_chosen=self.k_means_chosen[index] if self.k_means.numel() else None,
         )
 
     def scratch_blocks(self, session: Session, branch: str) -> range:
         """The scratch blocks of ``session``'s sequence on ``branch``, outside the pool."""
-        lane = session.lane * len(self.branches) + self.branches.index(branch)
-        first = self.first_scratch_block + lane * self.scratch_lane_blocks
+        return self._scratch_lane(session.lane, branch)
+
+    def _scratch_lane(self, lane: int, branch: str) -> range:
+        index = lane * len(self.branches) + self.branches.index(branch)
+        first = self.first_scratch_block + index * self.scratch_lane_blocks
         return range(first, first + self.scratch_lane_blocks)
 
     def open_session(self) -> Session:
@@ -254,10 +278,14 @@ class PagedKVCache:
                 f"session_capacity={self.session_capacity} sessions are open; close one or "
                 "build the cache with a larger session_capacity"
             )
+        lane = self._free_lanes.pop()
         session = Session(
             id=self._next_session_id,
-            lane=self._free_lanes.pop(),
-            sequences={branch: Sequence(self.config) for branch in self.branches},
+            lane=lane,
+            sequences={
+                branch: Sequence(self.config, self.pool, self._scratch_lane(lane, branch))
+                for branch in self.branches
+            },
         )
         self._next_session_id += 1
         self.sessions[session.id] = session
@@ -274,9 +302,7 @@ class PagedKVCache:
     def close_session(self, session: Session) -> None:
         """Return every block of every branch of ``session`` and free its slot."""
         self.check_open(session)
-        for sequence in session.sequences.values():
-            sequence.release(self.pool)
-        session.closed = True
+        session.close()
         del self.sessions[session.id]
         self._free_lanes.append(session.lane)
 

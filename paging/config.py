@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_video.paging import window
 from paged_video.paging._validate import require_bool, require_int
 
 # Upper bounds, far above any real model and far below what would overflow. Frames and blocks:
@@ -89,10 +90,6 @@ class PagingConfig:
                 f"max_forward_chunks must be <= window_chunks ({self.window_chunks}): the window "
                 f"includes the current forward's own frames, got {self.max_forward_chunks}"
             )
-        from paged_video.paging import (
-            window,  # window's formulas take a config: imported here, not above
-        )
-
         keys = window.table_width(self) * self.block_size
         if keys > MAX_KEYS:
             raise ValueError(

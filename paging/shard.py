@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from paged_video.kernels.fused import LayerInputs
+from paged_video.kernels.write_slots import choose_k_mean
 from paged_video.paging import window
 from paged_video.paging._validate import require_int
 from paged_video.paging.cache import PagedKVCache
@@ -329,3 +330,32 @@ class ShardedForwardCall(ForwardCall):
             stage_from=self._local_stage_from if staged else inputs.stage_from,
             return_lse=True,
         )
+
+    def attend(
+        self,
+        index: int,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        action_key: Tensor | None = None,
+        action_value: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """``ForwardCall.attend`` on this rank's share: ``(out, lse)``.
+
+        A smoothed quantized cache's first write chooses the layer's K mean. The op would take
+        it from the tokens this rank stores; every rank must smooth with the single process's
+        mean (the partial LSEs merge exactly only then), so it is chosen here from every video
+        token, and unchosen again if the call is refused.
+        """
+        layer = self.cache.layer(index)
+        chosen = layer.k_mean_chosen
+        choosing = chosen is not None and not bool(chosen)  # a CPU flag: no sync
+        if choosing:
+            choose_k_mean(layer.k_mean, key, self.inputs.video_slots)
+            chosen.fill_(True)
+        try:
+            return super().attend(index, query, key, value, action_key, action_value)
+        except Exception:
+            if choosing:
+                chosen.fill_(False)
+            raise
