@@ -575,8 +575,8 @@ MUTANTS = [
     _m(
         "fused-fp8-mma-int",
         "kernels/fused.py",
-        "    if not isinstance(inputs.fp8_mma, bool):",
-        "    if False:",
+        "        if not isinstance(flag, bool):",
+        "        if False:",
         f"{REFUSALS}[float-op-fp8-mma-type]",
     ),
     _m(
@@ -942,14 +942,14 @@ MUTANTS = [
     ),
     _m(
         "attention-cu-seqlens-shape",
-        "kernels/paged_attention.py",
+        "kernels/_attention_checks.py",
         "if cu_seqlens_q.shape[0] != batch + 1:",
         "if False:",
         f"{BAD}::test_paged_attention_rejects[cu-seqlens-shape-unchecked-values]",
     ),
     _m(
         "attention-heads-not-multiple",
-        "kernels/paged_attention.py",
+        "kernels/_attention_checks.py",
         "if num_kv_heads == 0 or num_heads % num_kv_heads != 0:",
         "if num_kv_heads == 0:",
         f"{BAD}::test_paged_attention_rejects[heads-not-multiple]",
