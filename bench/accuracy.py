@@ -57,6 +57,14 @@ import torch
 from torch import Tensor
 
 from paged_video import kernels, reference
+from paged_video.bench.formats import (
+    DEQUANT,
+    MMA_MODES,
+    MODE_FLAGS,
+    QUANTIZED_FORMATS,
+    UNQUANTIZED,
+    dtype_name,
+)
 from paged_video.bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance, sig3
 from paged_video.bench.table import aligned
 from paged_video.bench.timing import figures_kind
@@ -64,12 +72,13 @@ from paged_video.kernels.equalize import K_SHARE, choose_factors
 from paged_video.reference.quantized_attention import quantized_attention
 
 DATA_KINDS = ("random", "k-outliers", "k-token-outliers", "v-token-outliers", "k-drift")
-# Quantized formats by their short name; "bf16" (the baseline pool) is always measured.
-FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
-BASELINE = "bf16"
-DEQUANT, FP8_MMA, INT8_MMA = "dequant", "fp8-mma", "int8-mma"
+# Quantized formats by their one spelling (bench.formats); "bf16" (the baseline pool) is always
+# measured.
+FORMATS: dict[str, torch.dtype] = QUANTIZED_FORMATS
+BASELINE = UNQUANTIZED
+FP8_MMA, INT8_MMA = MMA_MODES["e4m3"], MMA_MODES["int8"]
 # Attention modes per format: the dequantizing one, then the MMA mode the format has.
-MODES: dict[str, tuple[str, ...]] = {"e4m3": (DEQUANT, FP8_MMA), "int8": (DEQUANT, INT8_MMA)}
+MODES: dict[str, tuple[str, ...]] = {name: (DEQUANT, MMA_MODES[name]) for name in FORMATS}
 # Channels per head with an outlier pattern; k-outliers' offsets; the token outliers' gains.
 OUTLIER_CHANNELS = 4
 OUTLIER_OFFSET = (10.0, 20.0)
@@ -387,7 +396,7 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepa
             **write_extra,
         )
     if variant.mode != DEQUANT:
-        attend_extra["fp8_mma" if variant.mode == FP8_MMA else "int8_mma"] = True
+        attend_extra[MODE_FLAGS[variant.mode]] = True
     rows = data.q.shape[0]
     return kernels.paged_attention(
         data.q.to(c.q_dtype),
@@ -553,7 +562,7 @@ def _row(
         "q_rows": c.rows,
         "kv_tokens": c.kv_tokens,
         "block_size": c.block_size,
-        "q_dtype": str(c.q_dtype).removeprefix("torch."),
+        "q_dtype": dtype_name(c.q_dtype),
         "seed": c.seed,
         "seconds": seconds,
         **shared,
@@ -579,7 +588,7 @@ def describe(config: AccuracyConfig) -> list[str]:
         f"{c.heads} heads (the shipped model has {SHIPPED_HEADS}), head_dim {c.head_dim}; "
         f"{queries} over sink {c.sink_chunks} + window {c.window_chunks} frames of "
         f"{c.chunk_size} tokens = {c.kv_tokens} keys; block_size {c.block_size}; "
-        f"q and bf16 pool in {str(c.q_dtype).removeprefix('torch.')} (values bf16-rounded)",
+        f"q and bf16 pool in {dtype_name(c.q_dtype)} (values bf16-rounded)",
         "reference: float64 attention on the bf16-rounded q, K, V; "
         f"k-outliers: K + offsets of +-U{OUTLIER_OFFSET} on {OUTLIER_CHANNELS} random channels "
         f"per head; k-/v-token-outliers: {OUTLIER_CHANNELS} channels per head U"

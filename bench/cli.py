@@ -19,6 +19,7 @@ import torch
 
 from paged_video.bench import accuracy, compile_report
 from paged_video.bench.compare import format_compare
+from paged_video.bench.formats import old_spelling
 from paged_video.bench.plot import plot_rows
 from paged_video.bench.providers import (  # importing the kernels picks the interpreter
     PROVIDER_NAMES,
@@ -95,7 +96,10 @@ def _list_of(parse: Callable[[str], object]) -> Callable[[str], tuple[object, ..
 def _choice(allowed: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in allowed:
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(allowed)}")
+            refusal = old_spelling(text, allowed)
+            raise argparse.ArgumentTypeError(
+                refusal or f"{text!r} is not one of {', '.join(allowed)}"
+            )
         return text
 
     return parse
@@ -155,7 +159,18 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     sweep.add_argument("--seed", type=_non_negative_int, default=0)
     sweep.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench rep (GPU)")
-    sweep.add_argument("--cpu-reps", type=_positive_int, default=3, help="timed calls on a CPU")
+    sweep.add_argument(
+        "--cpu-reps",
+        type=_positive_int,
+        default=TimingSettings.cpu_reps,
+        help="timed calls on a CPU (a CPU row is judged by their minimum)",
+    )
+    sweep.add_argument(
+        "--cpu-threads",
+        type=_positive_int,
+        default=TimingSettings.cpu_threads,
+        help="torch threads while timing on a CPU (more stall on a busy machine)",
+    )
     sweep.add_argument(
         "--time-limit",
         type=_positive_int,
@@ -170,7 +185,7 @@ def _add_plot(commands: argparse._SubParsersAction) -> None:
     plot = commands.add_parser("plot", help="draw the PNGs of a results CSV")
     plot.set_defaults(handler=_plot, command_parser=plot)
     plot.add_argument("csv", type=Path)
-    plot.add_argument("--out", type=Path, help="folder for the PNGs (default: the CSV's)")
+    plot.add_argument("--out", type=Path, help="folder for the PNGs (default: the CSV's folder)")
 
 
 def _add_table(commands: argparse._SubParsersAction) -> None:
@@ -283,10 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _out_folder(parser: argparse.ArgumentParser, out: Path | None) -> None:
-    """Refuse an ``--out`` that names something other than a folder."""
-    if out is not None and out.exists() and not out.is_dir():
-        parser.error(f"--out {out}: is a file; --out takes a folder (the CSV goes inside)")
+def _out_folder(parser: argparse.ArgumentParser, out: Path, inside: str) -> None:
+    """Make the ``--out`` folder before any work, or refuse in one line: every subcommand's
+    ``--out`` is a folder, and ``inside`` says what goes in it."""
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out}: is a file; --out takes a folder ({inside})")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {out}: cannot create the folder: {error.strerror or error}")
 
 
 def _rows_of(
@@ -348,7 +368,6 @@ def _geometries(parser: argparse.ArgumentParser, settings: dict[str, object]) ->
 
 
 def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    _out_folder(parser, args.out)
     settings = {
         name: getattr(args, name) if getattr(args, name) is not None else preset_value
         for name, preset_value in PRESETS[args.preset].items()
@@ -362,6 +381,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "a CPU run; use --preset small or smaller --chunk-sizes, "
             "--heads, --head-dims"
         )
+    _out_folder(parser, args.out, "the CSV and the PNGs go inside")
     config = SweepConfig(
         geometries=tuple(geometries),
         block_sizes=settings["block_sizes"],
@@ -370,7 +390,9 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tiles=args.tiles,
         device=device,
         seed=args.seed,
-        timing=TimingSettings(rep_ms=args.rep_ms, cpu_reps=args.cpu_reps),
+        timing=TimingSettings(
+            rep_ms=args.rep_ms, cpu_reps=args.cpu_reps, cpu_threads=args.cpu_threads
+        ),
         time_limit_s=args.time_limit,
     )
     try:
@@ -392,9 +414,10 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    _out_folder(parser, args.out)
     rows = _rows_of(parser, "csv", args.csv)
-    for path in plot_rows(rows, args.out or args.csv.parent):
+    out = args.out or args.csv.parent
+    _out_folder(parser, out, "the PNGs go inside")
+    for path in plot_rows(rows, out):
         print(f"wrote {path}")
     return 0
 
@@ -418,10 +441,10 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    _out_folder(parser, args.out)
     device = _resolve_device(parser, args.device)
     if args.head_dim > 256:
         parser.error(f"--head-dim {args.head_dim}: the kernels take head_dim up to 256")
+    _out_folder(parser, args.out, "accuracy.csv goes inside")
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     heads = args.heads or (accuracy.SHIPPED_HEADS if device == "cuda" else CPU_ACCURACY_HEADS)
     config = accuracy.AccuracyConfig(
@@ -450,6 +473,12 @@ def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; an error reading or writing a file ends it in one line (exit 1)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.handler(args.command_parser, args)
+    try:
+        return args.handler(args.command_parser, args)
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"error: {where}{error.strerror or error}", file=sys.stderr)
+        return 1

@@ -8,9 +8,9 @@
 # 2. the shipped-geometry sweep (40 heads, head_dim 128, bf16, q 4680, kv 28080): the shipped
 #    block sizes first (16, 1560, then 24, 64, 256, 520, 32, 128), this project's kernels, the
 #    forced SDPA backends (sdpa-best) and the other baselines over every block size before
-#    compiled FlexAttention; our attention over FP8 (dequant, fp8-mma) and INT8 pools beside
-#    the bf16 pool at every block size; every provider checked against the oracle (quantized
-#    ones against the dequantizing oracle) before it is timed.
+#    compiled FlexAttention; our attention over e4m3 (dequant, fp8-mma) and int8 (dequant,
+#    int8-mma) pools beside the bf16 pool at every block size; every provider checked against
+#    the oracle (quantized ones against the dequantizing oracle) before it is timed.
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
 # 3. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,

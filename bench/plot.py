@@ -2,10 +2,13 @@
 
 Kept apart from timing: ``python -m paged_video.bench plot out/sweep.csv --out out/`` redraws
 any CSV.
-The headline is ``speedup.png``: the fastest baseline's median over ours, per kernel, with the
-1.0 line. Per kernel, attention is plotted in TFLOP/s, the copy kernels in GB/s; the bars span
-the throughput at the 80th and 20th percentile times. A y axis whose values span more than a
-decade is logarithmic.
+The headline is ``speedup.png``: one axis per ratio, each with its 1.0 line. The first is the
+fastest baseline's time over ours, per kernel; the second (when the run has quantized pools) is
+our unquantized pool's time over each quantized pool's, with its goal. The title gives the
+ratio at the shipped block sizes (16 and 1560) that the run measured, and the geometry once.
+Per kernel, attention is plotted in TFLOP/s, the copy kernels in GB/s; the bars span the
+throughput at the 80th and 20th percentile times. A y axis whose values span more than a
+decade is logarithmic. Legends sit outside the axes, so no line hides behind one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from paged_video.bench.results import (
@@ -22,22 +26,28 @@ from paged_video.bench.results import (
     GEOMETRY_COLUMNS,
     QUANTIZED_GOALS,
     Row,
+    headline_ms,
+    is_gpu_row,
     read_rows,
+    sig3,
 )
 from paged_video.bench.table import geometry_label, quantized_cases, ratio_cases, series_label
 
 # Values spanning more than this factor get a log y axis.
 LOG_SPAN = 10.0
+# The block sizes the shipped model runs (16: the default; 1560: one frame per block); the
+# headline ratio is read at those the run measured.
+SHIPPED_BLOCK_SIZES = (16, 1560)
 
 
-def _scale_y(ax, values: Sequence[float]) -> None:
+def scale_y(ax: Axes, values: Sequence[float]) -> None:
     """A log y axis when the positive ``values`` span more than ``LOG_SPAN``."""
     positive = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
     if positive and max(positive) / min(positive) > LOG_SPAN:
         ax.set_yscale("log")
 
 
-def _block_axis(ax, blocks: Sequence[int]) -> None:
+def block_axis(ax: Axes, blocks: Sequence[int]) -> None:
     ticks = sorted(set(blocks))
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(t) for t in ticks])
@@ -46,47 +56,122 @@ def _block_axis(ax, blocks: Sequence[int]) -> None:
     ax.grid(alpha=0.3)
 
 
-def _subtitle(rows: Sequence[Row]) -> str:
+def legend_outside(ax: Axes) -> None:
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def _run_line(rows: Sequence[Row]) -> str:
+    """The device and what its figures are: one line for a figure's title."""
     first = rows[0]
-    note = "" if first["figures"] == "gpu" else f"; {first['figures']} figures, not GPU speed"
+    note = "" if is_gpu_row(first) else f"; {first['figures']} figures: CPU, not a GPU speed"
     noisy = "" if first.get("noise") in (None, "", "steady") else "; NOISY RUN"
     return f"{first['device']}{note}{noisy}"
 
 
-def draw_speedup(rows: Sequence[Row]) -> Figure:
-    """The fastest baseline's median over ours against block size, one line per kernel and
-    geometry, with the 1.0 line (above it, ours is faster); dashed, each quantized pool's
-    speedup over our bf16 pool (its goal in the label)."""
-    lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for case in ratio_cases(rows):
-        if case["speedup"] is not None:
-            row = case["row"]
-            label = f"{row['kernel']} ({geometry_label(row)})"
-            lines[label].append((row["block_size"], case["speedup"]))
-    dashed = set()
-    for case in quantized_cases(rows):
-        if case["speedup"] is not None:
-            row = case["row"]
-            goal = QUANTIZED_GOALS.get(str(row["provider"]))
-            label = f"{row['provider']} / bf16 pool, goal {goal}x ({geometry_label(row)})"
-            lines[label].append((row["block_size"], case["speedup"]))
-            dashed.add(label)
-    figure = Figure(figsize=(8.0, 4.8), layout="constrained")
-    ax = figure.subplots()
+def _geometries(rows: Sequence[Row]) -> list[str]:
+    return list(dict.fromkeys(geometry_label(r) for r in rows))
+
+
+def _series_geometry(row: Row, several: bool) -> str:
+    """A line's geometry, only when the figure has several (else the title gives it once)."""
+    return f" ({geometry_label(row)})" if several else ""
+
+
+def _headline(lines: dict[str, list[tuple[int, float]]], only: str | None = None) -> str:
+    """``1.52x at B=16, 0.98x at B=1560``: the ratios of the line ``only`` (else each line's,
+    named) at the shipped block sizes the run measured; empty when it measured none."""
+    parts = []
+    for label, points in lines.items():
+        if only is not None and label.split(" (")[0] != only:
+            continue
+        at = [f"{sig3(v)}x at B={b}" for b, v in sorted(points) if b in SHIPPED_BLOCK_SIZES]
+        if at:
+            parts.append(", ".join(at) if only else f"{label.split(' (')[0]} {', '.join(at)}")
+    return "; ".join(parts)
+
+
+def _ratio_axis(
+    ax: Axes,
+    lines: dict[str, list[tuple[int, float]]],
+    ylabel: str,
+    one_label: str,
+    goals: dict[str, float] | None = None,
+) -> None:
+    """One ratio on one axis: a line per label, the 1.0 line, and a dotted line per goal."""
     values = [1.0]
     for label, points in lines.items():
         points.sort()
-        style = "--" if label in dashed else "-"
-        ax.plot([b for b, _ in points], [v for _, v in points], style, marker="o", label=label)
+        ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=label)
         values += [v for _, v in points]
-    ax.axhline(
-        1.0, color="black", linestyle="--", linewidth=1, label="1.0: as fast as the baseline"
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=one_label)
+    by_goal: dict[float, list[str]] = defaultdict(list)
+    for label, goal in (goals or {}).items():
+        by_goal[goal].append(label.split(" (")[0])
+    for goal, labels in sorted(by_goal.items()):
+        ax.axhline(
+            goal,
+            color="grey",
+            linestyle=":",
+            linewidth=1.5,
+            label=f"goal {sig3(goal)}x: " + ", ".join(labels),
+        )
+        values.append(goal)
+    block_axis(ax, [b for points in lines.values() for b, _ in points] or [1])
+    scale_y(ax, values)
+    ax.set_ylabel(ylabel)
+    legend_outside(ax)
+
+
+def draw_speedup(rows: Sequence[Row]) -> Figure:
+    """One axis per ratio against block size, each with its 1.0 line: the fastest baseline's
+    time over ours (a line per kernel), then our unquantized pool's time over each quantized
+    pool's (dotted: the goals). Each axis's title gives its headline ratio at the shipped block
+    sizes (paged_attention's, and each quantized pool's); the figure's title gives the geometry
+    once, the device, and whether the figures are a speed."""
+    baseline: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    cases = [c for c in ratio_cases(rows) if c["speedup"] is not None]
+    several = len(_geometries([c["row"] for c in cases])) > 1
+    for case in cases:
+        row = case["row"]
+        label = f"{row['kernel']}{_series_geometry(row, several)}"
+        baseline[label].append((row["block_size"], case["speedup"]))
+    quantized: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    goals: dict[str, float] = {}
+    q_cases = [c for c in quantized_cases(rows) if c["speedup"] is not None]
+    q_several = len(_geometries([c["row"] for c in q_cases])) > 1
+    for case in q_cases:
+        row = case["row"]
+        label = f"{row['provider']}{_series_geometry(row, q_several)}"
+        quantized[label].append((row["block_size"], case["speedup"]))
+        if str(row["provider"]) in QUANTIZED_GOALS:
+            goals[label] = QUANTIZED_GOALS[str(row["provider"])]
+    panels = [p for p in (baseline, quantized) if p]
+    figure = Figure(figsize=(9.0, 3.6 * max(1, len(panels)) + 0.6), layout="constrained")
+    axes = iter(figure.subplots(max(1, len(panels)), 1, squeeze=False).ravel())
+    if baseline:
+        ax = next(axes)
+        _ratio_axis(ax, baseline, "fastest baseline time / ours", "1.0: as fast as the baseline")
+        headline = _headline(baseline, only="paged_attention")
+        what = "paged_attention " + (headline if headline else "against the fastest baseline")
+        ax.set_title(what, fontsize=9)
+    if quantized:
+        ax = next(axes)
+        dtype = q_cases[0]["row"]["dtype"]
+        _ratio_axis(
+            ax,
+            quantized,
+            f"our {dtype} pool time / quantized pool's",
+            f"1.0: as fast as our {dtype} pool",
+            goals,
+        )
+        headline = _headline(quantized)
+        ax.set_title(headline or f"quantized pools against our {dtype} pool", fontsize=9)
+    measured = [c["row"] for c in (*cases, *q_cases)] or list(rows)
+    geometry = "; ".join(_geometries(measured)) if not (several or q_several) else ""
+    figure.suptitle(
+        f"speed-up at each block size{': ' + geometry if geometry else ''}\n{_run_line(rows)}",
+        fontsize=9,
     )
-    _block_axis(ax, [b for points in lines.values() for b, _ in points] or [1])
-    _scale_y(ax, values)
-    ax.set_ylabel("speed-up: fastest baseline time / ours")
-    ax.legend(fontsize=8)
-    figure.suptitle(f"speed-up against the fastest baseline ({_subtitle(rows)})", fontsize=10)
     return figure
 
 
@@ -99,7 +184,7 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
             groups[tuple(row[c] for c in GEOMETRY_COLUMNS)].append(row)
     columns = min(3, len(groups))
     lines = math.ceil(len(groups) / columns)
-    figure = Figure(figsize=(max(7.0, 5.5 * columns), 4.3 * lines), layout="constrained")
+    figure = Figure(figsize=(max(8.0, 6.5 * columns), 4.3 * lines), layout="constrained")
     axes = figure.subplots(lines, columns, squeeze=False).ravel()
     for ax, group in zip(axes, groups.values(), strict=False):
         series: dict[str, list[Row]] = defaultdict(list)
@@ -109,20 +194,25 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
             points.sort(key=lambda r: r["block_size"])
             x = [r["block_size"] for r in points]
             y = [r[metric] for r in points]
-            slow = [r[metric] * r["p50_ms"] / r["p80_ms"] for r in points]
-            fast = [r[metric] * r["p50_ms"] / r["p20_ms"] for r in points]
-            # max(0, ...): the CSV rounds, so with one timed call the bars can come out -1e-9.
+            slow = [r[metric] * headline_ms(r) / r["p80_ms"] for r in points]
+            fast = [r[metric] * headline_ms(r) / r["p20_ms"] for r in points]
+            # max(0, ...): the CSV rounds, so with one timed call the bars can come out -1e-9;
+            # on a CPU the headline is the minimum, so the bar only reaches down.
             errors = [[max(0.0, v - s) for v, s in zip(y, slow, strict=True)]]
             errors.append([max(0.0, f - v) for v, f in zip(y, fast, strict=True)])
             ax.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=label)
-        _block_axis(ax, [r["block_size"] for r in group])
-        _scale_y(ax, [r[metric] for r in group])
+        block_axis(ax, [r["block_size"] for r in group])
+        scale_y(ax, [r[metric] for r in group])
         ax.set_ylabel(unit)
-        ax.set_title(geometry_label(group[0]), fontsize=9)
-        ax.legend(fontsize=8)
+        if len(groups) > 1:
+            ax.set_title(geometry_label(group[0]), fontsize=9)
+        legend_outside(ax)
     for ax in axes[len(groups) :]:
         ax.set_visible(False)
-    figure.suptitle(f"{kernel} ({_subtitle(rows)})", fontsize=11)
+    geometry = geometry_label(next(iter(groups.values()))[0]) if len(groups) == 1 else ""
+    timed = "median" if is_gpu_row(rows[0]) else "minimum"
+    subtitle = f"{geometry + '; ' if geometry else ''}{_run_line(rows)}"
+    figure.suptitle(f"{kernel}: {unit} at the {timed} time\n{subtitle}", fontsize=10)
     return figure
 
 

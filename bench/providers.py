@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from paged_video import kernels, reference
+from paged_video.bench.formats import DEQUANT, MMA_MODES, dtype_name
 from paged_video.bench.results import QUANTIZED_GOALS
 from paged_video.bench.workload import Geometry, QuantizedPools, Workload
 
@@ -76,11 +77,13 @@ class Quant:
 
     @property
     def mode(self) -> str:
-        return "fp8-mma" if self.fp8_mma else "int8-mma" if self.int8_mma else "dequant"
+        """The mode's name (``bench.formats``: ``dequant`` or the format's MMA mode)."""
+        if self.fp8_mma or self.int8_mma:
+            return MMA_MODES[dtype_name(self.dtype)]
+        return DEQUANT
 
     def __str__(self) -> str:
-        name = {torch.float8_e4m3fn: "e4m3", torch.int8: "int8"}[self.dtype]
-        return f"{name} {self.mode}"
+        return f"{dtype_name(self.dtype)} {self.mode}"
 
 
 @dataclass(frozen=True)
@@ -636,8 +639,8 @@ def _chunk_bytes(workload: Workload) -> int:
 
 # Our paged attention over quantized pools, by provider name (their goals: QUANTIZED_GOALS).
 QUANTIZED_PROVIDERS = {
-    "triton-fp8": Quant(torch.float8_e4m3fn),
-    "triton-fp8-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
+    "triton-e4m3": Quant(torch.float8_e4m3fn),
+    "triton-e4m3-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
     "triton-int8": Quant(torch.int8),
     "triton-int8-mma": Quant(torch.int8, int8_mma=True),
 }

@@ -35,19 +35,23 @@ ATTENTION_KERNELS = ("paged_attention", "staged")
 # copy of the same bytes, not a result) or the float64 oracle (correctness only).
 # ``quantized``: this project's kernel over FP8/INT8 pools, rated against the bf16 pool (ours).
 ROLES = ("ours", "baseline", "best-of", "bound", "oracle", "quantized")
-# The quantized providers and their goal (issue 12): the speedup over this project's paged
-# attention on the bf16 pool at the same block size. The INT8-MMA mode halves Q K^T's time
-# (int8 MMAs at twice the bf16 rate) and P V stays 16-bit: 1.33x if compute-bound.
+# The quantized providers and their goal: the speedup over this project's paged attention on
+# the bf16 pool at the same block size. The INT8-MMA mode halves Q K^T's time (int8 MMAs at
+# twice the bf16 rate) and P V stays 16-bit: 1.33x if compute-bound.
 QUANTIZED_GOALS = {
-    "triton-fp8": 1.3,
-    "triton-fp8-mma": 1.8,
+    "triton-e4m3": 1.3,
+    "triton-e4m3-mma": 1.8,
     "triton-int8": 1.3,
     "triton-int8-mma": 1.3,
 }
+# Provider names of CSVs written before the formats were spelled one way everywhere (bf16, e4m3,
+# int8); reading an old CSV renames them, so ``compare`` matches its cases with new runs.
+RENAMED_PROVIDERS = {"triton-fp8": "triton-e4m3", "triton-fp8-mma": "triton-e4m3-mma"}
 MEASURE_COLUMNS = (
     "p50_ms",
     "p20_ms",
     "p80_ms",
+    "min_ms",
     "tflops",
     "gbps",
     "tflops_vs_matmul",
@@ -75,11 +79,26 @@ COLUMNS = (
 )
 # Columns a CSV written before they existed may lack; reading fills them in.
 LATER_COLUMNS = frozenset(
-    {"backend", "role", "torch_error", "error_limit", "skipped", *RUN_COLUMNS}
+    {"backend", "role", "min_ms", "torch_error", "error_limit", "skipped", *RUN_COLUMNS}
 )
 INTEGER_COLUMNS = frozenset(PARAMETER_COLUMNS) - {"tile", "dtype"}
 
 Row = dict[str, object]
+GPU_FIGURES = "gpu"
+
+
+def is_gpu_row(row: Row) -> bool:
+    """Whether ``row`` timed a GPU kernel (its ``figures`` column); CPU rows are not a speed."""
+    return row.get("figures") == GPU_FIGURES
+
+
+def headline_ms(row: Row) -> float:
+    """The time a row is judged by: its median on a GPU, its minimum on a CPU, where
+    interference from other processes only ever adds time (rows without ``min_ms``, written
+    before it existed, give their median)."""
+    if not is_gpu_row(row) and row.get("min_ms") is not None:
+        return float(row["min_ms"])
+    return float(row["p50_ms"])
 
 
 def sig3(value: object) -> str:
@@ -172,20 +191,36 @@ def read_rows(path: str | Path, *, skipped: bool = False) -> list[Row]:
     """Rows of a results CSV, numbers parsed (empty cells become None); the rows of providers
     that did not run (their ``skipped`` reason set) only when ``skipped``.
 
-    Raises ``ValueError`` naming ``path`` when it is a folder or not a results CSV.
+    Raises ``ValueError`` naming ``path``, in one line, when it is a folder, an accuracy CSV or
+    not a results CSV.
     """
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a folder, not a results CSV (e.g. {path / 'sweep.csv'})")
     with open(path, newline="") as stream:
         reader = csv.DictReader(stream)
-        missing = set(COLUMNS) - LATER_COLUMNS - set(reader.fieldnames or ())
+        present = set(reader.fieldnames or ())
+        if {"cosine", "rel_l1", "meets_goal"} <= present:
+            raise ValueError(
+                f"{path} is an accuracy CSV (bench accuracy printed its table when it wrote it); "
+                "table, plot and compare read the sweep's results CSV (sweep.csv)"
+            )
+        missing = [c for c in COLUMNS if c not in LATER_COLUMNS and c not in present]
         if missing:
-            raise ValueError(f"{path} is not a results CSV: missing columns {sorted(missing)}")
+            shown = ", ".join(missing[:4]) + (
+                f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            )
+            raise ValueError(f"{path} is not a results CSV of bench sweep: missing columns {shown}")
         rows = []
-        for raw in reader:
+        for line, raw in enumerate(reader, start=2):
             row = {name: None if name in MEASURE_COLUMNS else "" for name in LATER_COLUMNS}
-            row.update(_parse(raw))
+            try:
+                row.update(_parse(raw))
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"{path}, line {line}: not a number where one belongs ({error})"
+                ) from None
+            row["provider"] = RENAMED_PROVIDERS.get(str(row["provider"]), row["provider"])
             if not row["role"] and row["kernel"] != "ceiling":
                 row["role"] = _default_role(str(row["provider"]))
             if skipped or not row["skipped"]:
@@ -214,8 +249,10 @@ def noise_verdict(rows: list[Row]) -> str:
     """``"steady"``, ``"noisy: why"``, or ``""`` when the run has no end ceilings (cut short).
 
     Noisy when a ceiling measured at the start and at the end of the run disagree by more than
-    ``CEILING_DRIFT``, or a measured row is faster than the higher of its two ceilings (the
-    matmul of its dtype for attention, the copy for the copy kernels).
+    ``CEILING_DRIFT``. On a GPU also when a measured row is faster than the higher of its two
+    ceilings (the matmul of its dtype for attention, the copy for the copy kernels). A CPU run
+    is never judged that way: its small, cache-resident copies and matmuls beat a 16 MiB copy
+    or a 256-wide matmul without anything being wrong.
     """
     ceilings: dict[tuple[object, object], dict[str, float]] = {}
     for row in rows:
@@ -232,7 +269,8 @@ def noise_verdict(rows: list[Row]) -> str:
             reasons.append(f"{what} ceiling {sig3(start)} at start, {sig3(end)} at end")
     above = []
     for row in rows:
-        if row["kernel"] == "ceiling" or row["role"] == "best-of" or row.get("skipped"):
+        skip = row["kernel"] == "ceiling" or row["role"] == "best-of" or row.get("skipped")
+        if skip or not is_gpu_row(row):
             continue
         if row["kernel"] in ATTENTION_KERNELS:
             value, name, dtype = row["tflops"], "matmul", row["dtype"]
@@ -245,3 +283,8 @@ def noise_verdict(rows: list[Row]) -> str:
         shown = ", ".join(above[:3]) + (f" and {len(above) - 3} more" if len(above) > 3 else "")
         reasons.append(f"{len(above)} rows above their ceiling ({shown})")
     return f"noisy: {'; '.join(reasons)}" if reasons else STEADY
+
+
+def is_noisy(rows: list[Row]) -> bool:
+    """Whether the run that wrote ``rows`` was marked noisy (its ``noise`` column)."""
+    return bool(rows) and str(rows[0].get("noise") or "").startswith("noisy")

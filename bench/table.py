@@ -14,8 +14,13 @@ from paged_video.bench.results import (
     QUANTIZED_GOALS,
     STEADY,
     Row,
+    headline_ms,
+    is_gpu_row,
     sig3,
 )
+
+# What a goal column says on a row timed on a CPU: such a figure is no speed to judge.
+NOT_A_SPEED = "not a speed"
 
 
 def sci3(value: object) -> str:
@@ -24,6 +29,8 @@ def sci3(value: object) -> str:
 
 
 def _roof_percent(row: Row) -> str:
+    if not is_gpu_row(row):  # cache-resident CPU data beat a memory-bound ceiling: no roof
+        return "-"
     ratio = row["tflops_vs_matmul"] if row["kernel"] in ATTENTION_KERNELS else row["gbps_vs_copy"]
     return "-" if ratio is None else sig3(100 * ratio)
 
@@ -52,6 +59,8 @@ def noise_line(rows: Sequence[Row]) -> str:
     verdict = str(rows[0].get("noise") or "")
     if not verdict:
         return "noise: unknown (no end-of-run ceilings: the run was cut short or is older)"
+    if verdict == STEADY and not is_gpu_row(rows[0]):
+        return "noise: steady (ceilings within 20% start to end)"
     if verdict == STEADY:
         return "noise: steady (ceilings within 20% start to end, no row above its ceiling)"
     return f"NOISY RUN, figures unreliable: {verdict.removeprefix('noisy: ')}"
@@ -63,8 +72,11 @@ def _provenance_lines(rows: Sequence[Row]) -> list[str]:
         f"{first['figures']} figures on {first['device']} (torch {first['torch']}, "
         f"triton {first['triton']}, commit {str(first['commit'])[:12]}, {first['timestamp']})"
     ]
-    if first["figures"] != "gpu":
-        lines.append("CPU timings: they show the harness runs, not GPU speed.")
+    if not is_gpu_row(first):
+        lines.append(
+            "CPU timings: they show the harness runs, not GPU speed (ms: the minimum of the "
+            "timed calls, one torch thread by default; no goal is judged on them)."
+        )
     roofs: dict[str, list[str]] = {}
     for r in rows:
         if r["kernel"] == "ceiling":
@@ -121,7 +133,9 @@ def format_table(rows: Sequence[Row]) -> str:
     varying = _varying(measured)
     show_tile = any(r["tile"] not in ("", "auto", None) for r in measured)
     header = ["kernel", "provider", "block", *(["tile"] if show_tile else []), *varying]
-    header += ["p50 ms", "p20-p80 ms", "TFLOP/s", "GB/s", "% roof", "error", "limit"]
+    show_min = any(r.get("min_ms") is not None for r in measured)
+    header += ["p50 ms", "p20-p80 ms", *(["min ms"] if show_min else [])]
+    header += ["TFLOP/s", "GB/s", "% roof", "error", "limit"]
     body = [
         [
             str(r["kernel"]),
@@ -131,6 +145,7 @@ def format_table(rows: Sequence[Row]) -> str:
             *(str(r[c]) for c in varying),
             sig3(r["p50_ms"]),
             f"{sig3(r['p20_ms'])}-{sig3(r['p80_ms'])}",
+            *([sig3(r.get("min_ms"))] if show_min else []),
             sig3(r["tflops"]),
             sig3(r["gbps"]),
             _roof_percent(r),
@@ -145,7 +160,8 @@ def format_table(rows: Sequence[Row]) -> str:
 def format_pivot(rows: Sequence[Row]) -> str:
     """The short form: per kernel and geometry, block sizes down, providers across.
 
-    Cells are TFLOP/s for the attention kernels and GB/s for the copy kernels, at the median.
+    Cells are TFLOP/s for the attention kernels and GB/s for the copy kernels, at the headline
+    time (the median on a GPU, the minimum on a CPU).
     """
     if not rows:
         return "no rows"
@@ -182,7 +198,7 @@ def ratio_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
         by_role: dict[str, list[Row]] = {}
         for row in group:
             by_role.setdefault(str(row["role"]), []).append(row)
-        fastest = {role: min(rs, key=lambda r: r["p50_ms"]) for role, rs in by_role.items()}
+        fastest = {role: min(rs, key=headline_ms) for role, rs in by_role.items()}
         ours, baseline, bound = (fastest.get(role) for role in ("ours", "baseline", "bound"))
         if ours is None:
             continue
@@ -190,8 +206,8 @@ def ratio_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
             {
                 "row": ours,
                 "baseline": baseline,
-                "speedup": baseline["p50_ms"] / ours["p50_ms"] if baseline else None,
-                "of_copy": bound["p50_ms"] / ours["p50_ms"] if bound else None,
+                "speedup": headline_ms(baseline) / headline_ms(ours) if baseline else None,
+                "of_copy": headline_ms(bound) / headline_ms(ours) if bound else None,
             }
         )
     kernels = list(dict.fromkeys(c["row"]["kernel"] for c in result))
@@ -205,7 +221,9 @@ COPY_GOAL = 0.85
 
 
 def _missed(case: dict[str, object]) -> list[str]:
-    """The goals a ratio-table case misses."""
+    """The goals a ratio-table case misses (none judged on a CPU row: ``NOT_A_SPEED``)."""
+    if not is_gpu_row(case["row"]):
+        return [NOT_A_SPEED]
     speedup, of_copy = case["speedup"], case["of_copy"]
     missed = [f"BELOW {GOAL:.1f}x"] if speedup is not None and speedup < GOAL else []
     if of_copy is not None and of_copy < COPY_GOAL:
@@ -225,53 +243,63 @@ def quantized_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
     ours: dict[tuple[object, ...], Row] = {}
     for row in measured:
         best = ours.get(_case_key(row))
-        if row["role"] == "ours" and (best is None or row["p50_ms"] < best["p50_ms"]):
+        if row["role"] == "ours" and (best is None or headline_ms(row) < headline_ms(best)):
             ours[_case_key(row)] = row
     cases = []
     for row in measured:
         if row["role"] == "quantized":
             bf16 = ours.get(_case_key(row))
-            speedup = bf16["p50_ms"] / row["p50_ms"] if bf16 else None
+            speedup = headline_ms(bf16) / headline_ms(row) if bf16 else None
             cases.append({"row": row, "bf16": bf16, "speedup": speedup})
     return cases
 
 
 def _format_quantized(cases: Sequence[dict[str, object]], goal: bool) -> list[str]:
-    """The quantized pools' table: their median, the bf16 pool's, the speedup and its goal."""
+    """The quantized pools' table: their time, our unquantized pool's (in the run's dtype, named
+    in the header), the speedup and its goal."""
     goals = ", ".join(f"{name} {sig3(g)}x" for name, g in QUANTIZED_GOALS.items())
+    dtypes = {str(c["row"]["dtype"]) for c in cases}
+    pool = dtypes.pop() if len(dtypes) == 1 else "unquantized"
     lines = [
         "",
-        "quantized KV pools: speedup = our bf16-pool median / the quantized pool's "
+        f"quantized KV pools: speedup = our {pool}-pool time / the quantized pool's "
         f"(goals: {goals})",
     ]
     varying = _varying([c["row"] for c in cases])
-    header = ["kernel", "block", *varying, "provider", "ms", "bf16 ms", "speedup", "goal"]
+    header = ["kernel", "block", *varying, "provider", "ms", f"{pool} ms", "speedup", "goal"]
     body = []
     missed = 0
     for case in cases:
         row, bf16, speedup = case["row"], case["bf16"], case["speedup"]
         target = QUANTIZED_GOALS.get(str(row["provider"]))
         below = speedup is not None and target is not None and speedup < target
-        missed += below
-        mark = f"BELOW {sig3(target)}x" if goal and below else ""
+        judged = is_gpu_row(row)
+        missed += below and judged
+        mark = (f"BELOW {sig3(target)}x" if below else "") if judged else NOT_A_SPEED
         body.append(
             [
                 str(row["kernel"]),
                 str(row["block_size"]),
                 *(str(row[c]) for c in varying),
                 series_label(row),
-                sig3(row["p50_ms"]),
-                sig3(bf16["p50_ms"]) if bf16 else "-",
+                sig3(headline_ms(row)),
+                sig3(headline_ms(bf16)) if bf16 else "-",
                 "-" if speedup is None else f"{sig3(speedup)}x",
                 "-" if target is None else f"{sig3(target)}x",
                 *([mark] if goal else []),
             ]
         )
     lines += aligned([header + ([""] if goal else []), *body])
-    if goal:
-        rated = sum(1 for c in cases if c["speedup"] is not None)
+    if goal and not any(is_gpu_row(c["row"]) for c in cases):
+        lines.append(f"quantized goals: not judged ({_cpu_figures(cases[0]['row'])})")
+    elif goal:
+        rated = sum(1 for c in cases if c["speedup"] is not None and is_gpu_row(c["row"]))
         lines.append(f"quantized goals: {missed} of {rated} rows below")
     return lines
+
+
+def _cpu_figures(row: Row) -> str:
+    return f"{row.get('figures') or 'cpu'} figures are not a speed"
 
 
 def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
@@ -282,7 +310,8 @@ def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
         return "no rows"
     cases = ratio_cases(rows)
     lines = _provenance_lines(rows)
-    lines.append("speedup = fastest baseline's median / ours (above 1.00x: ours is faster)")
+    time = "median" if is_gpu_row(rows[0]) else "minimum"
+    lines.append(f"speedup = fastest baseline's {time} / ours (above 1.00x: ours is faster)")
     quantized = quantized_cases(rows)
     if not cases:
         return "\n".join([*lines, "no rows of this project's kernels"])
@@ -295,9 +324,9 @@ def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
         ours, baseline, speedup = case["row"], case["baseline"], case["speedup"]
         line = [str(ours["kernel"]), str(ours["block_size"]), *(str(ours[c]) for c in varying)]
         line += [
-            sig3(ours["p50_ms"]),
+            sig3(headline_ms(ours)),
             series_label(baseline) if baseline else "-",
-            sig3(baseline["p50_ms"]) if baseline else "-",
+            sig3(headline_ms(baseline)) if baseline else "-",
             "-" if speedup is None else f"{sig3(speedup)}x",
         ]
         if show_copy:
@@ -307,7 +336,11 @@ def format_ratios(rows: Sequence[Row], *, goal: bool = False) -> str:
         body.append(line)
     lines += aligned([header, *body])
     lines += skip_lines(rows)
-    if goal:
+    judged = [c for c in cases if is_gpu_row(c["row"])]
+    if goal and not judged:
+        lines.append(f"goals: not judged ({_cpu_figures(cases[0]['row'])})")
+    elif goal:
+        cases = judged
         below = sum(1 for c in cases if c["speedup"] is not None and c["speedup"] < GOAL)
         rated = sum(1 for c in cases if c["speedup"] is not None)
         copies = [c for c in cases if c["of_copy"] is not None]

@@ -13,11 +13,12 @@ provider, the median time per generated block once the window is full (and the f
 and the largest difference between the two rollouts' latents (bf16: a sanity check, not an
 accuracy figure).
 
-``--kv-dtype`` runs the paged rollout once per pool dtype given: ``bf16`` keeps the pools in the
-model's dtype (bf16 at the 1.3B shape, float32 with ``--tiny``), ``float8_e4m3fn`` and ``int8``
-quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on); each row also gives the cache's
-pool bytes (K/V pools, scales and smoothing means) and its latents' difference from the plain
-rollout (for quantized pools: the quantization's effect, not a bug check).
+``--kv-dtype`` runs the paged rollout once per pool format given (``bench.formats``): ``bf16``
+keeps the pools unquantized in the model's dtype (bf16 at the 1.3B shape, float32 with
+``--tiny``: the header and the ``pool`` column print the dtype really used), ``e4m3`` and
+``int8`` quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on); each row also gives
+the cache's pool bytes (K/V pools, scales and smoothing means) and its latents' difference from
+the plain rollout (for quantized pools: the quantization's effect, not a bug check).
 
 ``--tiny`` runs a 2-layer model in seconds on a CPU so the script is known to work; its
 timings are not GPU figures. Needs the ``diffusers`` extra.
@@ -33,11 +34,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paged_video.models.wan_paged import PagedWanRollout, apply_rotary, rope_at_frame, wan_qkv
+from paged_video.bench.formats import QUANTIZED_FORMATS, UNQUANTIZED, dtype_name, old_spelling
 from paged_video.paging import PagingConfig
 
-# --kv-dtype: the paged pools' dtype (bf16: unquantized, the model's dtype).
-KV_DTYPES = {"bf16": None, "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
+try:
+    from paged_video.models.wan_paged import (
+        PagedWanRollout,
+        apply_rotary,
+        rope_at_frame,
+        wan_qkv,
+    )
+except ImportError as error:  # no diffusers: one line for the command, the error for importers
+    if __name__ == "__main__":
+        raise SystemExit(f"error: {error}") from None
+    raise
+
+# --kv-dtype: the paged pools' format (bf16: unquantized, in the model's dtype).
+KV_DTYPES = {UNQUANTIZED: None, **QUANTIZED_FORMATS}
 
 
 @dataclass(frozen=True)
@@ -313,19 +326,33 @@ def run(
     return results
 
 
+def _kv_dtype(text: str) -> str:
+    if text not in KV_DTYPES:
+        refusal = old_spelling(text, KV_DTYPES)
+        raise argparse.ArgumentTypeError(
+            refusal or f"{text!r} is not one of {', '.join(KV_DTYPES)}"
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_video.bench.wan_rollout", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model, seconds on a CPU")
     parser.add_argument("--blocks", type=int, default=None, help="generated blocks (default 10)")
     parser.add_argument("--steps", type=int, default=None, help="denoising forwards per block")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument(
         "--kv-dtype",
         nargs="+",
-        choices=list(KV_DTYPES),
-        default=["bf16"],
-        help="paged pool dtypes, one paged rollout each (bf16: the model's dtype, unquantized)",
+        type=_kv_dtype,
+        default=[UNQUANTIZED],
+        help=f"paged pool formats, one paged rollout each: {', '.join(KV_DTYPES)} (bf16: "
+        "unquantized, in the model's dtype)",
     )
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else WAN_1_3B
@@ -338,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible (this torch: " + _cuda_build() + ")")
+    if not args.tiny and args.device == "cpu":
+        parser.error(
+            "the Wan 2.1 1.3B shape would take hours on a CPU; --tiny runs a 2-layer model"
+        )
     device = torch.device(args.device)
     results = run(
         shape,
@@ -350,12 +383,18 @@ def main(argv: list[str] | None = None) -> int:
     # The window is full (steady state) once sink + window frames are generated.
     full = -(-(shape.sink_frames + shape.window_frames) // shape.frames_per_block)
     figures = "gpu" if device.type == "cuda" else "cpu (not GPU figures)"
+    # Unquantized pools take the model's dtype: say which, so "bf16" is never read as used.
+    unquantized = (
+        f"; --kv-dtype {UNQUANTIZED}: unquantized pools in the model's {dtype_name(shape.dtype)}"
+        if UNQUANTIZED in args.kv_dtype and shape.dtype != torch.bfloat16
+        else ""
+    )
     print(
         f"Wan rollout, {shape.layers} layers, {shape.heads}x{shape.head_dim} heads, "
         f"{shape.tokens_per_frame} tokens/frame, {shape.frames_per_block} frames/block, "
         f"sink {shape.sink_frames}, window {shape.window_frames}, B={args.block_size}, "
-        f"{steps}+1 forwards/block, CFG batch 2, {str(shape.dtype).removeprefix('torch.')}, "
-        f"{device} [{figures}]"
+        f"{steps}+1 forwards/block, CFG batch 2, model {dtype_name(shape.dtype)}, "
+        f"{device} [{figures}]{unquantized}"
     )
     print(
         "provider  kv_dtype       pool_MB  first_block_ms  steady_block_ms  blocks_timed  "
@@ -364,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in results.items():
         times = row["times"]
         steady = times[full:] or times[-1:]
-        pool = str(row["pool"]).removeprefix("torch.")
+        pool = dtype_name(row["pool"])
         megabytes = f"{row['pool_bytes'] / 1e6:.3f}" if "pool_bytes" in row else "-"
         print(
             f"{name.split()[0]:8s}  {pool:13s}  {megabytes:>7s}  {times[0] * 1e3:14.1f}  "
@@ -372,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['max_diff']:17.3e}"
         )
     return 0
+
+
+def _cuda_build() -> str:
+    return f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
 
 
 if __name__ == "__main__":

@@ -2,22 +2,29 @@
 
 Importing this package switches Triton's interpreter on when no GPU is visible and
 ``TRITON_INTERPRET`` is unset: the variable is read when kernels are decorated.
+``backend(device)`` says which path the kernels take: "triton", "interpreter" or "torch".
 """
 
-from paged_video.kernels._runtime import enable_interpreter_if_no_gpu
+if __name__ != "paged_video.kernels":  # a bare `import kernels` found this clone's folder
+    from paged_video._clone import hand_over
 
-enable_interpreter_if_no_gpu()
+    hand_over(__name__, __file__)
+else:
+    from paged_video.kernels._runtime import backend, enable_interpreter_if_no_gpu
 
-from paged_video.kernels.gather_blocks import gather_blocks  # noqa: E402
-from paged_video.kernels.masks import key_limits_from_spans, mixed_mask_attention  # noqa: E402
-from paged_video.kernels.merge_states import (  # noqa: E402
-    merge_attention_states,
-    merge_stacked_attention_states,
-)
-from paged_video.kernels.paged_attention import choose_tiles, paged_attention  # noqa: E402
-from paged_video.kernels.write_slots import write_slots  # noqa: E402
+    enable_interpreter_if_no_gpu()
+
+    from paged_video.kernels.gather_blocks import gather_blocks
+    from paged_video.kernels.masks import key_limits_from_spans, mixed_mask_attention
+    from paged_video.kernels.merge_states import (
+        merge_attention_states,
+        merge_stacked_attention_states,
+    )
+    from paged_video.kernels.paged_attention import choose_tiles, paged_attention
+    from paged_video.kernels.write_slots import write_slots
 
 __all__ = [
+    "backend",
     "choose_tiles",
     "gather_blocks",
     "key_limits_from_spans",
@@ -27,6 +34,3 @@ __all__ = [
     "paged_attention",
     "write_slots",
 ]
-
-if __name__ != "paged_video.kernels":  # a bare `import kernels` from a clone's root
-    raise ImportError("this folder is paged_video.kernels; import it by that name")

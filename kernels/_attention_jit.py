@@ -89,17 +89,19 @@ def _tile_rows(
     id1,
     ids,
     n_start,
-    stride_block,
-    stride_slot,
+    cache,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
 ):
     """Element offsets (int64) of the tile's key rows in one cache, from its block ids.
 
-    Tiles start at multiples of ``BLOCK_N``; the per-row parts are loop-invariant where they can
-    be, so a tile costs a scalar base plus, for ``two_blocks``, one select per row.
+    ``cache`` is ``(head pointer, block stride, slot stride, ...)``. Tiles start at multiples of
+    ``BLOCK_N``; the per-row parts are loop-invariant where they can be, so a tile costs a
+    scalar base plus, for ``two_blocks``, one select per row.
     """
+    stride_block = cache[1]
+    stride_slot = cache[2]
     offs_n = tl.arange(0, BLOCK_N)
     if KV_PATH == "rows":
         # When the block divides the tile, every tile's slots are the same (loop-invariant).
@@ -136,17 +138,10 @@ def _to_e4m3(x, EXPLICIT_ROUNDING: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(
-    acc,
-    row_max,
-    row_sum,
-    acc_scale,
+    state,
     q,
-    k_head_ptr,
-    v_head_ptr,
-    ks_head_ptr,
-    vs_head_ptr,
-    table_row,
-    stride_table_col,
+    caches,
+    table,
     first_tile,
     tiles_start,
     num_tiles,
@@ -154,16 +149,6 @@ def _attend_tiles(
     keys_hi,
     key_limit,
     scale_log2,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_dim,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_dim,
-    stride_ks_block,
-    stride_ks_slot,
-    stride_vs_block,
-    stride_vs_slot,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -180,7 +165,13 @@ def _attend_tiles(
     EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
-    at ``tiles_start + (j - 1) * BLOCK_N``.
+    at ``tiles_start + (j - 1) * BLOCK_N``. The one tile body of both loops: ``MASKED`` adds the
+    masks (a compile-time flag, so the unmasked loop carries none of them).
+
+    ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated; ``caches`` the K and
+    V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
+    block stride, slot stride[, dim stride])``; ``table`` the sequence's ``(block table row,
+    column stride)``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
     ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
@@ -196,12 +187,22 @@ def _attend_tiles(
     it overflow). ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V
     converts to ``PV_DTYPE`` for the dequantizing mode's ``P V``.
     """
+    acc, row_max, row_sum, acc_scale = state
+    k_cache = caches[0]
+    v_cache = caches[1]
+    if QUANTIZED:
+        k_scales = caches[2]
+        v_scales = caches[3]
+    table_row, stride_table_col = table
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_dims = k_head_ptr + offs_d[None, :] * stride_k_dim
-    v_dims = v_head_ptr + offs_d[None, :] * stride_v_dim
+    k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
+    v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
     d_mask = offs_d[None, :] < HEAD_DIM
     row_scale = scale_log2[:, None] if FP8_MMA or INT8_MMA else scale_log2
+    # With equal K/V strides the V (scale) rows are the K (scale) rows (the contiguous path
+    # computes both).
+    share_rows = SAME_KV_STRIDES and KV_PATH != "contiguous"
     id0, id1, ids = _tile_block_ids(
         table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
     )
@@ -220,41 +221,17 @@ def _attend_tiles(
             BLOCK_SIZE,
             KV_PATH,
         )
-        k_rows = _tile_rows(
-            id0, id1, ids, n_start, stride_k_block, stride_k_slot, BLOCK_N, BLOCK_SIZE, KV_PATH
-        )
-        if SAME_KV_STRIDES and KV_PATH != "contiguous":
+        k_rows = _tile_rows(id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
+        if share_rows:
             v_rows = k_rows
         else:
-            v_rows = _tile_rows(
-                id0, id1, ids, n_start, stride_v_block, stride_v_slot, BLOCK_N, BLOCK_SIZE, KV_PATH
-            )
+            v_rows = _tile_rows(id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
         if QUANTIZED:
-            ks_rows = _tile_rows(
-                id0,
-                id1,
-                ids,
-                n_start,
-                stride_ks_block,
-                stride_ks_slot,
-                BLOCK_N,
-                BLOCK_SIZE,
-                KV_PATH,
-            )
-            if SAME_KV_STRIDES and KV_PATH != "contiguous":
+            ks_rows = _tile_rows(id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
+            if share_rows:
                 vs_rows = ks_rows
             else:
-                vs_rows = _tile_rows(
-                    id0,
-                    id1,
-                    ids,
-                    n_start,
-                    stride_vs_block,
-                    stride_vs_slot,
-                    BLOCK_N,
-                    BLOCK_SIZE,
-                    KV_PATH,
-                )
+                vs_rows = _tile_rows(id0, id1, ids, n_start, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
         if MASKED:
             keys = n_start + offs_n
             n_mask = (keys >= keys_lo) & (keys < keys_hi)
@@ -262,20 +239,18 @@ def _attend_tiles(
             k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             if QUANTIZED:
-                k_col = tl.load(ks_head_ptr + ks_rows, mask=n_mask, other=0.0)
-                v_col = tl.load(vs_head_ptr + vs_rows, mask=n_mask, other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            k = tl.load(k_dims + k_rows[:, None])
-            v = tl.load(v_dims + v_rows[:, None])
-            if QUANTIZED:
-                k_col = tl.load(ks_head_ptr + ks_rows)
-                v_col = tl.load(vs_head_ptr + vs_rows)
+                k_col = tl.load(k_scales[0] + ks_rows, mask=n_mask, other=0.0)
+                v_col = tl.load(v_scales[0] + vs_rows, mask=n_mask, other=0.0)
         else:
-            k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
-            v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_dims + k_rows[:, None])
+                v = tl.load(v_dims + v_rows[:, None])
+            else:
+                k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
+                v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
             if QUANTIZED:
-                k_col = tl.load(ks_head_ptr + ks_rows)
-                v_col = tl.load(vs_head_ptr + vs_rows)
+                k_col = tl.load(k_scales[0] + ks_rows)
+                v_col = tl.load(v_scales[0] + vs_rows)
         if FP8_MMA:
             qk = tl.dot(q, tl.trans(k))
         elif INT8_MMA:
@@ -330,32 +305,15 @@ def _attend_tiles(
 
 @triton.jit
 def _attend_run(
-    acc,
-    row_max,
-    row_sum,
-    acc_scale,
+    state,
     q,
-    k_head_ptr,
-    v_head_ptr,
-    ks_head_ptr,
-    vs_head_ptr,
-    table_row,
-    stride_table_col,
+    caches,
+    table,
     run_lo,
     run_hi,
     full_end,
     key_limit,
     scale_log2,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_dim,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_dim,
-    stride_ks_block,
-    stride_ks_slot,
-    stride_vs_block,
-    stride_vs_slot,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -372,112 +330,59 @@ def _attend_run(
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
-    tile holding ``run_lo`` and the tiles from the unmasked ones' end to ``run_hi`` run masked."""
+    tile holding ``run_lo`` and the tiles from the unmasked ones' end to ``run_hi`` run masked
+    (``state`` as in ``_attend_tiles``)."""
     head_tile = run_lo // BLOCK_N * BLOCK_N
     tiles_end = tl.cdiv(run_hi, BLOCK_N) * BLOCK_N
     full_lo = tl.cdiv(run_lo, BLOCK_N) * BLOCK_N
     full_hi = tl.maximum(full_lo, tl.minimum(run_hi, full_end) // BLOCK_N * BLOCK_N)
-    acc, row_max, row_sum, acc_scale = _attend_tiles(
-        acc,
-        row_max,
-        row_sum,
-        acc_scale,
-        q,
-        k_head_ptr,
-        v_head_ptr,
-        ks_head_ptr,
-        vs_head_ptr,
-        table_row,
-        stride_table_col,
-        full_lo,
-        full_lo + BLOCK_N,
-        (full_hi - full_lo) // BLOCK_N,
-        run_lo,
-        run_hi,
-        key_limit,
-        scale_log2,
-        stride_k_block,
-        stride_k_slot,
-        stride_k_dim,
-        stride_v_block,
-        stride_v_slot,
-        stride_v_dim,
-        stride_ks_block,
-        stride_ks_slot,
-        stride_vs_block,
-        stride_vs_slot,
-        BLOCK_N,
-        BLOCK_D,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        KV_PATH,
-        SAME_KV_STRIDES,
-        False,
-        UPCAST,
-        DOT_PRECISION,
-        QUANTIZED,
-        FP8_MMA,
-        INT8_MMA,
-        PV_DTYPE,
-        EXPLICIT_ROUNDING,
-    )
-    # Masked: the head tile when the run starts mid-tile (and it is not also the tail), then
-    # the tail from the unmasked tiles' end.
-    has_head = (head_tile < full_lo) & (full_lo <= tiles_end)
-    tail_start = tl.maximum(full_hi, tl.minimum(full_lo, tiles_end))
-    tail_tiles = tl.maximum(tiles_end - tail_start, 0) // BLOCK_N
-    if has_head:
-        first_tile = head_tile
-        num_masked = tail_tiles + 1
-    else:
-        first_tile = tail_start
-        num_masked = tail_tiles
-        tail_start = tail_start + BLOCK_N
-    acc, row_max, row_sum, acc_scale = _attend_tiles(
-        acc,
-        row_max,
-        row_sum,
-        acc_scale,
-        q,
-        k_head_ptr,
-        v_head_ptr,
-        ks_head_ptr,
-        vs_head_ptr,
-        table_row,
-        stride_table_col,
-        first_tile,
-        tail_start,
-        num_masked,
-        run_lo,
-        run_hi,
-        key_limit,
-        scale_log2,
-        stride_k_block,
-        stride_k_slot,
-        stride_k_dim,
-        stride_v_block,
-        stride_v_slot,
-        stride_v_dim,
-        stride_ks_block,
-        stride_ks_slot,
-        stride_vs_block,
-        stride_vs_slot,
-        BLOCK_N,
-        BLOCK_D,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        KV_PATH,
-        SAME_KV_STRIDES,
-        True,
-        UPCAST,
-        DOT_PRECISION,
-        QUANTIZED,
-        FP8_MMA,
-        INT8_MMA,
-        PV_DTYPE,
-        EXPLICIT_ROUNDING,
-    )
-    return acc, row_max, row_sum, acc_scale
+    # Pass 0, unmasked: the whole tiles. Pass 1, masked: the head tile when the run starts
+    # mid-tile (and it is not also the tail), then the tail from the unmasked tiles' end.
+    for masked in tl.static_range(2):
+        if masked:
+            has_head = (head_tile < full_lo) & (full_lo <= tiles_end)
+            tail_start = tl.maximum(full_hi, tl.minimum(full_lo, tiles_end))
+            tail_tiles = tl.maximum(tiles_end - tail_start, 0) // BLOCK_N
+            if has_head:
+                first_tile = head_tile
+                num_tiles = tail_tiles + 1
+            else:
+                first_tile = tail_start
+                num_tiles = tail_tiles
+                tail_start = tail_start + BLOCK_N
+            tiles_start = tail_start
+        else:
+            first_tile = full_lo
+            tiles_start = full_lo + BLOCK_N
+            num_tiles = (full_hi - full_lo) // BLOCK_N
+        state = _attend_tiles(
+            state,
+            q,
+            caches,
+            table,
+            first_tile,
+            tiles_start,
+            num_tiles,
+            run_lo,
+            run_hi,
+            key_limit,
+            scale_log2,
+            BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            KV_PATH,
+            SAME_KV_STRIDES,
+            masked == 1,
+            UPCAST,
+            DOT_PRECISION,
+            QUANTIZED,
+            FP8_MMA,
+            INT8_MMA,
+            PV_DTYPE,
+            EXPLICIT_ROUNDING,
+        )
+    return state
 
 
 @triton.heuristics(
@@ -628,15 +533,21 @@ def _paged_attention_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc_scale = SMALLEST_NORMAL  # FP8_MMA: acc is the output in units of acc_scale
-    table_row = block_table_ptr + seq.to(tl.int64) * stride_table_row
-    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_k_head
-    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_v_head
+    table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
+    # Each pool of this KV head as (head pointer, block stride, slot stride[, dim stride]): K and
+    # V, then the K and V scales of quantized pools.
+    kv_head_i64 = kv_head.to(tl.int64)
+    caches = (
+        (k_ptr + kv_head_i64 * stride_k_head, stride_k_block, stride_k_slot, stride_k_dim),
+        (v_ptr + kv_head_i64 * stride_v_head, stride_v_block, stride_v_slot, stride_v_dim),
+    )
     if QUANTIZED:
-        ks_head_ptr = k_scale_ptr + kv_head.to(tl.int64) * stride_ks_head
-        vs_head_ptr = v_scale_ptr + kv_head.to(tl.int64) * stride_vs_head
-    else:
-        ks_head_ptr = k_scale_ptr
-        vs_head_ptr = v_scale_ptr
+        caches = (
+            caches[0],
+            caches[1],
+            (k_scale_ptr + kv_head_i64 * stride_ks_head, stride_ks_block, stride_ks_slot),
+            (v_scale_ptr + kv_head_i64 * stride_vs_head, stride_vs_block, stride_vs_slot),
+        )
 
     if HAS_KEY_GAP:
         # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing
@@ -654,32 +565,15 @@ def _paged_attention_kernel(
             run_hi = tl.min(tl.where(ahead, tl.maximum(gap_lo, run_lo), keys_end), axis=0)
             run_hi = tl.minimum(run_hi, keys_end)
             acc, row_max, row_sum, acc_scale = _attend_run(
-                acc,
-                row_max,
-                row_sum,
-                acc_scale,
+                (acc, row_max, row_sum, acc_scale),
                 q,
-                k_head_ptr,
-                v_head_ptr,
-                ks_head_ptr,
-                vs_head_ptr,
-                table_row,
-                stride_table_col,
+                caches,
+                table,
                 run_lo,
                 run_hi,
                 full_end,
                 key_limit,
                 scale_log2,
-                stride_k_block,
-                stride_k_slot,
-                stride_k_dim,
-                stride_v_block,
-                stride_v_slot,
-                stride_v_dim,
-                stride_ks_block,
-                stride_ks_slot,
-                stride_vs_block,
-                stride_vs_slot,
                 BLOCK_N,
                 BLOCK_D,
                 HEAD_DIM,
@@ -701,32 +595,15 @@ def _paged_attention_kernel(
             run_lo = run_hi
     else:
         acc, row_max, row_sum, acc_scale = _attend_run(
-            acc,
-            row_max,
-            row_sum,
-            acc_scale,
+            (acc, row_max, row_sum, acc_scale),
             q,
-            k_head_ptr,
-            v_head_ptr,
-            ks_head_ptr,
-            vs_head_ptr,
-            table_row,
-            stride_table_col,
+            caches,
+            table,
             k_len * 0,
             keys_end,
             full_end,
             key_limit,
             scale_log2,
-            stride_k_block,
-            stride_k_slot,
-            stride_k_dim,
-            stride_v_block,
-            stride_v_slot,
-            stride_v_dim,
-            stride_ks_block,
-            stride_ks_slot,
-            stride_vs_block,
-            stride_vs_slot,
             BLOCK_N,
             BLOCK_D,
             HEAD_DIM,

@@ -16,7 +16,7 @@ Why the odd-looking choices:
   its tag is the forward's ``stage_key``, else from block 0, and its tag becomes the key once
   the restage is done. Attending without staging sets the tag to -1 (nothing reusable), as does
   a call that fails part way, so no later forward keeps rows that nothing filled.
-* Quantized pools (DESIGN section 9) hold codes with a float32 scale per (slot, KV head) beside
+* Quantized pools (docs/quantization.md) hold codes with a float32 scale per (slot, KV head) beside
   them; the staging buffers hold codes too, with stage scales. K smoothing: each layer's mean
   ``k_means[layer]`` (``(num_kv_heads, head_dim)``) is subtracted from K before quantizing. It
   is chosen by the first call that writes video keys to the layer (the mean of that call's
@@ -24,8 +24,10 @@ Why the odd-looking choices:
   tags: reading it costs no sync, and later calls skip the reduction.
 * Channel equalization: each layer's factors ``k_equalizers[layer]``/``v_equalizers[layer]``
   divide K (after the mean) and V before quantizing and are folded back into q and the output
-  by attention. The first call that writes video keys chooses them (``write_slots``, given the
-  CPU flag ``equalizers_chosen[layer]``), and they are frozen like the mean.
+  by attention. The first call that writes video keys chooses them from those rows (after the
+  mean), and ``equalizers_chosen[layer]``, a CPU flag, freezes them like the mean.
+  ``write_slots`` owns both the mean and the factors (``k_smooth_chosen``,
+  ``equalizers_chosen``), so a driver that writes the cache without this op agrees.
 * Every argument is checked before the first write: a refused call leaves the pools, scales,
   means, flags, the staging buffers and the tags as they were, and names the argument as the
   caller wrote it.
@@ -273,7 +275,7 @@ def _check_staging(
 
 def _check_inputs(
     kv: list[Tensor], pools: PoolTensors, inputs: LayerInputs
-) -> tuple[int, int, bool]:
+) -> tuple[int, int, bool, bool]:
     """Check every argument before the first write; returns ``(layer, stage_from, smoothed,
     equalized)``.
 
@@ -394,14 +396,6 @@ def _check_inputs(
     return layer_index, first_block, smoothed, equalized
 
 
-def _choose_mean(mean: Tensor, key: Tensor) -> None:
-    """Set this layer's K mean to ``key``'s: per KV head, over its finite keys."""
-    keys = key.to(SCALE_DTYPE)
-    finite = keys.isfinite()
-    counts = finite.sum(dim=0).clamp_min(1)
-    mean.copy_(torch.where(finite, keys, 0.0).sum(dim=0) / counts)
-
-
 def _no_lse(query: Tensor) -> Tensor:
     """The op's second output when the LSE is not asked for: zero-size float32."""
     return query.new_empty((0, query.shape[1]), dtype=torch.float32)
@@ -425,28 +419,27 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
     k_cache, v_cache = pools.k_pools[layer_index], pools.v_pools[layer_index]
     # Scales, the K mean and the factors: None for float pools (and no mean without smoothing,
     # no factors without equalization).
-    k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = None
+    k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = k_smooth_chosen = None
     k_equalizer = v_equalizer = equalizers_chosen = None
     if is_quantized(k_cache.dtype):
         k_scale, v_scale = pools.k_scales[layer_index], pools.v_scales[layer_index]
         stage_k_scale = pools.stage_k_scales[layer_index] if first_block >= 0 else None
         stage_v_scale = pools.stage_v_scales[layer_index] if first_block >= 0 else None
         if smoothed:
+            # write_slots chooses the mean from the first video keys it writes (the CPU flag:
+            # no sync) and records it; only that call pays for the reduction.
             k_smooth = pools.k_means[layer_index]
-            # The CPU flag and a shape, not device values: no sync. Only the first call that
-            # writes video keys pays for the reduction.
-            if key.shape[0] and not bool(pools.k_means_chosen[layer_index]):
-                _choose_mean(k_smooth, key)
-                pools.k_means_chosen[layer_index] = True
+            k_smooth_chosen = pools.k_means_chosen[layer_index]
         if equalized:
-            # write_slots chooses them from the first video rows it writes (after the mean).
+            # Likewise the factors, from the same rows (after the mean).
             k_equalizer = pools.k_equalizers[layer_index]
             v_equalizer = pools.v_equalizers[layer_index]
             equalizers_chosen = pools.equalizers_chosen[layer_index]
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    for k, v, slots, chosen in (
-        (key, value, inputs.video_slots, equalizers_chosen),
-        (action_key, action_value, inputs.action_slots, None),
+    # Only video keys choose the mean and the factors; action rows are written with them.
+    for k, v, slots, mean_chosen, factors_chosen in (
+        (key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen),
+        (action_key, action_value, inputs.action_slots, None, None),
     ):
         write_slots(
             k,
@@ -457,9 +450,10 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_scale=_apply(k_scale, Tensor.flatten, 0, 1),
             v_scale=_apply(v_scale, Tensor.flatten, 0, 1),
             k_smooth=k_smooth,
+            k_smooth_chosen=mean_chosen,
             k_equalizer=k_equalizer,
             v_equalizer=v_equalizer,
-            equalizers_chosen=chosen,
+            equalizers_chosen=factors_chosen,
             check_values=False,
         )
     attend = {

@@ -142,7 +142,7 @@ def paged_attention(
     ``block_m``/``block_n`` override the tile. ``check_values=False`` skips the checks that
     read tensor values (no device sync).
 
-    Quantized caches (``float8_e4m3fn`` or ``int8`` codes, DESIGN section 9) need ``k_scale``
+    Quantized caches (``float8_e4m3fn`` or ``int8`` codes, docs/quantization.md) need ``k_scale``
     and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
     as ``codes * scale`` (scales >= 0, as ``write_slots`` writes them). By default the codes
     convert exactly to q's compute dtype, the K scale multiplies the score columns and the V

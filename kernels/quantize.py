@@ -5,7 +5,7 @@ A quantized pool holds codes (``float8_e4m3fn`` or ``int8``) and a float32 scale
 ``x`` of ``head_dim`` values is stored as ``scale = amax(|x|) / QMAX`` and codes
 ``round(x / scale)`` (nearest, ties to even, saturating at ``QMAX``); it reads back as
 ``codes * scale``. A row of zeros has scale 0 and codes 0. The scale is written with the token
-and never changes while the token stays in the window (DESIGN section 9).
+and never changes while the token stays in the window (docs/quantization.md).
 """
 
 from __future__ import annotations

@@ -6,10 +6,13 @@ the pools' dtype, or, for quantized pools (``float8_e4m3fn``, ``int8``), quantiz
 (token, KV head) with their float32 scales written beside them in the same launch
 (``kernels._quantize_jit``; K smoothing and channel equalization optional).
 
-Channel equalization divides each (KV head, channel) of K and V by a factor before quantizing
-(``kernels.equalize``). Given the flag ``equalizers_chosen`` (a cache's per-layer record), the
-first write that finds it unset chooses the factors from the rows it writes (K minus its
-smoothing mean) and sets it, so every later write of the layer divides by the same factors.
+K smoothing subtracts a per-(KV head, channel) mean from K before quantizing; channel
+equalization then divides each (KV head, channel) of K and V by a factor (``kernels.equalize``).
+Given a cache's per-layer flags ``k_smooth_chosen`` and ``equalizers_chosen``, the first write
+that finds one unset chooses what it guards from the rows it writes (the mean first, then the
+factors of K minus that mean: ``choose_k_mean``, ``choose_equalizers``) and sets it, so each has
+one owner: every later write of the layer, through the fused op or a driver of its own,
+subtracts the same frozen mean and divides by the same frozen factors.
 """
 
 from __future__ import annotations
@@ -212,6 +215,7 @@ def _check_arguments(
     k_scale: Tensor | None,
     v_scale: Tensor | None,
     k_smooth: Tensor | None,
+    k_smooth_chosen: Tensor | None,
     check_values: bool,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
@@ -244,6 +248,16 @@ def _check_arguments(
             raise ValueError(
                 f"k_smooth must have shape {tuple(k_pool.shape[1:])} (num_kv_heads, head_dim), "
                 f"got {tuple(k_smooth.shape)}"
+            )
+    if k_smooth_chosen is not None:
+        if k_smooth is None:
+            raise ValueError("k_smooth_chosen needs k_smooth (the mean it says is chosen)")
+        _checks.check_tensor("k_smooth_chosen", k_smooth_chosen)
+        _checks.check_dtype("k_smooth_chosen", k_smooth_chosen, (torch.bool,))
+        if k_smooth_chosen.dim() != 0 or k_smooth_chosen.device.type != "cpu":
+            raise ValueError(
+                "k_smooth_chosen must be a 0-dim bool tensor on the CPU (read without a device "
+                f"sync), got shape {tuple(k_smooth_chosen.shape)} on {k_smooth_chosen.device}"
             )
     for name, factor, pool_name, pool in (
         ("k_equalizer", k_equalizer, "k_pool", k_pool),
@@ -315,6 +329,7 @@ def write_slots(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     k_smooth: Tensor | None = None,
+    k_smooth_chosen: Tensor | None = None,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     equalizers_chosen: Tensor | None = None,
@@ -327,10 +342,11 @@ def write_slots(
     num_kv_heads)`` float32 ``k_scale``/``v_scale`` are written with them; ``k_smooth``
     ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing;
     ``k_equalizer``/``v_equalizer`` (the same shape, float32, > 0) then divide each channel of
-    K/V (``kernels.equalize``: attention multiplies them back in). With ``equalizers_chosen``
-    (0-dim bool, CPU: a cache's flag), a call that finds it False first sets both factors from
-    the rows it writes (those with a slot; K's with ``kernels.equalize.K_SHARE``) and sets it
-    True.
+    K/V (``kernels.equalize``: attention multiplies them back in). With ``k_smooth_chosen``
+    (0-dim bool, CPU: a cache's flag, e.g. ``LayerCache.write_kwargs()``), a call that finds it
+    False first sets ``k_smooth`` to the mean of the keys it writes (per KV head, over finite
+    values of rows with a slot) and sets it True; with ``equalizers_chosen`` likewise, after the
+    mean, both factors (``choose_equalizers``).
     ``check_values=False`` skips the checks that read values (no device sync).
     """
     _check_arguments(
@@ -342,6 +358,7 @@ def write_slots(
         k_scale,
         v_scale,
         k_smooth,
+        k_smooth_chosen,
         check_values,
         k_equalizer,
         v_equalizer,
@@ -351,12 +368,16 @@ def write_slots(
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    if equalizers_chosen is not None and not bool(equalizers_chosen):  # a CPU flag: no sync
-        used = slot_mapping >= 0
-        keys, values = key[:num_tokens], value[:num_tokens]
-        k_equalizer.copy_(equalize.choose_factors(keys, k_smooth, used, equalize.K_SHARE))
-        v_equalizer.copy_(equalize.choose_factors(values, None, used, equalize.V_SHARE))
-        equalizers_chosen.fill_(True)
+    choose_unset(
+        key[:num_tokens],
+        value[:num_tokens],
+        slot_mapping,
+        k_smooth=k_smooth,
+        k_smooth_chosen=k_smooth_chosen,
+        k_equalizer=k_equalizer,
+        v_equalizer=v_equalizer,
+        equalizers_chosen=equalizers_chosen,
+    )
     if use_torch_path(key):
         torch_path.write_slots(
             key,
@@ -404,6 +425,68 @@ def write_slots(
         *v_pool.stride(),
         **tiles.constexprs(),
     )
+
+
+def choose_unset(
+    key: Tensor,
+    value: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_smooth: Tensor | None = None,
+    k_smooth_chosen: Tensor | None = None,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
+    equalizers_chosen: Tensor | None = None,
+) -> list[Tensor]:
+    """What a write chooses while a layer's flags are unset, in order: the K mean
+    (``choose_k_mean``), then the factors from K minus that mean (``choose_equalizers``); each
+    unset flag is then set. Returns the flags it set.
+
+    ``write_slots`` calls it with the rows it writes; a caller that writes only part of a
+    forward's tokens (one rank of a sharded window) calls it first with every token's rows and
+    slots, so the write that follows finds the flags set. The flags are CPU tensors: no sync.
+    """
+    chosen = []
+    if k_smooth_chosen is not None and not bool(k_smooth_chosen):
+        choose_k_mean(k_smooth, key, slot_mapping)
+        k_smooth_chosen.fill_(True)
+        chosen.append(k_smooth_chosen)
+    if equalizers_chosen is not None and not bool(equalizers_chosen):
+        choose_equalizers(k_equalizer, v_equalizer, key, value, slot_mapping, k_smooth)
+        equalizers_chosen.fill_(True)
+        chosen.append(equalizers_chosen)
+    return chosen
+
+
+def choose_k_mean(mean: Tensor, key: Tensor, slot_mapping: Tensor) -> None:
+    """Set ``mean`` to ``key``'s per KV head, over the finite values of rows with a slot.
+
+    What a write with ``k_smooth_chosen`` unset does, before choosing the factors
+    (``choose_unset``).
+    """
+    keys = key.to(quantize.SCALE_DTYPE)
+    used = keys.isfinite() & (slot_mapping >= 0)[:, None, None]
+    counts = used.sum(dim=0).clamp_min(1)
+    mean.copy_(torch.where(used, keys, 0.0).sum(dim=0) / counts)
+
+
+def choose_equalizers(
+    k_equalizer: Tensor,
+    v_equalizer: Tensor,
+    key: Tensor,
+    value: Tensor,
+    slot_mapping: Tensor,
+    k_smooth: Tensor | None = None,
+) -> None:
+    """Set the channel equalization factors from the rows with a slot (K minus ``k_smooth``,
+    with ``kernels.equalize.K_SHARE``; V with ``V_SHARE``).
+
+    What a write with ``equalizers_chosen`` unset does, after choosing the mean
+    (``choose_unset``).
+    """
+    used = slot_mapping >= 0
+    k_equalizer.copy_(equalize.choose_factors(key, k_smooth, used, equalize.K_SHARE))
+    v_equalizer.copy_(equalize.choose_factors(value, None, used, equalize.V_SHARE))
 
 
 def _launch_quantized(

@@ -7,5 +7,7 @@ parallel, CFG parallel); ``models.distributed`` is its torch-only plumbing.
 Nothing in ``kernels``, ``paging`` or ``reference`` imports this package.
 """
 
-if __name__ != "paged_video.models":  # a bare `import models` from a clone's root
-    raise ImportError("this folder is paged_video.models; import it by that name")
+if __name__ != "paged_video.models":  # a bare `import models` found this clone's folder
+    from paged_video._clone import hand_over
+
+    hand_over(__name__, __file__)

@@ -258,8 +258,9 @@ class PagedWanRollout:
     quantized ``config.kv_dtype`` (``float8_e4m3fn``, ``int8``) needs nothing more: the cache
     holds codes, scales and K means, and the fused op writes and attends over them.
 
-    ``models.parallel.ParallelWanRollout`` overrides the ``_local_*``, ``_guide`` and
-    ``_before_model`` hooks to shard the heads (Ulysses) or the CFG branches over ranks.
+    ``models.parallel.ParallelWanRollout`` overrides the ``_local_*``, ``_make_cache``,
+    ``_forward_call``, ``_guide`` and ``_before_model`` hooks to shard the heads (Ulysses), the
+    window (sequence-sharded) or the CFG branches over ranks.
     """
 
     def __init__(
@@ -283,7 +284,7 @@ class PagedWanRollout:
         self.config = config
         self.guided = guidance
         self.branches = self._local_branches()
-        self.cache = PagedKVCache(
+        self.cache = self._make_cache(
             config,
             num_layers=len(model.blocks),
             num_kv_heads=self._local_heads(heads),
@@ -309,6 +310,14 @@ class PagedWanRollout:
     def _local_heads(self, heads: int) -> int:
         """The KV heads this process's pools hold."""
         return heads
+
+    def _make_cache(self, config: PagingConfig, **geometry: object) -> PagedKVCache:
+        """This process's cache (a parallel rollout may hold a share of the window)."""
+        return PagedKVCache(config, **geometry)
+
+    def _forward_call(self, plans: list) -> ForwardCall:
+        """The attention side of one forward of ``plans`` on this process's cache."""
+        return ForwardCall(self.cache, plans, softmax_scale=self.softmax_scale)
 
     def _processor(self, layer: int) -> PagedWanAttnProcessor:
         return PagedWanAttnProcessor(self.state, layer)
@@ -530,7 +539,7 @@ class PagedWanRollout:
             for branch in self.branches
         ]
         try:
-            call = ForwardCall(self.cache, plans, softmax_scale=self.softmax_scale)
+            call = self._forward_call(plans)
             self._before_model(call, block, step)
             self.state.call = call
             self.state.layer_inputs = call.layer(0)
@@ -595,9 +604,7 @@ class PagedWanRollout:
             positions=positions,
             blocks=blocks,
             action_tokens=call.plans[0].action_tokens,
-            # The call's stage_from is where a layer *may* restage from; the plan's says
-            # where every layer did, from the staging record as it stood at prepare.
-            stage_from=-1 if call.stage_from < 0 else call.plans[0].stage_from,
+            stage_from=call.stage_from,
             free_blocks=self.cache.pool.num_free,
         )
 

@@ -30,7 +30,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from paged_video.models.wan_paged import PagedWanRollout
 from paged_video.paging import PagingConfig
@@ -128,7 +130,7 @@ fig.savefig(OUT / "ar_rollout_reads.png", dpi=120)
 # denoising forwards put their frame. The line is the pool's free blocks after each forward.
 
 # %%
-fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(forwards)), 4.5))
+fig, ax = plt.subplots(figsize=(max(7, 0.35 * len(forwards)) + 2.5, 4.5), layout="constrained")
 colours = {"positive": "tab:blue", "negative": "tab:green"}
 for column, read in enumerate(forwards):
     for branch, blocks in read.blocks.items():
@@ -140,21 +142,27 @@ for column, read in enumerate(forwards):
 ax.axhline(first_scratch - 0.5, color="grey", lw=0.8, ls="--")
 ax.set_xticks(range(len(forwards)))
 ax.set_xticklabels([f"{r.block}{'c' if r.commit else 'd'}" for r in forwards], fontsize=7)
-ax.set_xlabel("forward")
+ax.set_xlabel("forward (block, d = denoising, c = committing)")
 ax.set_ylabel("block id (above the dashed line: scratch)")
+ax.yaxis.set_major_locator(MaxNLocator(integer=True))
 free = ax.twinx()
-free.plot(range(len(forwards)), [r.free_blocks for r in forwards], color="tab:red")
+free.plot(range(len(forwards)), [r.free_blocks for r in forwards], color="tab:red", marker=".")
 free.set_ylabel("free pool blocks", color="tab:red")
-free.set_ylim(0, pool_blocks)
-ax.legend(
+# A margin above the pool's size, so a line at "all free" is drawn, not clipped at the frame.
+free.set_ylim(-0.5, pool_blocks + 1.5)
+free.yaxis.set_major_locator(MaxNLocator(integer=True))
+fig.legend(
     handles=[
         Patch(color=colours["positive"], label="positive branch"),
         Patch(color=colours["negative"], label="negative branch"),
+        Line2D([], [], marker="s", ls="", color="black", label="managed pool block"),
+        Line2D([], [], marker="x", ls="", color="black", label="scratch block"),
+        Line2D([], [], color="tab:red", marker=".", label="free pool blocks (right axis)"),
+        Line2D([], [], color="grey", lw=0.8, ls="--", label="first scratch block"),
     ],
-    loc="upper left",
+    loc="outside right upper",
     fontsize=8,
 )
 ax.set_title(f"Blocks read per forward (pool of {pool_blocks} blocks of {B} tokens)")
-fig.tight_layout()
 fig.savefig(OUT / "ar_rollout_blocks.png", dpi=120)
 print("figures in", OUT)

@@ -2,17 +2,22 @@
 
 Builds the tensors the kernels consume (slot mappings, fixed-width block tables, lengths).
 Only ``paging.forward`` (one forward through the fused op) imports ``kernels``; it is not
-imported here, so bookkeeping alone never loads Triton. The contract is DESIGN section 4.
+imported here, so bookkeeping alone never loads Triton. The rules are in docs/paging.md.
 """
 
-from paged_video.paging.batch import batch_plans
-from paged_video.paging.block_size import paging_block_size
-from paged_video.paging.cache import LayerCache, PagedKVCache
-from paged_video.paging.config import PagingConfig
-from paged_video.paging.plan import AttentionInputs, ForwardPlan, PlanState
-from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError
-from paged_video.paging.session import Sequence, Session
-from paged_video.paging.staging import HistoryStaging, StagingDecision
+if __name__ != "paged_video.paging":  # a bare `import paging` found this clone's folder
+    from paged_video._clone import hand_over
+
+    hand_over(__name__, __file__)
+else:
+    from paged_video.paging.batch import batch_plans
+    from paged_video.paging.block_size import paging_block_size
+    from paged_video.paging.cache import LayerCache, PagedKVCache
+    from paged_video.paging.config import PagingConfig
+    from paged_video.paging.plan import AttentionInputs, ForwardPlan, PlanState
+    from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError
+    from paged_video.paging.session import Sequence, Session
+    from paged_video.paging.staging import HistoryStaging, StagingDecision
 
 __all__ = [
     "NULL_BLOCK",
@@ -31,6 +36,3 @@ __all__ = [
     "batch_plans",
     "paging_block_size",
 ]
-
-if __name__ != "paged_video.paging":  # a bare `import paging` from a clone's root
-    raise ImportError("this folder is paged_video.paging; import it by that name")

@@ -45,12 +45,14 @@ def _usable_device(device: object) -> torch.device:
 class LayerCache(NamedTuple):
     """One layer's storage: 4-D pools, their flat ``(num_blocks * B, ...)`` views, staging.
 
-    Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` (the kernels'
-    ``k_scale``/``v_scale``; ``.flatten(0, 1)`` for ``write_slots``) and, with smoothing, the
-    layer's K mean ``(num_kv_heads, head_dim)`` (``write_slots``' ``k_smooth``); else None.
-    With channel equalization, the layer's factors ``(num_kv_heads, head_dim)`` (``write_slots``'
-    and ``paged_attention``'s ``k_equalizer``/``v_equalizer``) and its flag (a 0-dim CPU view:
-    ``write_slots``' ``equalizers_chosen``); else None.
+    Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` and, with
+    smoothing, the layer's K mean ``(num_kv_heads, head_dim)`` and its 0-dim CPU flag
+    ``k_mean_chosen``; with channel equalization, the layer's factors ``k_equalizer``/
+    ``v_equalizer`` ``(num_kv_heads, head_dim)`` and their 0-dim CPU flag ``equalizers_chosen``;
+    else None. A driver of its own passes ``write_kwargs()`` to ``write_slots`` and
+    ``attention_kwargs()`` to ``paged_attention``: the scales, the mean and the factors with
+    their flags, so the first write chooses the layer's mean and factors and records them for
+    every later write (the fused op's included), and attention folds the factors back in.
     """
 
     k: Tensor
@@ -62,9 +64,37 @@ class LayerCache(NamedTuple):
     k_scale: Tensor | None = None
     v_scale: Tensor | None = None
     k_mean: Tensor | None = None
+    k_mean_chosen: Tensor | None = None
     k_equalizer: Tensor | None = None
     v_equalizer: Tensor | None = None
     equalizers_chosen: Tensor | None = None
+
+    def write_kwargs(self) -> dict[str, Tensor]:
+        """Keyword arguments for ``write_slots`` after ``key, value, k_flat, v_flat, slots``:
+        flat scales, the K mean, the equalization factors and their flags (none for a float
+        cache)."""
+        if self.k_scale is None:
+            return {}
+        kwargs = {"k_scale": self.k_scale.flatten(0, 1), "v_scale": self.v_scale.flatten(0, 1)}
+        if self.k_mean is not None:
+            kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}
+        if self.k_equalizer is not None:
+            kwargs |= {
+                "k_equalizer": self.k_equalizer,
+                "v_equalizer": self.v_equalizer,
+                "equalizers_chosen": self.equalizers_chosen,
+            }
+        return kwargs
+
+    def attention_kwargs(self) -> dict[str, Tensor]:
+        """Keyword arguments for ``paged_attention`` over ``k, v``: the scales and the
+        equalization factors (float: none)."""
+        if self.k_scale is None:
+            return {}
+        kwargs = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if self.k_equalizer is not None:
+            kwargs |= {"k_equalizer": self.k_equalizer, "v_equalizer": self.v_equalizer}
+        return kwargs
 
 
 class PagedKVCache:
@@ -263,6 +293,7 @@ class PagedKVCache:
             k_scale=self.k_scales[index] if self.quantized else None,
             v_scale=self.v_scales[index] if self.quantized else None,
             k_mean=self.k_means[index] if self.k_means.numel() else None,
+            k_mean_chosen=self.k_means_chosen[index] if self.k_means.numel() else None,
             k_equalizer=self.k_equalizers[index] if equalized else None,
             v_equalizer=self.v_equalizers[index] if equalized else None,
             equalizers_chosen=self.equalizers_chosen[index] if equalized else None,
@@ -270,8 +301,11 @@ class PagedKVCache:
 
     def scratch_blocks(self, session: Session, branch: str) -> range:
         """The scratch blocks of ``session``'s sequence on ``branch``, outside the pool."""
-        lane = session.lane * len(self.branches) + self.branches.index(branch)
-        first = self.first_scratch_block + lane * self.scratch_lane_blocks
+        return self._scratch_lane(session.lane, branch)
+
+    def _scratch_lane(self, lane: int, branch: str) -> range:
+        index = lane * len(self.branches) + self.branches.index(branch)
+        first = self.first_scratch_block + index * self.scratch_lane_blocks
         return range(first, first + self.scratch_lane_blocks)
 
     def open_session(self) -> Session:
@@ -281,10 +315,14 @@ class PagedKVCache:
                 f"session_capacity={self.session_capacity} sessions are open; close one or "
                 "build the cache with a larger session_capacity"
             )
+        lane = self._free_lanes.pop()
         session = Session(
             id=self._next_session_id,
-            lane=self._free_lanes.pop(),
-            sequences={branch: Sequence(self.config) for branch in self.branches},
+            lane=lane,
+            sequences={
+                branch: Sequence(self.config, self.pool, self._scratch_lane(lane, branch))
+                for branch in self.branches
+            },
         )
         self._next_session_id += 1
         self.sessions[session.id] = session
@@ -301,9 +339,7 @@ class PagedKVCache:
     def close_session(self, session: Session) -> None:
         """Return every block of every branch of ``session`` and free its slot."""
         self.check_open(session)
-        for sequence in session.sequences.values():
-            sequence.release(self.pool)
-        session.closed = True
+        session.close()
         del self.sessions[session.id]
         self._free_lanes.append(session.lane)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_video.paging import window
 from paged_video.paging._validate import require_bool, require_int
 
 # Upper bounds, far above any real model and far below what would overflow. Frames and blocks:
@@ -21,7 +22,7 @@ KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 @dataclass(frozen=True)
 class PagingConfig:
-    """Geometry of the chunk window over a paged KV cache (DESIGN section 4).
+    """Geometry of the chunk window over a paged KV cache (docs/paging.md).
 
     ``chunk_size`` (``C``) is tokens per frame, the eviction unit; ``block_size`` (``B``) is
     tokens per block, the paging unit; the two are independent. The window keeps the first
@@ -37,7 +38,7 @@ class PagingConfig:
     evicted table entries; switching it off is for checking that compaction changes nothing.
 
     ``kv_dtype`` (``None``, ``torch.float8_e4m3fn`` or ``torch.int8``) stores K/V as codes with
-    a float32 scale per (slot, KV head), quantized on write (DESIGN section 9); ``None`` keeps
+    a float32 scale per (slot, KV head), quantized on write (docs/quantization.md); ``None`` keeps
     the cache's ``dtype``. ``smooth_keys`` subtracts a per-(layer, KV head) mean from K before
     quantizing, chosen from the first keys written to the layer and frozen (attention is
     unchanged by it). ``equalize_channels`` divides each (layer, KV head, channel) of K and V by
@@ -114,10 +115,6 @@ class PagingConfig:
                 f"max_forward_chunks must be <= window_chunks ({self.window_chunks}): the window "
                 f"includes the current forward's own frames, got {self.max_forward_chunks}"
             )
-        from paged_video.paging import (
-            window,  # window's formulas take a config: imported here, not above
-        )
-
         keys = window.table_width(self) * self.block_size
         if keys > MAX_KEYS:
             raise ValueError(

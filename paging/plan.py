@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from paged_video.paging import window
-from paged_video.paging.staging import StagingDecision
+from paged_video.paging.config import PagingConfig
+from paged_video.paging.session import Sequence, Session
+from paged_video.paging.staging import HistoryStaging, StagingDecision
 from paged_video.paging.transfer import to_device
-
-if TYPE_CHECKING:
-    from paged_video.paging.cache import PagedKVCache
-    from paged_video.paging.session import Sequence, Session
 
 
 @dataclass(frozen=True)
@@ -65,6 +63,18 @@ class PlanState(enum.Enum):
     CANCELLED = "cancelled"
 
 
+class CacheView(Protocol):
+    """What a plan reads of the cache that made it (a ``PagedKVCache``): the configuration,
+    the device its tensors go to and the staging record (None without staging)."""
+
+    @property
+    def config(self) -> PagingConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def staging(self) -> HistoryStaging | None: ...
+
+
 class ForwardPlan:
     """One forward of one sequence; made by ``PagedKVCache.plan``, which validates it.
 
@@ -73,11 +83,15 @@ class ForwardPlan:
     uses the sequence's scratch blocks, and changes no committed state. Action tokens continue
     the read right after the video: in the free tail of the video's last block, then in scratch
     blocks after the video's (a committing forward's from scratch block 0).
+
+    A prepared plan hands out its tensors (``prepare``, ``batch_plans``, ``ForwardCall``) only
+    while it is current (``check_current``): any commit on its sequence since ``prepare``
+    overtakes it, since eviction may have returned the blocks its table lists to the pool.
     """
 
     def __init__(
         self,
-        cache: PagedKVCache,
+        cache: CacheView,
         session: Session,
         branch: str,
         num_tokens: int,
@@ -94,9 +108,16 @@ class ForwardPlan:
         self.state = PlanState.NEW
         self.inputs: AttentionInputs | None = None
         self.staging: StagingDecision | None = None
-        # Model positions committed before this forward (its first token's position).
+        # Model positions committed before this forward (its first token's position), and the
+        # sequence's generation (its count of commits) then.
         self.history: int | None = None
+        self.generation: int | None = None
         self._stage_from = -1
+        # ``inputs`` as built on the host, and the model position where each block of its
+        # table row starts (video blocks, then action blocks): what a sequence-sharded window
+        # (``paging.shard``) lays out again for each rank's share of the blocks.
+        self.host_inputs: AttentionInputs | None = None
+        self.block_positions: list[int] | None = None
 
     @property
     def sequence(self) -> Sequence:
@@ -104,23 +125,67 @@ class ForwardPlan:
 
     @property
     def stage_from(self) -> int:
-        """First visible block the forward would restage, as the staging record stood when
-        the plan was prepared; -1 when not staging.
+        """Where this plan's forward restages from: the first visible block some layer
+        restages (a layer whose buffers hold this history keeps the blocks before
+        ``staging.first_block``; any other restages all); -1 when it attends over the paged
+        cache (no staging, or a batch of rows).
 
-        Informative only: each layer decides when it runs, from what its buffers hold then.
+        Read from the staging record when the plan is prepared, and again when a
+        ``ForwardCall`` over it starts (``start_forward``), so after a forward it says where
+        that forward's layers restaged from; ``ForwardCall.stage_from`` is the same figure.
         """
         return self._stage_from
+
+    def start_forward(self, *, staged: bool) -> int:
+        """Record (and return) where a forward over this plan that starts now restages from:
+        -1 unless ``staged`` (one row over a staging cache), else from the staging record."""
+        if not staged or self.staging is None:
+            self._stage_from = -1
+        else:
+            self._stage_from = self.cache.staging.first_block(self.staging)
+        return self._stage_from
+
+    def _check_session(self, name: str) -> None:
+        if self.session.closed:
+            raise ValueError(
+                f"{name}: session {self.session.id} is not open (it was closed); plan forwards "
+                "of an open session"
+            )
+
+    def check_current(self, name: str = "plan") -> None:
+        """``ValueError`` (naming the plan ``name``) unless the plan may hand out its tensors:
+        prepared, neither committed nor cancelled, its session open, its sequence not
+        committed since ``prepare`` (same generation) and no other committing forward pending
+        on it (whose tail block this forward would write)."""
+        if self.state is not PlanState.PREPARED:
+            if self.state is PlanState.NEW:
+                raise ValueError(f"{name} is not prepared; call prepare() first")
+            raise ValueError(f"{name} is {self.state.value}; make a new plan")
+        self._check_session(name)
+        sequence = self.sequence
+        if sequence.generation != self.generation:
+            commits = sequence.generation - self.generation
+            raise ValueError(
+                f"{name} is stale: overtaken by {commits} commit(s) on branch {self.branch!r} "
+                f"of session {self.session.id} since it was prepared (history {self.history} -> "
+                f"{sequence.absolute} tokens), which may have freed its blocks; make a new plan"
+            )
+        if sequence.pending is not None and sequence.pending is not self:
+            raise ValueError(
+                f"{name}: a committing forward is pending on branch {self.branch!r} of session "
+                f"{self.session.id}; commit or cancel it first"
+            )
 
     def prepare(self) -> AttentionInputs:
         """Allocate (committing forward) and build the tensors; later calls return the same.
 
-        A cancelled plan refuses, whatever happened before: its blocks went back to the pool.
+        Only while the plan is current (``check_current``): a cancelled, committed or
+        overtaken plan refuses, whatever happened before, since its blocks may be free again.
         """
-        if self.state is PlanState.CANCELLED:
-            raise ValueError("plan: this plan was cancelled; make a new one")
-        if self.inputs is not None:
+        if self.state is not PlanState.NEW:
+            self.check_current()
             return self.inputs
-        self.cache.check_open(self.session)
+        self._check_session("plan")
         sequence = self.sequence
         if sequence.pending is not None:
             raise ValueError(
@@ -129,6 +194,7 @@ class ForwardPlan:
             )
         self.inputs = self._build(sequence)
         self.history = sequence.absolute
+        self.generation = sequence.generation
         self.state = PlanState.PREPARED
         return self.inputs
 
@@ -137,8 +203,9 @@ class ForwardPlan:
         if self.state is not PlanState.PREPARED:
             return
         if self.committing and not self.session.closed:
-            self.sequence.drop_pending(self.cache.pool)
-        self.inputs, self.staging, self.history = None, None, None
+            self.sequence.drop_pending()
+        self.inputs, self.staging, self.history, self.generation = None, None, None, None
+        self.host_inputs, self.block_positions = None, None
         self._stage_from = -1
         self.state = PlanState.NEW
 
@@ -150,13 +217,11 @@ class ForwardPlan:
         end = history + n
         last_entry = -(-end // b)
         if self.committing:
-            new_blocks = self.cache.pool.allocate(last_entry - sequence.history_entries)
-            sequence.block_table.extend(new_blocks)
-            sequence.pending = self
+            sequence.begin(self, n)
             table_entries = last_entry
         else:
             table_entries = sequence.history_entries
-        scratch = self.cache.scratch_blocks(self.session, self.branch)
+        scratch = sequence.scratch
 
         def blocks(first: int, stop: int) -> list[int]:
             """Block ids of entries ``[first, stop)``: the table's, then scratch blocks."""
@@ -176,8 +241,20 @@ class ForwardPlan:
 
         spill = max(0, actions - (-video_keys % b))
         first_action = last_entry - table_entries
-        visible += scratch[first_action : first_action + -(-spill // b)]
+        action_entries = -(-spill // b)
+        visible += scratch[first_action : first_action + action_entries]
         seq_len = video_keys + actions
+        # Entry e holds storage positions [e*B, (e+1)*B): model positions too in the sink's
+        # entries, shifted by what compaction removed after them (scratch entries continue).
+        entries = [
+            *range(sink_entries),
+            *range(first_recent, last_entry),
+            *range(last_entry, last_entry + action_entries),
+        ]
+        first_after_sink = window.sink_blocks(config)
+        self.block_positions = [
+            e * b + (sequence.compacted if e >= first_after_sink else 0) for e in entries
+        ]
 
         if sink_end < recent < end:
             gap_end = recent if recent // b < sink_entries else sink_entries * b + recent % b
@@ -193,29 +270,18 @@ class ForwardPlan:
 
         if self.cache.staging is not None:
             self.staging = self._decide_staging(sequence, visible, video_blocks, seq_len)
+        host = (
+            video_slots,
+            action_slots,
+            table,
+            torch.tensor([0, n], dtype=torch.int32),
+            torch.tensor([seq_len], dtype=torch.int32),
+            torch.tensor([[sink_end, gap_end]], dtype=torch.int32),
+        )
+        sizes = {"max_seqlen_q": n, "max_seqlen_k": width * b, "exact_window": config.exact_window}
+        self.host_inputs = AttentionInputs(*host, **sizes)
         # One asynchronous copy for all of them: preparing never waits for the GPU.
-        video_slots, action_slots, table, cu_seqlens_q, seq_lens_k, key_gap = to_device(
-            (
-                video_slots,
-                action_slots,
-                table,
-                torch.tensor([0, n], dtype=torch.int32),
-                torch.tensor([seq_len], dtype=torch.int32),
-                torch.tensor([[sink_end, gap_end]], dtype=torch.int32),
-            ),
-            self.cache.device,
-        )
-        return AttentionInputs(
-            video_slots=video_slots,
-            action_slots=action_slots,
-            block_table=table,
-            cu_seqlens_q=cu_seqlens_q,
-            seq_lens_k=seq_lens_k,
-            key_gap=key_gap,
-            max_seqlen_q=n,
-            max_seqlen_k=width * b,
-            exact_window=config.exact_window,
-        )
+        return AttentionInputs(*to_device(host, self.cache.device), **sizes)
 
     def _decide_staging(
         self, sequence: Sequence, visible: list[int], video_blocks: int, seq_len: int
@@ -257,8 +323,8 @@ class ForwardPlan:
         """
         if not self.committing or self.state is not PlanState.PREPARED:
             return False
-        self.cache.check_open(self.session)
-        self.sequence.commit(self.num_tokens, self.cache.pool)
+        self._check_session("plan")
+        self.sequence.commit(self.num_tokens)
         self.state = PlanState.COMMITTED
         return True
 
@@ -267,7 +333,7 @@ class ForwardPlan:
         if self.state is PlanState.COMMITTED:
             raise ValueError("plan: already committed; it cannot be cancelled")
         if self.state is PlanState.PREPARED and self.committing and not self.session.closed:
-            self.sequence.drop_pending(self.cache.pool)
-        if self.cache.staging is not None and self.staging is not None:
+            self.sequence.drop_pending()
+        if self.staging is not None:  # only a staging cache decides
             self.cache.staging.forget(self.staging.key)
         self.state = PlanState.CANCELLED

@@ -1,22 +1,27 @@
 """Pure-PyTorch float64 oracles. Imports nothing else of this project."""
 
-from paged_video.reference import quantize, quantized_attention
-from paged_video.reference.attention import attention_mask, dense_attention, paged_attention
-from paged_video.reference.masks import (
-    MaskSegment,
-    mask_segments,
-    mixed_mask_attention,
-    per_segment_attention,
-)
-from paged_video.reference.merge import merge_attention_states
-from paged_video.reference.window import (
-    SlotLedger,
-    WindowGeometry,
-    block_read_positions,
-    kept_positions,
-    resident_positions,
-    slots_read,
-)
+if __name__ != "paged_video.reference":  # a bare `import reference` found this clone's folder
+    from paged_video._clone import hand_over
+
+    hand_over(__name__, __file__)
+else:
+    from paged_video.reference import quantize, quantized_attention
+    from paged_video.reference.attention import attention_mask, dense_attention, paged_attention
+    from paged_video.reference.masks import (
+        MaskSegment,
+        mask_segments,
+        mixed_mask_attention,
+        per_segment_attention,
+    )
+    from paged_video.reference.merge import merge_attention_states
+    from paged_video.reference.window import (
+        SlotLedger,
+        WindowGeometry,
+        block_read_positions,
+        kept_positions,
+        resident_positions,
+        slots_read,
+    )
 
 __all__ = [
     "MaskSegment",
@@ -36,6 +41,3 @@ __all__ = [
     "resident_positions",
     "slots_read",
 ]
-
-if __name__ != "paged_video.reference":  # a bare `import reference` from a clone's root
-    raise ImportError("this folder is paged_video.reference; import it by that name")

@@ -1,6 +1,6 @@
 """The window oracle: which model positions a forward must read, and which token each slot holds.
 
-Written from DESIGN section 4 in *model* positions and whole chunks, independently of the paging
+Written from docs/paging.md in *model* positions and whole chunks, independently of the paging
 code's storage positions, block tables and compaction, so checking a plan against it is a real
 cross-check. Pure Python; imports nothing of this project.
 """

@@ -1,4 +1,5 @@
-"""Shared test set-up: the Triton interpreter on CPU machines, hypothesis profiles, NaN fixtures.
+"""Shared test set-up: the Triton interpreter without a GPU, hypothesis profiles, NaN fixtures,
+and the ``slow`` marker of the quick subset (``python -m pytest -m "not slow"``).
 
 The interpreter must be switched on before any ``@triton.jit`` function is decorated, so this
 runs before the test modules import ``kernels``.
@@ -57,3 +58,77 @@ def device() -> torch.device:
 def nan_out():
     """Factory fixture: ``nan_out(t)`` returns a NaN-filled tensor shaped like ``t``."""
     return nan_like
+
+
+# The quick subset, ``python -m pytest -m "not slow"``, leaves out the tests below: each took
+# over 4 s on a shared 2-core CPU (``--durations=0`` of the whole suite), together ~90% of the
+# suite's CPU time. A prefix names a test function (every parametrization), one parametrization
+# (``...[id]``) or a whole file. CI still runs everything; tests/test_slow_list.py checks that
+# every entry still names a test.
+SLOW = (
+    "tests/bench/test_cli.py::test_the_readme_main_job_runs_the_small_preset",
+    "tests/bench/test_cli_edges.py::test_wan_rollout_refuses_old_spellings_and_a_missing_gpu",
+    "tests/bench/test_compile_report.py",
+    "tests/kernels/test_fused.py::test_compiles_once_across_changing_values[staged]",
+    "tests/kernels/test_fused_quantized.py::test_compiles_once_across_changing_values",
+    "tests/kernels/test_masks.py::test_launch_counts_five_segments",
+    "tests/kernels/test_masks.py::test_one_launch_matches_oracle_and_dense",
+    "tests/kernels/test_paged_attention.py::test_gaps_whole_tiles_mid_tile_overlapping_unsorted",
+    "tests/kernels/test_paged_attention.py::test_gqa_packed_rows[B24-G5]",
+    "tests/kernels/test_paged_attention.py::test_gqa_packed_rows[B24-G8]",
+    "tests/kernels/test_paged_attention.py::test_gqa_packed_rows[B64-G8]",
+    "tests/kernels/test_paged_attention.py::test_key_paths[two_blocks-B1560-N64]",
+    "tests/kernels/test_paged_attention.py::test_property_matches_oracle",
+    "tests/kernels/test_paged_attention.py::test_rows_that_see_no_key_and_a_limit_of_zero",
+    "tests/kernels/test_paged_attention.py::test_several_key_gaps_per_row[N16]",
+    "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B1560-",
+    "tests/kernels/test_paged_attention_quantized.py::test_fp8_mma_against_oracle[contiguous-B16-N16]",
+    "tests/kernels/test_paged_attention_quantized.py::test_fp8_mma_against_oracle[two_blocks-B1560-N64]",
+    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[contiguous-B16-N16-",
+    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B1-N16-e4m3]",
+    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B16-N64-e4m3]",
+    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B7-N16-e4m3]",
+    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[two_blocks-",
+    "tests/kernels/test_torch_path.py::test_cpu_process_without_interpreter",
+    "tests/models/test_bench_wan.py::test_tiny_rollout_bench_runs_and_both_rollouts_agree",
+    "tests/models/test_parallel.py::test_plan_check_runs_each_forward_and_switches_off",
+    "tests/models/test_parallel.py::test_readme_block_runs_as_a_world_of_one",
+    "tests/models/test_parallel.py::test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both",
+    "tests/models/test_parallel.py::test_ulysses_times_cfg_on_four_ranks",
+    "tests/models/test_readme_rollout.py::test_readme_rollout_block_runs",
+    "tests/models/test_wan_compile.py::test_compiled_blocks_share_one_graph_over_the_rollout",
+    "tests/models/test_wan_quantized.py::test_fp8_mma_rollout_runs_and_stays_near",
+    "tests/models/test_wan_quantized.py::test_int8_rollout_staged_reset_whole_blocks_of_7_with_actions",
+    "tests/models/test_wan_quantized.py::test_sliding_window_rollout_on_quantized_pools",
+    "tests/models/test_wan_rollout.py::test_no_sink_staged_single_branch_reuses_staging",
+    "tests/models/test_wan_rollout.py::test_reset_at_boundary_blocks_of_7_with_actions",
+    "tests/models/test_wan_rollout.py::test_sliding_window_with_sink_and_cfg",
+    "tests/models/test_wan_rollout.py::test_whole_block_reads_read_the_same_boundary_tokens",
+    "tests/paging/test_forward_staging.py::test_repeated_probe_restages_only_its_chunk",
+    "tests/paging/test_forward_staging.py::test_single_row_after_batched_forwards_matches_unstaged",
+    "tests/paging/test_geometries.py::test_shipped_geometry",
+    "tests/paging/test_machine.py",
+    "tests/paging/test_quantized.py::test_batched_branches_share_one_mean_and_keep_their_codes",
+    "tests/paging/test_quantized.py::test_forwards_match_the_oracle_over_dequantized_pools",
+    "tests/test_end_to_end.py::test_batched_rows_equal_separate_calls",
+    "tests/test_end_to_end.py::test_ragged_chunks_over_many_ticks",
+    "tests/test_end_to_end.py::test_real_plans_compile_once",
+    "tests/test_end_to_end.py::test_shipped_geometry_reduced_heads",
+    "tests/test_end_to_end.py::test_staged_and_unstaged_agree",
+    "tests/test_notebooks.py::test_notebook_runs_at_small_size_and_writes_its_figures",
+)
+
+
+def is_slow(item: pytest.Item) -> bool:
+    """Whether ``item`` is left out of the quick subset: listed in ``SLOW``, or a README block
+    that builds a diffusers model (blocks are named by line, which moves as the README does)."""
+    if item.nodeid.startswith(SLOW):
+        return True
+    code = getattr(item, "callspec", None) and item.callspec.params.get("code")
+    return item.nodeid.startswith("tests/test_readme.py::") and "diffusers" in str(code or "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)

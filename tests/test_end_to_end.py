@@ -181,7 +181,7 @@ class ModelRollout:
 
 
 def run_ticks(rollout: ModelRollout, rows, ticks: int, *, chunks: int, scratch: int, actions: int):
-    """Per tick: ``scratch`` non-committing forwards, then the committing one (DESIGN's 4+1)."""
+    """Per tick: ``scratch`` non-committing forwards, then the committing one (shipped: 4+1)."""
     for _ in range(ticks):
         for _ in range(scratch):
             rollout.forward(rows, chunks, commit=False, actions=actions)
@@ -310,7 +310,7 @@ def test_shipped_geometry_reduced_heads() -> None:
         (plan,) = rollout.forward([(session, "main")], 3, commit=commit)
         assert plan.inputs.block_table.shape[1] == width
     sequence = session.sequences["main"]
-    # 21 chunks committed, 9 in the sink and 9 in the window: 3 skipped (DESIGN's formula).
+    # 21 chunks committed, 9 in the sink and 9 in the window: 3 skipped (docs/paging.md's formula).
     assert sequence.evicted + sequence.compacted == 3 * 1560
 
 

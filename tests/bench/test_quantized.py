@@ -60,7 +60,7 @@ def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
         assert row["backend"].startswith("triton paged_attention ")
     # The dequantizing mode is held to the bf16 pool's limit: the storage's rounding is in the
     # oracle, not in the tolerance.
-    assert rows["triton-fp8"]["error_limit"] == rows["triton"]["error_limit"]
+    assert rows["triton-e4m3"]["error_limit"] == rows["triton"]["error_limit"]
     assert rows["triton-int8"]["max_error"] < 1e-5
     # The INT8-MMA mode's oracle rounds the query rows to int8 as the mode does (its float64
     # emulation: Q K^T is then exact), so it too stays at float32 distance, and its limit is
@@ -114,7 +114,7 @@ def _fp8_mma_missing_a_block(workload, tile):
 
 @pytest.mark.parametrize(
     ("name", "build"),
-    [("triton-fp8", _bf16_pool_answer), ("triton-fp8-mma", _fp8_mma_missing_a_block)],
+    [("triton-e4m3", _bf16_pool_answer), ("triton-e4m3-mma", _fp8_mma_missing_a_block)],
 )
 def test_a_wrong_quantized_result_raises(tmp_path, name, build):
     template = next(p for p in PROVIDERS if p.name == name)
@@ -127,7 +127,7 @@ def test_a_quantized_pool_moves_about_half_the_bytes_of_bf16():
     shipped = Geometry(1560, 3, 9, 9, 40, 40, 128, "bf16")
     workload = make_workload(TINY, 8)
     workload.geometry = shipped  # bytes_moved reads only the geometry
-    quant = QUANTIZED_PROVIDERS["triton-fp8"]
+    quant = QUANTIZED_PROVIDERS["triton-e4m3"]
     g = shipped
     q_and_out = 2 * g.q_tokens * g.heads * g.head_dim * 2
     kv_bf16 = bytes_moved("paged_attention", workload) - q_and_out
@@ -140,21 +140,23 @@ def test_the_ratio_table_rates_quantized_rows_against_the_bf16_pool():
         *STEADY_CEILINGS[:2],
         measured("paged_attention", "triton", 16, 2.0, role="ours"),
         measured("paged_attention", "sdpa-flash", 16, 3.0),
-        measured("paged_attention", "triton-fp8", 16, 1.25, role="quantized"),  # 1.6x
-        measured("paged_attention", "triton-fp8-mma", 16, 1.25, role="quantized"),  # 1.6x
+        measured("paged_attention", "triton-e4m3", 16, 1.25, role="quantized"),  # 1.6x
+        measured("paged_attention", "triton-e4m3-mma", 16, 1.25, role="quantized"),  # 1.6x
         measured("paged_attention", "triton-int8", 1560, 1.0, role="quantized"),  # no bf16 row
         *STEADY_CEILINGS[2:],
     ]
     cases = {c["row"]["provider"]: c for c in quantized_cases(rows)}
-    assert cases["triton-fp8"]["speedup"] == pytest.approx(1.6)
+    assert cases["triton-e4m3"]["speedup"] == pytest.approx(1.6)
     assert cases["triton-int8"]["speedup"] is None
     text = format_ratios(rows, goal=True)
     # The quantized rows do not stand in for ours against the baselines: 3.0 / 2.0.
     assert "1.50x" in text.split("quantized KV pools")[0]
     lines = {line.split()[2]: line for line in text.splitlines() if "triton-" in line}
-    assert "BELOW" not in lines["triton-fp8"]  # 1.6x >= 1.3x
+    assert "BELOW" not in lines["triton-e4m3"]  # 1.6x >= 1.3x
     assert (
-        lines["triton-fp8-mma"].rstrip().endswith(f"BELOW {QUANTIZED_GOALS['triton-fp8-mma']:.2f}x")
+        lines["triton-e4m3-mma"]
+        .rstrip()
+        .endswith(f"BELOW {QUANTIZED_GOALS['triton-e4m3-mma']:.2f}x")
     )
     assert "quantized goals: 1 of 2 rows below" in text
 
@@ -165,7 +167,7 @@ def test_the_speedup_plot_draws_the_quantized_pools_without_a_baseline(tmp_path)
     rows = [
         *STEADY_CEILINGS,
         measured("paged_attention", "triton", 16, 2.0, role="ours"),
-        measured("paged_attention", "triton-fp8", 16, 1.25, role="quantized"),
+        measured("paged_attention", "triton-e4m3", 16, 1.25, role="quantized"),
     ]
     paths = [p.name for p in plot_rows(rows, tmp_path)]
     assert paths == ["speedup.png", "paged_attention.png"]

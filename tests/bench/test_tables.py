@@ -100,7 +100,7 @@ def test_noise_verdict_reads_the_ceilings_at_both_ends():
 
 
 def test_a_noisy_run_is_marked_in_the_table(tmp_path, capsys):
-    rows = [*ROWS[:-1], ceiling("copy", "end", 2000.0)]
+    rows = [dict(r) for r in (*ROWS[:-1], ceiling("copy", "end", 2000.0))]  # copies: marked below
     why = noise_verdict(rows)
     for row in rows:
         row["noise"] = why

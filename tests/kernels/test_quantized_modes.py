@@ -160,7 +160,7 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
     case.v_cache /= v_factor
     args, scales = quantized_args(case, dtype, spread=0.5)
     modes = {"fp8_mma": mode == "fp8-mma", "int8_mma": mode == "int8-mma"}
-    got = kernels.paged_attention(
+    got, lse = kernels.paged_attention(
         *args,
         **scales,
         **modes,
@@ -169,7 +169,16 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
         out=nan_like(case.q),
         block_m=16,
         block_n=16,
+        return_lse=True,
     )
+    # The LSE is of the scores the kernel used: q times K's factors (exact: powers of two),
+    # then, in the MMA modes, rounded per row to the format's codes.
+    group = case.q.shape[1] // k_factor.shape[0]
+    q_rows = case.q.cpu() * k_factor.cpu().repeat_interleave(group, dim=0)
+    if mode != "dequant":
+        q_rows = dequantize(*quantize(q_rows, dtype))
+    want_lse = oracle((q_rows.to(DEVICE), *args[1:]), scales, return_lse=True)[1]
+    assert_lse_close(lse, want_lse, LSE_RTOL)
     emulated = emulate(args, scales, mode, k_factor=k_factor, v_factor=v_factor)
     error = (got.double().cpu() - emulated).abs().max().item()
     limit = FP32_ATOL * max(1.0, emulated.abs().max().item())
@@ -217,13 +226,23 @@ def test_torch_path_int8_mma_and_equalizers(no_interpreter) -> None:  # noqa: F8
     key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
     args, scales = quantized_args(case, torch.int8)
     k_factor, v_factor = factors(2, 80, seed=2)
-    got = kernels.paged_attention(
-        *args, **scales, key_gap=key_gap, int8_mma=True, k_equalizer=k_factor, v_equalizer=v_factor
+    got, lse = kernels.paged_attention(
+        *args,
+        **scales,
+        key_gap=key_gap,
+        int8_mma=True,
+        k_equalizer=k_factor,
+        v_equalizer=v_factor,
+        return_lse=True,
     )
     emulated = emulate(
         args, scales, "int8-mma", key_gap=key_gap, k_factor=k_factor, v_factor=v_factor
     )
     torch.testing.assert_close(got.double(), emulated, atol=FP32_ATOL * 40, rtol=1e-5)
+    # The LSE of the scores used: the int8-rounded rows of q times K's factors.
+    q_rows = dequantize(*quantize(case.q * k_factor.repeat_interleave(2, dim=0), torch.int8))
+    want_lse = oracle((q_rows, *args[1:]), scales, return_lse=True, key_gap=key_gap)[1]
+    assert_lse_close(lse, want_lse, LSE_RTOL)
 
 
 def test_int8_mma_tiles(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""Index tensors as strided views (DESIGN section 7): every index argument of every launcher,
+"""Index tensors as strided views (docs/kernels.md): every index argument of every launcher,
 given as a column of a 2-D tensor whose other column holds wrong but plausible values, must
 give the oracle's result. A launcher that read ``ptr + i`` would read those values instead.
 Also pinned: a non-contiguous ``block_table`` and a ``value`` laid out unlike ``key``.

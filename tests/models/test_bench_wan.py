@@ -16,11 +16,12 @@ def test_tiny_rollout_bench_runs_and_both_rollouts_agree(capsys):
     header, *rows = [line.split() for line in out.splitlines()[1:] if line]
     assert header[:3] == ["provider", "kv_dtype", "pool_MB"]
     table = {(row[0], row[1]): dict(zip(header[2:], row[2:], strict=True)) for row in rows}
-    # --tiny is a float32 model: "bf16" keeps the pools in the model's dtype.
-    assert table.keys() == {("paged", "float32"), ("paged", "int8"), ("plain", "float32")}
+    # --tiny is a float32 model: "bf16" keeps the pools in the model's dtype, and says so.
+    assert "--kv-dtype bf16: unquantized pools in the model's fp32" in out.splitlines()[0]
+    assert table.keys() == {("paged", "fp32"), ("paged", "int8"), ("plain", "fp32")}
     for row in table.values():
         assert float(row["first_block_ms"]) > 0 and float(row["steady_block_ms"]) > 0
-    paged, int8 = table["paged", "float32"], table["paged", "int8"]
+    paged, int8 = table["paged", "fp32"], table["paged", "int8"]
     # fp32 tiny model: the paged rollout and the plain-cache rollout give the same latents.
     assert float(paged["max_diff_vs_plain"]) < 1e-4
     # int8 pools: head_dim 32 codes + a float32 scale per (slot, head) against 32 float32s,

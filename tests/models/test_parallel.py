@@ -185,11 +185,10 @@ def check_cfg_parallel(ranks: list[dict], single: dict) -> None:
 
 
 def check_divergence(ranks: list[dict]) -> None:
-    # A rank with another window: the plans' shapes differ at the first forward.
+    # A rank with another window: the configurations differ, seen before the first forward.
     for rank in ranks:
         assert rank["config_diverged"].startswith("PlanDivergenceError"), rank["config_diverged"]
-        assert "block 0, forward 0" in rank["config_diverged"]
-        assert "ranks [1] differ" in rank["config_diverged"]
+        assert "the start of the rollout: config (ranks [1])" in rank["config_diverged"]
     # A rank whose pool handed out other block ids from block 1's committing forward on.
     for rank in ranks:
         assert rank["block_diverged"].startswith("PlanDivergenceError"), rank["block_diverged"]
@@ -204,7 +203,8 @@ def test_ulysses_times_cfg_on_four_ranks(tmp_path, monkeypatch):
     assert layout.cfg_groups() == [[0, 2], [1, 3]]
     ranks, _ = spawn("four", 4, tmp_path, monkeypatch)
     for r, rank in enumerate(ranks):
-        cfg_index, ulysses_index = layout.coordinates(r)
+        cfg_index, kv_shard_index, ulysses_index = layout.coordinates(r)
+        assert kv_shard_index == 0
         assert rank["coordinates"] == (cfg_index, ulysses_index)
         assert rank["members"] == {
             "ulysses": layout.ulysses_groups()[cfg_index],
@@ -271,7 +271,7 @@ def test_plan_check_runs_each_forward_and_switches_off(world_of_one, monkeypatch
 
 
 def test_groups_need_an_initialised_world_of_the_layout_size(world_of_one):
-    with pytest.raises(ValueError, match="ulysses_degree \\* cfg_degree = 2"):
+    with pytest.raises(ValueError, match="kv_shard_degree = 2"):
         ParallelGroups(ParallelLayout(ulysses_degree=2))
     with pytest.raises(TypeError, match="layout"):
         ParallelGroups((2, 1))

@@ -1,0 +1,73 @@
+"""``models.fail_fast``: a stopped rank makes every other rank raise within seconds, not at
+the collective timeout (here 120 s; gloo's default is 30 min); the flag and the settings.
+
+Three ranks (torch only) run guarded all-gathers; the last one stops itself at round 3 while
+the others wait for it. Hard deadline: ``DEADLINE_S``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paged_video.models.distributed import all_gather
+from paged_video.models.fail_fast import ABORT_KEY, FailFast, RankFailedError
+from tests.models import fail_fast_worker, ranks
+
+DEADLINE_S = 60.0
+# The heartbeats' verdict: dead_after_s (2 s in the worker) plus polling and a loaded machine.
+RAISE_WITHIN_S = 10.0
+
+
+def test_a_stopped_rank_makes_every_other_rank_raise_within_seconds(tmp_path, monkeypatch):
+    # Stopped (SIGSTOP): alive, its connections open, only its heartbeats tell. A rank that
+    # raises or is killed is the rollout's case, in tests/models/test_sharded_window.py.
+    processes = ranks.start(fail_fast_worker.run, 3, (str(tmp_path),), monkeypatch)
+    codes = ranks.wait(processes, DEADLINE_S, frozen=(2,))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for rank in (0, 1):
+        assert codes[rank] == 0, f"rank {rank} did not exit cleanly: {codes}"
+        error = results[rank]["error"]
+        assert error.startswith("RankFailedError: rank "), error
+        assert "saw no heartbeat from ranks [2]" in error
+        assert results[rank]["raised_at"] - results[2]["failed_at"] < RAISE_WITHIN_S
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_guard_per_world_and_a_poisoned_world_raises(world_of_one):
+    guard = FailFast.for_world(heartbeat_s=0.1, dead_after_s=1.0)
+    assert FailFast.for_world() is guard
+    with pytest.raises(ValueError, match="already runs with"):
+        FailFast.for_world(dead_after_s=2.0)
+    all_gather(torch.ones(2), None, guard, "healthy")  # nothing posted: completes
+    assert guard.posted() is None
+    guard.post("raised at block 1: ValueError: first")
+    guard.post("raised at block 2: ValueError: second")  # the first failure stays
+    assert guard.store.get(ABORT_KEY).decode() == "rank 0: raised at block 1: ValueError: first"
+    with pytest.raises(RankFailedError, match="rank 0: raised at block 1: ValueError: first"):
+        guard.check("the next collective")
+    guard.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"heartbeat_s": 0}, "heartbeat_s must be a positive"),
+        ({"check_s": True}, "check_s must be a positive"),
+        ({"heartbeat_s": 1.0, "dead_after_s": 3.0}, "at least 4 heartbeats"),
+    ],
+)
+def test_guard_rejects_bad_settings(settings, message):
+    with pytest.raises(ValueError, match=message):
+        FailFast(dist.HashStore(), 0, 1, **settings)

@@ -1,0 +1,176 @@
+"""A sequence-sharded window over gloo equals the single-process paged rollout; ranks that
+diverge, raise or die make every rank raise within seconds.
+
+The ranks (``tests/models/sharded_worker.py``) run on 127.0.0.1 with the kernels' plain-PyTorch
+path; meanwhile this process makes the single-process rollouts they must equal, on the same
+path. Hard deadline per world: ``DEADLINE_S``.
+
+Tolerance: the ranks' latents equal the single process's within ``ATOL``/``RTOL`` (5e-5, the
+fp32 rollout tolerance of ``tests/models/tiny.py``). A rank's attention is the exact merge of
+``N`` float32 partial attentions (``exp(lse_i - max)`` weights, float32 sums) where the single
+process runs one online softmax over the same keys in another order: each output differs by a
+few float32 roundings (~1e-7 relative), and the rollout's 2 layers and 8 blocks carry that to
+~2e-6 in the latents (measured: 1.5e-6 to 1.8e-6 over these cases), far inside 5e-5 and far
+below what a wrong key set does (a missing frame or boundary token moves latents by ~1e-2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from paged_video.models.parallel import ParallelLayout
+from paged_video.models.wan_paged import PagedWanRollout
+from paged_video.paging import window as paging_window
+from tests.models import ranks, sharded_worker
+from tests.models.parallel_worker import paging_config, rollout
+from tests.models.sharded_worker import FAIL_BLOCK, SHARDED, SHARDED_KEPT, SHARDED_STAGED
+from tests.models.tiny import ATOL, RTOL
+from tests.paging.twin import plain_torch_kernels
+
+DEADLINE_S = 420.0
+RAISE_WITHIN_S = 10.0
+
+
+def spawn(scenario: str, world_size: int, tmp_path, monkeypatch, while_running) -> tuple:
+    """The saved results of each rank of ``scenario`` (None for a rank that saved nothing),
+    and ``while_running()``, computed here meanwhile."""
+    processes = ranks.start(
+        sharded_worker.run,
+        world_size,
+        (scenario, str(tmp_path)),
+        monkeypatch,
+        TRITON_INTERPRET="0",
+    )
+    try:
+        with plain_torch_kernels():
+            local = while_running()
+    finally:
+        codes = ranks.wait(processes, DEADLINE_S)
+    results = []
+    for rank in range(world_size):
+        path = tmp_path / f"{scenario}-rank{rank}.pt"
+        results.append(torch.load(path) if path.exists() else None)
+    return results, codes, local
+
+
+def assert_same_rollout(got: dict, want: dict) -> None:
+    assert not torch.isnan(got["latents"]).any()
+    torch.testing.assert_close(got["latents"], want["latents"], atol=ATOL, rtol=RTOL)
+    for ours, theirs in zip(got["positions"], want["positions"], strict=True):
+        for read, reference in zip(ours, theirs, strict=True):
+            for branch, positions in read.items():
+                assert positions == reference[branch]
+
+
+def shard_blocks(case: dict, degree: int, branches: int) -> int:
+    """The physical blocks of one rank's cache (``paging.shard``): its share of each
+    sequence's sink and other blocks, of each scratch lane, and the null block."""
+    config = paging_config(**case["config"])
+    sink = paging_window.sink_blocks(config)
+    rest = paging_window.blocks_per_sequence(config) - sink
+    lane = paging_window.scratch_blocks_per_sequence(config)
+    per_sequence = math.ceil(sink / degree) + math.ceil(rest / degree) + math.ceil(lane / degree)
+    return 1 + branches * per_sequence
+
+
+def assert_raised_in_time(results: list, failing: int, cause: str) -> None:
+    failed_at = results[failing]["failed_at"]
+    for rank, result in enumerate(results):
+        if rank == failing:
+            continue
+        error = result["killed" if "killed" in result else "raised"]
+        assert error["error"].startswith("RankFailedError: rank "), error
+        assert cause in error["error"], error
+        assert error["at"] - failed_at < RAISE_WITHIN_S
+
+
+def test_two_window_shards_equal_one_process_and_fail_together(tmp_path, monkeypatch):
+    def single():
+        return {
+            "sharded": rollout(SHARDED, PagedWanRollout),
+            "staged": rollout(SHARDED_STAGED, PagedWanRollout),
+            "kept": rollout(SHARDED_KEPT, PagedWanRollout),
+        }
+
+    results, codes, want = spawn("two", 2, tmp_path, monkeypatch, single)
+    assert codes == [0, 0]
+    for rank in results:
+        assert_same_rollout(rank["sharded"], want["sharded"])
+        assert_same_rollout(rank["staged"], want["staged"])
+        assert_same_rollout(rank["kept"], want["kept"])
+        for name in ("staged", "kept"):
+            assert rank[name]["stage_from"] == want[name]["stage_from"]
+        # Each committing forward kept the staged history (restaged from a block > 0).
+        assert all(commit > 0 for _, commit in rank["kept"]["stage_from"][1:])
+        assert rank["sharded"]["num_blocks"] == want["sharded"]["num_blocks"]  # the plans' ids
+    # Eviction happened: the last forward read the sink and the last three frames only.
+    last = want["sharded"]["positions"][-1][0]["positive"]
+    assert last == [*range(24), *range(5 * 24, 8 * 24)]
+    # Every rank computed the same latents, bit for bit (one merge per token, then gathered).
+    assert torch.equal(results[0]["sharded"]["latents"], results[1]["sharded"]["latents"])
+    # Each rank's pools: its half of the window's and scratch blocks (+ at most one each).
+    for case, name, branches in ((SHARDED, "sharded", 2), (SHARDED_STAGED, "staged", 1)):
+        single_bytes = want[name]["pool_bytes"]
+        per_block = single_bytes // want[name]["num_blocks"]
+        for rank in results:
+            assert rank[name]["pool_bytes"] == per_block * shard_blocks(case, 2, branches)
+            assert rank[name]["pool_bytes"] <= single_bytes / 2 + 3 * branches * per_block
+    # Rank 1 passed other arguments: both ranks refuse before the first forward, naming them.
+    for scenario, field in (
+        ("one_more_block", "blocks (ranks [1])"),
+        ("other_guidance", "guidance_scale (ranks [1])"),
+        ("other_noise_shape", "noise (ranks [1])"),
+    ):
+        for rank in results:
+            error = rank[scenario]
+            assert error["error"].startswith("PlanDivergenceError: the ranks disagree at the start")
+            assert field in error["error"], error["error"]
+            assert error["at"] - error["from"] < RAISE_WITHIN_S
+    # Rank 1 raised at block 2: rank 0 raised too, with rank 1's error, within seconds.
+    assert results[1]["raised"]["error"] == f"ValueError: planted failure at block {FAIL_BLOCK}"
+    assert_raised_in_time(results, 1, f"rank 1: raised at block {FAIL_BLOCK}")
+
+
+def test_ulysses_and_cfg_by_window_shards_on_four_ranks(tmp_path, monkeypatch):
+    by_heads = ParallelLayout(ulysses_degree=2, kv_shard_degree=2)
+    assert by_heads.ulysses_groups() == [[0, 1], [2, 3]]
+    assert by_heads.kv_shard_groups() == [[0, 2], [1, 3]]
+    assert by_heads.sequence_groups() == [[0, 1, 2, 3]]
+    by_branch = ParallelLayout(cfg_degree=2, kv_shard_degree=2)
+    assert by_branch.kv_shard_groups() == [[0, 1], [2, 3]]
+    assert by_branch.cfg_groups() == [[0, 2], [1, 3]]
+
+    results, codes, want = spawn(
+        "four", 4, tmp_path, monkeypatch, lambda: rollout(SHARDED, PagedWanRollout)
+    )
+    assert codes[3] == -9 and codes[:3] == [0, 0, 0], codes  # rank 3 was killed
+    single_bytes, blocks = want["pool_bytes"], want["num_blocks"]
+    for r, rank in enumerate(results):
+        assert_same_rollout(rank["ulysses"], want)
+        assert_same_rollout(rank["cfg"], want)
+        assert rank["cfg"]["branches"] == (("positive",), ("negative",))[r // 2]
+        # Half the heads and half the blocks; one branch and half the blocks.
+        per_block = single_bytes // blocks
+        assert rank["ulysses"]["pool_bytes"] == per_block // 2 * shard_blocks(SHARDED, 2, 2)
+        assert rank["cfg"]["pool_bytes"] == per_block * shard_blocks(SHARDED, 2, 1)
+    # Rank 3 was killed at block 2: the three others raised within seconds.
+    assert "failed_at" in results[3] and "killed" not in results[3]
+    assert_raised_in_time(results, 3, "rank ")
+
+
+def test_layout_with_window_shards():
+    layout = ParallelLayout(ulysses_degree=2, kv_shard_degree=3, cfg_degree=2)
+    assert layout.world_size == 12 and layout.sequence_degree == 6
+    assert layout.coordinates(7) == (1, 0, 1)  # 7 = (1 * 3 + 0) * 2 + 1
+    assert layout.kv_shard_groups()[0] == [0, 2, 4]
+    assert layout.cfg_groups()[0] == [0, 6]
+    assert layout.sequence_groups() == [list(range(6)), list(range(6, 12))]
+    every = sorted(r for group in layout.kv_shard_groups() for r in group)
+    assert every == list(range(12))
+    with pytest.raises(ValueError, match="kv_shard_degree"):
+        ParallelLayout(kv_shard_degree=0)

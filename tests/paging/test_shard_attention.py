@@ -1,0 +1,110 @@
+"""The shard ranks' partial attentions, merged by log-sum-exp, equal the single process's.
+
+All in one process, with the real kernels (Triton's interpreter on a CPU): a single-process
+``PagedKVCache`` and ``N`` ``ShardedKVCache`` ranks run the same forwards over NaN-poisoned
+pools; each rank writes the K/V of its own blocks and attends every query over its own keys
+(``return_lse``), and ``merge_stacked_attention_states`` of the ranks' partials must equal the
+single process's ``ForwardCall.attend`` (float32: the merge reorders the softmax's sums, a few
+roundings, so 2e-5). Blocks of 7 tokens over frames of 5 (chunks start mid-block), GQA, head_dim
+80, action tokens, two CFG rows in one call, the window sliding; with 3 ranks some rows leave a
+rank no key (its LSE is -inf and the merge skips it). Over int8 pools (equalized by default)
+every rank quantizes with the K mean and the channel equalization factors of every key of the
+first forward, as one process does, so the codes are the same and the merged attention still
+equals the single process's. There K and V have a few channels whose width varies from token to
+token (up to 2**6), so factors chosen from one rank's tokens would differ from one process's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_video.kernels.merge_states import merge_stacked_attention_states
+from paged_video.paging import PagedKVCache, PagingConfig
+from paged_video.paging.forward import ForwardCall
+from paged_video.paging.shard import ShardedForwardCall, ShardedKVCache
+from tests.paging.twin import poison
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 80
+# (chunks, commit, action tokens, rows): two rows attend in one call with both branches.
+STEPS = [(1, True, 0, 2), (2, False, 3, 2), (2, True, 3, 1), (2, True, 2, 1)]
+
+
+def widths(tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """Per token, the first 8 channels of each KV head 2**U(0, 6) times wider."""
+    gains = torch.ones(tokens, KV_HEADS, HEAD_DIM)
+    gains[..., :8] = torch.exp2(6 * torch.rand(tokens, KV_HEADS, 8, generator=generator))
+    return gains
+
+
+@pytest.mark.parametrize(
+    ("degree", "exact_window", "staged", "kv_dtype"),
+    [(2, True, False, None), (3, False, True, torch.int8)],
+)
+def test_merged_partials_equal_one_process(degree, exact_window, staged, kv_dtype):
+    config = PagingConfig(
+        block_size=7,
+        chunk_size=5,
+        sink_chunks=1,
+        window_chunks=3,
+        max_forward_chunks=2,
+        max_action_tokens=3,
+        exact_window=exact_window,
+        reuse_history_staging=staged,
+        kv_dtype=kv_dtype,
+    )
+    geometry = dict(
+        num_layers=1,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        branches=("positive", "negative"),
+        dtype=torch.float32,
+    )
+    single = PagedKVCache(config, **geometry)
+    shards = [
+        ShardedKVCache(config, shard_degree=degree, shard_index=i, **geometry)
+        for i in range(degree)
+    ]
+    caches = [single, *shards]
+    for cache in caches:
+        poison(cache)
+    sessions = [cache.open_session() for cache in caches]
+    generator = torch.Generator().manual_seed(degree)
+    empty_rows = 0
+    for chunks, commit, actions, rows in STEPS:
+        branches = ("positive", "negative")[:rows]
+        n = chunks * config.chunk_size * rows
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=generator)
+        k, v = torch.randn(2, n, KV_HEADS, HEAD_DIM, generator=generator)
+        if kv_dtype is not None:
+            k, v = k * widths(n, generator), v * widths(n, generator)
+        ak, av = torch.randn(2, actions * rows, KV_HEADS, HEAD_DIM, generator=generator)
+        calls = []
+        for cache, session in zip(caches, sessions, strict=True):
+            plans = [
+                cache.plan(session, b, n // rows, commit=commit, action_tokens=actions)
+                for b in branches
+            ]
+            kind = ShardedForwardCall if isinstance(cache, ShardedKVCache) else ForwardCall
+            calls.append(kind(cache, plans, softmax_scale=HEAD_DIM**-0.5))
+        want = calls[0].attend(0, q, k, v, ak, av)
+        outs, lses = [], []
+        for call in calls[1:]:
+            out, lse = call.attend(0, q, k, v, ak, av)  # this rank's partial attention
+            outs.append(out)
+            lses.append(lse)
+            empty_rows += int((call.local_inputs.seq_lens_k == 0).sum())
+        merged, _ = merge_stacked_attention_states(torch.stack(outs), torch.stack(lses))
+        assert not merged.isnan().any()
+        torch.testing.assert_close(merged, want, atol=2e-5, rtol=2e-5)
+        for call in calls:
+            call.commit()
+    if degree == 3:
+        assert empty_rows > 0  # the merge met ranks that saw no key
+    if kv_dtype is not None:
+        # The ranks froze the single process's mean and factors, and the factors do something.
+        for cache in shards:
+            assert cache.equalizers_chosen.all() and cache.k_means_chosen.all()
+            for name in ("k_means", "k_equalizers", "v_equalizers"):
+                assert torch.equal(getattr(cache, name), getattr(single, name)), name
+        assert (single.k_equalizers > 1).any() and (single.v_equalizers > 1).any()
