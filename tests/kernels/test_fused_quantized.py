@@ -66,16 +66,18 @@ def make_state(dtype: torch.dtype, seed: int = 0, equalize: bool = False) -> fus
 
 
 def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False, int8_mma: bool = False):
-    """``make_forward``'s inputs with keys offset per channel (what smoothing removes) and two
-    value channels 30x wider, token by token (what channel equalization evens out)."""
+    """``make_forward``'s inputs with keys offset per channel (what smoothing removes), and two
+    key and two value channels 30x wider, token by token (what channel equalization evens
+    out)."""
     tensors, inputs = make_forward(step, staged=staged, layer=layer)
     offsets = torch.linspace(-20, 20, DIM, device=DEVICE)
-    gains = torch.ones(DIM, device=DEVICE)
-    gains[[1, 6]] = 30.0
-    tensors[1] = tensors[1] + offsets
-    tensors[3] = tensors[3] + offsets
-    tensors[2] = tensors[2] * gains
-    tensors[4] = tensors[4] * gains
+    k_gains, v_gains = torch.ones(2, DIM, device=DEVICE)
+    k_gains[[2, 5]] = 30.0
+    v_gains[[1, 6]] = 30.0
+    tensors[1] = tensors[1] * k_gains + offsets
+    tensors[3] = tensors[3] * k_gains + offsets
+    tensors[2] = tensors[2] * v_gains
+    tensors[4] = tensors[4] * v_gains
     return tensors, inputs._replace(fp8_mma=fp8_mma, int8_mma=int8_mma)
 
 
@@ -172,7 +174,7 @@ def test_the_first_write_chooses_the_factors_and_attention_folds_them(staged: bo
     want_v = channel_factors(value.cpu())
     assert torch.equal(state.k_equalizers[1].cpu(), want_k)
     assert torch.equal(state.v_equalizers[1].cpu(), want_v)
-    assert bool((want_v[:, [1, 6]] >= 16).all())
+    assert bool((want_v[:, [1, 6]] >= 16).all()) and bool((want_k[:, [2, 5]] >= 4).all())
     assert state.k_equalizers[0].isnan().all() and state.v_equalizers[2].isnan().all()
     factors = (state.k_equalizers[1], state.v_equalizers[1])
     assert torch.equal(got, direct_calls(tensors, inputs, twin, mean, factors))
