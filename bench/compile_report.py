@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -240,12 +241,19 @@ def check_launch_options(options: dict[str, object]) -> None:
 # ---------------------------------------------------------------- the interpreters
 
 
+def resolve_python(python: str) -> str:
+    """An interpreter's path: a path as given, or a bare name looked up on ``PATH``."""
+    found = python if os.sep in python else shutil.which(python)
+    path = Path(found or python)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ValueError(f"{python}: not an executable file")
+    return str(path.absolute())
+
+
 def probe_python(python: str) -> str:
     """The Triton version a Python interpreter brings (with its wheel's cuobjdump), or a
     one-line ``ValueError`` saying why it cannot compile."""
-    path = Path(python)
-    if not path.is_file() or not os.access(path, os.X_OK):
-        raise ValueError(f"{python}: not an executable file")
+    path = Path(resolve_python(python))
     code = (
         "import os, triton; from triton import knobs; "
         "tool = knobs.nvidia.cuobjdump; "
@@ -325,12 +333,18 @@ def _run_workers(python: str, shares: Sequence[Sequence[Config]], target: str) -
             child.stdin.close()
             children.append((child, stdout, stderr))
         finished = []
-        for child, stdout, stderr in children:
-            child.wait()
-            with stdout, stderr:
-                stdout.seek(0)
-                stderr.seek(0)
-                finished.append((child.returncode, stdout.read(), stderr.read()))
+        try:
+            for child, stdout, stderr in children:
+                child.wait()
+                with stdout, stderr:
+                    stdout.seek(0)
+                    stderr.seek(0)
+                    finished.append((child.returncode, stdout.read(), stderr.read()))
+        finally:  # interrupted: no worker outlives the report
+            for child, _, _ in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
     results = []
     for returncode, output, errors in finished:
         if returncode != 0:
@@ -1044,7 +1058,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except ValueError as error:
             parser.error(f"--launch {text!r}: {error}")
         launches.append(options)
-    pythons = list(args.python)
+    pythons = []
+    for python in args.python:
+        try:
+            pythons.append(resolve_python(python))
+        except ValueError as error:
+            parser.error(f"--python {error}")
     for venv in args.triton_venv:
         try:
             pythons.append(venv_python(venv))
