@@ -566,6 +566,7 @@ def test_configs_are_labelled() -> None:
         (["--out", "{file}"], "--out", "is a file"),
         (["--out", "{file}/sub"], "--out", "cannot be created"),
         (["--python", "{tmp}/no-python"], "--python", "not an executable"),
+        (["--python", "no-such-python-on-path"], "--python", "not an executable"),
         (["--triton-venv", "{tmp}"], "--triton-venv", "not a virtual environment"),
         (["--launch", "tile=big"], "--launch", "no keyword 'tile'"),
         (["--launch", "causal=true"], "--launch", "report's own options"),
