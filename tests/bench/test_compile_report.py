@@ -157,11 +157,11 @@ def test_every_launch_compiled_and_checked_against_tritons_ptxas_log(report: Rep
 
 
 def test_spills_are_read_from_tritons_build(report: Report) -> None:
-    # Triton 3.9 assembles with --regAllocOptLevel=2, and then the FP8-MMA block-24 loop spills
-    # (140/176 bytes on 2026-12-03), where a plain ptxas run of the same PTX does not. If a kernel
-    # change removes these spills, this test needs another launch that spills.
+    # Triton 3.9 assembles with --regAllocOptLevel=2: the FP8-MMA block-24 loop then spills
+    # 140/176 bytes (2026-12-03), where a ptxas run of the same PTX without Triton's flags spills
+    # 12/12. If a kernel change removes these spills, this test needs another launch that spills.
     row = report.paged(report.version("3.9"), 24, kv="fp8_mma")
-    assert row["spill_stores"] > 0 and row["spill_loads"] > 0, row
+    assert row["spill_stores"] > 12 and row["spill_loads"] > 12, row
     assert row["registers"] == 255, row
 
 
