@@ -93,6 +93,7 @@ MEASURE_COLUMNS = (
     "partitions",
     "partition_warps",
     "partition_roles",
+    "consumer_warps",
     "key_loops",
     "loop_instructions",
     "masked_loop_instructions",
@@ -410,7 +411,8 @@ def add_ratios(rows: Sequence[Row]) -> None:
     """``vs_anchor`` / ``vs_tutorial``: a row's hot-loop instructions per key over the
     yardstick's, of the same Triton (the anchor at the same tile, warps and stages, the
     tutorial at its own settings: a 128-key loop is weighed against twice a 64-key loop)."""
-    settings = ("head_dim", "dtype", "tile", "num_warps", "num_stages")
+    # Warp-specialized launches are weighed against an anchor with as many warps doing MMAs.
+    settings = ("head_dim", "dtype", "tile", "consumer_warps", "num_stages")
     anchors, tutorials = {}, {}
     for row in rows:
         if row["kernel"] == "anchor":
@@ -746,7 +748,18 @@ def analyse(kernel: object, log: str, tile: tuple[int, int] | None, workdir: Pat
         mbarriers=len(re.findall(r"\bmbarrier\.init", ptx)),
         **partitions(ttgir),
     )
+    row["consumer_warps"] = _consumer_warps(row, kernel.metadata.num_warps)
     return row
+
+
+def _consumer_warps(row: Row, num_warps: int) -> int:
+    """Warps running the MMAs: all of them, or the MMA partitions' of a warp-specialized one."""
+    if row["partitions"] == 1:
+        return num_warps
+    pairs = zip(
+        str(row["partition_warps"]).split("+"), str(row["partition_roles"]).split(","), strict=True
+    )
+    return sum(int(warps) for warps, role in pairs if "mma" in role)
 
 
 def _labels(config: Config, launch: _Launch) -> Row:
@@ -809,7 +822,11 @@ def _worker(target_text: str) -> None:
                 row.update(stamp, error=_one_line(error), tile="-")
                 out.append([row])
                 continue
+            consumer_warps = None
             for launch in launches:
+                if launch.kernel == "anchor" and consumer_warps:
+                    # Each anchor warp then holds as many query rows as a consumer warp.
+                    launch.kwargs["num_warps"] = consumer_warps
                 row = _labels(config, launch)
                 key = tuple(row.items())
                 if launch.kernel in YARDSTICKS and key in done:
@@ -825,6 +842,8 @@ def _worker(target_text: str) -> None:
                 row.update(stamp)
                 done[key] = row
                 rows.append(row)
+                if launch.kernel.startswith("paged_attention") and consumer_warps is None:
+                    consumer_warps = row["consumer_warps"]
             out.append(rows)
     print(json.dumps(out))
 

@@ -521,6 +521,30 @@ def test_partitions_from_ttgir() -> None:
     assert compile_report.partitions(plain)["partitions"] == 1
 
 
+def test_ratios_per_key_against_as_many_mma_warps() -> None:
+    def row(kernel: str, tile: str, warps: int, consumers: int, loops: str, **more) -> dict:
+        hot = max(int(s) for s in loops.split(",") if s.isdigit())
+        return dict(
+            kernel=kernel, triton="3.9.0", head_dim=128, dtype="bf16", tile=tile,
+            num_warps=warps, consumer_warps=consumers, num_stages=3, key_loops=loops,
+            loop_instructions=hot, **more,
+        )  # fmt: skip
+
+    rows = [
+        row("anchor", "128x64", 8, 8, "350"),
+        row("anchor", "128x64", 4, 4, "600"),
+        row("tutorial_ws", "128x64", 4, 8, "320,360"),
+        # Warp-specialized at 4 launch warps, two 4-warp consumers: the 8-warp anchor is its own.
+        row("paged_attention", "128x64", 4, 8, "385,m500"),
+        row("paged_attention", "128x128", 8, 8, "700,m900"),  # no anchor at this tile
+    ]
+    compile_report.add_ratios(rows)
+    assert (rows[3]["vs_anchor"], rows[3]["vs_tutorial"]) == (1.1, round(385 / 320, 3))
+    # Per key: 700 instructions for 128 keys against the tutorial's 320 for 64.
+    assert (rows[4]["vs_anchor"], rows[4]["vs_tutorial"]) == (None, round(700 / 640, 3))
+    assert rows[0]["vs_anchor"] is None and rows[2]["vs_tutorial"] is None
+
+
 def test_kv_buffers_from_ttgir() -> None:
     ttgir = (
         "%0 = ttg.local_alloc : () -> !ttg.memdesc<3x64x128xbf16, #shared, #smem, mutable>\n"
