@@ -31,6 +31,7 @@ _WIDE_MODIFIERS = {"X", "EX", "WIDE", "64", "U64", "S64"}
 # ``SHF.R.S32.HI r, RZ, 0x1f, x``: the high word of a sign-extended int32.
 _SIGN_EXTEND = re.compile(r"^U?SHF\.R\.S32\.HI$")
 _CARRY_OUT = re.compile(r"^\s*U?R\w+\s*,\s*!?U?P[0-6]\s*,")
+_LOADS = {"LDG", "LDGSTS", "UTMALDG"}
 _LOCAL_WIDTHS = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
@@ -218,8 +219,9 @@ class Loop:
 
     @property
     def loads(self) -> int:
-        """Global loads issued per iteration: plain, ``cp.async`` and TMA."""
-        return self.count("LDG", "UTMALDG")
+        """Global loads issued per iteration: plain (``LDG``), ``cp.async`` (``LDGSTS``) and
+        TMA (``UTMALDG``); not the ``cp.async`` group commits (``LDGDEPBAR``)."""
+        return sum(i.opcode.split(".")[0] in _LOADS for i in self.instructions)
 
 
 def find_loops(instructions: Sequence[Instruction]) -> list[Loop]:

@@ -388,6 +388,7 @@ _PLANTED = [
     (0x30, "DEPBAR.LE SB0, 0x2"),
     (0x40, "IMAD.WIDE R4, R3, 0x2, R6"),
     (0x50, "LDGSTS.E.BYPASS.128 [R8], desc[UR4][R4.64], !P4"),
+    (0x58, "LDGDEPBAR"),
     (0x60, "HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT"),
     (0x70, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR7+0x100], R10"),
     (0x80, "@!P1 BRA 0x300"),
@@ -409,26 +410,27 @@ _PLANTED = [
 
 def test_planted_hot_loop_is_unmasked_not_smallest() -> None:
     measures = sass.analyse(_sass(_PLANTED))
-    # 0x30..0xe0 without the NOP: 11 instructions; the masked loop has 3.
-    assert measures["key_loops"] == "11,m3"
-    assert measures["loop_instructions"] == 11
+    # 0x30..0xe0 without the NOP: 12 instructions; the masked loop has 3.
+    assert measures["key_loops"] == "12,m3"
+    assert measures["loop_instructions"] == 12
     assert measures["masked_loop_instructions"] == 3
     assert measures["wait_depth"] == 2
-    # IMAD.WIDE, and the carry-out add with its .X half; one cp.async load; the inline wait.
+    # IMAD.WIDE, and the carry-out add with its .X half; one cp.async load (its group commit
+    # is no load); the inline wait.
     assert measures["loop_int64_ops"] == 3
     assert measures["loop_global_loads"] == 1
     assert measures["loop_mbarrier_ops"] == 1
     assert measures["mma"] == "HGMMA"
     # Without its -inf select the second loop is unmasked too: the hot loop is the longest.
     unmasked = [(a, t.replace("-INF", "RZ")) for a, t in _PLANTED]
-    assert sass.analyse(_sass(unmasked))["loop_instructions"] == 11
+    assert sass.analyse(_sass(unmasked))["loop_instructions"] == 12
     assert sass.analyse(_sass(unmasked))["masked_loop_instructions"] is None
 
 
 def test_planted_out_of_line_retry_is_not_a_loop_around_the_kernel() -> None:
     loops = sass.find_loops(sass.parse_sass(_sass(_PLANTED)))
     # The retry's jump back to 0x90 closes no loop; the retry spins on itself.
-    assert [(loop.header, loop.size) for loop in loops] == [(0x30, 11), (0x100, 3), (0x300, 2)]
+    assert [(loop.header, loop.size) for loop in loops] == [(0x30, 12), (0x100, 3), (0x300, 2)]
     assert [loop.header for loop in sass.key_loops(loops)] == [0x30, 0x100]
 
 
