@@ -7,8 +7,9 @@ first block to restage and the staged history's id are 0-dim CPU tensors, made o
 and per forward, so one compiled graph serves every layer and every forward.
 
 A call refuses (``ValueError``) to run a plan that is no longer current: cancelled, committed,
-its session closed, or its sequence committed since it was prepared (its tensors would point
-at blocks that moved or went back to the pool).
+its session closed, its sequence committed since it was prepared (its tensors would point
+at blocks that moved or went back to the pool), or the tail block it writes into copied or
+shared by a fork since (it would write into a block another session holds).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class ForwardCall:
     attends straight over the paged cache and leaves nothing reusable staged. ``exact_window``
     in the config hands attention the plans' ``key_gap``, so it reads exactly the sink and the
     recent range. Making the call prepares its plans; if that or batching them fails, the plans
-    this call prepared are unprepared again, so a refused call changes nothing.
+    this call prepared are unprepared again, so a refused call changes nothing: the device
+    copies of shared tail blocks (copy-on-write) are made only once every plan passed.
     """
 
     def __init__(
@@ -71,13 +73,15 @@ class ForwardCall:
         fresh = list({id(plan): plan for plan in plans if plan.state is PlanState.NEW}.values())
         try:
             for plan in plans:
-                plan.prepare()
+                plan.prepare(copy_tail=False)
             self.inputs = plans[0].inputs if len(plans) == 1 else batch_plans(plans)
             self.check_current()
         except Exception:
             for plan in reversed(fresh):
                 plan.unprepare()
             raise
+        for plan in plans:  # checked: now the copies of shared tail blocks (copy-on-write)
+            plan.copy_tail_block()
         decision = plans[0].staging if cache.staging is not None and len(plans) == 1 else None
         self._stage_from = torch.tensor(-1 if decision is None else decision.first_block)
         self._stage_key = torch.tensor(
@@ -96,8 +100,9 @@ class ForwardCall:
 
     def check_current(self) -> None:
         """``ValueError`` unless every plan may still run: prepared, not committed nor
-        cancelled, its session open, its sequence unchanged since ``prepare`` and with no
-        other committing forward pending (whose tail block a scratch forward would write)."""
+        cancelled, its session open, its sequence unchanged since ``prepare``, the tail block
+        it writes still the sequence's alone, and no other committing forward pending (whose
+        tail block a scratch forward would write)."""
         for i, plan in enumerate(self.plans):
             if plan.state is not PlanState.PREPARED:
                 raise ValueError(f"plans[{i}] is {plan.state.value}; make a new plan")
@@ -107,6 +112,12 @@ class ForwardCall:
                 raise ValueError(
                     f"plans[{i}] is stale: its sequence committed {sequence.absolute} "
                     f"tokens, {plan.history} when it was prepared; make a new plan"
+                )
+            tail = plan.tail
+            if tail is not None and not sequence.holds_alone(tail.entry, tail.block):
+                raise ValueError(
+                    f"plans[{i}] is stale: the tail block it writes into was copied or shared "
+                    "by a fork since it was prepared; make a new plan"
                 )
             if sequence.pending is not None and sequence.pending is not plan:
                 raise ValueError(

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from paged_video.paging import window
 from paged_video.paging.config import PagingConfig
-from paged_video.paging.session import Sequence, Session
+from paged_video.paging.session import Sequence, Session, TailWrite
 from paged_video.paging.staging import HistoryStaging, StagingDecision
 from paged_video.paging.transfer import to_device
 
@@ -83,6 +83,12 @@ class ForwardPlan:
     uses the sequence's scratch blocks, and changes no committed state. Action tokens continue
     the read right after the video: in the free tail of the video's last block, then in scratch
     blocks after the video's (a committing forward's from scratch block 0).
+
+    Either kind writes into the partly filled tail block, so when a fork shares that block,
+    ``prepare`` first gives the sequence its own copy (``Sequence.own_tail``, a device copy of
+    the block's K/V and scales on every layer): in a batched launch every row writes before any
+    attends, so two forks writing the free slots of one block would read each other's tokens.
+    ``tail`` is that write (None on a block edge).
     """
 
     def __init__(
@@ -106,6 +112,8 @@ class ForwardPlan:
         self.staging: StagingDecision | None = None
         # Model positions committed before this forward (its first token's position).
         self.history: int | None = None
+        self.tail: TailWrite | None = None
+        self._tail_copied = True
         self._stage_from = -1
 
     @property
@@ -128,14 +136,19 @@ class ForwardPlan:
                 "of an open session"
             )
 
-    def prepare(self) -> AttentionInputs:
+    def prepare(self, *, copy_tail: bool = True) -> AttentionInputs:
         """Allocate (committing forward) and build the tensors; later calls return the same.
 
         A cancelled plan refuses, whatever happened before: its blocks went back to the pool.
+        ``copy_tail=False`` leaves a shared tail block's device copy to ``copy_tail_block()``,
+        which must run before the forward: ``ForwardCall`` copies once it has checked every
+        plan, so a refused call writes no byte.
         """
         if self.state is PlanState.CANCELLED:
             raise ValueError("plan: this plan was cancelled; make a new one")
         if self.inputs is not None:
+            if copy_tail:
+                self.copy_tail_block()
             return self.inputs
         self._check_session()
         sequence = self.sequence
@@ -147,15 +160,30 @@ class ForwardPlan:
         self.inputs = self._build(sequence)
         self.history = sequence.absolute
         self.state = PlanState.PREPARED
+        self._tail_copied = self.tail is None or self.tail.replaced is None
+        if copy_tail:
+            self.copy_tail_block()
         return self.inputs
 
+    def copy_tail_block(self) -> None:
+        """The device copy of the shared tail block ``prepare`` replaced, once (nothing else
+        to do without one)."""
+        if not self._tail_copied:
+            self.sequence.pool.copy_contents(self.tail.replaced, self.tail.block)
+            self._tail_copied = True
+
     def unprepare(self) -> None:
-        """Undo ``prepare`` of a plan that never ran (a refused call): blocks back, state new."""
+        """Undo ``prepare`` of a plan that never ran (a call refused right after preparing it):
+        blocks back, a tail copy undone, state new."""
         if self.state is not PlanState.PREPARED:
             return
-        if self.committing and not self.session.closed:
-            self.sequence.drop_pending()
-        self.inputs, self.staging, self.history = None, None, None
+        if not self.session.closed:
+            if self.committing:
+                self.sequence.drop_pending()
+            if self.tail is not None:
+                self.sequence.restore_tail(self.tail)
+        self.inputs, self.staging, self.history, self.tail = None, None, None, None
+        self._tail_copied = True
         self._stage_from = -1
         self.state = PlanState.NEW
 
@@ -167,9 +195,10 @@ class ForwardPlan:
         end = history + n
         last_entry = -(-end // b)
         if self.committing:
-            sequence.begin(self, n)
+            self.tail = sequence.begin(self, n)
             table_entries = last_entry
         else:
+            self.tail = sequence.own_tail()
             table_entries = sequence.history_entries
         scratch = sequence.scratch
 
