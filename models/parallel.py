@@ -96,7 +96,11 @@ class ParallelWanRollout(PagedWanRollout):
     same latents. ``config.chunk_size`` (tokens per frame) must be divisible by
     ``ulysses_degree``, the model's heads too; ``cfg_degree = 2`` needs ``guidance=True``.
     ``check_plans=False`` skips the per-forward plan digest (one small all-gather and a sync).
+    Futures are not forked here yet (``generate`` with several rows of noise refuses): the CFG
+    all-gather would have to interleave the futures' branches, and the cache holds one session.
     """
+
+    _forks = False
 
     def __init__(
         self,

@@ -73,19 +73,26 @@ class PagedKVCache:
 
     The pool holds ``session_capacity * len(branches)`` sequences at their peak (the sink, the
     window and the largest forward, see ``window.blocks_per_sequence``); opening one session
-    more raises. ``fork(session)`` makes a session that continues another's committed history
-    on every branch, its tables pointing at the same blocks (reference-counted in the pool,
-    nothing copied); a fork is a session, so it takes a session slot and counts against
-    ``session_capacity``, and the pool needs no more blocks: a fork's tables never hold more
-    than a session's, shared blocks are held once, and copy-on-write (a forward continuing a
-    shared tail block copies it first) replaces a table entry, never adds one. A refused fork
-    changes nothing. K and V are separate tensors, stacked over layers: ``k_pools`` is
+    more raises. K and V are separate tensors, stacked over layers: ``k_pools`` is
     ``(num_layers, num_blocks, B, num_kv_heads, head_dim)``, and ``layer(i)`` gives one layer's
     4-D pools and flat views (slot = ``block * B + offset``). ``stage_k``/``stage_v`` are the
     stacked staging buffers, ``(num_layers, width * B, ...)``, with zero rows when the config
     does not stage; ``stage_tags`` (int64, CPU, ``(num_layers,)``) records what each layer's
     staging buffers hold (see ``paging.staging``). Pool memory is not initialised: only
     written slots are ever read.
+
+    Forks: ``fork(session)`` makes a session that continues another's committed history on
+    every branch, its tables listing the same blocks (reference-counted in the pool, nothing
+    copied). A fork is a session: it takes a session slot and counts against
+    ``session_capacity``, and the pool needs no more blocks, since a fork's tables never hold
+    more than a session's, shared blocks are held once, and copy-on-write (a forward continuing
+    a shared tail block copies it first) replaces a table entry, never adds one. A refused fork
+    changes nothing. Forks hold fewer blocks than separate sessions only while they share
+    history (a fork that slides a whole window on shares only the sink), so the pool stays sized
+    for ``session_capacity`` sessions; ``pool_blocks`` (at least one session's,
+    ``len(branches) * window.blocks_per_sequence(config)``) sizes it by blocks instead, for
+    forks that stay near their fork point: a forward the pool cannot hold then raises
+    ``PoolExhaustedError`` and changes nothing (``pool_stats`` shows what is held).
 
     Quantized caches (``config.kv_dtype``, or a ``dtype`` of ``float8_e4m3fn``/``int8``) hold
     codes in the pools and staging buffers, with float32 scales beside them: ``k_scales``/
@@ -108,6 +115,7 @@ class PagedKVCache:
         branches: SequenceOf[str] = ("main",),
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        pool_blocks: int | None = None,
     ) -> None:
         if not isinstance(config, PagingConfig):
             raise TypeError(f"config must be a PagingConfig, got {type(config).__name__}")
@@ -133,6 +141,11 @@ class PagedKVCache:
             raise ValueError(
                 f"dtype {dtype} and config.kv_dtype {config.kv_dtype} disagree; give one of them"
             )
+        sequences = session_capacity * len(branches)
+        per_sequence = window.blocks_per_sequence(config)
+        if pool_blocks is None:
+            pool_blocks = sequences * per_sequence
+        require_int("pool_blocks", pool_blocks, minimum=len(branches) * per_sequence)
         device = _usable_device(device)
         self.config = config
         self.branches = branches
@@ -140,10 +153,7 @@ class PagedKVCache:
         self.device = device
         b = config.block_size
 
-        sequences = session_capacity * len(branches)
-        self.pool = BlockPool(
-            sequences * window.blocks_per_sequence(config), copy_contents=self._copy_block
-        )
+        self.pool = BlockPool(pool_blocks, copy_contents=self._copy_block)
         self.scratch_lane_blocks = window.scratch_blocks_per_sequence(config)
         self.first_scratch_block = 1 + self.pool.num_blocks
         self.num_blocks = self.first_scratch_block + sequences * self.scratch_lane_blocks

@@ -59,7 +59,7 @@ def snapshot(cache: PagedKVCache) -> tuple:
     pool = cache.pool
     return (
         list(pool._free),
-        [pool.refcount(block) for block in range(pool.num_blocks + 2)],
+        list(pool._refs),
         {
             (sid, branch): (
                 list.copy(seq.block_table),
@@ -88,11 +88,14 @@ def check_pool(cache: PagedKVCache) -> None:
             references.update(blocks)
             for block in blocks:
                 assert branch_of.setdefault(block, branch) == branch, "branches share a block"
-    counts = [pool.refcount(block) for block in range(pool.num_blocks + 1)]
-    assert counts == [references[block] for block in range(pool.num_blocks + 1)]
-    free = pool._free
-    assert len(free) == len(set(free)) == pool.num_free
-    assert set(free) == {b for b in range(1, pool.num_blocks + 1) if not references[b]}
+    expected = [0] * (pool.num_blocks + 1)
+    for block, count in references.items():
+        expected[block] = count
+    assert pool._refs == expected
+    assert all(pool.refcount(block) == count for block, count in references.items())
+    free = set(pool._free)  # the blocks nobody holds, each once
+    assert len(free) == len(pool._free) == pool.num_free == pool.num_blocks - len(references)
+    assert not free & references.keys() and NULL_BLOCK not in free
     assert pool.num_free + pool.num_held == pool.num_blocks
     assert not pool.is_held(NULL_BLOCK)
     stats = pool.stats()
@@ -177,8 +180,10 @@ class Rollout:
         self.num_heads = num_heads
         self.ledger = SlotLedger()
         self.values: dict[tuple, tuple[Tensor, Tensor]] = {}
-        # (session, branch, model position) -> (session, serial) of the forward that wrote it.
+        # (session, branch, model position) -> (session, serial) of the forward that wrote it;
+        # a fork's history is looked up in the session it was forked from (``writer``).
         self.writer_of: dict[tuple[int, str, int], tuple[int, int]] = {}
+        self.forked_from: dict[int, tuple[int, dict[str, int]]] = {}
         copy_contents = self.cache.pool.copy_contents
 
         def copy_and_record(source: int, target: int) -> None:
@@ -208,10 +213,16 @@ class Rollout:
     def fork(self, session: Session) -> Session:
         """``cache.fork``; the fork's history holds the parent's tokens."""
         child = self._counting(self.cache.fork(session))
-        for (sid, branch, p), writer in list(self.writer_of.items()):
-            if sid == session.id:
-                self.writer_of[(child.id, branch, p)] = writer
+        history = {branch: seq.absolute for branch, seq in session.sequences.items()}
+        self.forked_from[child.id] = (session.id, history)
         return child
+
+    def writer(self, sid: int, branch: str, p: int) -> tuple[int, int]:
+        """(session, serial) of the forward that wrote model position ``p`` of the sequence."""
+        while (sid, branch, p) not in self.writer_of:
+            sid, history = self.forked_from[sid]
+            assert p < history[branch]
+        return self.writer_of[(sid, branch, p)]
 
     @staticmethod
     def _counting(session: Session) -> Session:
@@ -280,7 +291,7 @@ class Rollout:
         sid, branch, h = plan.session.id, plan.branch, record.history
         video = []
         for p in reference.block_read_positions(self.geometry, h, plan.num_tokens):
-            writer = (sid, record.serial) if p >= h else self.writer_of[(sid, branch, p)]
+            writer = (sid, record.serial) if p >= h else self.writer(sid, branch, p)
             video.append(("video", writer[0], branch, p, writer[1]))
         actions = [("action", sid, branch, j, record.serial) for j in range(plan.action_tokens)]
         return video + actions
@@ -399,5 +410,5 @@ class Rollout:
         for p in positions:
             storage = p if p < s else p - seq.compacted
             slot = table[storage // b] * b + storage % b
-            writer, serial = self.writer_of[(session.id, branch, p)]
+            writer, serial = self.writer(session.id, branch, p)
             assert self.ledger.read([slot]) == [("video", writer, branch, p, serial)]
