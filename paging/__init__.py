@@ -7,16 +7,17 @@ imported here, so bookkeeping alone never loads Triton. The contract is DESIGN s
 
 from paged_video.paging.batch import batch_plans
 from paged_video.paging.block_size import paging_block_size
-from paged_video.paging.cache import LayerCache, PagedKVCache
+from paged_video.paging.cache import BlockCounts, LayerCache, PagedKVCache
 from paged_video.paging.config import PagingConfig
 from paged_video.paging.plan import AttentionInputs, ForwardPlan, PlanState
-from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError
-from paged_video.paging.session import Sequence, Session
+from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError, PoolStats
+from paged_video.paging.session import Sequence, Session, TailWrite
 from paged_video.paging.staging import HistoryStaging, StagingDecision
 
 __all__ = [
     "NULL_BLOCK",
     "AttentionInputs",
+    "BlockCounts",
     "BlockPool",
     "ForwardPlan",
     "HistoryStaging",
@@ -25,9 +26,11 @@ __all__ = [
     "PagingConfig",
     "PlanState",
     "PoolExhaustedError",
+    "PoolStats",
     "Sequence",
     "Session",
     "StagingDecision",
+    "TailWrite",
     "batch_plans",
     "paging_block_size",
 ]

@@ -73,7 +73,7 @@ class ForwardCall:
         fresh = list({id(plan): plan for plan in plans if plan.state is PlanState.NEW}.values())
         try:
             for plan in plans:
-                plan.prepare(copy_tail=False)
+                plan._prepare(copy_tail=False)  # copies below, once every plan passed
             self.inputs = plans[0].inputs if len(plans) == 1 else batch_plans(plans)
             self.check_current()
         except Exception:
@@ -81,7 +81,7 @@ class ForwardCall:
                 plan.unprepare()
             raise
         for plan in plans:  # checked: now the copies of shared tail blocks (copy-on-write)
-            plan.copy_tail_block()
+            plan._copy_tail_block()
         decision = plans[0].staging if cache.staging is not None and len(plans) == 1 else None
         self._stage_from = torch.tensor(-1 if decision is None else decision.first_block)
         self._stage_key = torch.tensor(

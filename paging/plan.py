@@ -136,19 +136,20 @@ class ForwardPlan:
                 "of an open session"
             )
 
-    def prepare(self, *, copy_tail: bool = True) -> AttentionInputs:
+    def prepare(self) -> AttentionInputs:
         """Allocate (committing forward) and build the tensors; later calls return the same.
 
         A cancelled plan refuses, whatever happened before: its blocks went back to the pool.
-        ``copy_tail=False`` leaves a shared tail block's device copy to ``copy_tail_block()``,
-        which must run before the forward: ``ForwardCall`` copies once it has checked every
-        plan, so a refused call writes no byte.
         """
+        return self._prepare(copy_tail=True)
+
+    def _prepare(self, *, copy_tail: bool) -> AttentionInputs:
+        """``prepare``; ``copy_tail=False`` (``ForwardCall`` only) leaves a shared tail block's
+        device copy to ``_copy_tail_block``, which the call runs once it has checked every
+        plan (or it unprepares them), so a refused call writes no byte."""
         if self.state is PlanState.CANCELLED:
             raise ValueError("plan: this plan was cancelled; make a new one")
         if self.inputs is not None:
-            if copy_tail:
-                self.copy_tail_block()
             return self.inputs
         self._check_session()
         sequence = self.sequence
@@ -162,12 +163,11 @@ class ForwardPlan:
         self.state = PlanState.PREPARED
         self._tail_copied = self.tail is None or self.tail.replaced is None
         if copy_tail:
-            self.copy_tail_block()
+            self._copy_tail_block()
         return self.inputs
 
-    def copy_tail_block(self) -> None:
-        """The device copy of the shared tail block ``prepare`` replaced, once (nothing else
-        to do without one)."""
+    def _copy_tail_block(self) -> None:
+        """The device copy of the shared tail block ``prepare`` replaced, once."""
         if not self._tail_copied:
             self.sequence.pool.copy_contents(self.tail.replaced, self.tail.block)
             self._tail_copied = True

@@ -54,11 +54,11 @@ class CountingList(list):
 
 
 def snapshot(cache: PagedKVCache) -> tuple:
-    """Everything a failed call must leave as it was: free blocks, reference counts, tables,
-    committed state."""
+    """Everything a failed call must leave as it was: free count, reference counts, tables,
+    committed state, and the free list in order."""
     pool = cache.pool
     return (
-        list(pool._free),
+        pool.num_free,
         list(pool._refs),
         {
             (sid, branch): (
@@ -71,6 +71,7 @@ def snapshot(cache: PagedKVCache) -> tuple:
             for sid, session in cache.sessions.items()
             for branch, seq in session.sequences.items()
         },
+        list(pool._free),
     )
 
 

@@ -262,3 +262,15 @@ def test_k_forks_of_a_full_window_cost_one_window_plus_what_each_wrote(forks: in
         assert blocks <= math.ceil(6 * (k + 1) / 4) + 1
     assert cache.pool_stats.held == window_blocks + sum(written)
     check_pool(cache)
+
+
+def test_pool_blocks_sizes_the_pool_by_blocks() -> None:
+    per_session = len(BRANCHES) * window.blocks_per_sequence(RAGGED)
+    kwargs = dict(num_layers=1, num_kv_heads=1, head_dim=4, branches=BRANCHES)
+    with pytest.raises(ValueError, match="pool_blocks must be >= "):
+        PagedKVCache(RAGGED, session_capacity=3, pool_blocks=per_session - 1, **kwargs)
+    with pytest.raises(TypeError, match="pool_blocks"):
+        PagedKVCache(RAGGED, pool_blocks=float(per_session), **kwargs)
+    cache = PagedKVCache(RAGGED, session_capacity=3, pool_blocks=per_session + 2, **kwargs)
+    assert cache.pool.num_blocks == per_session + 2
+    assert PagedKVCache(RAGGED, session_capacity=3, **kwargs).pool.num_blocks == 3 * per_session
