@@ -21,7 +21,8 @@ Why the odd-looking choices:
   ``k_means[layer]`` (``(num_kv_heads, head_dim)``) is subtracted from K before quantizing. It
   is chosen by the first call that writes video keys to the layer (the mean of that call's
   finite video keys, per KV head) and frozen by ``k_means_chosen[layer]``, a CPU flag like the
-  tags: reading it costs no sync, and later calls skip the reduction.
+  tags: reading it costs no sync, and later calls skip the reduction. ``write_slots`` owns
+  both (``k_smooth_chosen``), so a driver that writes the cache without this op agrees.
 * Every argument is checked before the first write: a refused call leaves the pools, scales,
   means, flags, the staging buffers and the tags as they were, and names the argument as the
   caller wrote it.
@@ -356,14 +357,6 @@ def _check_inputs(
     return layer_index, first_block, smoothed
 
 
-def _choose_mean(mean: Tensor, key: Tensor) -> None:
-    """Set this layer's K mean to ``key``'s: per KV head, over its finite keys."""
-    keys = key.to(SCALE_DTYPE)
-    finite = keys.isfinite()
-    counts = finite.sum(dim=0).clamp_min(1)
-    mean.copy_(torch.where(finite, keys, 0.0).sum(dim=0) / counts)
-
-
 def _write_attend_impl(*args: object) -> Tensor:
     kv, pools, inputs = _split(args)
     layer_index, first_block, smoothed = _check_inputs(kv, pools, inputs)
@@ -376,22 +369,20 @@ def _write_attend_impl(*args: object) -> Tensor:
     stage_tags[layer_index] = NOTHING_STAGED
     k_cache, v_cache = pools.k_pools[layer_index], pools.v_pools[layer_index]
     # Scales and the K mean: None for float pools (and no mean without smoothing).
-    k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = None
+    k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = k_smooth_chosen = None
     if is_quantized(k_cache.dtype):
         k_scale, v_scale = pools.k_scales[layer_index], pools.v_scales[layer_index]
         stage_k_scale = pools.stage_k_scales[layer_index] if first_block >= 0 else None
         stage_v_scale = pools.stage_v_scales[layer_index] if first_block >= 0 else None
         if smoothed:
+            # write_slots chooses the mean from the first video keys it writes (the CPU flag:
+            # no sync) and records it; only that call pays for the reduction.
             k_smooth = pools.k_means[layer_index]
-            # The CPU flag and a shape, not device values: no sync. Only the first call that
-            # writes video keys pays for the reduction.
-            if key.shape[0] and not bool(pools.k_means_chosen[layer_index]):
-                _choose_mean(k_smooth, key)
-                pools.k_means_chosen[layer_index] = True
+            k_smooth_chosen = pools.k_means_chosen[layer_index]
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    for k, v, slots in (
-        (key, value, inputs.video_slots),
-        (action_key, action_value, inputs.action_slots),
+    for k, v, slots, chosen in (
+        (key, value, inputs.video_slots, k_smooth_chosen),
+        (action_key, action_value, inputs.action_slots, None),
     ):
         write_slots(
             k,
@@ -402,6 +393,7 @@ def _write_attend_impl(*args: object) -> Tensor:
             k_scale=_apply(k_scale, Tensor.flatten, 0, 1),
             v_scale=_apply(v_scale, Tensor.flatten, 0, 1),
             k_smooth=k_smooth,
+            k_smooth_chosen=chosen,
             check_values=False,
         )
     attend = {

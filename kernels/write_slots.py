@@ -5,6 +5,11 @@ blocks. A negative slot is padding and is skipped. K and V are written by one la
 the pools' dtype, or, for quantized pools (``float8_e4m3fn``, ``int8``), quantized per
 (token, KV head) with their float32 scales written beside them in the same launch
 (``kernels._quantize_jit``; K smoothing optional).
+
+K smoothing subtracts a per-(KV head, channel) mean from K before quantizing. Given the flag
+``k_smooth_chosen`` (a cache's per-layer record), the first write that finds it unset chooses
+the mean from the keys it writes and sets it, so the mean has one owner: every later write
+of the layer, through the fused op or a driver of its own, subtracts that same frozen mean.
 """
 
 from __future__ import annotations
@@ -184,6 +189,7 @@ def _check_arguments(
     k_scale: Tensor | None,
     v_scale: Tensor | None,
     k_smooth: Tensor | None,
+    k_smooth_chosen: Tensor | None,
     check_values: bool,
 ) -> None:
     _checks.check_rank("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
@@ -213,6 +219,16 @@ def _check_arguments(
             raise ValueError(
                 f"k_smooth must have shape {tuple(k_pool.shape[1:])} (num_kv_heads, head_dim), "
                 f"got {tuple(k_smooth.shape)}"
+            )
+    if k_smooth_chosen is not None:
+        if k_smooth is None:
+            raise ValueError("k_smooth_chosen needs k_smooth (the mean it says is chosen)")
+        _checks.check_tensor("k_smooth_chosen", k_smooth_chosen)
+        _checks.check_dtype("k_smooth_chosen", k_smooth_chosen, (torch.bool,))
+        if k_smooth_chosen.dim() != 0 or k_smooth_chosen.device.type != "cpu":
+            raise ValueError(
+                "k_smooth_chosen must be a 0-dim bool tensor on the CPU (read without a device "
+                f"sync), got shape {tuple(k_smooth_chosen.shape)} on {k_smooth_chosen.device}"
             )
     _checks.check_same_device(
         key=key,
@@ -267,6 +283,7 @@ def write_slots(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     k_smooth: Tensor | None = None,
+    k_smooth_chosen: Tensor | None = None,
     check_values: bool = True,
 ) -> None:
     """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
@@ -274,16 +291,31 @@ def write_slots(
     Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches. Quantized
     pools (``kernels.quantize.QUANT_DTYPES``) take codes, and their scales ``(num_slots,
     num_kv_heads)`` float32 ``k_scale``/``v_scale`` are written with them; ``k_smooth``
-    ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing.
+    ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing. With
+    ``k_smooth_chosen`` (0-dim bool, CPU: a cache's flag, e.g. ``LayerCache.write_kwargs()``),
+    a call that finds it False first sets ``k_smooth`` to the mean of the keys it writes (per
+    KV head, over finite values of rows with a slot) and sets it True.
     ``check_values=False`` skips the checks that read slot values (no device sync).
     """
     _check_arguments(
-        key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth, check_values
+        key,
+        value,
+        k_pool,
+        v_pool,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        k_smooth,
+        k_smooth_chosen,
+        check_values,
     )
     slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
+    if k_smooth_chosen is not None and not bool(k_smooth_chosen):  # a CPU flag: no sync
+        _choose_mean(k_smooth, key[:num_tokens], slot_mapping)
+        k_smooth_chosen.fill_(True)
     if use_torch_path(key):
         torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth)
         return
@@ -309,6 +341,14 @@ def write_slots(
         *v_pool.stride(),
         **tiles.constexprs(),
     )
+
+
+def _choose_mean(mean: Tensor, key: Tensor, slot_mapping: Tensor) -> None:
+    """Set ``mean`` to ``key``'s per KV head, over the finite values of rows with a slot."""
+    keys = key.to(quantize.SCALE_DTYPE)
+    used = keys.isfinite() & (slot_mapping >= 0)[:, None, None]
+    counts = used.sum(dim=0).clamp_min(1)
+    mean.copy_(torch.where(used, keys, 0.0).sum(dim=0) / counts)
 
 
 def _launch_quantized(

@@ -692,9 +692,7 @@ class PagedWanRollout:
             positions=positions,
             blocks=blocks,
             action_tokens=call.plans[0].action_tokens,
-            # The call's stage_from is where a layer *may* restage from; the plan's says
-            # where every layer did, from the staging record as it stood at prepare.
-            stage_from=-1 if call.stage_from < 0 else call.plans[0].stage_from,
+            stage_from=call.stage_from,
             free_blocks=self.cache.pool.num_free,
         )
 

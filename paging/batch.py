@@ -23,8 +23,7 @@ def batch_plans(plans: Sequence[ForwardPlan]) -> AttentionInputs:
     for i, plan in enumerate(plans):
         if not isinstance(plan, ForwardPlan):
             raise TypeError(f"plans[{i}] must be a ForwardPlan, got {type(plan).__name__}")
-        if plan.inputs is None:
-            raise ValueError(f"plans[{i}] is not prepared; call prepare() first")
+        plan.check_current(f"plans[{i}]")  # prepared, and its blocks still its own
         if plan.cache is not plans[0].cache:
             raise ValueError(f"plans[{i}] belongs to another cache than plans[0]")
         key = (plan.session.id, plan.branch)

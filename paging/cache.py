@@ -45,9 +45,12 @@ def _usable_device(device: object) -> torch.device:
 class LayerCache(NamedTuple):
     """One layer's storage: 4-D pools, their flat ``(num_blocks * B, ...)`` views, staging.
 
-    Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` (the kernels'
-    ``k_scale``/``v_scale``; ``.flatten(0, 1)`` for ``write_slots``) and, with smoothing, the
-    layer's K mean ``(num_kv_heads, head_dim)`` (``write_slots``' ``k_smooth``); else None.
+    Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` and, with
+    smoothing, the layer's K mean ``(num_kv_heads, head_dim)`` and its 0-dim CPU flag
+    ``k_mean_chosen``; else None. A driver of its own passes ``write_kwargs()`` to
+    ``write_slots`` and ``attention_kwargs()`` to ``paged_attention``: the scales, and the mean
+    with its flag, so the first write chooses the layer's mean and records it for every later
+    write (the fused op's included).
     """
 
     k: Tensor
@@ -59,6 +62,23 @@ class LayerCache(NamedTuple):
     k_scale: Tensor | None = None
     v_scale: Tensor | None = None
     k_mean: Tensor | None = None
+    k_mean_chosen: Tensor | None = None
+
+    def write_kwargs(self) -> dict[str, Tensor]:
+        """Keyword arguments for ``write_slots`` after ``key, value, k_flat, v_flat, slots``:
+        flat scales, the K mean and its flag (none for a float cache)."""
+        if self.k_scale is None:
+            return {}
+        kwargs = {"k_scale": self.k_scale.flatten(0, 1), "v_scale": self.v_scale.flatten(0, 1)}
+        if self.k_mean is not None:
+            kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}
+        return kwargs
+
+    def attention_kwargs(self) -> dict[str, Tensor]:
+        """Keyword arguments for ``paged_attention`` over ``k, v``: the scales (float: none)."""
+        if self.k_scale is None:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
 
 class BlockCounts(NamedTuple):
@@ -299,6 +319,7 @@ class PagedKVCache:
             k_scale=self.k_scales[index] if self.quantized else None,
             v_scale=self.v_scales[index] if self.quantized else None,
             k_mean=self.k_means[index] if self.k_means.numel() else None,
+            k_mean_chosen=self.k_means_chosen[index] if self.k_means.numel() else None,
         )
 
     def scratch_blocks(self, session: Session, branch: str) -> range:

@@ -6,10 +6,12 @@ CFG branches, or several sessions) into one attention call, and hands every laye
 first block to restage and the staged history's id are 0-dim CPU tensors, made once per layer
 and per forward, so one compiled graph serves every layer and every forward.
 
-A call refuses (``ValueError``) to run a plan that is no longer current: cancelled, committed,
-its session closed, its sequence committed since it was prepared (its tensors would point
-at blocks that moved or went back to the pool), or the tail block it writes into copied or
-shared by a fork since (it would write into a block another session holds).
+A call refuses (``ValueError``) to run a plan that is no longer current
+(``ForwardPlan.check_current``): cancelled, committed, its session closed, its sequence
+committed since it was prepared (its tensors would point at blocks that moved or went back to
+the pool), behind another committing forward pending on its sequence, or the tail block it
+writes into copied or shared by a fork since (it would write into a block another session
+holds).
 """
 
 from __future__ import annotations
@@ -62,8 +64,6 @@ class ForwardCall:
                 raise TypeError(f"plans[{i}] must be a ForwardPlan, got {type(plan).__name__}")
             if plan.cache is not cache:
                 raise ValueError(f"plans[{i}] belongs to another cache")
-        if not plans:
-            raise TypeError("plans must be a ForwardPlan or a non-empty sequence of them")
         if not isinstance(softmax_scale, float):
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
         if not math.isfinite(softmax_scale):
@@ -72,10 +72,13 @@ class ForwardCall:
         self.plans = plans
         fresh = list({id(plan): plan for plan in plans if plan.state is PlanState.NEW}.values())
         try:
-            for plan in plans:
-                plan._prepare(copy_tail=False)  # copies below, once every plan passed
+            for i, plan in enumerate(plans):
+                if plan.state is not PlanState.NEW:
+                    plan.check_current(f"plans[{i}]")
+                plan._prepare(copy_tail=False)  # the copies below, once every plan passed
+            # batch_plans checks every plan again once all are prepared: a committing plan
+            # prepared after a scratch plan of its sequence leaves that one behind it.
             self.inputs = plans[0].inputs if len(plans) == 1 else batch_plans(plans)
-            self.check_current()
         except Exception:
             for plan in reversed(fresh):
                 plan.unprepare()
@@ -83,7 +86,10 @@ class ForwardCall:
         for plan in plans:  # checked: now the copies of shared tail blocks (copy-on-write)
             plan._copy_tail_block()
         decision = plans[0].staging if cache.staging is not None and len(plans) == 1 else None
-        self._stage_from = torch.tensor(-1 if decision is None else decision.first_block)
+        self._staged = decision is not None
+        # The op's stage_from: where a layer restages from when its buffers hold this history.
+        self._keep_from = torch.tensor(-1 if decision is None else decision.first_block)
+        self._restaged_from: int | None = None  # recorded when the first layer's inputs are taken
         self._stage_key = torch.tensor(
             NOTHING_STAGED if decision is None else decision.key, dtype=torch.int64
         )
@@ -93,37 +99,22 @@ class ForwardCall:
 
     @property
     def stage_from(self) -> int:
-        """First visible block a layer restages when its staging buffers still hold this
-        forward's history (another layer restages all); -1 when attending over the paged cache.
+        """Where this forward restages from, as ``ForwardPlan.stage_from`` says it: the first
+        visible block some layer restages, -1 when attending over the paged cache.
+
+        Fixed when the first layer's inputs are taken (``layer``, ``attend``), before any layer
+        runs, from what the staging buffers hold then; until then, from what they hold now.
         """
-        return int(self._stage_from)
+        if self._restaged_from is not None:
+            return self._restaged_from
+        if not self._staged:
+            return -1
+        return self.cache.staging.first_block(self.plans[0].staging)
 
     def check_current(self) -> None:
-        """``ValueError`` unless every plan may still run: prepared, not committed nor
-        cancelled, its session open, its sequence unchanged since ``prepare``, the tail block
-        it writes still the sequence's alone, and no other committing forward pending (whose
-        tail block a scratch forward would write)."""
+        """``ValueError`` unless every plan may still run (``ForwardPlan.check_current``)."""
         for i, plan in enumerate(self.plans):
-            if plan.state is not PlanState.PREPARED:
-                raise ValueError(f"plans[{i}] is {plan.state.value}; make a new plan")
-            self.cache.check_open(plan.session)
-            sequence = plan.sequence
-            if sequence.absolute != plan.history:
-                raise ValueError(
-                    f"plans[{i}] is stale: its sequence committed {sequence.absolute} "
-                    f"tokens, {plan.history} when it was prepared; make a new plan"
-                )
-            tail = plan.tail
-            if tail is not None and not sequence.holds_alone(tail.entry, tail.block):
-                raise ValueError(
-                    f"plans[{i}] is stale: the tail block it writes into was copied or shared "
-                    "by a fork since it was prepared; make a new plan"
-                )
-            if sequence.pending is not None and sequence.pending is not plan:
-                raise ValueError(
-                    f"plans[{i}]: a committing forward is pending on branch {plan.branch!r} of "
-                    f"session {plan.session.id}; commit or cancel it first"
-                )
+            plan.check_current(f"plans[{i}]")
 
     def _check_index(self, index: object) -> int:
         layers = self.cache.num_layers
@@ -139,6 +130,9 @@ class ForwardCall:
         """The fused op's inputs for layer ``index``."""
         index = self._check_index(index)
         self.check_current()
+        if self._restaged_from is None:
+            staged = self._staged
+            self._restaged_from = min(plan.start_forward(staged=staged) for plan in self.plans)
         inputs = self.inputs
         return LayerInputs(
             layer=self._layers[index],
@@ -148,7 +142,7 @@ class ForwardCall:
             cu_seqlens_q=inputs.cu_seqlens_q,
             seq_lens_k=inputs.seq_lens_k,
             key_gap=self._key_gap,
-            stage_from=self._stage_from,
+            stage_from=self._keep_from,
             stage_key=self._stage_key,
             stage_tags=self.cache.stage_tags,
             max_seqlen_q=inputs.max_seqlen_q,

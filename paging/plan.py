@@ -89,6 +89,11 @@ class ForwardPlan:
     the block's K/V and scales on every layer): in a batched launch every row writes before any
     attends, so two forks writing the free slots of one block would read each other's tokens.
     ``tail`` is that write (None on a block edge).
+
+    A prepared plan hands out its tensors (``prepare``, ``batch_plans``, ``ForwardCall``) only
+    while it is current (``check_current``): any commit on its sequence since ``prepare``
+    overtakes it, since eviction may have returned the blocks its table lists to the pool, and
+    so does a fork or copy that leaves the tail block it writes into shared or no longer its.
     """
 
     def __init__(
@@ -110,8 +115,10 @@ class ForwardPlan:
         self.state = PlanState.NEW
         self.inputs: AttentionInputs | None = None
         self.staging: StagingDecision | None = None
-        # Model positions committed before this forward (its first token's position).
+        # Model positions committed before this forward (its first token's position), and the
+        # sequence's generation (its count of commits) then.
         self.history: int | None = None
+        self.generation: int | None = None
         self.tail: TailWrite | None = None
         self._tail_copied = True
         self._stage_from = -1
@@ -122,24 +129,69 @@ class ForwardPlan:
 
     @property
     def stage_from(self) -> int:
-        """First visible block the forward would restage, as the staging record stood when
-        the plan was prepared; -1 when not staging.
+        """Where this plan's forward restages from: the first visible block some layer
+        restages (a layer whose buffers hold this history keeps the blocks before
+        ``staging.first_block``; any other restages all); -1 when it attends over the paged
+        cache (no staging, or a batch of rows).
 
-        Informative only: each layer decides when it runs, from what its buffers hold then.
+        Read from the staging record when the plan is prepared, and again when a
+        ``ForwardCall`` over it starts (``start_forward``), so after a forward it says where
+        that forward's layers restaged from; ``ForwardCall.stage_from`` is the same figure.
         """
         return self._stage_from
 
-    def _check_session(self) -> None:
+    def start_forward(self, *, staged: bool) -> int:
+        """Record (and return) where a forward over this plan that starts now restages from:
+        -1 unless ``staged`` (one row over a staging cache), else from the staging record."""
+        if not staged or self.staging is None:
+            self._stage_from = -1
+        else:
+            self._stage_from = self.cache.staging.first_block(self.staging)
+        return self._stage_from
+
+    def _check_session(self, name: str) -> None:
         if self.session.closed:
             raise ValueError(
-                f"plan: session {self.session.id} is not open (it was closed); plan forwards "
+                f"{name}: session {self.session.id} is not open (it was closed); plan forwards "
                 "of an open session"
+            )
+
+    def check_current(self, name: str = "plan") -> None:
+        """``ValueError`` (naming the plan ``name``) unless the plan may hand out its tensors:
+        prepared, neither committed nor cancelled, its session open, its sequence not
+        committed since ``prepare`` (same generation), the tail block it writes still its
+        sequence's alone (no fork shares it, no copy replaced it) and no other committing
+        forward pending on it (whose tail block this forward would write)."""
+        if self.state is not PlanState.PREPARED:
+            if self.state is PlanState.NEW:
+                raise ValueError(f"{name} is not prepared; call prepare() first")
+            raise ValueError(f"{name} is {self.state.value}; make a new plan")
+        self._check_session(name)
+        sequence = self.sequence
+        if sequence.generation != self.generation:
+            commits = sequence.generation - self.generation
+            raise ValueError(
+                f"{name} is stale: overtaken by {commits} commit(s) on branch {self.branch!r} "
+                f"of session {self.session.id} since it was prepared (history {self.history} -> "
+                f"{sequence.absolute} tokens), which may have freed its blocks; make a new plan"
+            )
+        tail = self.tail
+        if tail is not None and not sequence.holds_alone(tail.entry, tail.block):
+            raise ValueError(
+                f"{name} is stale: the tail block it writes into was copied or shared by a fork "
+                "since it was prepared; make a new plan"
+            )
+        if sequence.pending is not None and sequence.pending is not self:
+            raise ValueError(
+                f"{name}: a committing forward is pending on branch {self.branch!r} of session "
+                f"{self.session.id}; commit or cancel it first"
             )
 
     def prepare(self) -> AttentionInputs:
         """Allocate (committing forward) and build the tensors; later calls return the same.
 
-        A cancelled plan refuses, whatever happened before: its blocks went back to the pool.
+        Only while the plan is current (``check_current``): a cancelled, committed or
+        overtaken plan refuses, whatever happened before, since its blocks may be free again.
         """
         return self._prepare(copy_tail=True)
 
@@ -147,11 +199,10 @@ class ForwardPlan:
         """``prepare``; ``copy_tail=False`` (``ForwardCall`` only) leaves a shared tail block's
         device copy to ``_copy_tail_block``, which the call runs once it has checked every
         plan (or it unprepares them), so a refused call writes no byte."""
-        if self.state is PlanState.CANCELLED:
-            raise ValueError("plan: this plan was cancelled; make a new one")
-        if self.inputs is not None:
+        if self.state is not PlanState.NEW:
+            self.check_current()
             return self.inputs
-        self._check_session()
+        self._check_session("plan")
         sequence = self.sequence
         if sequence.pending is not None:
             raise ValueError(
@@ -160,6 +211,7 @@ class ForwardPlan:
             )
         self.inputs = self._build(sequence)
         self.history = sequence.absolute
+        self.generation = sequence.generation
         self.state = PlanState.PREPARED
         self._tail_copied = self.tail is None or self.tail.replaced is None
         if copy_tail:
@@ -182,8 +234,8 @@ class ForwardPlan:
                 self.sequence.drop_pending()
             if self.tail is not None:
                 self.sequence.restore_tail(self.tail)
-        self.inputs, self.staging, self.history, self.tail = None, None, None, None
-        self._tail_copied = True
+        self.inputs, self.staging, self.history, self.generation = None, None, None, None
+        self.tail, self._tail_copied = None, True
         self._stage_from = -1
         self.state = PlanState.NEW
 
@@ -301,7 +353,7 @@ class ForwardPlan:
         """
         if not self.committing or self.state is not PlanState.PREPARED:
             return False
-        self._check_session()
+        self._check_session("plan")
         self.sequence.commit(self.num_tokens)
         self.state = PlanState.COMMITTED
         return True

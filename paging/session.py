@@ -41,6 +41,7 @@ class Sequence:
     outside the pool. ``committed`` counts storage tokens, ``compacted`` the tokens
     compaction removed from the table, ``absolute = committed + compacted`` the model positions
     committed, and ``evicted`` the dead storage tokens after the sink, ``[S, S + evicted)``.
+    ``generation`` counts commits: a plan prepared at another generation is stale.
     ``pending`` is the prepared committing forward (its plan, compared by identity only) that
     has not committed yet; while it is set the table also lists that forward's new blocks.
     """
@@ -52,6 +53,7 @@ class Sequence:
     committed: int = 0
     compacted: int = 0
     evicted: int = 0
+    generation: int = 0
     pending: object | None = None
 
     @property
@@ -155,6 +157,7 @@ class Sequence:
         config = self.config
         already_null = window.dead_entries(config, self.evicted)
         self.committed += num_tokens
+        self.generation += 1
         self.pending = None
         self.evicted = window.evicted_tokens(config, self.committed)
         newly_dead = range(already_null.stop, window.dead_entries(config, self.evicted).stop)

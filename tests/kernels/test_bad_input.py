@@ -80,6 +80,12 @@ ATTENTION_CASES = [
         id="cu-seqlens-shape",
     ),
     pytest.param(
+        lambda a: {"cu_seqlens_q": torch.tensor([0, 4], dtype=torch.int32), "check_values": False},
+        ValueError,
+        r"cu_seqlens_q must have shape \(3,\)",
+        id="cu-seqlens-shape-unchecked-values",
+    ),
+    pytest.param(
         lambda a: {"cu_seqlens_q": torch.tensor([0, 7, 10], dtype=torch.int32)},
         ValueError,
         "max_seqlen_q",
@@ -208,6 +214,14 @@ def test_gather_blocks_rejects_and_changes_nothing(index, change, kwargs, error,
             assert torch.equal(stage, torch.full_like(stage, 3.0))
 
 
+def test_gather_blocks_needs_a_row_for_every_slot() -> None:
+    args = gather_args()
+    args[3], args[4] = args[3][:23], args[4][:23]  # 3 blocks of 8 slots: one row short
+    with pytest.raises(ValueError, match="stage_k has 23 rows"):
+        kernels.gather_blocks(*args)
+    assert (args[3] == 3.0).all()
+
+
 def quantized_write_args(dtype=torch.float8_e4m3fn):
     key, value, _, _, slots = write_args()
     pools = [torch.zeros(32, 2, 16, dtype=dtype) for _ in range(2)]
@@ -241,6 +255,26 @@ QUANTIZED_WRITE_CASES = [
         TypeError,
         "k_smooth",
         id="smooth-dtype",
+    ),
+    pytest.param(
+        lambda a, k: k.update(k_smooth_chosen=torch.tensor(False)),
+        ValueError,
+        "k_smooth_chosen needs k_smooth",
+        id="chosen-without-mean",
+    ),
+    pytest.param(
+        lambda a, k: k.update(k_smooth=torch.zeros(2, 16), k_smooth_chosen=torch.tensor(0)),
+        TypeError,
+        "k_smooth_chosen",
+        id="chosen-dtype",
+    ),
+    pytest.param(
+        lambda a, k: k.update(
+            k_smooth=torch.zeros(2, 16), k_smooth_chosen=torch.zeros(1, dtype=torch.bool)
+        ),
+        ValueError,
+        "k_smooth_chosen must be a 0-dim",
+        id="chosen-shape",
     ),
 ]
 

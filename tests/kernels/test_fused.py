@@ -184,3 +184,58 @@ def test_compiles_once_across_changing_values(staged: bool) -> None:
         got = compiled(tensors, inputs)
         torch.testing.assert_close(got, want.sum(dim=1), rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1
+
+
+def test_a_staged_call_without_a_history_id_restages_all() -> None:
+    # stage_key -1 names no history: even over a layer whose tag is -1 too, the op restages
+    # every block, not only those from stage_from on (the rows before it hold NaN here).
+    tensors, inputs = make_forward(0, staged=True, layer=1)
+    state = make_state()
+    out = fused.write_attend(
+        *tensors, fused.PoolTensors.build(*state), inputs._replace(stage_from=torch.tensor(2))
+    )
+    assert not out.isnan().any()
+    assert not state[2][1, : 2 * BLOCK].isnan().any(), "the first blocks were not restaged"
+    assert int(inputs.stage_tags[1]) == -1
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        pytest.param(  # two rows, consistent lengths: only the staging check refuses
+            lambda i: i._replace(
+                block_table=i.block_table.repeat(2, 1),
+                cu_seqlens_q=torch.tensor([0, 10, 20], dtype=torch.int32, device=DEVICE),
+                seq_lens_k=i.seq_lens_k.repeat(2),
+                key_gap=i.key_gap.repeat(2, 1, 1),
+            ),
+            "block_table must have one row with history staging",
+            id="two-rows",
+        ),
+        pytest.param(
+            lambda i: i._replace(block_table=torch.cat([i.block_table, i.block_table], 1)),
+            "rows per layer",
+            id="window-too-wide",
+        ),
+    ],
+)
+def test_staging_needs_one_row_and_room_for_the_window(change, match: str) -> None:
+    tensors, inputs = make_forward(0, staged=True)
+    state = make_state()
+    before = [t.clone() for t in state]
+    with pytest.raises(ValueError, match=match):
+        fused.write_attend(*tensors, fused.PoolTensors.build(*state), change(inputs))
+    for now, then in zip(state, before, strict=True):
+        assert torch.equal(now.nan_to_num(7.0), then.nan_to_num(7.0))
+
+
+def test_pool_tensors_and_query_heads_are_checked() -> None:
+    state = make_state()
+    with pytest.raises(TypeError, match=r"unknown pool tensors \['k_scale'\]"):
+        fused.PoolTensors.build(*state, k_scale=torch.zeros(1))
+    tensors, inputs = make_forward(0, staged=False)
+    tensors[0] = tensors[0][:, :3]  # 3 query heads over 2 KV heads
+    before = state[0].clone()
+    with pytest.raises(ValueError, match="query num_heads 3 must be a multiple of num_kv_heads 2"):
+        fused.write_attend(*tensors, fused.PoolTensors.build(*state), inputs)
+    assert torch.equal(state[0], before)

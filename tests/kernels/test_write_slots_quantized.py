@@ -268,3 +268,31 @@ def test_assertion_catches_wrong_rounding(dtype, broken, monkeypatch) -> None:
     kernels.write_slots(key, value, pools[0], pools[1], slots, k_scale=pools[2], v_scale=pools[3])
     with pytest.raises(AssertionError):
         assert_rows_quantized(pools[1], pools[3], value.float(), dtype, bitwise=False)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_the_flag_makes_the_first_write_choose_the_mean_once(dtype) -> None:
+    # The mean of the rows written (slot >= 0, finite values; rows past the mapping ignored),
+    # recorded in the flag; a later write keeps it, and a write of no rows chooses nothing.
+    heads, dim = 2, 16
+    key, value, _ = random_kv(6, heads, dim, seed=7)
+    key[1, 0, 3] = float("nan")
+    slots = torch.tensor([4, 9, -1, 2, 7], device=DEVICE)  # row 2 skipped, row 5 unmapped
+    pools = poisoned_pools(12, heads, dim, dtype)
+    mean = torch.full((heads, dim), 99.0, device=DEVICE)
+    chosen = torch.tensor(False)
+    kwargs = dict(k_scale=pools[2], v_scale=pools[3], k_smooth=mean, k_smooth_chosen=chosen)
+    kernels.write_slots(key, value, *pools[:2], slots, **kwargs, check_values=False)
+    rows = key[[0, 1, 3, 4]].double()
+    want = torch.where(rows.isfinite(), rows, 0).sum(0) / rows.isfinite().sum(0)
+    assert bool(chosen)
+    torch.testing.assert_close(mean.double(), want, rtol=1e-6, atol=1e-6)
+    written = slots[[0, 3, 4]]
+    x = key[[0, 3, 4]].float() - mean
+    assert_rows_quantized(pools[0][written], pools[2][written], x, dtype, bitwise=not ON_GPU)
+    frozen = mean.clone()
+    kernels.write_slots(2 * key, value, *pools[:2], slots, **kwargs)
+    assert torch.equal(mean, frozen)
+    unset = torch.tensor(False)
+    kernels.write_slots(key, value, *pools[:2], slots[:0], **kwargs | {"k_smooth_chosen": unset})
+    assert not bool(unset) and torch.equal(mean, frozen)

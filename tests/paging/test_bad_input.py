@@ -95,6 +95,8 @@ def test_closed_foreign_or_wrong_sessions(cache: PagedKVCache) -> None:
     cache.close_session(session)
     raises_unchanged(cache, ValueError, "not open", plan.prepare)
     raises_unchanged(cache, ValueError, "not open", committing.commit)
+    # Prepared before the close: its blocks went back to the pool, its scratch lane too.
+    raises_unchanged(cache, ValueError, "not open", committing.prepare)
     raises_unchanged(cache, ValueError, "not open", lambda: cache.plan(session, "pos", 6))
     raises_unchanged(cache, ValueError, "not open", lambda: cache.close_session(session))
     other = PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=2)

@@ -30,6 +30,20 @@ def four_rows(ragged_config: PagingConfig):
     return rollout, plans
 
 
+def test_every_sequence_has_scratch_blocks_of_its_own(ragged_config: PagingConfig) -> None:
+    cache = Rollout(ragged_config, branches=("positive", "negative"), session_capacity=2).cache
+    sessions = [cache.open_session(), cache.open_session()]
+    lanes = [
+        cache.scratch_blocks(session, branch)
+        for session in sessions
+        for branch in ("positive", "negative")
+    ]
+    blocks = [block for lane in lanes for block in lane]
+    assert len(blocks) == len(set(blocks)) == 4 * cache.scratch_lane_blocks
+    assert min(blocks) == 1 + cache.pool.num_blocks and max(blocks) == cache.num_blocks - 1
+    assert [session.sequences["negative"].scratch for session in sessions] == lanes[1::2]
+
+
 def test_rows_stack_and_lengths_concatenate(four_rows) -> None:
     rollout, plans = four_rows
     batch = batch_plans(plans)

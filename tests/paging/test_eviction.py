@@ -65,6 +65,7 @@ def test_freed_range_formula() -> None:
     assert window.dead_entries(config, 0) == range(2, 2)
     assert window.dead_entries(config, 1) == range(2, 2)  # dead [6, 7): inside entry 1
     assert window.dead_entries(config, 6) == range(2, 3)
+    assert window.dead_entries(config, 12) == range(2, 4)  # entry 4 still holds live 18, 19
     assert window.dead_entries(config, 18) == range(2, 6)
 
 
@@ -100,6 +101,26 @@ def test_compaction_amounts(ragged_config: PagingConfig, reset: bool, expected: 
         assert seq.absolute == 6 * tick and seq.completed_chunks == tick
         assert len(seq.block_table) == seq.history_entries
         rollout.check_residency()
+
+
+def test_recent_start_worked_by_hand(ragged_config: PagingConfig) -> None:
+    # S = 6, W = 12: the last W tokens of the forward's end, never before what is evicted,
+    # and empty (= end) while the sink still covers the whole forward.
+    assert window.recent_start(ragged_config, 4, 0) == 4
+    assert window.recent_start(ragged_config, 18, 0) == 6
+    assert window.recent_start(ragged_config, 30, 6) == 18
+    assert window.recent_start(ragged_config, 24, 12) == 18
+
+
+def test_without_compaction_the_null_entries_stay(ragged_config: PagingConfig) -> None:
+    config = dataclasses.replace(ragged_config, window_chunks=1, compaction=False)
+    rollout = Rollout(config)
+    session = rollout.open()
+    for _ in range(7):
+        rollout.step(session)
+    seq = session.sequences["main"]
+    assert (seq.committed, seq.compacted, seq.evicted) == (42, 0, 30)
+    assert list.copy(seq.block_table)[2:9] == [0] * 7  # entries of [6, 36): evicted, kept null
 
 
 def test_compactable_tokens_are_whole_units(ragged_config: PagingConfig) -> None:

@@ -5,11 +5,10 @@ Every forward is checked slot by slot against the window oracle and the slot led
 model positions resident. A twin pair of caches (``twin.py``: one staging, one not; float,
 e4m3 or int8 pools, drawn per example) runs real ``ForwardCall`` forwards, batched over several
 branches and sessions or single-row, among plans prepared and dropped, cancelled, re-prepared
-after cancel, and forwards abandoned part way; every output of the staged cache must equal the
-unstaged one bit for bit. Its kernels take
-the plain-PyTorch path so each step stays cheap (the kernels are checked elsewhere); the plan
-rules launch nothing. Runs ``9 x`` the loaded profile's ``max_examples`` (>= 500 under
-``--hypothesis-profile=ci``).
+after cancel, overtaken by a commit, and forwards abandoned part way; every output of the
+staged cache must equal the unstaged one bit for bit. Its kernels take the plain-PyTorch path
+so each step stays cheap (the kernels are checked elsewhere); the plan rules launch nothing.
+Runs ``9 x`` the loaded profile's ``max_examples`` (>= 500 under ``--hypothesis-profile=ci``).
 
 Forks: every cache forks sessions (all branches at once) while the twin's unstaged cache makes
 deep copies instead, so a fork's outputs must equal its deep-copied twin's bit for bit. Closing
@@ -37,7 +36,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from paged_video.paging import PagingConfig
+from paged_video.paging import PagingConfig, batch_plans
 from paged_video.paging.forward import ForwardCall
 from tests.paging.rollout import Rollout, check_pool, resident_model_positions, snapshot
 from tests.paging.twin import Twin, plain_torch_kernels
@@ -366,6 +365,30 @@ class PagingMachine(RuleBasedStateMachine):
                 plan.prepare()
             with pytest.raises(ValueError, match="cancelled"):
                 ForwardCall(cache, plan, softmax_scale=0.5)
+            assert snapshot(cache) == before
+
+    @rule(data=st.data())
+    def twin_overtaken(self, data) -> None:
+        """A scratch plan prepared, then a committing forward of its row commits: the plan is
+        overtaken (its blocks may be free again), so preparing it, batching it or a call over
+        it is refused and changes nothing."""
+        rows = self.twin_rows(data, max_rows=1)
+        if not rows:
+            return
+        plans = self.twin.plans(rows, commit=False)
+        for (plan,) in plans:
+            plan.prepare()
+        with plain_torch_kernels():
+            self.twin.forward(rows, commit=True)
+        for cache, (plan,) in zip(self.twin.caches, plans, strict=True):
+            before = snapshot(cache)
+            for hand_out in (
+                plan.prepare,
+                lambda plan=plan: batch_plans([plan]),
+                lambda cache=cache, plan=plan: ForwardCall(cache, plan, softmax_scale=0.5),
+            ):
+                with pytest.raises(ValueError, match="stale: overtaken by 1 commit"):
+                    hand_out()
             assert snapshot(cache) == before
 
     @precondition(lambda self: self.twin_pending)

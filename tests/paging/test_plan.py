@@ -102,6 +102,9 @@ def test_actions_fill_the_free_tail_of_the_last_video_block(ragged_config: Pagin
     assert inputs.video_slots.tolist() == slots(scratch[:2], 4, 0, 6)
     assert inputs.action_slots.tolist() == slots(scratch[1:3], 4, 2, 3)
     assert inputs.seq_lens_k.tolist() == [9]
+    # Two actions fit the free tail: no scratch block more.
+    inputs = rollout.forward(session, actions=2).plan.inputs
+    assert inputs.block_table[0].tolist()[:3] == [*scratch[:2], 0]
 
 
 def test_fixed_width_with_a_sink_and_a_ragged_window(ragged_config: PagingConfig) -> None:
@@ -135,6 +138,13 @@ def test_key_gap_worked_by_hand(ragged_config: PagingConfig) -> None:
     assert kwargs["key_gap"] is not None
     plain = Rollout(ragged_config)
     assert plain.forward(plain.open()).plan.inputs.attention_kwargs()["key_gap"] is None
+    # C = 1, B = 4, S = 1, W = 2: history 3, end 4, recent [2, 4) starts inside the sink's
+    # block 0, which holds the whole read: keys 0..3, the gap is key 1 alone.
+    tiny = PagingConfig(block_size=4, chunk_size=1, sink_chunks=1, window_chunks=2)
+    rollout = Rollout(dataclasses.replace(tiny, exact_window=True))
+    session = rollout.open()
+    gaps = [rollout.step(session).plan.inputs.key_gap.tolist() for _ in range(4)]
+    assert gaps == [[[1, 1]], [[1, 1]], [[1, 1]], [[1, 2]]]
 
 
 def test_commit_only_after_a_prepared_committing_forward(ragged_config: PagingConfig) -> None:
@@ -150,6 +160,8 @@ def test_commit_only_after_a_prepared_committing_forward(ragged_config: PagingCo
     assert rollout.commit(record) and seq.committed == 6 and seq.pending is None
     after = snapshot(cache)
     assert record.plan.commit() is False and snapshot(cache) == after  # no double commit
+    scratch = rollout.forward(session)
+    assert scratch.plan.commit() is False and snapshot(cache) == after  # a scratch forward
 
 
 def test_cancel_returns_the_pending_blocks(ragged_config: PagingConfig) -> None:

@@ -12,6 +12,9 @@ def test_hands_out_every_block_but_the_null_block() -> None:
     blocks = pool.allocate(5)
     assert sorted(blocks) == [1, 2, 3, 4, 5] and NULL_BLOCK not in blocks
     assert (pool.num_free, pool.num_held) == (0, 5)
+    assert [pool.is_held(block) for block in range(7)] == [False, *[True] * 5, False]
+    pool.free(blocks)
+    assert pool.num_free == 5 and not any(pool.is_held(block) for block in range(7))
 
 
 def test_free_count_and_reuse() -> None:

@@ -17,10 +17,12 @@ import torch
 from torch import Tensor
 
 from paged_video import reference
+from paged_video.kernels import paged_attention, write_slots
 from paged_video.paging import PagedKVCache, PagingConfig, Session
 from paged_video.paging.forward import ForwardCall
 from paged_video.reference.quantize import dequantize, nearest_code_error
 from tests.paging.rollout import geometry_of
+from tests.paging.twin import plain_torch_kernels
 
 FORMATS = [
     pytest.param(torch.float8_e4m3fn, id="e4m3"),
@@ -34,6 +36,12 @@ LAYERS, HEADS, KV_HEADS, DIM = 2, 2, 1, 8
 CONFIG = PagingConfig(
     block_size=4, chunk_size=6, sink_chunks=1, window_chunks=2, max_action_tokens=3
 )
+
+
+@pytest.fixture
+def plain():
+    with plain_torch_kernels():
+        yield
 
 
 def poisoned_cache(config: PagingConfig, **kwargs) -> PagedKVCache:
@@ -198,6 +206,7 @@ def test_unsmoothed_cache_has_no_means() -> None:
     rollout = QuantizedRollout(config)
     assert rollout.cache.k_means.numel() == 0 and rollout.cache.k_means_chosen.numel() == 0
     assert rollout.cache.layer(0).k_mean is None
+    assert rollout.cache.layer(0).write_kwargs().keys() == {"k_scale", "v_scale"}
     session = rollout.cache.open_session()
     for _ in range(3):
         rollout.forward([(session, "main")], commit=True)
@@ -220,11 +229,17 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
     if dtype is None:
         assert cache.k_pools.dtype == cache.stage_k.dtype == torch.float32
         assert all(t.numel() == 0 for t in tensors[4:])
-        assert layer.k_scale is layer.v_scale is layer.k_mean is None
+        assert layer.k_scale is layer.v_scale is layer.k_mean is layer.k_mean_chosen is None
+        assert layer.write_kwargs() == {} == layer.attention_kwargs()
         return
-    for name, whole in (("k_scale", "k_scales"), ("v_scale", "v_scales"), ("k_mean", "k_means")):
+    views = ("k_scale", "k_scales"), ("v_scale", "v_scales"), ("k_mean", "k_means")
+    for name, whole in (*views, ("k_mean_chosen", "k_means_chosen")):
         view, stacked = getattr(layer, name), getattr(cache, whole)
         assert view.data_ptr() == stacked[1].data_ptr() and view.shape == stacked.shape[1:]
+    write, attend = layer.write_kwargs(), layer.attention_kwargs()
+    assert write.keys() == {"k_scale", "v_scale", "k_smooth", "k_smooth_chosen"}
+    assert write["k_scale"].shape == (cache.num_blocks * 4, 2) and write["k_smooth"] is not None
+    assert attend["k_scale"] is layer.k_scale and attend["v_scale"] is layer.v_scale
     assert cache.k_pools.dtype == cache.v_pools.dtype == cache.stage_k.dtype == dtype
     for name, shape, scale_dtype in (
         ("k_scales", pool[:-1], torch.float32),
@@ -278,3 +293,57 @@ def test_quantized_pools_too_large_to_allocate_name_the_scales() -> None:
     config = dataclasses.replace(CONFIG, kv_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"cannot allocate the pools .* float32 scales"):
         PagedKVCache(config, num_layers=2**40, num_kv_heads=1, head_dim=4)
+
+
+@pytest.mark.usefixtures("plain")
+def test_raw_driver_then_forward_call_on_a_smoothed_int8_cache() -> None:
+    # The README's raw driver (plan.prepare, write_slots, paged_attention with the layer's
+    # write_kwargs and attention_kwargs) over an int8 cache with smoothing on (the default),
+    # then a ForwardCall: the raw driver's first write chooses each layer's K mean and records
+    # it, so the fused op keeps it and history and new keys are shifted alike.
+    c, heads, dim = 8, 2, 8
+    config = PagingConfig(
+        block_size=4, chunk_size=c, sink_chunks=2, window_chunks=3, kv_dtype=torch.int8
+    )
+    cache = PagedKVCache(config, num_layers=LAYERS, num_kv_heads=heads, head_dim=dim)
+    session = cache.open_session()
+    gen = torch.Generator().manual_seed(3)
+    offsets = torch.linspace(-30, 30, dim)  # what smoothing removes
+
+    def qkv() -> list[Tensor]:
+        q, k, v = (torch.randn(c, heads, dim, generator=gen) for _ in range(3))
+        return [q, k + offsets, v]
+
+    history: list[list[Tensor]] = [[] for _ in range(LAYERS)]  # per layer: committed K, V
+
+    def check(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        keys = torch.cat([*history[layer][0::2], k])  # the window keeps every token here
+        values = torch.cat([*history[layer][1::2], v])
+        want = reference.dense_attention(q, keys, values, softmax_scale=dim**-0.5)
+        error = (out.double() - want).abs().max().item()
+        assert error < 0.03, f"layer {layer}: max error {error:.3f} against exact attention"
+
+    for commit in (False, True, True):  # a probe, then two committed frames
+        plan = cache.plan(session, "main", c, commit=commit)
+        inputs = plan.prepare()
+        for i in range(LAYERS):
+            q, k, v = qkv()
+            layer = cache.layer(i)
+            write_slots(
+                k, v, layer.k_flat, layer.v_flat, inputs.video_slots, **layer.write_kwargs()
+            )
+            kwargs = inputs.attention_kwargs() | layer.attention_kwargs()
+            check(
+                i, q, k, v, paged_attention(q, layer.k, layer.v, softmax_scale=dim**-0.5, **kwargs)
+            )
+            if i == 0 and not commit:
+                first_keys = k
+            if commit:
+                history[i] += [k, v]
+        plan.commit()
+    assert cache.k_means_chosen.all()
+    torch.testing.assert_close(cache.k_means[0], first_keys.mean(dim=0))
+    call = ForwardCall(cache, cache.plan(session, "main", c), softmax_scale=dim**-0.5)
+    for i in range(LAYERS):
+        q, k, v = qkv()
+        check(i, q, k, v, call.attend(i, q, k, v))

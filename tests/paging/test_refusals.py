@@ -41,13 +41,17 @@ class World:
     stale: ForwardPlan  # a scratch plan on "pos", prepared before the last commit
     stale_call: ForwardCall
     behind_pending: ForwardPlan  # a scratch plan on "neg", prepared before the pending one
+    committed: ForwardPlan  # the last committing plan on "pos", run and committed
     other: Session  # a fork of session's history, taking the last session slot
     closed: Session  # a session that was closed
 
 
-def tensors(*, video: int = N, actions: int = 2, heads: int = 2, kv_heads: int = 1, dim: int = 4):
-    """query, key, value, action_key, action_value for one row."""
-    gen = torch.Generator().manual_seed(5)
+def tensors(
+    *, video: int = N, actions: int = 2, heads: int = 2, kv_heads: int = 1, dim: int = 4, seed=5
+):
+    """query, key, value, action_key, action_value for one row (a refused call is given other
+    values than the world's forwards wrote, so a write it should not make shows)."""
+    gen = torch.Generator().manual_seed(seed)
     return [
         torch.randn(video, heads, dim, generator=gen),
         torch.randn(video, kv_heads, dim, generator=gen),
@@ -81,9 +85,9 @@ def world(request: pytest.FixtureRequest) -> World:
             buffer.copy_(torch.randn(buffer.shape, generator=gen))
         else:
             buffer.view(torch.int8).copy_(torch.randint(-100, 100, buffer.shape, generator=gen))
+    session = cache.open_session()
     closed = cache.open_session()
     cache.close_session(closed)
-    session = cache.open_session()
     with plain_torch_kernels():
         for _ in range(2):
             run(cache, cache.plan(session, "pos", N, commit=True)).commit()
@@ -93,7 +97,8 @@ def world(request: pytest.FixtureRequest) -> World:
         cancelled.cancel()
         stale = cache.plan(session, "pos", N)
         stale_call = ForwardCall(cache, stale, softmax_scale=0.5)
-        run(cache, cache.plan(session, "pos", N, commit=True)).commit()
+        last = run(cache, cache.plan(session, "pos", N, commit=True))
+        last.commit()
         run(cache, cache.plan(session, "pos", N))  # staged: the record holds its history
     assert (cache.stage_tags >= 0).all()
     if cache.quantized:
@@ -105,7 +110,16 @@ def world(request: pytest.FixtureRequest) -> World:
     pending = cache.plan(session, "neg", N, commit=True)
     pending.prepare()
     return World(
-        cache, session, pending, cancelled, stale, stale_call, behind_pending, other, closed
+        cache,
+        session,
+        pending,
+        cancelled,
+        stale,
+        stale_call,
+        behind_pending,
+        last.plans[0],
+        other,
+        closed,
     )
 
 
@@ -125,7 +139,7 @@ def attend(w: World, *, index: int = 0, actions: int = 2, **changes) -> None:
         w.cache, w.cache.plan(w.session, "pos", N, action_tokens=actions), softmax_scale=0.5
     )
     names = ("query", "key", "value", "action_key", "action_value")
-    args = dict(zip(names, tensors(actions=actions), strict=True)) | changes
+    args = dict(zip(names, tensors(actions=actions, seed=6), strict=True)) | changes
     call.attend(index, **args)
 
 
@@ -134,7 +148,9 @@ def op(w: World, *, layer: int = 0, pools: dict | None = None, **changes) -> Non
     ``pools`` replacing some of the cache's tensors)."""
     call = ForwardCall(w.cache, w.cache.plan(w.session, "pos", N), softmax_scale=0.5)
     inputs = call.layer(0)._replace(layer=torch.tensor(layer), **changes)
-    write_attend(*tensors(actions=0), w.cache.pool_tensors._replace(**(pools or {})), inputs)
+    write_attend(
+        *tensors(actions=0, seed=6), w.cache.pool_tensors._replace(**(pools or {})), inputs
+    )
 
 
 def foreign_plan() -> ForwardPlan:
@@ -185,8 +201,24 @@ REFUSALS = [
         "pending",
     ),
     ("prepare-cancelled", lambda w: w.cancelled.prepare(), ValueError, "cancelled"),
+    ("prepare-committed", lambda w: w.committed.prepare(), ValueError, "plan is committed"),
+    (
+        "prepare-overtaken",
+        lambda w: w.stale.prepare(),
+        ValueError,
+        r"^plan is stale: overtaken by 1 commit\(s\) on branch 'pos' of session 0 .* -> 24 ",
+    ),
+    ("prepare-behind-pending", lambda w: w.behind_pending.prepare(), ValueError, "pending"),
     ("batch-empty", lambda w: batch_plans([]), TypeError, "plans"),
     ("batch-twice", lambda w: batch_plans([w.pending, w.pending]), ValueError, "twice"),
+    ("batch-overtaken", lambda w: batch_plans([w.stale]), ValueError, r"plans\[0\] is stale"),
+    ("batch-cancelled", lambda w: batch_plans([w.cancelled]), ValueError, "cancelled"),
+    (
+        "batch-behind-pending",
+        lambda w: batch_plans([w.pending, w.behind_pending]),
+        ValueError,
+        r"plans\[1\]: a committing forward is pending",
+    ),
     # ForwardCall
     (
         "call-softmax-str",
@@ -200,7 +232,36 @@ REFUSALS = [
         ValueError,
         "cancelled",
     ),
-    ("call-stale", lambda w: ForwardCall(w.cache, w.stale, softmax_scale=0.5), ValueError, "stale"),
+    (
+        "call-stale",
+        lambda w: ForwardCall(w.cache, w.stale, softmax_scale=0.5),
+        ValueError,
+        r"plans\[0\] is stale: overtaken",
+    ),
+    (
+        "call-behind-pending",
+        lambda w: ForwardCall(w.cache, w.behind_pending, softmax_scale=0.5),
+        ValueError,
+        r"plans\[0\]: a committing forward is pending",
+    ),
+    (
+        "call-scratch-then-committing",
+        lambda w: ForwardCall(
+            w.cache,
+            [w.cache.plan(w.session, "pos", N), w.cache.plan(w.session, "pos", N, commit=True)],
+            softmax_scale=0.5,
+        ),
+        ValueError,
+        r"plans\[0\]: a committing forward is pending",
+    ),
+    (
+        "call-softmax-nan",
+        lambda w: ForwardCall(
+            w.cache, w.cache.plan(w.session, "pos", N), softmax_scale=float("nan")
+        ),
+        ValueError,
+        "softmax_scale must be finite",
+    ),
     (
         "call-pending",
         lambda w: ForwardCall(w.cache, w.cache.plan(w.session, "neg", N), softmax_scale=0.5),
@@ -235,6 +296,29 @@ REFUSALS = [
         lambda w: ForwardCall(w.cache, foreign_plan(), softmax_scale=0.5),
         ValueError,
         "another cache",
+    ),
+    (
+        "call-cache-type",
+        lambda w: ForwardCall("cache", w.cache.plan(w.session, "pos", N), softmax_scale=0.5),
+        TypeError,
+        "cache must be a PagedKVCache",
+    ),
+    (
+        "call-plan-type",
+        lambda w: ForwardCall(
+            w.cache, [w.cache.plan(w.session, "pos", N), "plan"], softmax_scale=0.5
+        ),
+        TypeError,
+        r"plans\[1\] must be a ForwardPlan",
+    ),
+    ("call-no-plans", lambda w: ForwardCall(w.cache, [], softmax_scale=0.5), TypeError, "plans"),
+    (  # refused by prepare; undoing it must not drop the other plan's pending blocks
+        "call-committing-behind-pending",
+        lambda w: ForwardCall(
+            w.cache, w.cache.plan(w.session, "neg", N, commit=True), softmax_scale=0.5
+        ),
+        ValueError,
+        "pending",
     ),
     (
         "call-not-plans",
@@ -296,6 +380,30 @@ REFUSALS = [
     ("attend-key-rows", lambda w: attend(w, key=torch.zeros(N - 1, 1, 4)), ValueError, "key"),
     ("attend-key-type", lambda w: attend(w, key=[0.0]), TypeError, "key"),
     (
+        "attend-key-float-no-actions",
+        lambda w: attend(w, actions=0, key=0.5, action_key=None, action_value=None),
+        TypeError,
+        "key must be a torch.Tensor",
+    ),
+    (
+        "attend-value-float-no-actions",
+        lambda w: attend(w, actions=0, value=0.5, action_key=None, action_value=None),
+        TypeError,
+        "value must be a torch.Tensor",
+    ),
+    (  # refused before the video is written, not by the action write after it
+        "attend-action-value-dtype",
+        lambda w: attend(w, action_value=torch.zeros(2, 1, 4, dtype=torch.float64)),
+        TypeError,
+        "action_value",
+    ),
+    (
+        "attend-action-value-rows",
+        lambda w: attend(w, action_value=torch.zeros(1, 1, 4)),
+        ValueError,
+        "action_value shape",
+    ),
+    (
         "attend-value-dtype",
         lambda w: attend(w, value=torch.zeros(N, 1, 4, dtype=torch.float64)),
         TypeError,
@@ -329,6 +437,12 @@ REFUSALS = [
         "stage_tags",
     ),
     ("op-stage-from", lambda w: op(w, stage_from=torch.tensor(99)), ValueError, "stage_from"),
+    (
+        "op-video-slots-rows",
+        lambda w: op(w, video_slots=torch.arange(N - 1) + 4),
+        ValueError,
+        r"key must have one row per entry of video_slots \(7\)",
+    ),
     ("op-softmax-scale", lambda w: op(w, softmax_scale=float("nan")), ValueError, "softmax_scale"),
     (
         "op-block-table-dtype",
@@ -358,6 +472,76 @@ REFUSALS = [
         "stage_v_scales",
     ),
     ("op-fp8-mma-type", lambda w: op(w, fp8_mma="yes"), TypeError, "fp8_mma"),
+    (
+        "op-stage-key-shape",
+        lambda w: op(w, stage_key=torch.tensor([1, 2])),
+        ValueError,
+        "stage_key",
+    ),
+    (
+        "op-stage-tags-dtype",
+        lambda w: op(w, stage_tags=torch.zeros(2, dtype=torch.int32)),
+        TypeError,
+        "stage_tags must have dtype int64",
+    ),
+    (
+        "op-action-slots-dtype",
+        lambda w: op(w, action_slots=torch.zeros(0)),
+        TypeError,
+        "action_slots must have dtype",
+    ),
+    (
+        "op-k-pools-rank",
+        lambda w: op(w, pools={"k_pools": w.cache.k_pools[0], "v_pools": w.cache.v_pools[0]}),
+        ValueError,
+        "k_pools must have rank 5",
+    ),
+    (
+        "op-v-pools-shape",
+        lambda w: op(w, pools={"v_pools": w.cache.v_pools[:, :-1]}),
+        ValueError,
+        "v_pools shape",
+    ),
+    (
+        "op-one-tensor-for-both-pools",
+        lambda w: op(w, pools={"v_pools": w.cache.k_pools}),
+        ValueError,
+        "separate tensors",
+    ),
+    (
+        "op-stage-k-rank",
+        lambda w: op(w, pools={"stage_k": w.cache.stage_k[0], "stage_v": w.cache.stage_v[0]}),
+        ValueError,
+        "stage_k must have rank 4",
+    ),
+    (
+        "op-stage-v-shape",
+        lambda w: op(w, pools={"stage_v": w.cache.stage_v[:, :-1]}),
+        ValueError,
+        "stage_v shape",
+    ),
+    (
+        "op-stage-k-layers",
+        lambda w: op(w, pools={"stage_k": w.cache.stage_k[:1], "stage_v": w.cache.stage_v[:1]}),
+        ValueError,
+        "stage_k must have shape",
+    ),
+    (
+        "op-pool-not-tensor",
+        lambda w: op(w, pools={"k_scales": [0.0]}),
+        TypeError,
+        "k_scales must be a torch.Tensor",
+    ),
+    (
+        "op-pools-not-pool-tensors",
+        lambda w: write_attend(
+            *tensors(actions=0),
+            tuple(w.cache.pool_tensors),
+            ForwardCall(w.cache, w.cache.plan(w.session, "pos", N), softmax_scale=0.5).layer(0),
+        ),
+        TypeError,
+        "pools must be a PoolTensors",
+    ),
     # the kernels on the cache's own pools
     (
         "write-slots-past-pool",
@@ -453,3 +637,33 @@ def test_device_without_gpu_is_a_clear_error() -> None:
 def test_pools_too_large_to_allocate_are_a_clear_error() -> None:
     with pytest.raises(ValueError, match="cannot allocate the pools"):
         PagedKVCache(CONFIG, num_layers=2**40, num_kv_heads=1, head_dim=4)
+
+
+def test_a_plan_overtaken_by_an_evicting_commit_refuses_every_hand_out() -> None:
+    # A scratch plan prepared, then a commit that evicts: the plan's table lists blocks that
+    # went back to the pool. prepare() returned them before (a driver of its own read freed,
+    # reusable blocks); now it refuses in one line, as batching and ForwardCall do.
+    cache = PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    session = cache.open_session()
+    for _ in range(3):
+        plan = cache.plan(session, "main", N, commit=True)
+        plan.prepare()
+        plan.commit()
+    overtaken = cache.plan(session, "main", N)
+    table = overtaken.prepare().block_table[0].tolist()
+    plan = cache.plan(session, "main", N, commit=True)
+    plan.prepare()
+    assert plan.commit() and session.sequences["main"].compacted > 0  # evicted, compacted
+    assert any(block and not cache.pool.is_held(block) for block in table)
+    before = full_snapshot(cache)
+    for hand_out in (
+        overtaken.prepare,
+        lambda: batch_plans([overtaken]),
+        lambda: ForwardCall(cache, overtaken, softmax_scale=0.5),
+    ):
+        with pytest.raises(ValueError, match="stale: overtaken by 1 commit") as error:
+            hand_out()
+        assert "\n" not in str(error.value) and "session 0" in str(error.value)
+    assert same(full_snapshot(cache), before)
+    assert overtaken.state.value == "prepared"  # refused, not changed: cancel() still works
+    overtaken.cancel()

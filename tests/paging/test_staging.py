@@ -55,6 +55,7 @@ def test_actions_another_session_or_a_ragged_chunk_restage_all() -> None:
     rollout.step(two)
     assert stage_from(rollout, one) == 0
     assert stage_from(rollout, one, actions=2) == 0  # action tokens
+    assert stage_from(rollout, one, actions=2) == 0  # even the same forward again
     assert stage_from(rollout, one) == 0  # the lengths differ from the forward staged last
     assert stage_from(rollout, one) == 2
     assert stage_from(rollout, two) == 0  # another session

@@ -1,0 +1,1234 @@
+"""Mutation testing of the paging code and the launchers' guards, by a hand-written list.
+
+Each mutant breaks one rule on purpose (a guard removed, a comparison flipped, an off-by-one in
+eviction or compaction, a generation check skipped) and names the tests that must then fail.
+The script copies the repository into a temporary folder, and for each mutant edits the copy,
+runs only that mutant's tests there, and puts the file back; the working tree is never written,
+so an interrupted run (Ctrl-C, a kill) leaves nothing behind. A mutant whose tests still pass
+"survived": a guard no test holds, or an equivalent mutant to drop from the list.
+
+    python -m tests.mutation                 # every mutant: the score and the survivors
+    python -m tests.mutation -k plan- -k fused-tag   # mutants whose name contains a word
+    python -m tests.mutation --list          # the list, nothing run
+
+Before the mutants, every named test runs once on the unmutated copy and must pass (else a
+"kill" would mean nothing). Tests run in a forked child of a process that has already
+imported torch, pytest and hypothesis (and switched Triton's interpreter on where no GPU is
+visible), so each mutant costs its own tests and little more; ``--subprocess`` starts a fresh
+interpreter per mutant instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.metadata
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+REFUSALS = "tests/paging/test_refusals.py::test_refused_call_changes_nothing"
+FUSED_REFUSALS = "tests/kernels/test_fused_quantized.py::test_refused_call_changes_nothing"
+BAD = "tests/kernels/test_bad_input.py"
+STAGING = "tests/paging/test_forward_staging.py"
+
+
+class Mutant(NamedTuple):
+    """``original`` (exactly once in ``path``) replaced by ``replacement``; ``tests`` (pytest
+    node ids) must fail."""
+
+    name: str
+    path: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+
+
+def _m(name: str, path: str, original: str, replacement: str, *tests: str) -> Mutant:
+    return Mutant(name, path, original, replacement, tests)
+
+
+MUTANTS = [
+    # -- paging/plan.py: when a plan may hand out block ids ------------------------------------
+    _m(
+        "plan-prepare-skips-current",
+        "paging/plan.py",
+        "            self.check_current()\n            return self.inputs",
+        "            return self.inputs",
+        f"{REFUSALS}[float-prepare-overtaken]",
+    ),
+    _m(
+        "plan-generation-unchecked",
+        "paging/plan.py",
+        "if sequence.generation != self.generation:",
+        "if False:",
+        f"{REFUSALS}[float-call-stale]",
+    ),
+    _m(
+        "plan-behind-pending-unchecked",
+        "paging/plan.py",
+        "if sequence.pending is not None and sequence.pending is not self:",
+        "if False:",
+        f"{REFUSALS}[float-call-behind-pending]",
+    ),
+    _m(
+        "plan-own-pending-refused",
+        "paging/plan.py",
+        "if sequence.pending is not None and sequence.pending is not self:",
+        "if sequence.pending is not None:",
+        "tests/paging/test_plan.py::test_committing_forward_follows_the_history",
+    ),
+    _m(
+        "plan-state-unchecked",
+        "paging/plan.py",
+        "        if self.state is not PlanState.PREPARED:\n            if self.state is",
+        "        if False:\n            if self.state is",
+        f"{REFUSALS}[float-prepare-cancelled]",
+    ),
+    _m(
+        "plan-closed-session-unchecked",
+        "paging/plan.py",
+        "        if self.session.closed:\n            raise",
+        "        if False:\n            raise",
+        "tests/paging/test_bad_input.py::test_closed_foreign_or_wrong_sessions",
+    ),
+    _m(
+        "plan-prepare-behind-pending",
+        "paging/plan.py",
+        "        if sequence.pending is not None:\n            raise ValueError(\n"
+        '                f"plan: a committing',
+        '        if False:\n            raise ValueError(\n                f"plan: a committing',
+        "tests/paging/test_bad_input.py::test_pending_committing_forward_cannot_be_replaced",
+    ),
+    _m(
+        "plan-unprepare-keeps-blocks",
+        "paging/plan.py",
+        "            if self.committing:\n"
+        "                self.sequence.drop_pending()\n            if self.tail",
+        "            if self.tail",
+        f"{REFUSALS}[float-call-two-committing]",
+    ),
+    _m(
+        "plan-cancel-keeps-blocks",
+        "paging/plan.py",
+        "            self.sequence.drop_pending()\n        if self.staging",
+        "            pass\n        if self.staging",
+        "tests/paging/test_plan.py::test_cancel_returns_the_pending_blocks",
+    ),
+    _m(
+        "plan-cancel-forgets-nothing",
+        "paging/plan.py",
+        "            self.cache.staging.forget(self.staging.key)",
+        "            pass",
+        "tests/paging/test_staging.py::test_cancelled_forward_is_not_reused",
+    ),
+    _m(
+        "plan-cancel-after-commit",
+        "paging/plan.py",
+        "        if self.state is PlanState.COMMITTED:\n            raise",
+        "        if False:\n            raise",
+        "tests/paging/test_refusals.py::test_cancel_of_a_committed_plan_changes_nothing[float]",
+    ),
+    _m(
+        "plan-scratch-commits",
+        "paging/plan.py",
+        "if not self.committing or self.state is not PlanState.PREPARED:",
+        "if self.state is not PlanState.PREPARED:",
+        "tests/paging/test_plan.py::test_commit_only_after_a_prepared_committing_forward",
+    ),
+    _m(
+        "plan-staging-keeps-actions",
+        "paging/plan.py",
+        "reusable=aligned and self.action_tokens == 0,",
+        "reusable=aligned,",
+        "tests/paging/test_staging.py::test_actions_another_session_or_a_ragged_chunk_restage_all",
+    ),
+    _m(
+        "plan-history-blocks-off-by-one",
+        "paging/plan.py",
+        "history_blocks = video_blocks - (-(-end // b) - history // b)",
+        "history_blocks = video_blocks - (-(-end // b) - history // b) + 1",
+        "tests/paging/test_staging.py::test_second_probe_of_the_same_block_reuses_the_history",
+    ),
+    _m(
+        "plan-key-gap-in-sink-block",
+        "paging/plan.py",
+        "gap_end = recent if recent // b < sink_entries else sink_entries * b + recent % b",
+        "gap_end = sink_entries * b + recent % b",
+        "tests/paging/test_plan.py::test_key_gap_worked_by_hand",
+    ),
+    _m(
+        "plan-actions-skip-the-free-tail",
+        "paging/plan.py",
+        "spill = max(0, actions - (-video_keys % b))",
+        "spill = actions",
+        "tests/paging/test_plan.py::test_actions_fill_the_free_tail_of_the_last_video_block",
+    ),
+    _m(
+        "plan-batched-stage-from",
+        "paging/plan.py",
+        "if not staged or self.staging is None:",
+        "if self.staging is None:",
+        f"{STAGING}::test_stage_from_says_where_the_layers_restaged_from",
+    ),
+    # -- paging/forward.py ---------------------------------------------------------------------
+    _m(
+        "forward-layer-unchecked",
+        "paging/forward.py",
+        "        self.check_current()\n        if self._restaged_from is None:",
+        "        if self._restaged_from is None:",
+        f"{REFUSALS}[float-call-stale-layer]",
+    ),
+    _m(
+        "forward-other-cache",
+        "paging/forward.py",
+        "if plan.cache is not cache:",
+        "if False:",
+        f"{REFUSALS}[float-call-other-cache]",
+    ),
+    _m(
+        "forward-refusal-keeps-prepared",
+        "paging/forward.py",
+        "                plan.unprepare()",
+        "                pass",
+        f"{REFUSALS}[float-call-two-committing]",
+    ),
+    _m(
+        "forward-never-keeps",
+        "paging/forward.py",
+        "torch.tensor(-1 if decision is None else decision.first_block)",
+        "torch.tensor(-1 if decision is None else 0)",
+        f"{STAGING}::test_repeated_probe_restages_only_its_chunk",
+    ),
+    _m(
+        "forward-stages-batches",
+        "paging/forward.py",
+        "cache.staging is not None and len(plans) == 1 else None",
+        "cache.staging is not None else None",
+        f"{STAGING}::test_stage_from_says_where_the_layers_restaged_from",
+    ),
+    _m(
+        "forward-layer-past-last",
+        "paging/forward.py",
+        "if not 0 <= index < layers:",
+        "if not 0 <= index <= layers:",
+        f"{REFUSALS}[float-attend-layer-past-last]",
+    ),
+    _m(
+        "forward-unpaired-actions",
+        "paging/forward.py",
+        "if (action_key is None) != (action_value is None):",
+        "if False:",
+        f"{REFUSALS}[float-attend-action-missing]",
+    ),
+    _m(
+        "forward-softmax-nan",
+        "paging/forward.py",
+        "if not math.isfinite(softmax_scale):",
+        "if False:",
+        f"{REFUSALS}[float-call-softmax-nan]",
+    ),
+    _m(
+        "forward-stage-from-at-prepare",
+        "paging/forward.py",
+        "            return self._restaged_from\n",
+        "            return self.plans[0].staging.first_block\n",
+        f"{STAGING}::test_stage_from_says_where_the_layers_restaged_from",
+    ),
+    # -- paging/session.py, pool.py, batch.py, cache.py ----------------------------------------
+    _m(
+        "session-commit-keeps-generation",
+        "paging/session.py",
+        "        self.generation += 1\n",
+        "",
+        f"{REFUSALS}[float-prepare-overtaken]",
+    ),
+    _m(
+        "session-eviction-frees-nothing",
+        "paging/session.py",
+        "            self.pool.free(self.block_table[newly_dead.start : newly_dead.stop])\n",
+        "",
+        "tests/paging/test_eviction.py::test_freed_blocks_when_the_sink_ends_mid_block",
+    ),
+    _m(
+        "session-eviction-refrees",
+        "paging/session.py",
+        "newly_dead = range(already_null.stop,",
+        "newly_dead = range(already_null.start,",
+        "tests/paging/test_eviction.py::test_freed_blocks_when_the_sink_ends_mid_block",
+    ),
+    _m(
+        "session-compaction-removes-one-more",
+        "paging/session.py",
+        "first : first + removed // self.config.block_size]",
+        "first : first + removed // self.config.block_size + 1]",
+        "tests/paging/test_eviction.py::test_compaction_amounts",
+    ),
+    _m(
+        "session-compaction-switch-ignored",
+        "paging/session.py",
+        "        if config.compaction:\n            self._compact()",
+        "        self._compact()",
+        "tests/paging/test_eviction.py::test_without_compaction_the_null_entries_stay",
+    ),
+    _m(
+        "session-drop-keeps-one",
+        "paging/session.py",
+        "        keep = self.history_entries\n",
+        "        keep = self.history_entries + 1\n",
+        "tests/paging/test_plan.py::test_cancel_returns_the_pending_blocks",
+    ),
+    _m(
+        "session-begin-floor",
+        "paging/session.py",
+        "entries = -(-(self.committed + num_tokens) // self.config.block_size)",
+        "entries = (self.committed + num_tokens) // self.config.block_size",
+        "tests/paging/test_plan.py::test_committing_forward_follows_the_history",
+    ),
+    _m(
+        "pool-one-short",
+        "paging/pool.py",
+        "if count > len(self._free):",
+        "if count > len(self._free) + 1:",
+        "tests/paging/test_pool.py::test_exhaustion_is_clear_and_changes_nothing",
+    ),
+    _m(
+        "pool-double-free-in-one-call",
+        "paging/pool.py",
+        "if count > self.refcount(block):",
+        "if count > self.refcount(block) + 1:",
+        "tests/paging/test_pool.py::test_freeing_what_is_not_held_raises_and_changes_nothing",
+    ),
+    _m(
+        "pool-last-block-never-held",
+        "paging/pool.py",
+        "if 0 < block <= self.num_blocks else 0",
+        "if 0 < block < self.num_blocks else 0",
+        "tests/paging/test_pool.py::test_hands_out_every_block_but_the_null_block",
+    ),
+    _m(
+        "batch-row-twice",
+        "paging/batch.py",
+        "        if key in seen:",
+        "        if False:",
+        f"{REFUSALS}[float-batch-twice]",
+    ),
+    _m(
+        "batch-other-cache",
+        "paging/batch.py",
+        "if plan.cache is not plans[0].cache:",
+        "if False:",
+        "tests/paging/test_bad_input.py::test_bad_batches",
+    ),
+    _m(
+        "batch-skips-current",
+        "paging/batch.py",
+        '        plan.check_current(f"plans[{i}]")',
+        "        pass",
+        f"{REFUSALS}[float-batch-overtaken]",
+    ),
+    _m(
+        "batch-lengths-not-accumulated",
+        "paging/batch.py",
+        "cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)",
+        "cu_seqlens_q[1:] = query_lens",
+        "tests/paging/test_batch.py::test_rows_stack_and_lengths_concatenate",
+    ),
+    _m(
+        "cache-capacity-unchecked",
+        "paging/cache.py",
+        "        if not self._free_lanes:",
+        "        if False:",
+        f"{REFUSALS}[float-open-session]",
+    ),
+    _m(
+        "cache-scratch-lanes-overlap",
+        "paging/cache.py",
+        "index = lane * len(self.branches) + self.branches.index(branch)",
+        "index = lane + self.branches.index(branch)",
+        "tests/paging/test_batch.py::test_every_sequence_has_scratch_blocks_of_its_own",
+    ),
+    _m(
+        "cache-partial-chunks",
+        "paging/cache.py",
+        "if num_tokens % config.chunk_size or num_tokens > config.max_forward_tokens:",
+        "if num_tokens > config.max_forward_tokens:",
+        f"{REFUSALS}[float-plan-tokens]",
+    ),
+    _m(
+        "cache-raw-writes-skip-the-flag",
+        "paging/cache.py",
+        '{"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}',
+        '{"k_smooth": self.k_mean}',
+        "tests/paging/test_quantized.py::test_raw_driver_then_forward_call_on_a_smoothed_int8_cache",
+    ),
+    # -- forks: reference counts, copy-on-write, fork ------------------------------------------
+    _m(
+        "fork-shares-nothing",
+        "paging/session.py",
+        "        self.pool.share(block for block in table if block != NULL_BLOCK)",
+        "        pass",
+        "tests/paging/test_forks.py::test_fork_shares_every_block_and_copies_nothing",
+    ),
+    _m(
+        "fork-while-pending",
+        "paging/cache.py",
+        "            if sequence.pending is not None:\n                raise ValueError(\n"
+        '                    f"session {session.id} is mid-forward',
+        "            if False:\n                raise ValueError(\n"
+        '                    f"session {session.id} is mid-forward',
+        f"{REFUSALS}[float-fork-mid-forward]",
+    ),
+    _m(
+        "fork-beyond-capacity",
+        "paging/cache.py",
+        "        self._check_capacity()\n        lane = self._free_lanes.pop()\n        return "
+        "self._add_session(\n            lane,\n            {\n                branch: sequence",
+        "        lane = self._free_lanes.pop()\n        return "
+        "self._add_session(\n            lane,\n            {\n                branch: sequence",
+        f"{REFUSALS}[float-fork-capacity]",
+    ),
+    _m(
+        "pool-free-ignores-other-holders",
+        "paging/pool.py",
+        "            self._refs[block] -= count\n",
+        "            self._refs[block] = 0\n",
+        "tests/paging/test_pool.py::test_a_shared_block_is_free_once_its_last_reference_is_dropped",
+    ),
+    _m(
+        "cow-scratch-writes-the-shared-tail",
+        "paging/session.py",
+        "        shared = self.pool.refcount(tail[1]) > 1\n",
+        "        shared = False\n",
+        "tests/paging/test_forks.py::test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies",
+    ),
+    _m(
+        "cow-commit-writes-the-shared-tail",
+        "paging/session.py",
+        "copy = int(tail is not None and self.pool.refcount(tail[1]) > 1)",
+        "copy = 0",
+        "tests/paging/test_forks.py::test_committing_fork_copies_k_v_and_scales_of_every_layer",
+        "tests/paging/test_forks.py::test_eviction_drops_references_and_the_last_holder_frees",
+    ),
+    _m(
+        "cow-no-device-copy",
+        "paging/plan.py",
+        "            self.sequence.pool.copy_contents(self.tail.replaced, self.tail.block)",
+        "            pass",
+        "tests/paging/test_forks.py::test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies",
+    ),
+    _m(
+        "cow-copies-no-scales",
+        "paging/cache.py",
+        "for pools in (self.k_pools, self.v_pools, self.k_scales, self.v_scales):\n"
+        "            if pools.numel():  # a float cache's scales are zero-size",
+        "for pools in (self.k_pools, self.v_pools):\n"
+        "            if pools.numel():  # a float cache's scales are zero-size",
+        "tests/paging/test_forks.py::test_committing_fork_copies_k_v_and_scales_of_every_layer",
+    ),
+    _m(
+        "cow-copied-before-the-call-is-checked",
+        "paging/forward.py",
+        "plan._prepare(copy_tail=False)",
+        "plan._prepare(copy_tail=True)",
+        "tests/paging/test_forks.py::test_a_refused_call_undoes_its_tail_copy_and_writes_nothing",
+    ),
+    _m(
+        "cow-refused-call-keeps-the-copy",
+        "paging/plan.py",
+        "                self.sequence.restore_tail(self.tail)",
+        "                pass",
+        "tests/paging/test_forks.py::test_a_refused_call_undoes_its_tail_copy_and_writes_nothing",
+    ),
+    _m(
+        "cow-shared-tail-unchecked",
+        "paging/plan.py",
+        "if tail is not None and not sequence.holds_alone(tail.entry, tail.block):",
+        "if False:",
+        "tests/paging/test_forks.py::"
+        "test_a_plan_prepared_before_a_fork_refuses_to_write_the_shared_tail",
+    ),
+    _m(
+        "staging-reused-across-forks",
+        "paging/plan.py",
+        "            self.session.id,\n            self.branch,\n            sequence.absolute,",
+        "            self.branch,\n            sequence.absolute,",
+        "tests/paging/test_forks.py::test_staging_is_never_reused_across_forks",
+    ),
+    # -- paging/window.py, config.py: the window's formulas ------------------------------------
+    _m(
+        "window-evicts-half-a-chunk",
+        "paging/window.py",
+        "return max(0, committed - config.window_tokens - s) // c * c",
+        "return -(-max(0, committed - config.window_tokens - s) // c) * c",
+        "tests/paging/test_eviction.py::test_sliding_eviction_never_drops_half_a_chunk",
+    ),
+    _m(
+        "window-reset-evicts-the-sink",
+        "paging/window.py",
+        "return max(0, committed // c * c - s)",
+        "return max(0, committed // c * c)",
+        "tests/paging/test_eviction.py::test_eviction_values",
+    ),
+    _m(
+        "window-frees-a-live-block",
+        "paging/window.py",
+        "max(first, (config.sink_tokens + evicted) // config.block_size)",
+        "max(first, -(-(config.sink_tokens + evicted) // config.block_size))",
+        "tests/paging/test_eviction.py::test_freed_range_formula",
+    ),
+    _m(
+        "window-sink-blocks-floor",
+        "paging/window.py",
+        "return -(-config.sink_tokens // config.block_size)",
+        "return config.sink_tokens // config.block_size",
+        "tests/paging/test_eviction.py::test_freed_blocks_when_the_sink_ends_mid_block",
+    ),
+    _m(
+        "window-compacts-part-units",
+        "paging/window.py",
+        "return null_tokens // unit * unit",
+        "return null_tokens",
+        "tests/paging/test_eviction.py::test_compactable_tokens_are_whole_units",
+    ),
+    _m(
+        "window-recent-past-end",
+        "paging/window.py",
+        "return min(end, max(end - config.window_tokens, config.sink_tokens + evicted))",
+        "return max(end - config.window_tokens, config.sink_tokens + evicted)",
+        "tests/paging/test_eviction.py::test_recent_start_worked_by_hand",
+    ),
+    _m(
+        "window-no-slack",
+        "paging/window.py",
+        "    slack = b - math.gcd(config.chunk_size, b)\n    return sink_blocks",
+        "    slack = 0\n    return sink_blocks",
+        "tests/paging/test_config.py::test_widths_worked_by_hand",
+    ),
+    _m(
+        "window-no-action-block",
+        "paging/window.py",
+        "return max(1, -(-config.max_action_tokens // config.block_size))",
+        "return -(-config.max_action_tokens // config.block_size)",
+        "tests/paging/test_config.py::test_no_actions_still_reserve_one_action_block",
+    ),
+    _m(
+        "window-pool-without-the-forward",
+        "paging/window.py",
+        "recent = config.window_tokens + config.max_forward_tokens + slack",
+        "recent = config.window_tokens + slack",
+        "tests/paging/test_eviction.py",
+        "tests/paging/test_plan.py",
+    ),
+    _m(
+        "config-fp8-mma-any-dtype",
+        "paging/config.py",
+        "if self.fp8_mma and self.kv_dtype != torch.float8_e4m3fn:",
+        "if False:",
+        "tests/paging/test_config.py::test_fp8_mma_needs_e4m3_pools",
+    ),
+    _m(
+        "config-int32-keys-unchecked",
+        "paging/config.py",
+        "if keys > MAX_KEYS:",
+        "if False:",
+        "tests/paging/test_config.py::test_a_window_past_int32_keys_is_refused",
+    ),
+    # -- kernels/fused.py ----------------------------------------------------------------------
+    _m(
+        "fused-tag-kept-on-failure",
+        "kernels/fused.py",
+        "    stage_tags[layer_index] = NOTHING_STAGED\n    k_cache",
+        "    k_cache",
+        f"{STAGING}::test_a_call_that_fails_mid_restage_leaves_nothing_reusable",
+    ),
+    _m(
+        "fused-always-keeps",
+        "kernels/fused.py",
+        "kept = history != NOTHING_STAGED and int(stage_tags[layer_index]) == history",
+        "kept = history != NOTHING_STAGED",
+        f"{STAGING}::test_stage_from_says_where_the_layers_restaged_from",
+    ),
+    _m(
+        "fused-keeps-unnamed-history",
+        "kernels/fused.py",
+        "kept = history != NOTHING_STAGED and int(stage_tags[layer_index]) == history",
+        "kept = int(stage_tags[layer_index]) == history",
+        "tests/kernels/test_fused.py::test_a_staged_call_without_a_history_id_restages_all",
+    ),
+    _m(
+        "fused-tag-not-recorded",
+        "kernels/fused.py",
+        "    stage_tags[layer_index] = history\n",
+        "",
+        f"{STAGING}::test_repeated_probe_restages_only_its_chunk",
+    ),
+    _m(
+        "fused-layer-past-last",
+        "kernels/fused.py",
+        "if not 0 <= layer_index < num_layers:",
+        "if not 0 <= layer_index <= num_layers:",
+        f"{REFUSALS}[float-op-layer]",
+    ),
+    _m(
+        "fused-stage-tags-unchecked",
+        "kernels/fused.py",
+        'if stage_tags.shape[0] != num_layers or stage_tags.device.type != "cpu":',
+        "if False:",
+        f"{REFUSALS}[float-op-stage-tags]",
+    ),
+    _m(
+        "fused-stage-from-past-width",
+        "kernels/fused.py",
+        "if first_block > width:",
+        "if first_block > width + 1:",
+        f"{FUSED_REFUSALS}[int8-stage-from]",
+    ),
+    _m(
+        "fused-staging-two-rows",
+        "kernels/fused.py",
+        "    if block_table.shape[0] != 1:",
+        "    if False:",
+        "tests/kernels/test_fused.py::test_staging_needs_one_row_and_room_for_the_window[two-rows]",
+    ),
+    _m(
+        "fused-staging-too-short",
+        "kernels/fused.py",
+        "if stage_k.shape[1] < wanted[1]:",
+        "if False:",
+        "tests/kernels/test_fused.py::"
+        "test_staging_needs_one_row_and_room_for_the_window[window-too-wide]",
+    ),
+    _m(
+        "fused-query-rows",
+        "kernels/fused.py",
+        "if query.shape[0] != key.shape[0] or query.shape[2] != head_dim:",
+        "if query.shape[2] != head_dim:",
+        f"{REFUSALS}[float-attend-query-rows]",
+    ),
+    _m(
+        "fused-float-pools-any-query",
+        "kernels/fused.py",
+        "if not quantized and k_pools.dtype != query.dtype:",
+        "if False:",
+        f"{REFUSALS}[float-attend-query-dtype]",
+    ),
+    _m(
+        "fused-fp8-mma-any-pool",
+        "kernels/fused.py",
+        "if inputs.fp8_mma and k_pools.dtype != torch.float8_e4m3fn:",
+        "if False:",
+        "tests/kernels/test_fused_quantized.py::test_fp8_mma_needs_e4m3_pools_and_changes_nothing",
+    ),
+    _m(
+        "fused-slot-rows",
+        "kernels/fused.py",
+        "        if tensor.shape[0] != slots.shape[0]:",
+        "        if False:",
+        f"{REFUSALS}[float-op-video-slots-rows]",
+    ),
+    _m(
+        "fused-kv-heads",
+        "kernels/fused.py",
+        "        if tensor.shape[1:] != (num_kv_heads, head_dim):",
+        "        if False:",
+        f"{REFUSALS}[float-attend-action-heads]",
+    ),
+    _m(
+        "fused-k-means-shape",
+        "kernels/fused.py",
+        "    if pools.k_means.shape != wanted:",
+        "    if False:",
+        f"{REFUSALS}[int8-op-k-means]",
+    ),
+    _m(
+        "fused-flags-shape",
+        "kernels/fused.py",
+        "if pools.k_means_chosen.shape != (num_layers,) or",
+        "if False or",
+        f"{REFUSALS}[int8-op-k-means-chosen]",
+    ),
+    _m(
+        "fused-float-pools-take-scales",
+        "kernels/fused.py",
+        "        if tensor.numel():",
+        "        if False:",
+        "tests/kernels/test_fused_quantized.py::test_float_pools_refuse_scales",
+    ),
+    _m(
+        "fused-fp8-mma-int",
+        "kernels/fused.py",
+        "    if not isinstance(inputs.fp8_mma, bool):",
+        "    if False:",
+        f"{REFUSALS}[float-op-fp8-mma-type]",
+    ),
+    _m(
+        "fused-scalar-any-shape",
+        "kernels/fused.py",
+        'if value.dim() != 0 or value.device.type != "cpu" or value.is_floating_point():',
+        "if False:",
+        f"{REFUSALS}[float-op-layer-shape]",
+    ),
+    _m(
+        "fused-mean-never-chosen",
+        "kernels/fused.py",
+        "(key, value, inputs.video_slots, k_smooth_chosen)",
+        "(key, value, inputs.video_slots, None)",
+        "tests/kernels/test_fused_quantized.py::test_non_finite_keys_are_left_out_of_the_mean",
+    ),
+    _m(
+        "fused-unknown-pool-tensors",
+        "kernels/fused.py",
+        "        if unknown:\n",
+        "        if False:\n",
+        "tests/kernels/test_fused.py::test_pool_tensors_and_query_heads_are_checked",
+    ),
+    _m(
+        "fused-pools-rank",
+        "kernels/fused.py",
+        '    _checks.check_rank("k_pools", k_pools, 5, layout)\n',
+        "",
+        f"{REFUSALS}[float-op-k-pools-rank]",
+    ),
+    _m(
+        "fused-pools-shapes-differ",
+        "kernels/fused.py",
+        "    if v_pools.shape != k_pools.shape:",
+        "    if False:",
+        f"{REFUSALS}[float-op-v-pools-shape]",
+    ),
+    _m(
+        "fused-one-tensor-for-both-pools",
+        "kernels/fused.py",
+        "    if k_pools.data_ptr() == v_pools.data_ptr() and k_pools.numel() > 0:",
+        "    if False:",
+        f"{REFUSALS}[float-op-one-tensor-for-both-pools]",
+    ),
+    _m(
+        "fused-pools-dtypes-differ",
+        "kernels/fused.py",
+        "    if v_pools.dtype != k_pools.dtype:",
+        "    if False:",
+        f"{FUSED_REFUSALS}[int8-v-pools-dtype]",
+    ),
+    _m(
+        "fused-stage-key-any-shape",
+        "kernels/fused.py",
+        '    _check_scalar("stage_key", inputs.stage_key)\n',
+        "",
+        f"{REFUSALS}[float-op-stage-key-shape]",
+    ),
+    _m(
+        "fused-stage-tags-dtype",
+        "kernels/fused.py",
+        '    _checks.check_dtype("stage_tags", stage_tags, (torch.int64,))\n',
+        "",
+        f"{REFUSALS}[float-op-stage-tags-dtype]",
+    ),
+    _m(
+        "fused-kv-dtypes",
+        "kernels/fused.py",
+        "        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)\n",
+        "",
+        f"{REFUSALS}[float-attend-action-value-dtype]",
+    ),
+    _m(
+        "fused-slots-dtype",
+        "kernels/fused.py",
+        "        _checks.check_dtype(slots_name, slots, _checks.INDEX_DTYPES)\n",
+        "",
+        f"{REFUSALS}[float-op-action-slots-dtype]",
+    ),
+    _m(
+        "fused-value-like-key",
+        "kernels/fused.py",
+        "        if tensor.shape != like.shape:",
+        "        if False:",
+        f"{REFUSALS}[float-attend-action-value-rows]",
+    ),
+    _m(
+        "fused-query-dtype",
+        "kernels/fused.py",
+        '    _checks.check_dtype("query", query, _checks.FLOAT_DTYPES)\n',
+        "",
+        f"{REFUSALS}[int8-attend-query-dtype]",
+    ),
+    _m(
+        "fused-query-heads",
+        "kernels/fused.py",
+        "    if query.shape[1] % num_kv_heads:",
+        "    if False:",
+        "tests/kernels/test_fused.py::test_pool_tensors_and_query_heads_are_checked",
+    ),
+    _m(
+        "fused-means-without-flags",
+        "kernels/fused.py",
+        '        _check_zero_size(("k_means_chosen",), pools,',
+        "        _check_zero_size((), pools,",
+        f"{FUSED_REFUSALS}[int8-chosen-without-means]",
+    ),
+    _m(
+        "fused-means-dtype",
+        "kernels/fused.py",
+        '    _checks.check_dtype("k_means", pools.k_means, (SCALE_DTYPE,))\n',
+        "",
+        f"{FUSED_REFUSALS}[int8-k-means-dtype]",
+    ),
+    _m(
+        "fused-flags-dtype",
+        "kernels/fused.py",
+        '    _checks.check_dtype("k_means_chosen", pools.k_means_chosen, (torch.bool,))\n',
+        "",
+        f"{FUSED_REFUSALS}[int8-k-means-chosen-dtype]",
+    ),
+    _m(
+        "fused-stage-rank",
+        "kernels/fused.py",
+        '    _checks.check_rank("stage_k", stage_k, 4, staging)\n',
+        "",
+        f"{REFUSALS}[float-op-stage-k-rank]",
+    ),
+    _m(
+        "fused-stage-shapes-differ",
+        "kernels/fused.py",
+        "    if stage_v.shape != stage_k.shape:",
+        "    if False:",
+        f"{REFUSALS}[float-op-stage-v-shape]",
+    ),
+    _m(
+        "fused-stage-geometry",
+        "kernels/fused.py",
+        "if stage_k.shape[0] != num_layers or stage_k.shape[2:] != wanted[2:]:",
+        "if False:",
+        f"{REFUSALS}[float-op-stage-k-layers]",
+    ),
+    _m(
+        "fused-stage-dtype",
+        "kernels/fused.py",
+        "        if tensor.dtype != dtype:",
+        "        if False:",
+        f"{FUSED_REFUSALS}[int8-stage-float]",
+    ),
+    _m(
+        "fused-stage-scales",
+        "kernels/fused.py",
+        '        check_scales("stage_k_scales", pools.stage_k_scales, "stage_k", stage_k)\n',
+        "",
+        f"{FUSED_REFUSALS}[int8-stage-scales-missing]",
+    ),
+    _m(
+        "fused-softmax-unchecked",
+        "kernels/fused.py",
+        "    _checks.check_softmax_scale(inputs.softmax_scale)\n",
+        "",
+        f"{REFUSALS}[float-op-softmax-scale]",
+    ),
+    _m(
+        "fused-attention-arguments-unchecked",
+        "kernels/fused.py",
+        "    check_attention_arguments(\n        query,",
+        "    (lambda *a, **k: None)(\n        query,",
+        f"{REFUSALS}[float-op-block-table-dtype]",
+    ),
+    _m(
+        "fused-not-pool-tensors",
+        "kernels/fused.py",
+        '        if getattr(given, "_fields", None) != cls._fields:',
+        "        if False:",
+        f"{REFUSALS}[float-op-pools-not-pool-tensors]",
+    ),
+    _m(
+        "fused-pool-not-tensor",
+        "kernels/fused.py",
+        "        _checks.check_tensor(name, tensor)\n    # Here, not only in the op",
+        "        pass\n    # Here, not only in the op",
+        f"{REFUSALS}[float-op-pool-not-tensor]",
+    ),
+    # -- paging/forward.py and plan.py: the rest of their guards ------------------------------
+    _m(
+        "forward-cache-type",
+        "paging/forward.py",
+        "        if not isinstance(cache, PagedKVCache):",
+        "        if False:",
+        f"{REFUSALS}[float-call-cache-type]",
+    ),
+    _m(
+        "forward-plan-type",
+        "paging/forward.py",
+        "            if not isinstance(plan, ForwardPlan):",
+        "            if False:",
+        f"{REFUSALS}[float-call-plan-type]",
+    ),
+    _m(
+        "forward-softmax-type",
+        "paging/forward.py",
+        "        if not isinstance(softmax_scale, float):",
+        "        if False:",
+        f"{REFUSALS}[float-call-softmax-str]",
+    ),
+    _m(
+        "forward-index-type",
+        "paging/forward.py",
+        "        if isinstance(index, bool) or not isinstance(index, int):",
+        "        if False:",
+        f"{REFUSALS}[float-attend-layer-type]",
+    ),
+    _m(
+        "forward-key-type",
+        "paging/forward.py",
+        '        check_tensor("key", key)\n',
+        "",
+        f"{REFUSALS}[float-attend-key-float-no-actions]",
+    ),
+    _m(
+        "forward-value-type",
+        "paging/forward.py",
+        '        check_tensor("value", value)\n',
+        "",
+        f"{REFUSALS}[float-attend-value-float-no-actions]",
+    ),
+    _m(
+        "forward-prepared-plans-named",
+        "paging/forward.py",
+        '                    plan.check_current(f"plans[{i}]")',
+        "                    pass",
+        f"{REFUSALS}[float-call-stale]",
+    ),
+    _m(
+        "plan-unprepare-any-state",
+        "paging/plan.py",
+        "        if self.state is not PlanState.PREPARED:\n            return\n",
+        "",
+        f"{REFUSALS}[float-call-committing-behind-pending]",
+    ),
+    _m(
+        "plan-commits-twice",
+        "paging/plan.py",
+        "if not self.committing or self.state is not PlanState.PREPARED:",
+        "if not self.committing:",
+        "tests/paging/test_plan.py::test_commit_only_after_a_prepared_committing_forward",
+    ),
+    # -- the launchers' argument checks --------------------------------------------------------
+    _m(
+        "write-mean-rechosen",
+        "kernels/write_slots.py",
+        "if k_smooth_chosen is not None and not bool(k_smooth_chosen):",
+        "if k_smooth_chosen is not None:",
+        "tests/kernels/test_write_slots_quantized.py::"
+        "test_the_flag_makes_the_first_write_choose_the_mean_once[int8]",
+    ),
+    _m(
+        "write-mean-of-skipped-rows",
+        "kernels/write_slots.py",
+        "used = keys.isfinite() & (slot_mapping >= 0)[:, None, None]",
+        "used = keys.isfinite()",
+        "tests/kernels/test_write_slots_quantized.py::"
+        "test_the_flag_makes_the_first_write_choose_the_mean_once[int8]",
+    ),
+    _m(
+        "write-flag-without-mean",
+        "kernels/write_slots.py",
+        "        if k_smooth is None:\n            raise",
+        "        if False:\n            raise",
+        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[chosen-without-mean-int8]",
+    ),
+    _m(
+        "write-slot-one-past-pool",
+        "kernels/write_slots.py",
+        "if slots.numel() and int(slots.max()) >= k_pool.shape[0]:",
+        "if slots.numel() and int(slots.max()) > k_pool.shape[0]:",
+        f"{BAD}::test_write_slots_rejects_and_changes_nothing[slot-past-pool]",
+    ),
+    _m(
+        "write-slot-twice",
+        "kernels/write_slots.py",
+        "if slots.unique().numel() != slots.numel():",
+        "if False:",
+        f"{BAD}::test_write_slots_rejects_and_changes_nothing[slot-twice]",
+    ),
+    _m(
+        "write-smoothing-float-pools",
+        "kernels/write_slots.py",
+        '        if not quantized:\n            raise ValueError(f"k_smooth is only',
+        '        if False:\n            raise ValueError(f"k_smooth is only',
+        f"{BAD}::test_write_slots_rejects_scales_and_smoothing_for_float_pools",
+    ),
+    _m(
+        "gather-first-block-past-end",
+        "kernels/gather_blocks.py",
+        "if not 0 <= first_block <= block_ids.shape[0]:",
+        "if not 0 <= first_block <= block_ids.shape[0] + 1:",
+        f"{BAD}::test_gather_blocks_rejects_and_changes_nothing[first-range]",
+    ),
+    _m(
+        "gather-stage-one-row-short",
+        "kernels/gather_blocks.py",
+        "    if needed > stage_k.shape[0]:",
+        "    if needed > stage_k.shape[0] + 1:",
+        f"{BAD}::test_gather_blocks_needs_a_row_for_every_slot",
+    ),
+    _m(
+        "attention-cu-seqlens-shape",
+        "kernels/paged_attention.py",
+        "if cu_seqlens_q.shape[0] != batch + 1:",
+        "if False:",
+        f"{BAD}::test_paged_attention_rejects[cu-seqlens-shape-unchecked-values]",
+    ),
+    _m(
+        "attention-heads-not-multiple",
+        "kernels/paged_attention.py",
+        "if num_kv_heads == 0 or num_heads % num_kv_heads != 0:",
+        "if num_kv_heads == 0:",
+        f"{BAD}::test_paged_attention_rejects[heads-not-multiple]",
+    ),
+    _m(
+        "checks-devices-mixed",
+        "kernels/_checks.py",
+        "    if len(devices) > 1:",
+        "    if len(devices) > 2:",
+        f"{REFUSALS}[float-attend-query-device]",
+    ),
+]
+
+
+# -- running ------------------------------------------------------------------------------------
+def repository_files(root: Path) -> list[str]:
+    """Tracked and untracked-but-not-ignored files (what a checkout holds), as relative paths."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", "__pycache__", ".hypothesis", ".pytest_cache", "out"}
+        return [
+            str(p.relative_to(root))
+            for p in root.rglob("*")
+            if p.is_file() and not skip & set(p.relative_to(root).parts)
+        ]
+    return [name for name in listed.decode().split("\0") if name and (root / name).is_file()]
+
+
+def copy_repository(root: Path, target: Path) -> None:
+    for name in repository_files(root):
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, target / name)
+
+
+def check_mutants(mutants: Sequence[Mutant], root: Path) -> None:
+    """Every mutant's snippet occurs exactly once, and the mutated file still compiles (a
+    syntax error would be "killed" by any test); names are unique."""
+    names = [mutant.name for mutant in mutants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"mutant names repeat: {sorted(n for n in names if names.count(n) > 1)}")
+    for mutant in mutants:
+        source = (root / mutant.path).read_text()
+        count = source.count(mutant.original)
+        if count != 1 or mutant.original == mutant.replacement:
+            raise SystemExit(
+                f"mutant {mutant.name}: its original snippet occurs {count} times in "
+                f"{mutant.path} (must be once); update the list"
+            )
+        try:
+            compile(source.replace(mutant.original, mutant.replacement), mutant.path, "exec")
+        except SyntaxError as error:
+            raise SystemExit(f"mutant {mutant.name} does not compile: {error}") from None
+
+
+@contextmanager
+def mutated(copy: Path, mutant: Mutant) -> Iterator[None]:
+    """The copy's file with the mutant applied, put back afterwards whatever happens."""
+    path = copy / mutant.path
+    original = path.read_text()
+    path.write_text(original.replace(mutant.original, mutant.replacement))
+    try:
+        yield
+    finally:
+        path.write_text(original)
+
+
+def _prepare_parent() -> None:
+    """Import what every test run needs once, before forking (never the project's modules)."""
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+    import torch
+
+    if not torch.cuda.is_available():  # as kernels/_runtime.py would, before triton loads
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import hypothesis.stateful  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import torch._dynamo  # seconds; the staging buffers and the fused op load it
+    import triton.language  # noqa: F401
+
+    # pytest's plugins (hypothesis, xdist, ...): loaded by every run otherwise.
+    for entry in importlib.metadata.entry_points(group="pytest11"):
+        with contextlib.suppress(Exception):
+            entry.load()
+    # Out of the collector's sight: pytest runs gc.collect() several times per session, and
+    # walking torch's objects costs most of a second each time.
+    gc.freeze()
+
+
+def _enter(copy: Path) -> None:
+    """In the forked child: import this project from ``copy`` only (never the working tree)."""
+    os.chdir(copy)
+    here = {str(ROOT), ""}
+    sys.path[:] = [str(copy), *(p for p in sys.path if p not in here)]
+    for name in [n for n in sys.modules if n.split(".")[0] in ("tests", "paged_video")]:
+        del sys.modules[name]
+    sys.dont_write_bytecode = True
+    import paged_video
+
+    if Path(paged_video.__file__).resolve().parent != (copy / "paged_video").resolve():
+        raise ImportError(f"paged_video loads from {paged_video.__file__}, not the copy")
+
+
+def _pytest_args(tests: Sequence[str]) -> list[str]:
+    return ["-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+
+
+def run_tests(copy: Path, tests: Sequence[str], *, timeout: float, fork: bool) -> tuple[str, str]:
+    """Run ``tests`` in ``copy``: ``("passed" | "failed" | "timeout" | "error", output tail)``."""
+    log = copy / ".mutation-log"
+    if not fork:
+        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "pytest", *_pytest_args(tests)],
+                cwd=copy,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout", ""
+        return _verdict(done.returncode), (done.stdout + done.stderr)[-3000:]
+    pid = os.fork()
+    if pid == 0:  # the child: run pytest in the copy, exit with its status
+        code = 3
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            _enter(copy)
+            import pytest
+
+            code = int(pytest.main(_pytest_args(tests)))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return "timeout", ""
+            time.sleep(0.05)
+    except BaseException:  # interrupted: the child goes too
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    return _verdict(os.waitstatus_to_exitcode(status)), tail
+
+
+def _verdict(code: int) -> str:
+    # pytest: 0 all passed, 1 some failed; 2 interrupted (a collection error), 4 usage, 5 none;
+    # negative: killed by a signal (a mutant that lets a kernel write out of bounds crashes).
+    if code < 0:
+        return "crashed"
+    return {0: "passed", 1: "failed", 2: "failed"}.get(code, "error")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutation", description=__doc__)
+    parser.add_argument("-k", action="append", default=[], help="run mutants named with this")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    parser.add_argument("--subprocess", action="store_true", help="no fork: a fresh python each")
+    parser.add_argument("--min-score", type=float, default=0.95, help="exit 1 below this")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if not args.k or any(word in m.name for word in args.k)]
+    check_mutants(MUTANTS, ROOT)
+    if args.list or not mutants:
+        for m in mutants:
+            print(f"{m.name:40} {m.path:28} {' '.join(m.tests)}")
+        return 0
+    fork = not args.subprocess and hasattr(os, "fork")
+    if fork:
+        _prepare_parent()
+    # SIGTERM unwinds like Ctrl-C: the child is killed, the copy removed.
+    signal.signal(signal.SIGTERM, _interrupt)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutation-") as folder:
+        copy = Path(folder)
+        copy_repository(ROOT, copy)
+        if not args.no_baseline:
+            tests = list(dict.fromkeys(t for m in mutants for t in m.tests))
+            verdict, tail = run_tests(copy, tests, timeout=args.timeout * 3, fork=fork)
+            if verdict != "passed":
+                print(tail)
+                print(f"baseline: the mutants' tests do not pass unmutated ({verdict}); stop")
+                return 2
+            print(f"baseline: {len(tests)} tests pass unmutated ({time.monotonic() - start:.0f} s)")
+        results: dict[str, list[str]] = {"killed": [], "survived": [], "error": []}
+        for mutant in mutants:
+            began = time.monotonic()
+            with mutated(copy, mutant):
+                verdict, tail = run_tests(copy, mutant.tests, timeout=args.timeout, fork=fork)
+            killed = verdict in ("failed", "timeout", "crashed")
+            status = "killed" if killed else "survived" if verdict == "passed" else "error"
+            results[status].append(mutant.name)
+            note = f" ({verdict})" if verdict in ("timeout", "crashed") else ""
+            print(f"{status:9} {mutant.name:40} {time.monotonic() - began:5.1f} s{note}")
+            if status == "error":
+                print(tail)
+    killed, survived = len(results["killed"]), len(results["survived"])
+    score = killed / max(1, killed + survived)
+    minutes = (time.monotonic() - start) / 60
+    print(
+        f"\nmutation score: {killed}/{killed + survived} killed ({100 * score:.1f}%), "
+        f"{len(results['error'])} errors, {minutes:.1f} min"
+    )
+    for name in results["survived"]:
+        print(f"  survived: {name}")
+    for name in results["error"]:
+        print(f"  error: {name}")
+    return 0 if score >= args.min_score and not results["error"] else 1
+
+
+if __name__ == "__main__":
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: the working tree was never written; the copy is removed")
+        status = 130
+    # Without the interpreter's teardown: objects frozen out of the collector's sight make
+    # torch's bindings report leaks at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
