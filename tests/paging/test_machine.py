@@ -8,7 +8,7 @@ branches and sessions or single-row, among plans prepared and dropped, cancelled
 after cancel, overtaken by a commit, and forwards abandoned part way; every output of the
 staged cache must equal the unstaged one bit for bit. Its kernels take the plain-PyTorch path
 so each step stays cheap (the kernels are checked elsewhere); the plan rules launch nothing.
-Runs ``9 x`` the loaded profile's ``max_examples`` (>= 500 under ``--hypothesis-profile=ci``).
+Runs ``8 x`` the loaded profile's ``max_examples`` (480 under ``--hypothesis-profile=ci``).
 
 Forks: every cache forks sessions (all branches at once) while the twin's unstaged cache makes
 deep copies instead, so a fork's outputs must equal its deep-copied twin's bit for bit. Closing
@@ -423,6 +423,6 @@ class PagingMachine(RuleBasedStateMachine):
 
 
 PagingMachine.TestCase.settings = settings(
-    settings(), max_examples=9 * settings().max_examples, stateful_step_count=20
+    settings(), max_examples=8 * settings().max_examples, stateful_step_count=20
 )
 TestPagingMachine = PagingMachine.TestCase
