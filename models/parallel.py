@@ -370,6 +370,7 @@ class ParallelWanRollout(PagedWanRollout):
             sigmas,
             guidance_scale,
             actions,
+            None,  # fork_after: the parallel rollouts fork no futures
         )
         try:
             result = super().generate(
