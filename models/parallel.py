@@ -195,7 +195,11 @@ class ParallelWanRollout(PagedWanRollout):
     ``cfg_degree = 2`` needs ``guidance=True``. ``check_plans=False`` skips the per-forward plan
     digest (one small all-gather and a host sync per forward); the agreement on the arguments
     and on the end, and the failure flag, stay.
+    Futures are not forked here yet (``generate`` with several rows of noise refuses): the CFG
+    all-gather would have to interleave the futures' branches, and the cache holds one session.
     """
+
+    _forks = False
 
     def __init__(
         self,
@@ -366,6 +370,7 @@ class ParallelWanRollout(PagedWanRollout):
             sigmas,
             guidance_scale,
             actions,
+            None,  # fork_after: the parallel rollouts fork no futures
         )
         try:
             result = super().generate(

@@ -14,6 +14,11 @@ the stock model:
   the history (a forward hook on ``model.rope`` for the duration of the forward).
 
 Cross-attention keeps the stock processor. ``reference/wan_rollout.py`` is the dense oracle.
+
+Several futures of one past: ``generate(noise, ..., fork_after=b)`` with ``K`` rows of noise
+generates the first ``b`` blocks once, forks the session ``K - 1`` times (the forks share the
+history's blocks, ``PagedKVCache.fork``) and continues the ``K`` futures with their own noise and
+actions, all of them one batch of the model and one attention launch per step.
 """
 
 from __future__ import annotations
@@ -213,7 +218,8 @@ class ForwardRead:
     ``positions[branch]``: model positions (token index in the video, ascending) of the video
     keys attention read, boundary tokens included unless the window is exact;
     ``blocks[branch]``: the block ids of the row's block table that were read, in key order
-    (pool blocks, then scratch blocks); ``stage_from``: the first block restaged into the
+    (pool blocks, then scratch blocks). A forward of forked futures (after ``fork_after``) keys
+    both by ``(future, branch)`` instead; ``stage_from``: the first block restaged into the
     history staging buffers (-1: attended over the paged pools); ``free_blocks``: free pool
     blocks after the forward.
     """
@@ -223,8 +229,8 @@ class ForwardRead:
     commit: bool
     timestep: float
     first_frame: int
-    positions: dict[str, list[int]]
-    blocks: dict[str, list[int]]
+    positions: dict[str | tuple[int, str], list[int]]
+    blocks: dict[str | tuple[int, str], list[int]]
     action_tokens: int
     stage_from: int
     free_blocks: int
@@ -232,8 +238,9 @@ class ForwardRead:
 
 @dataclass(frozen=True)
 class RolloutResult:
-    """The generated latents ``(1, channels, frames, height, width)`` and, per generated block,
-    one ``ForwardRead`` per forward (the denoising forwards, then the committing one)."""
+    """The generated latents ``(futures, channels, frames, height, width)`` (one future unless
+    forked) and, per generated block, one ``ForwardRead`` per forward (the denoising forwards,
+    then the committing one)."""
 
     latents: Tensor
     reads: list[list[ForwardRead]]
@@ -257,6 +264,8 @@ class PagedWanRollout:
     KV branches (positive and negative text), run as one batch; ``False`` one branch. A
     quantized ``config.kv_dtype`` (``float8_e4m3fn``, ``int8``) needs nothing more: the cache
     holds codes, scales and K means, and the fused op writes and attends over them.
+    ``session_capacity`` is the most futures ``generate`` may fork (a fork is a session);
+    ``pool_blocks`` sizes the pool by blocks instead of sessions (``PagedKVCache``).
 
     ``models.parallel.ParallelWanRollout`` overrides the ``_local_*``, ``_make_cache``,
     ``_forward_call``, ``_guide`` and ``_before_model`` hooks to shard the heads (Ulysses), the
@@ -270,6 +279,8 @@ class PagedWanRollout:
         *,
         guidance: bool = True,
         dtype: torch.dtype | None = None,
+        session_capacity: int = 1,
+        pool_blocks: int | None = None,
     ) -> None:
         if not isinstance(model, WanTransformer3DModel):
             raise TypeError(f"model must be a WanTransformer3DModel, got {type(model).__name__}")
@@ -277,6 +288,7 @@ class PagedWanRollout:
             raise TypeError(f"config must be a PagingConfig, got {type(config).__name__}")
         if not isinstance(guidance, bool):
             raise TypeError(f"guidance must be a bool, got {type(guidance).__name__}")
+        _require_int("session_capacity", session_capacity, 1)
         parameter = model.blocks[0].attn1.to_k.weight
         heads = model.config.num_attention_heads
         head_dim = model.config.attention_head_dim
@@ -290,8 +302,10 @@ class PagedWanRollout:
             num_kv_heads=self._local_heads(heads),
             head_dim=head_dim,
             branches=self.branches,
+            session_capacity=session_capacity,
             dtype=dtype or parameter.dtype,
             device=parameter.device,
+            pool_blocks=pool_blocks,
         )
         self.softmax_scale = float(head_dim**-0.5)
         self.state = ForwardState()
@@ -302,6 +316,17 @@ class PagedWanRollout:
         # Slot -> model position written there last (-1: never a video token); for the records.
         slots = self.cache.num_blocks * config.block_size
         self._ledger = torch.full((slots,), -1, dtype=torch.int64, device=parameter.device)
+        # A block the cache copies (a fork's shared tail) takes its positions along.
+        copy_contents = self.cache.pool.copy_contents
+
+        def copy_with_positions(source: int, target: int) -> None:
+            copy_contents(source, target)
+            b = config.block_size
+            self._ledger[target * b : (target + 1) * b] = self._ledger[
+                source * b : (source + 1) * b
+            ]
+
+        self.cache.pool.copy_contents = copy_with_positions
 
     def _local_branches(self) -> tuple[str, ...]:
         """The KV branches this process holds (and the batch rows of each model forward)."""
@@ -319,6 +344,9 @@ class PagedWanRollout:
         """The attention side of one forward of ``plans`` on this process's cache."""
         return ForwardCall(self.cache, plans, softmax_scale=self.softmax_scale)
 
+    # Whether ``generate`` may fork futures (batched rows of one model forward).
+    _forks = True
+
     def _processor(self, layer: int) -> PagedWanAttnProcessor:
         return PagedWanAttnProcessor(self.state, layer)
 
@@ -329,10 +357,13 @@ class PagedWanRollout:
         return torch.cat([prompt_embeds, negative_prompt_embeds])
 
     def _guide(self, out: Tensor, guidance_scale: float) -> Tensor:
-        """The flow of a denoising step from the model's output rows."""
+        """The flow of a denoising step from the model's output rows, one per future (the
+        rows are the futures' positive and negative branches in turn)."""
         if not self.guided:
-            return out[:1]
-        return out[1:] + guidance_scale * (out[:1] - out[1:])
+            return out
+        branches = out.unflatten(0, (-1, 2))
+        positive, negative = branches[:, 0], branches[:, 1]
+        return negative + guidance_scale * (positive - negative)
 
     def _before_model(self, call: ForwardCall, block: int, step: int) -> None:
         """Called with each forward's prepared call, before the model runs (a failure cancels)."""
@@ -361,6 +392,7 @@ class PagedWanRollout:
         actions: Tensor | None = None,
         record_reads: bool = True,
         on_block: Callable[[int], None] | None = None,
+        fork_after: int | None = None,
     ) -> RolloutResult:
         """Generate ``noise.shape[2] / frames_per_block`` blocks, one session of the cache.
 
@@ -373,8 +405,16 @@ class PagedWanRollout:
         ``actions``: ``(blocks, action_tokens, inner_dim)`` hidden states, keys of every
         forward of their block, never committed. ``record_reads=False`` skips the per-forward
         records (a device sync each); ``on_block(block)`` is called after each block.
+
+        Futures: ``noise`` of ``K`` rows and ``fork_after=b`` generate the first ``b`` blocks
+        once (the rows must agree on them), fork the session into ``K`` sessions sharing that
+        history and generate each row's later blocks in it, the ``K`` futures batched in one
+        model forward and one attention launch per step; ``actions`` may then be ``(K, blocks,
+        action_tokens, inner_dim)``, each future's own (agreeing on the first ``b`` blocks).
+        The latents are those of ``K`` separate rollouts of the rows; the cache needs
+        ``session_capacity >= K``.
         """
-        blocks, frames = self._check(
+        blocks, frames, futures = self._check(
             noise,
             prompt_embeds,
             negative_prompt_embeds,
@@ -382,22 +422,28 @@ class PagedWanRollout:
             sigmas,
             guidance_scale,
             actions,
+            fork_after,
         )
+        if actions is not None and actions.dim() == 3:
+            actions = actions.unsqueeze(0).expand(futures, -1, -1, -1)
         text = self._local_text(prompt_embeds, negative_prompt_embeds)
         sigmas = [float(s) for s in sigmas]
         latents = noise.clone()
         reads: list[list[ForwardRead]] = []
-        session = self.cache.open_session()
+        sessions = [self.cache.open_session()]
         try:
             for block in range(blocks):
+                if block == fork_after:
+                    sessions += [self.cache.fork(sessions[0]) for _ in range(futures - 1)]
+                rows = len(sessions)
                 lo = block * frames_per_block
-                x = noise[:, :, lo : lo + frames_per_block]
-                action = None if actions is None else actions[block]
+                x = noise[:rows, :, lo : lo + frames_per_block]
+                action = None if actions is None else actions[:rows, block]
                 first_frame = block * frames
                 block_reads = []
                 for step, sigma in enumerate(sigmas):
                     out, read = self._forward(
-                        session,
+                        sessions,
                         x,
                         1000.0 * sigma,
                         first_frame,
@@ -413,7 +459,7 @@ class PagedWanRollout:
                     x = x + (following - sigma) * flow
                     block_reads.append(read)
                 _, read = self._forward(
-                    session,
+                    sessions,
                     x,
                     0.0,
                     first_frame,
@@ -430,7 +476,8 @@ class PagedWanRollout:
                 if on_block is not None:
                     on_block(block)
         finally:
-            self.cache.close_session(session)
+            for session in sessions:
+                self.cache.close_session(session)
         return RolloutResult(latents=latents, reads=reads)
 
     def _check(
@@ -442,17 +489,19 @@ class PagedWanRollout:
         sigmas,
         guidance_scale,
         actions,
-    ) -> tuple[int, int]:
-        """Validate ``generate``'s arguments; returns (blocks, patched frames per block)."""
+        fork_after,
+    ) -> tuple[int, int, int]:
+        """Validate ``generate``'s arguments; returns (blocks, patched frames per block,
+        futures)."""
         model_config = self.model.config
         p_t, p_h, p_w = model_config.patch_size
-        if not isinstance(noise, Tensor) or noise.dim() != 5 or noise.shape[0] != 1:
+        if not isinstance(noise, Tensor) or noise.dim() != 5 or noise.shape[0] < 1:
             raise ValueError(
-                "noise must be a (1, channels, frames, height, width) tensor, got "
+                "noise must be a (futures, channels, frames, height, width) tensor, got "
                 f"{tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__}"
             )
         _require_int("frames_per_block", frames_per_block, 1)
-        _, channels, total, height, width = noise.shape
+        futures, channels, total, height, width = noise.shape
         if channels != model_config.in_channels:
             raise ValueError(f"noise must have {model_config.in_channels} channels, got {channels}")
         if frames_per_block % p_t or total % frames_per_block or total == 0:
@@ -498,27 +547,66 @@ class PagedWanRollout:
             raise TypeError(f"guidance_scale must be a float, got {type(guidance_scale).__name__}")
         blocks = total // frames_per_block
         inner = model_config.num_attention_heads * model_config.attention_head_dim
+        per_future = actions is not None and isinstance(actions, Tensor) and actions.dim() == 4
         if actions is not None and (
             not isinstance(actions, Tensor)
-            or actions.dim() != 3
-            or actions.shape[0] != blocks
-            or actions.shape[2] != inner
-            or not 1 <= actions.shape[1] <= self.config.max_action_tokens
+            or actions.dim() not in (3, 4)
+            or (per_future and actions.shape[0] != futures)
+            or actions.shape[-3] != blocks
+            or actions.shape[-1] != inner
+            or not 1 <= actions.shape[-2] <= self.config.max_action_tokens
         ):
             raise ValueError(
                 f"actions must be a ({blocks}, 1..{self.config.max_action_tokens}, {inner}) "
-                "tensor (blocks, action tokens <= config.max_action_tokens, inner dim)"
+                "tensor (blocks, action tokens <= config.max_action_tokens, inner dim), or "
+                f"({futures}, {blocks}, ...) with one row per future"
             )
         if blocks * frames > self.model.rope.max_seq_len:
             raise ValueError(
                 f"the video has {blocks * frames} patched frames, more than the model's "
                 f"rope_max_seq_len ({self.model.rope.max_seq_len})"
             )
-        return blocks, frames
+        self._check_futures(noise, actions if per_future else None, fork_after, blocks)
+        return blocks, frames, futures
+
+    def _check_futures(
+        self, noise: Tensor, actions: Tensor | None, fork_after: object, blocks: int
+    ) -> None:
+        """``fork_after`` fits the rows of ``noise`` (and per-future ``actions``)."""
+        futures = noise.shape[0]
+        if fork_after is None:
+            if futures != 1 or actions is not None:
+                raise ValueError(
+                    f"noise has {futures} rows (futures) or actions one per future: give "
+                    "fork_after, the blocks they share"
+                )
+            return
+        _require_int("fork_after", fork_after, 0)
+        if fork_after > blocks:
+            raise ValueError(f"fork_after must be in 0..{blocks} (the blocks), got {fork_after}")
+        if futures > 1 and not self._forks:
+            raise ValueError(
+                f"{type(self).__name__} does not fork futures; generate them one by one"
+            )
+        if futures > self.cache.session_capacity:
+            raise ValueError(
+                f"noise has {futures} rows (futures), more than the rollout's session_capacity "
+                f"({self.cache.session_capacity}); build it with session_capacity >= {futures}"
+            )
+        shared = fork_after * noise.shape[2] // blocks
+        for name, tensor, frames in (("noise", noise, shared), ("actions", actions, fork_after)):
+            if tensor is None:
+                continue
+            history = tensor[:, :, :frames] if name == "noise" else tensor[:, :frames]
+            if not torch.equal(history, history[:1].expand_as(history)):
+                raise ValueError(
+                    f"{name} rows (futures) must agree on the first fork_after={fork_after} "
+                    "blocks: the history they share"
+                )
 
     def _forward(
         self,
-        session,
+        sessions: list,
         x: Tensor,
         timestep: float,
         first_frame: int,
@@ -530,29 +618,36 @@ class PagedWanRollout:
         commit: bool,
         record: bool,
     ) -> tuple[Tensor, ForwardRead | None]:
-        """One model forward of every branch (one batch, one attention launch per layer)."""
-        rows = len(self.branches)
+        """One model forward of every branch of every session (one batch, one attention
+        launch per layer): ``x`` and ``action`` have a row per session."""
+        futures, branches = len(sessions), len(self.branches)
         tokens = self.config.chunk_size * (x.shape[2] // self.model.config.patch_size[0])
-        action_tokens = 0 if action is None else action.shape[0]
+        action_tokens = 0 if action is None else action.shape[1]
         plans = [
             self.cache.plan(session, branch, tokens, commit=commit, action_tokens=action_tokens)
+            for session in sessions
             for branch in self.branches
         ]
+
+        def per_row(tensor: Tensor) -> Tensor:
+            """A row per plan: each session's row for each of its branches (a view for one)."""
+            return tensor.unsqueeze(1).expand(futures, branches, *tensor.shape[1:]).flatten(0, 1)
+
         try:
             call = self._forward_call(plans)
             self._before_model(call, block, step)
             self.state.call = call
             self.state.layer_inputs = call.layer(0)
             if action is not None:
-                self.state.action_states = action.unsqueeze(0).expand(rows, -1, -1)
+                self.state.action_states = per_row(action)
             # Prepended: the sequence split of a Ulysses rollout (a permanent hook on the rope)
             # must shard these tables, not the stock ones.
             hook = self.model.rope.register_forward_hook(rope_at_frame(first_frame), prepend=True)
             try:
                 out = self.model(
-                    x.expand(rows, -1, -1, -1, -1),
-                    torch.full((rows,), timestep, device=x.device),
-                    text,
+                    per_row(x),
+                    torch.full((futures * branches,), timestep, device=x.device),
+                    text.unsqueeze(0).expand(futures, *text.shape).flatten(0, 1),
                     return_dict=False,
                 )[0]
             finally:
@@ -587,14 +682,16 @@ class PagedWanRollout:
         gaps = inputs.key_gap.cpu().view(len(call.plans), -1, 2)
         ledger = self._ledger.cpu()
         positions, blocks = {}, {}
+        forked = len(call.plans) > len(self.branches)
         for row, plan in enumerate(call.plans):
             keys = torch.arange(int(lengths[row]) - plan.action_tokens)
             if inputs.exact_window:
                 for lo, hi in gaps[row].tolist():
                     keys = keys[(keys < lo) | (keys >= hi)]
             slots = table[row].to(torch.int64)[keys // b] * b + keys % b
-            positions[plan.branch] = ledger[slots].tolist()
-            blocks[plan.branch] = table[row, : math.ceil(int(lengths[row]) / b)].tolist()
+            key = (row // len(self.branches), plan.branch) if forked else plan.branch
+            positions[key] = ledger[slots].tolist()
+            blocks[key] = table[row, : math.ceil(int(lengths[row]) / b)].tolist()
         return ForwardRead(
             block=block,
             step=step,

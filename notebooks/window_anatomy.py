@@ -228,3 +228,178 @@ print("max |kernel - oracle|:", (got - want).abs().max().item())
 assert torch.allclose(got, want, atol=1e-5)
 cache.close_session(session)
 print("free blocks after closing:", cache.pool.num_free, "of", cache.pool.num_blocks)
+
+# %% [markdown]
+# ## Forks: many futures from one past
+#
+# `cache.fork(session)` starts a session that continues another's committed history: its
+# block table lists the same blocks, each holding one more reference in the pool, and nothing
+# is copied. Only the history's partly written tail block is ever written again (a forward
+# continues it), so the first forward of a fork whose tail block is shared gives the fork its
+# own copy of that block first (copy-on-write); the last holder keeps the original. Eviction
+# drops a fork's references; a block returns to the pool when nobody holds it.
+#
+# Here the parent generates 5 frames and stays as the fork point; futures A and B fork from it,
+# A generates one frame and is forked again (A1), then every future generates its own frames.
+# Each token's K/V carries its model position (channel 0) and its writer (channel 1), so every
+# session is checked to hold exactly its own past.
+
+# %%
+fork_cache = PagedKVCache(
+    config, num_layers=1, num_kv_heads=1, head_dim=4, session_capacity=4, dtype=torch.float32
+)
+fork_layer = fork_cache.layer(0)
+copied: set[int] = set()  # held blocks made by copy-on-write
+copy_log: list[tuple[int, int]] = []
+copy_contents = fork_cache.pool.copy_contents
+
+
+def copy_and_track(source: int, target: int) -> None:
+    copy_contents(source, target)
+    copied.add(target)
+    copy_log.append((source, target))
+
+
+fork_cache.pool.copy_contents = copy_and_track
+WRITERS = {"parent": 0.0, "A": 1.0, "B": 2.0, "A1": 3.0}
+futures = {"parent": fork_cache.open_session()}
+writer_of: dict[str, dict[int, float]] = {"parent": {}}
+forked_at: dict[str, tuple[str, int]] = {}
+
+
+def generate_frame(name: str) -> None:
+    """A scratch (denoising) forward, then the committing one, of session ``name``."""
+    session = futures[name]
+    history = session.sequence("main").absolute
+    for commit in (False, True):
+        plan = fork_cache.plan(session, "main", C, commit=commit)
+        slots = plan.prepare().video_slots
+        positions = torch.arange(history, history + C, dtype=torch.float32)
+        kv = torch.stack([positions, torch.full_like(positions, WRITERS[name])], dim=-1)
+        kv = torch.cat([kv, torch.zeros(C, 2)], dim=-1).view(C, 1, 4)
+        kernels.write_slots(kv, kv, fork_layer.k_flat, fork_layer.v_flat, slots)
+        plan.commit()
+    writer_of[name].update(dict.fromkeys(range(history, history + C), WRITERS[name]))
+    # A copy evicted by everyone went back to the pool; its id may be handed out again.
+    copied.intersection_update(b for b in copied if fork_cache.pool.is_held(b))
+
+
+def fork(parent: str, name: str) -> None:
+    futures[name] = fork_cache.fork(futures[parent])
+    writer_of[name] = dict(writer_of[parent])
+    forked_at[name] = (parent, futures[parent].sequence("main").absolute)
+
+
+def resident(name: str) -> list[tuple[int, int]]:
+    """(model position, slot) of every live token the session's table holds."""
+    seq = futures[name].sequence("main")
+    pairs = []
+    for entry, block in enumerate(seq.block_table):
+        for p in range(entry * B, min((entry + 1) * B, seq.committed)):
+            if block != NULL_BLOCK and not S <= p < S + seq.evicted:
+                pairs.append((p if p < S else p + seq.compacted, block * B + p % B))
+    return pairs
+
+
+def check_every_past() -> None:
+    for name in futures:
+        for position, slot in resident(name):
+            held = fork_layer.k_flat[slot, 0, :2].tolist()
+            assert held == [position, writer_of[name][position]], (name, position, held)
+
+
+def tree_state() -> dict[str, dict]:
+    pool = fork_cache.pool
+    state = {}
+    for name, session in futures.items():
+        seq = session.sequence("main")
+        entries = []
+        for entry, block in enumerate(seq.block_table):
+            start = entry * B + (seq.compacted if entry >= paging_window.sink_blocks(config) else 0)
+            filled = min(B, seq.committed - entry * B)
+            if block == NULL_BLOCK:
+                kind = "null"
+            else:
+                kind = "shared" if pool.refcount(block) > 1 else "own"
+            entries.append((start, filled, block, kind, block in copied))
+        state[name] = {"entries": entries, "end": seq.absolute}
+    stats = fork_cache.pool_stats
+    return {"sessions": state, "held": stats.held, "separate": stats.references}
+
+
+for _ in range(5):
+    generate_frame("parent")
+fork("parent", "A")
+fork("parent", "B")
+moments = [("A and B forked from the parent: every block shared", tree_state())]
+generate_frame("A")
+fork("A", "A1")
+moments.append(("A generated a frame (its tail block copied first), then A1 forked", tree_state()))
+for name in ("A", "A1", "B"):
+    generate_frame(name)
+moments.append(("A, A1 and B generated a frame each (B copied the tail block too)", tree_state()))
+for _ in range(2 if SMALL else 3):
+    for name in ("A", "A1", "B"):
+        generate_frame(name)
+check_every_past()
+moments.append(
+    ("the futures diverged: each holds its own frames, the sink stays shared", tree_state())
+)
+print("every future holds exactly its own past; copies on write (block -> copy):", copy_log)
+for title, moment in moments:
+    print(f"{title}: {moment['held']} blocks held, {moment['separate']} as separate sessions")
+
+# %% [markdown]
+# ## The fork tree
+#
+# Each panel is one moment: a row per session (the parent at the top), each table entry drawn
+# at the model positions it holds, with its block id. Blue blocks are shared (more than one
+# table holds them), green ones a session's own, grey null entries evicted; hatched blocks were
+# made by copy-on-write (a copy of a shared tail block). Red dashed lines are forks, at the
+# position where the child's own frames start.
+
+# %%
+FORK_COLORS = {"shared": "#4c72b0", "own": "#55a868", "null": "#d0d0d0"}
+ORDER = ["parent", "A", "A1", "B"]
+figure, axes = plt.subplots(
+    len(moments), 1, figsize=(13, 2.2 * len(moments) + 1), layout="constrained"
+)
+end = max(s["end"] for _, m in moments for s in m["sessions"].values())
+for ax, (title, moment) in zip(axes, moments, strict=True):
+    names = [name for name in ORDER if name in moment["sessions"]]
+    rows = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    for name in names:
+        y = rows[name]
+        for start, filled, block, kind, was_copied in moment["sessions"][name]["entries"]:
+            ax.add_patch(
+                Rectangle(
+                    (start, y + 0.15),
+                    filled,
+                    0.7,
+                    facecolor=FORK_COLORS[kind],
+                    hatch="///" if was_copied else None,
+                    edgecolor="black",
+                )
+            )
+            label = "" if block == NULL_BLOCK else str(block)
+            ax.text(start + filled / 2, y + 0.5, label, ha="center", va="center", fontsize=7)
+        ax.text(-1, y + 0.5, name, ha="right", va="center", fontsize=9)
+        if name in forked_at:
+            parent, position = forked_at[name]
+            x = position + 0.4
+            ax.plot([x, x], [rows[parent] + 0.5, y + 0.5], "--", color="#c44e52", linewidth=2)
+            ax.plot([x], [y + 0.5], ">", color="#c44e52")
+    ax.set_title(f"{title}: {moment['held']} blocks held, {moment['separate']} if separate")
+    ax.set_xlim(-8, end + 1)
+    ax.set_ylim(0, len(names))
+    ax.set_yticks([])
+    for frame_edge in range(0, end + 1, C):
+        ax.axvline(frame_edge, color="black", linewidth=2 if frame_edge == S else 0.2)
+axes[-1].set_xlabel("model position (tokens); thick line: end of the sink")
+legend = [Patch(color=FORK_COLORS[k], label=k) for k in FORK_COLORS]
+legend.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="copied on write"))
+figure.legend(handles=legend, loc="outside lower center", ncols=4)
+figure.savefig(OUT / "window_forks.png", dpi=100)
+for session in futures.values():
+    fork_cache.close_session(session)
+assert fork_cache.pool.num_free == fork_cache.pool.num_blocks

@@ -12,16 +12,17 @@ if __name__ != "paged_video.paging":  # a bare `import paging` found this clone'
 else:
     from paged_video.paging.batch import batch_plans
     from paged_video.paging.block_size import paging_block_size
-    from paged_video.paging.cache import LayerCache, PagedKVCache
+    from paged_video.paging.cache import BlockCounts, LayerCache, PagedKVCache
     from paged_video.paging.config import PagingConfig
     from paged_video.paging.plan import AttentionInputs, ForwardPlan, PlanState
-    from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError
-    from paged_video.paging.session import Sequence, Session
+    from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolExhaustedError, PoolStats
+    from paged_video.paging.session import Sequence, Session, TailWrite
     from paged_video.paging.staging import HistoryStaging, StagingDecision
 
 __all__ = [
     "NULL_BLOCK",
     "AttentionInputs",
+    "BlockCounts",
     "BlockPool",
     "ForwardPlan",
     "HistoryStaging",
@@ -30,9 +31,11 @@ __all__ = [
     "PagingConfig",
     "PlanState",
     "PoolExhaustedError",
+    "PoolStats",
     "Sequence",
     "Session",
     "StagingDecision",
+    "TailWrite",
     "batch_plans",
     "paging_block_size",
 ]

@@ -19,7 +19,7 @@ from paged_video.paging import window
 from paged_video.paging._validate import require_bool, require_int
 from paged_video.paging.config import KV_DTYPES, PagingConfig
 from paged_video.paging.plan import ForwardPlan
-from paged_video.paging.pool import BlockPool
+from paged_video.paging.pool import NULL_BLOCK, BlockPool, PoolStats
 from paged_video.paging.session import Sequence, Session
 from paged_video.paging.staging import NOTHING_STAGED, HistoryStaging
 
@@ -97,6 +97,13 @@ class LayerCache(NamedTuple):
         return kwargs
 
 
+class BlockCounts(NamedTuple):
+    """A session's pool blocks: those only its tables hold, and those other sessions' hold too."""
+
+    exclusive: int
+    shared: int
+
+
 class PagedKVCache:
     """Paged K/V storage for ``session_capacity`` sessions on every branch, forever.
 
@@ -109,6 +116,19 @@ class PagedKVCache:
     does not stage; ``stage_tags`` (int64, CPU, ``(num_layers,)``) records what each layer's
     staging buffers hold (see ``paging.staging``). Pool memory is not initialised: only
     written slots are ever read.
+
+    Forks: ``fork(session)`` makes a session that continues another's committed history on
+    every branch, its tables listing the same blocks (reference-counted in the pool, nothing
+    copied). A fork is a session: it takes a session slot and counts against
+    ``session_capacity``, and the pool needs no more blocks, since a fork's tables never hold
+    more than a session's, shared blocks are held once, and copy-on-write (a forward continuing
+    a shared tail block copies it first) replaces a table entry, never adds one. A refused fork
+    changes nothing. Forks hold fewer blocks than separate sessions only while they share
+    history (a fork that slides a whole window on shares only the sink), so the pool stays sized
+    for ``session_capacity`` sessions; ``pool_blocks`` (at least one session's,
+    ``len(branches) * window.blocks_per_sequence(config)``) sizes it by blocks instead, for
+    forks that stay near their fork point: a forward the pool cannot hold then raises
+    ``PoolExhaustedError`` and changes nothing (``pool_stats`` shows what is held).
 
     Quantized caches (``config.kv_dtype``, or a ``dtype`` of ``float8_e4m3fn``/``int8``) hold
     codes in the pools and staging buffers, with float32 scales beside them: ``k_scales``/
@@ -133,6 +153,7 @@ class PagedKVCache:
         branches: SequenceOf[str] = ("main",),
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        pool_blocks: int | None = None,
     ) -> None:
         if not isinstance(config, PagingConfig):
             raise TypeError(f"config must be a PagingConfig, got {type(config).__name__}")
@@ -158,6 +179,11 @@ class PagedKVCache:
             raise ValueError(
                 f"dtype {dtype} and config.kv_dtype {config.kv_dtype} disagree; give one of them"
             )
+        sequences = session_capacity * len(branches)
+        per_sequence = window.blocks_per_sequence(config)
+        if pool_blocks is None:
+            pool_blocks = sequences * per_sequence
+        require_int("pool_blocks", pool_blocks, minimum=len(branches) * per_sequence)
         device = _usable_device(device)
         self.config = config
         self.branches = branches
@@ -165,8 +191,7 @@ class PagedKVCache:
         self.device = device
         b = config.block_size
 
-        sequences = session_capacity * len(branches)
-        self.pool = BlockPool(sequences * window.blocks_per_sequence(config))
+        self.pool = BlockPool(pool_blocks, copy_contents=self._copy_block)
         self.scratch_lane_blocks = window.scratch_blocks_per_sequence(config)
         self.first_scratch_block = 1 + self.pool.num_blocks
         self.num_blocks = self.first_scratch_block + sequences * self.scratch_lane_blocks
@@ -263,6 +288,41 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in stored)
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer: K and V slots and, quantized, their scales."""
+        stored = (self.k_pools, self.v_pools, self.k_scales, self.v_scales)
+        return sum(t.numel() * t.element_size() for t in stored) // self.num_blocks
+
+    @property
+    def pool_stats(self) -> PoolStats:
+        """Managed blocks free, held by one table (exclusive) and by several (shared: forks'
+        common history), the table references to them, and their bytes (``PoolStats``)."""
+        return self.pool.stats(self.block_bytes)
+
+    def session_blocks(self, session: Session) -> BlockCounts:
+        """``session``'s pool blocks (every branch): held by it alone, and shared with others.
+
+        A block shared by two branches of the one session would count as exclusive; branches
+        never share blocks (a fork shares each branch with the same branch of its parent).
+        """
+        self.check_open(session)
+        held = [
+            block
+            for sequence in session.sequences.values()
+            for block in list.copy(sequence.block_table)
+            if block != NULL_BLOCK
+        ]
+        shared = sum(self.pool.refcount(block) > 1 for block in held)
+        return BlockCounts(exclusive=len(held) - shared, shared=shared)
+
+    def _copy_block(self, source: int, target: int) -> None:
+        """Copy-on-write: block ``source``'s K and V slots (and scales) of every layer into
+        ``target``; one asynchronous device copy per tensor."""
+        for pools in (self.k_pools, self.v_pools, self.k_scales, self.v_scales):
+            if pools.numel():  # a float cache's scales are zero-size
+                pools[:, target].copy_(pools[:, source])
+
+    @property
     def num_layers(self) -> int:
         return self.k_pools.shape[0]
 
@@ -308,25 +368,57 @@ class PagedKVCache:
         first = self.first_scratch_block + index * self.scratch_lane_blocks
         return range(first, first + self.scratch_lane_blocks)
 
-    def open_session(self) -> Session:
-        """A new session with an empty sequence per branch; raises when all slots are taken."""
+    def _check_capacity(self) -> None:
         if not self._free_lanes:
             raise ValueError(
-                f"session_capacity={self.session_capacity} sessions are open; close one or "
-                "build the cache with a larger session_capacity"
+                f"session_capacity={self.session_capacity} sessions are open (forks count as "
+                "sessions); close one or build the cache with a larger session_capacity"
             )
+
+    def _add_session(self, lane: int, sequences: dict[str, Sequence]) -> Session:
+        session = Session(id=self._next_session_id, lane=lane, sequences=sequences)
+        self._next_session_id += 1
+        self.sessions[session.id] = session
+        return session
+
+    def open_session(self) -> Session:
+        """A new session with an empty sequence per branch; raises when all slots are taken."""
+        self._check_capacity()
         lane = self._free_lanes.pop()
-        session = Session(
-            id=self._next_session_id,
-            lane=lane,
-            sequences={
+        return self._add_session(
+            lane,
+            {
                 branch: Sequence(self.config, self.pool, self._scratch_lane(lane, branch))
                 for branch in self.branches
             },
         )
-        self._next_session_id += 1
-        self.sessions[session.id] = session
-        return session
+
+    def fork(self, session: Session) -> Session:
+        """A new session continuing ``session``'s committed history on every branch (a CFG
+        pair forks as one): its block tables list the same blocks, one more reference each,
+        and nothing is copied until a forward writes into a shared block.
+
+        Refused (changing nothing) for a session that is closed or not this cache's, one with a
+        committing forward pending on any branch (mid-forward: fork at a committed boundary),
+        and when ``session_capacity`` sessions are open. Plans of ``session`` prepared before
+        the fork that continue its tail block are refused afterwards (the block is shared now).
+        """
+        self.check_open(session)
+        for branch, sequence in session.sequences.items():
+            if sequence.pending is not None:
+                raise ValueError(
+                    f"session {session.id} is mid-forward: a committing forward is pending on "
+                    f"branch {branch!r}; commit or cancel it, then fork"
+                )
+        self._check_capacity()
+        lane = self._free_lanes.pop()
+        return self._add_session(
+            lane,
+            {
+                branch: sequence.fork(self._scratch_lane(lane, branch))
+                for branch, sequence in session.sequences.items()
+            },
+        )
 
     def check_open(self, session: object) -> Session:
         """``session`` if it is open in this cache; ``TypeError``/``ValueError`` otherwise."""
@@ -337,7 +429,8 @@ class PagedKVCache:
         return session
 
     def close_session(self, session: Session) -> None:
-        """Return every block of every branch of ``session`` and free its slot."""
+        """Drop ``session``'s references to every block of every branch (a block returns to
+        the pool when no other session holds it) and free its slot."""
         self.check_open(session)
         session.close()
         del self.sessions[session.id]

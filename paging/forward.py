@@ -9,7 +9,9 @@ and per forward, so one compiled graph serves every layer and every forward.
 A call refuses (``ValueError``) to run a plan that is no longer current
 (``ForwardPlan.check_current``): cancelled, committed, its session closed, its sequence
 committed since it was prepared (its tensors would point at blocks that moved or went back to
-the pool), or behind another committing forward pending on its sequence.
+the pool), behind another committing forward pending on its sequence, or the tail block it
+writes into copied or shared by a fork since (it would write into a block another session
+holds).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class ForwardCall:
     attends straight over the paged cache and leaves nothing reusable staged. ``exact_window``
     in the config hands attention the plans' ``key_gap``, so it reads exactly the sink and the
     recent range. Making the call prepares its plans; if that or batching them fails, the plans
-    this call prepared are unprepared again, so a refused call changes nothing.
+    this call prepared are unprepared again, so a refused call changes nothing: the device
+    copies of shared tail blocks (copy-on-write) are made only once every plan passed.
     """
 
     def __init__(
@@ -72,7 +75,7 @@ class ForwardCall:
             for i, plan in enumerate(plans):
                 if plan.state is not PlanState.NEW:
                     plan.check_current(f"plans[{i}]")
-                plan.prepare()
+                plan._prepare(copy_tail=False)  # the copies below, once every plan passed
             # batch_plans checks every plan again once all are prepared: a committing plan
             # prepared after a scratch plan of its sequence leaves that one behind it.
             self.inputs = plans[0].inputs if len(plans) == 1 else batch_plans(plans)
@@ -80,6 +83,8 @@ class ForwardCall:
             for plan in reversed(fresh):
                 plan.unprepare()
             raise
+        for plan in plans:  # checked: now the copies of shared tail blocks (copy-on-write)
+            plan._copy_tail_block()
         decision = plans[0].staging if cache.staging is not None and len(plans) == 1 else None
         self._staged = decision is not None
         # The op's stage_from: where a layer restages from when its buffers hold this history.

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from paged_video.paging import window
 from paged_video.paging.config import PagingConfig
-from paged_video.paging.session import Sequence, Session
+from paged_video.paging.session import Sequence, Session, TailWrite
 from paged_video.paging.staging import HistoryStaging, StagingDecision
 from paged_video.paging.transfer import to_device
 
@@ -84,9 +84,16 @@ class ForwardPlan:
     the read right after the video: in the free tail of the video's last block, then in scratch
     blocks after the video's (a committing forward's from scratch block 0).
 
+    Either kind writes into the partly filled tail block, so when a fork shares that block,
+    ``prepare`` first gives the sequence its own copy (``Sequence.own_tail``, a device copy of
+    the block's K/V and scales on every layer): in a batched launch every row writes before any
+    attends, so two forks writing the free slots of one block would read each other's tokens.
+    ``tail`` is that write (None on a block edge).
+
     A prepared plan hands out its tensors (``prepare``, ``batch_plans``, ``ForwardCall``) only
     while it is current (``check_current``): any commit on its sequence since ``prepare``
-    overtakes it, since eviction may have returned the blocks its table lists to the pool.
+    overtakes it, since eviction may have returned the blocks its table lists to the pool, and
+    so does a fork or copy that leaves the tail block it writes into shared or no longer its.
     """
 
     def __init__(
@@ -112,6 +119,8 @@ class ForwardPlan:
         # sequence's generation (its count of commits) then.
         self.history: int | None = None
         self.generation: int | None = None
+        self.tail: TailWrite | None = None
+        self._tail_copied = True
         self._stage_from = -1
         # ``inputs`` as built on the host, and the model position where each block of its
         # table row starts (video blocks, then action blocks): what a sequence-sharded window
@@ -155,8 +164,9 @@ class ForwardPlan:
     def check_current(self, name: str = "plan") -> None:
         """``ValueError`` (naming the plan ``name``) unless the plan may hand out its tensors:
         prepared, neither committed nor cancelled, its session open, its sequence not
-        committed since ``prepare`` (same generation) and no other committing forward pending
-        on it (whose tail block this forward would write)."""
+        committed since ``prepare`` (same generation), the tail block it writes still its
+        sequence's alone (no fork shares it, no copy replaced it) and no other committing
+        forward pending on it (whose tail block this forward would write)."""
         if self.state is not PlanState.PREPARED:
             if self.state is PlanState.NEW:
                 raise ValueError(f"{name} is not prepared; call prepare() first")
@@ -170,6 +180,12 @@ class ForwardPlan:
                 f"of session {self.session.id} since it was prepared (history {self.history} -> "
                 f"{sequence.absolute} tokens), which may have freed its blocks; make a new plan"
             )
+        tail = self.tail
+        if tail is not None and not sequence.holds_alone(tail.entry, tail.block):
+            raise ValueError(
+                f"{name} is stale: the tail block it writes into was copied or shared by a fork "
+                "since it was prepared; make a new plan"
+            )
         if sequence.pending is not None and sequence.pending is not self:
             raise ValueError(
                 f"{name}: a committing forward is pending on branch {self.branch!r} of session "
@@ -182,6 +198,12 @@ class ForwardPlan:
         Only while the plan is current (``check_current``): a cancelled, committed or
         overtaken plan refuses, whatever happened before, since its blocks may be free again.
         """
+        return self._prepare(copy_tail=True)
+
+    def _prepare(self, *, copy_tail: bool) -> AttentionInputs:
+        """``prepare``; ``copy_tail=False`` (``ForwardCall`` only) leaves a shared tail block's
+        device copy to ``_copy_tail_block``, which the call runs once it has checked every
+        plan (or it unprepares them), so a refused call writes no byte."""
         if self.state is not PlanState.NEW:
             self.check_current()
             return self.inputs
@@ -196,16 +218,30 @@ class ForwardPlan:
         self.history = sequence.absolute
         self.generation = sequence.generation
         self.state = PlanState.PREPARED
+        self._tail_copied = self.tail is None or self.tail.replaced is None
+        if copy_tail:
+            self._copy_tail_block()
         return self.inputs
 
+    def _copy_tail_block(self) -> None:
+        """The device copy of the shared tail block ``prepare`` replaced, once."""
+        if not self._tail_copied:
+            self.sequence.pool.copy_contents(self.tail.replaced, self.tail.block)
+            self._tail_copied = True
+
     def unprepare(self) -> None:
-        """Undo ``prepare`` of a plan that never ran (a refused call): blocks back, state new."""
+        """Undo ``prepare`` of a plan that never ran (a call refused right after preparing it):
+        blocks back, a tail copy undone, state new."""
         if self.state is not PlanState.PREPARED:
             return
-        if self.committing and not self.session.closed:
-            self.sequence.drop_pending()
+        if not self.session.closed:
+            if self.committing:
+                self.sequence.drop_pending()
+            if self.tail is not None:
+                self.sequence.restore_tail(self.tail)
         self.inputs, self.staging, self.history, self.generation = None, None, None, None
         self.host_inputs, self.block_positions = None, None
+        self.tail, self._tail_copied = None, True
         self._stage_from = -1
         self.state = PlanState.NEW
 
@@ -217,9 +253,10 @@ class ForwardPlan:
         end = history + n
         last_entry = -(-end // b)
         if self.committing:
-            sequence.begin(self, n)
+            self.tail = sequence.begin(self, n)
             table_entries = last_entry
         else:
+            self.tail = sequence.own_tail()
             table_entries = sequence.history_entries
         scratch = sequence.scratch
 

@@ -65,7 +65,8 @@ def _share(blocks: int, degree: int) -> int:
 
 
 class _ReleasingPool(BlockPool):
-    """The single-process block pool; freeing its blocks also frees their physical blocks."""
+    """The single-process block pool; a block nobody holds any more also frees its physical
+    block. It copies no block contents: a sharded cache forks no sessions."""
 
     def __init__(self, num_blocks: int, release) -> None:
         super().__init__(num_blocks)
@@ -74,7 +75,7 @@ class _ReleasingPool(BlockPool):
     def free(self, blocks) -> None:
         blocks = list(blocks)
         super().free(blocks)
-        self._release(blocks)
+        self._release([block for block in dict.fromkeys(blocks) if not self.is_held(block)])
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,12 @@ class ShardedKVCache(PagedKVCache):
         branches: SequenceOf[str] = ("main",),
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        pool_blocks: int | None = None,
     ) -> None:
+        if pool_blocks is not None:
+            raise ValueError(
+                "pool_blocks: a sequence-sharded cache sizes its pools from session_capacity"
+            )
         require_int("shard_degree", shard_degree, minimum=1)
         require_int("shard_index", shard_index, minimum=0)
         if shard_index >= shard_degree:
@@ -141,6 +147,10 @@ class ShardedKVCache(PagedKVCache):
         self.pool = _ReleasingPool(self.pool.num_blocks, self._release)
         # Single-process pool block -> this rank's physical block, for the blocks it owns.
         self._physical: dict[int, int] = {}
+
+    def fork(self, session: Session) -> Session:
+        """Refused: forked sessions on a sequence-sharded window are not built."""
+        raise ValueError("session: a sequence-sharded cache does not fork sessions")
 
     def _allocate(self, shape: tuple[int, ...], kv_dtype: torch.dtype) -> None:
         """Size the physical pools for this rank's share, then allocate them."""

@@ -119,9 +119,9 @@ MUTANTS = [
     _m(
         "plan-unprepare-keeps-blocks",
         "paging/plan.py",
-        "        if self.committing and not self.session.closed:\n"
-        "            self.sequence.drop_pending()\n        self.inputs",
-        "        self.inputs",
+        "            if self.committing:\n"
+        "                self.sequence.drop_pending()\n            if self.tail",
+        "            if self.tail",
         f"{REFUSALS}[float-call-two-committing]",
     ),
     _m(
@@ -311,15 +311,15 @@ MUTANTS = [
     _m(
         "pool-double-free-in-one-call",
         "paging/pool.py",
-        "if block in seen or not self.is_held(block):",
-        "if not self.is_held(block):",
+        "if count > self.refcount(block):",
+        "if count > self.refcount(block) + 1:",
         "tests/paging/test_pool.py::test_freeing_what_is_not_held_raises_and_changes_nothing",
     ),
     _m(
         "pool-last-block-never-held",
         "paging/pool.py",
-        "return 0 < block <= self.num_blocks",
-        "return 0 < block < self.num_blocks",
+        "if 0 < block <= self.num_blocks else 0",
+        "if 0 < block < self.num_blocks else 0",
         "tests/paging/test_pool.py::test_hands_out_every_block_but_the_null_block",
     ),
     _m(
@@ -377,6 +377,99 @@ MUTANTS = [
         '{"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}',
         '{"k_smooth": self.k_mean}',
         RAW_DRIVER,
+    ),
+    # -- forks: reference counts, copy-on-write, fork ------------------------------------------
+    _m(
+        "fork-shares-nothing",
+        "paging/session.py",
+        "        self.pool.share(block for block in table if block != NULL_BLOCK)",
+        "        pass",
+        "tests/paging/test_forks.py::test_fork_shares_every_block_and_copies_nothing",
+    ),
+    _m(
+        "fork-while-pending",
+        "paging/cache.py",
+        "            if sequence.pending is not None:\n                raise ValueError(\n"
+        '                    f"session {session.id} is mid-forward',
+        "            if False:\n                raise ValueError(\n"
+        '                    f"session {session.id} is mid-forward',
+        f"{REFUSALS}[float-fork-mid-forward]",
+    ),
+    _m(
+        "fork-beyond-capacity",
+        "paging/cache.py",
+        "        self._check_capacity()\n        lane = self._free_lanes.pop()\n        return "
+        "self._add_session(\n            lane,\n            {\n                branch: sequence",
+        "        lane = self._free_lanes.pop()\n        return "
+        "self._add_session(\n            lane,\n            {\n                branch: sequence",
+        f"{REFUSALS}[float-fork-capacity]",
+    ),
+    _m(
+        "pool-free-ignores-other-holders",
+        "paging/pool.py",
+        "            self._refs[block] -= count\n",
+        "            self._refs[block] = 0\n",
+        "tests/paging/test_pool.py::test_a_shared_block_is_free_once_its_last_reference_is_dropped",
+    ),
+    _m(
+        "cow-scratch-writes-the-shared-tail",
+        "paging/session.py",
+        "        shared = self.pool.refcount(tail[1]) > 1\n",
+        "        shared = False\n",
+        "tests/paging/test_forks.py::test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies",
+    ),
+    _m(
+        "cow-commit-writes-the-shared-tail",
+        "paging/session.py",
+        "copy = int(tail is not None and self.pool.refcount(tail[1]) > 1)",
+        "copy = 0",
+        "tests/paging/test_forks.py::test_committing_fork_copies_k_v_and_scales_of_every_layer",
+        "tests/paging/test_forks.py::test_eviction_drops_references_and_the_last_holder_frees",
+    ),
+    _m(
+        "cow-no-device-copy",
+        "paging/plan.py",
+        "            self.sequence.pool.copy_contents(self.tail.replaced, self.tail.block)",
+        "            pass",
+        "tests/paging/test_forks.py::test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies",
+    ),
+    _m(
+        "cow-copies-no-scales",
+        "paging/cache.py",
+        "for pools in (self.k_pools, self.v_pools, self.k_scales, self.v_scales):\n"
+        "            if pools.numel():  # a float cache's scales are zero-size",
+        "for pools in (self.k_pools, self.v_pools):\n"
+        "            if pools.numel():  # a float cache's scales are zero-size",
+        "tests/paging/test_forks.py::test_committing_fork_copies_k_v_and_scales_of_every_layer",
+    ),
+    _m(
+        "cow-copied-before-the-call-is-checked",
+        "paging/forward.py",
+        "plan._prepare(copy_tail=False)",
+        "plan._prepare(copy_tail=True)",
+        "tests/paging/test_forks.py::test_a_refused_call_undoes_its_tail_copy_and_writes_nothing",
+    ),
+    _m(
+        "cow-refused-call-keeps-the-copy",
+        "paging/plan.py",
+        "                self.sequence.restore_tail(self.tail)",
+        "                pass",
+        "tests/paging/test_forks.py::test_a_refused_call_undoes_its_tail_copy_and_writes_nothing",
+    ),
+    _m(
+        "cow-shared-tail-unchecked",
+        "paging/plan.py",
+        "if tail is not None and not sequence.holds_alone(tail.entry, tail.block):",
+        "if False:",
+        "tests/paging/test_forks.py::"
+        "test_a_plan_prepared_before_a_fork_refuses_to_write_the_shared_tail",
+    ),
+    _m(
+        "staging-reused-across-forks",
+        "paging/plan.py",
+        "            self.session.id,\n            self.branch,\n            sequence.absolute,",
+        "            self.branch,\n            sequence.absolute,",
+        "tests/paging/test_forks.py::test_staging_is_never_reused_across_forks",
     ),
     # -- paging/window.py, config.py: the window's formulas ------------------------------------
     _m(

@@ -20,7 +20,7 @@ NOTEBOOKS = {
         "playground_grid.png",
         "playground_quantized.png",
     },
-    "window_anatomy.py": {"window_block_tables.png", "window_reads.png"},
+    "window_anatomy.py": {"window_block_tables.png", "window_reads.png", "window_forks.png"},
     "sweep_plots.py": {
         "paged_attention.png",
         "staged.png",

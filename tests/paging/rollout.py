@@ -4,12 +4,16 @@
 every write in a ``SlotLedger`` keyed by token identity, and then checks the plan slot by slot:
 each key the attention reads must hold exactly the token the oracle's model position implies,
 from the forward that wrote it last. Tokens are ``(kind, session, branch, index, writer)``
-tuples, ``writer`` being the serial number of the forward that wrote them.
+tuples, ``session`` and ``writer`` being the session and the serial number of the forward that
+wrote them: a fork's history holds its parent's tokens. The cache's block copies
+(copy-on-write) are mirrored in the ledger, and no forward may write into a block another
+sequence holds.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +54,12 @@ class CountingList(list):
 
 
 def snapshot(cache: PagedKVCache) -> tuple:
-    """Everything a failed call must leave as it was: free count, tables, committed state."""
+    """Everything a failed call must leave as it was: free count, reference counts, tables,
+    committed state, and the free list in order."""
     pool = cache.pool
     return (
         pool.num_free,
-        [pool.is_held(block) for block in range(pool.num_blocks + 2)],
+        list(pool._refs),
         {
             (sid, branch): (
                 list.copy(seq.block_table),
@@ -66,24 +71,52 @@ def snapshot(cache: PagedKVCache) -> tuple:
             for sid, session in cache.sessions.items()
             for branch, seq in session.sequences.items()
         },
+        list(pool._free),
     )
 
 
 def check_pool(cache: PagedKVCache) -> None:
-    """free + held = total, no block in two tables, every held block in some table."""
+    """Each block's reference count is the number of tables that hold it (only tables hold
+    references), no block is free while referenced nor lost, no table lists a block twice,
+    branches never share a block, and the stats add up."""
     pool = cache.pool
-    held = [
-        block
-        for session in cache.sessions.values()
-        for seq in session.sequences.values()
-        for block in list.copy(seq.block_table)
-        if block != NULL_BLOCK
-    ]
-    assert len(held) == len(set(held)), "a block is in two tables (or twice in one)"
-    assert all(pool.is_held(block) for block in held)
+    references: Counter[int] = Counter()
+    branch_of: dict[int, str] = {}
+    for session in cache.sessions.values():
+        for branch, seq in session.sequences.items():
+            blocks = [block for block in list.copy(seq.block_table) if block != NULL_BLOCK]
+            assert len(blocks) == len(set(blocks)), "a table lists a block twice"
+            references.update(blocks)
+            for block in blocks:
+                assert branch_of.setdefault(block, branch) == branch, "branches share a block"
+    expected = [0] * (pool.num_blocks + 1)
+    for block, count in references.items():
+        expected[block] = count
+    assert pool._refs == expected
+    assert all(pool.refcount(block) == count for block, count in references.items())
+    free = set(pool._free)  # the blocks nobody holds, each once
+    assert len(free) == len(pool._free) == pool.num_free == pool.num_blocks - len(references)
+    assert not free & references.keys() and NULL_BLOCK not in free
     assert pool.num_free + pool.num_held == pool.num_blocks
-    assert pool.num_held == len(held), "a held block is in no table (leak)"
     assert not pool.is_held(NULL_BLOCK)
+    stats = pool.stats()
+    assert stats.references == sum(references.values()) and stats.held == len(references)
+    assert stats.shared == sum(n > 1 for n in references.values())
+
+
+def check_own_writes(cache: PagedKVCache, plan: ForwardPlan) -> None:
+    """No write of the prepared ``plan`` lands in a block another sequence holds: each pool
+    block it writes is in its sequence's table and held by it alone, each other block is one of
+    the sequence's own scratch blocks."""
+    b, sequence = cache.config.block_size, plan.sequence
+    table = set(list.copy(sequence.block_table))
+    slots = torch.cat([plan.inputs.video_slots, plan.inputs.action_slots])
+    for block in set(slots.div(b, rounding_mode="floor").tolist()):
+        if block < cache.first_scratch_block:
+            assert block in table, f"plan writes block {block}, not in its table"
+            assert cache.pool.refcount(block) == 1, f"plan writes shared block {block}"
+        else:
+            assert block in sequence.scratch, f"plan writes block {block}, not its scratch"
 
 
 def resident_model_positions(seq: paging.Sequence, config: PagingConfig) -> list[int]:
@@ -148,7 +181,23 @@ class Rollout:
         self.num_heads = num_heads
         self.ledger = SlotLedger()
         self.values: dict[tuple, tuple[Tensor, Tensor]] = {}
-        self.writer_of: dict[tuple[int, str, int], int] = {}
+        # (session, branch, model position) -> (session, serial) of the forward that wrote it;
+        # a fork's history is looked up in the session it was forked from (``writer``).
+        self.writer_of: dict[tuple[int, str, int], tuple[int, int]] = {}
+        self.forked_from: dict[int, tuple[int, dict[str, int]]] = {}
+        copy_contents = self.cache.pool.copy_contents
+
+        def copy_and_record(source: int, target: int) -> None:
+            copy_contents(source, target)
+            b = config.block_size
+            self.ledger.write(
+                range(target * b, (target + 1) * b),
+                self.ledger.read(range(source * b, (source + 1) * b)),
+            )
+            self.copies += 1
+
+        self.cache.pool.copy_contents = copy_and_record
+        self.copies = 0
         self.serial = 0
         self.kernel_budget = kernel_budget
         self.attention_limit = attention_limit
@@ -160,7 +209,24 @@ class Rollout:
 
     # -- driving -------------------------------------------------------------------------
     def open(self) -> Session:
-        session = self.cache.open_session()
+        return self._counting(self.cache.open_session())
+
+    def fork(self, session: Session) -> Session:
+        """``cache.fork``; the fork's history holds the parent's tokens."""
+        child = self._counting(self.cache.fork(session))
+        history = {branch: seq.absolute for branch, seq in session.sequences.items()}
+        self.forked_from[child.id] = (session.id, history)
+        return child
+
+    def writer(self, sid: int, branch: str, p: int) -> tuple[int, int]:
+        """(session, serial) of the forward that wrote model position ``p`` of the sequence."""
+        while (sid, branch, p) not in self.writer_of:
+            sid, history = self.forked_from[sid]
+            assert p < history[branch]
+        return self.writer_of[(sid, branch, p)]
+
+    @staticmethod
+    def _counting(session: Session) -> Session:
         for seq in session.sequences.values():
             seq.block_table = CountingList(seq.block_table)
         return session
@@ -183,6 +249,7 @@ class Rollout:
         inputs = plan.prepare()
         touched = table.touched
         assert plan.prepare() is inputs
+        check_own_writes(self.cache, plan)
         self.serial += 1
         video = [("video", session.id, branch, plan.history + t, self.serial) for t in range(n)]
         action = [("action", session.id, branch, j, self.serial) for j in range(actions)]
@@ -198,7 +265,7 @@ class Rollout:
         committed = plan.commit()
         if committed:
             for p in range(plan.history, plan.history + plan.num_tokens):
-                self.writer_of[(plan.session.id, plan.branch, p)] = record.serial
+                self.writer_of[(plan.session.id, plan.branch, p)] = (plan.session.id, record.serial)
         return committed
 
     def step(self, session: Session, branch: str = "main", chunks: int = 1, **kwargs):
@@ -223,10 +290,10 @@ class Rollout:
         """The tokens the oracle says the forward reads, in key order (actions last)."""
         plan = record.plan
         sid, branch, h = plan.session.id, plan.branch, record.history
-        video = [
-            ("video", sid, branch, p, record.serial if p >= h else self.writer_of[(sid, branch, p)])
-            for p in reference.block_read_positions(self.geometry, h, plan.num_tokens)
-        ]
+        video = []
+        for p in reference.block_read_positions(self.geometry, h, plan.num_tokens):
+            writer = (sid, record.serial) if p >= h else self.writer(sid, branch, p)
+            video.append(("video", writer[0], branch, p, writer[1]))
         actions = [("action", sid, branch, j, record.serial) for j in range(plan.action_tokens)]
         return video + actions
 
@@ -268,11 +335,12 @@ class Rollout:
         assert 0 <= lo <= hi <= seq_len - actions
         assert read[:lo] + read[hi:] == kept
 
-        # Finding the blocks touched only the table entries that can hold kept tokens.
+        # Finding the blocks touched only the table entries that can hold kept tokens, and a
+        # partly filled tail block once more (whether a fork shares it).
         h, end = record.history, record.history + n
         visible = math.ceil(len(read) / b)
         scratch_video = 0 if plan.committing else math.ceil(end / b) - math.ceil(h / b)
-        assert record.touched == visible - scratch_video
+        assert record.touched == visible - scratch_video + (h % b != 0)
         assert visible <= window.max_video_blocks(self.config)
 
         if plan.staging is not None:
@@ -343,5 +411,5 @@ class Rollout:
         for p in positions:
             storage = p if p < s else p - seq.compacted
             slot = table[storage // b] * b + storage % b
-            writer = self.writer_of[(session.id, branch, p)]
-            assert self.ledger.read([slot]) == [("video", session.id, branch, p, writer)]
+            writer, serial = self.writer(session.id, branch, p)
+            assert self.ledger.read([slot]) == [("video", writer, branch, p, serial)]

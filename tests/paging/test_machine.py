@@ -8,16 +8,25 @@ branches and sessions or single-row, among plans prepared and dropped, cancelled
 after cancel, overtaken by a commit, and forwards abandoned part way; every output of the
 staged cache must equal the unstaged one bit for bit. Its kernels take the plain-PyTorch path
 so each step stays cheap (the kernels are checked elsewhere); the plan rules launch nothing.
-Runs ``9 x`` the loaded profile's ``max_examples`` (>= 500 under ``--hypothesis-profile=ci``).
+Runs ``8 x`` the loaded profile's ``max_examples`` (480 under ``--hypothesis-profile=ci``).
+
+Forks: every cache forks sessions (all branches at once) while the twin's unstaged cache makes
+deep copies instead, so a fork's outputs must equal its deep-copied twin's bit for bit. Closing
+a session closes a fork or a parent alike; ``write_into_shared`` runs forwards where forks'
+shared histories end, the forks sharing a tail block batched in one launch. After every step
+each block's reference count is the number of tables holding it (``check_pool``), and no
+forward ever writes into a block another sequence holds (``check_own_writes``). Refused forks
+(mid-forward, beyond ``session_capacity``, of a closed session) change nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -53,7 +62,7 @@ def setups(draw) -> tuple[PagingConfig, tuple[str, ...], int, torch.dtype | None
     branches = draw(st.sampled_from([("main",), ("positive", "negative")]))
     # The twin's pools: float, or codes and scales (the same number of examples either way).
     kv_dtype = draw(st.sampled_from([None, torch.float8_e4m3fn, torch.int8]))
-    return config, branches, draw(st.integers(1, 2)), kv_dtype
+    return config, branches, draw(st.integers(1, 3)), kv_dtype
 
 
 class PagingMachine(RuleBasedStateMachine):
@@ -85,9 +94,11 @@ class PagingMachine(RuleBasedStateMachine):
         self.twin_pending: dict[tuple[int, str], tuple] = {}
         self.open_session()
 
-    def pick(self, data):
-        pair = data.draw(st.sampled_from(self.sessions))
-        branch = data.draw(st.sampled_from(self.branches))
+    def pick(self, data, row=None):
+        pair, branch = row or (
+            data.draw(st.sampled_from(self.sessions)),
+            data.draw(st.sampled_from(self.branches)),
+        )
         chunks = data.draw(st.integers(1, self.config.max_forward_chunks))
         actions = data.draw(st.just(0) | st.integers(0, self.config.max_action_tokens))
         return pair, branch, chunks, actions
@@ -106,8 +117,11 @@ class PagingMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def close_session(self, data) -> None:
-        """Close a session; when none is left, every block is free again: open a new one."""
-        index = data.draw(st.integers(0, len(self.sessions) - 1))
+        """Close a session (a fork or a parent alike); when none is left, every block is free
+        again: open a new one."""
+        self.close_index(data.draw(st.integers(0, len(self.sessions) - 1)))
+
+    def close_index(self, index: int) -> None:
         pair = self.sessions.pop(index)
         self.pending = {key: v for key, v in self.pending.items() if key[0] != pair[0].id}
         for rollout, session in zip((self.main, self.shadow), pair, strict=True):
@@ -118,13 +132,49 @@ class PagingMachine(RuleBasedStateMachine):
             for (i, branch), plans in self.twin_pending.items()
             if i != index
         }
+        before = snapshot(self.main.cache)
+        with pytest.raises(ValueError, match="not open"):
+            self.main.cache.fork(pair[0])
+        assert snapshot(self.main.cache) == before
         if not self.sessions:
             for cache in (self.main.cache, self.shadow.cache, *self.twin.caches):
                 assert cache.pool.num_free == cache.pool.num_blocks
             self.open_session()
 
-    def forward(self, data, *, commit: bool) -> None:
-        pair, branch, chunks, actions = self.pick(data)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        """Fork a session on every cache (the twin's unstaged one deep-copies it); refused,
+        changing nothing, while a committing forward is pending or at ``session_capacity``."""
+        self.fork_session(data.draw(st.integers(0, len(self.sessions) - 1)))
+
+    def fork_session(self, index: int) -> bool:
+        pair, twin_pair = self.sessions[index], self.twin.sessions[index]
+        refusals = []
+        if any((pair[0].id, branch) in self.pending for branch in self.branches):
+            rollouts = (self.main, self.shadow)
+            refusals += [(r.cache, s, "mid-forward") for r, s in zip(rollouts, pair, strict=True)]
+        if any((index, branch) in self.twin_pending for branch in self.branches):
+            refusals.append((self.twin.staged, twin_pair[0], "mid-forward"))
+        if not refusals and len(self.sessions) == self.capacity:
+            caches = (self.main.cache, self.shadow.cache, *self.twin.caches)
+            refusals = [
+                (cache, session, "session_capacity")
+                for cache, session in zip(caches, (*pair, *twin_pair), strict=True)
+            ]
+        event(f"fork refused: {refusals[0][2]}" if refusals else "fork")
+        for cache, session, match in refusals:
+            before = snapshot(cache)
+            with pytest.raises(ValueError, match=match):
+                cache.fork(session)
+            assert snapshot(cache) == before
+        if refusals:
+            return False
+        self.sessions.append((self.main.fork(pair[0]), self.shadow.fork(pair[1])))
+        self.twin.fork(index)
+        return True
+
+    def forward(self, data, *, commit: bool, row=None) -> None:
+        pair, branch, chunks, actions = self.pick(data, row)
         key = (pair[0].id, branch)
         if key in self.pending:
             # A forward on a sequence with a pending committing forward is refused.
@@ -217,8 +267,62 @@ class PagingMachine(RuleBasedStateMachine):
         or only the first (abandoned part way); a committing one is committed or cancelled.
         Staged and unstaged outputs must be bitwise equal."""
         rows = self.twin_rows(data, max_rows=4)
-        if not rows:
-            return
+        if rows:
+            self.run_twin(data, rows)
+
+    def shared_tails(self, cache, sessions, pending) -> list[list]:
+        """Rows ``(session key, branch)`` grouped by the partly filled tail block they share
+        (no pending forward on them), each group sorted."""
+        b = self.config.block_size
+        sharing = defaultdict(list)
+        for key, session in sessions:
+            for branch, seq in session.sequences.items():
+                if seq.committed % b and (key, branch) not in pending:
+                    tail = list.copy(seq.block_table)[seq.committed // b]
+                    if cache.pool.refcount(tail) > 1:
+                        sharing[tail].append((key, branch))
+        return sorted(sharing.values())
+
+    def twin_shared_tails(self) -> list[list[tuple[int, str]]]:
+        sessions = [(i, pair[0]) for i, pair in enumerate(self.twin.sessions)]
+        return self.shared_tails(self.twin.staged, sessions, self.twin_pending)
+
+    @rule(data=st.data())
+    def write_into_shared(self, data) -> None:
+        """Forwards that continue a tail block forks share (forking a session whose history
+        ends mid-block first when none is shared): on the twin, every row sharing one such
+        block in one launch (each must copy it before writing its free slots); on the main
+        rollouts, one such sequence."""
+        b = self.config.block_size
+        if not self.twin_shared_tails() and self.capacity > 1:
+            # Make one: fork a session whose history ends mid-block (after a committed forward
+            # if need be), closing another session first when every slot is taken.
+            index = data.draw(st.integers(0, len(self.sessions) - 1))
+            if len(self.sessions) == self.capacity:
+                self.close_index(len(self.sessions) - 1 - (index == len(self.sessions) - 1))
+                index = min(index, len(self.sessions) - 1)
+            rows = [(index, branch) for branch in self.branches]
+            if not any(row in self.twin_pending for row in rows):
+                sequences = self.twin.sessions[index][0].sequences.values()
+                if not all(seq.committed % b for seq in sequences):
+                    chunks = data.draw(st.integers(1, self.config.max_forward_chunks))
+                    with plain_torch_kernels():
+                        self.twin.forward(rows, chunks, commit=True)
+                self.fork_session(index)
+        groups = self.twin_shared_tails()
+        if groups:
+            rows = data.draw(st.sampled_from(groups))
+            event(f"twin launch over {len(rows)} rows sharing a tail block")
+            self.run_twin(data, rows)
+        sessions = [(pair[0].id, pair[0]) for pair in self.sessions]
+        main = self.shared_tails(self.main.cache, sessions, self.pending)
+        if main:
+            event("main forward into a shared tail block")
+            sid, branch = data.draw(st.sampled_from([row for rows in main for row in rows]))
+            pair = next(pair for pair in self.sessions if pair[0].id == sid)
+            self.forward(data, commit=data.draw(st.booleans()), row=(pair, branch))
+
+    def run_twin(self, data, rows: list[tuple[int, str]]) -> None:
         chunks = data.draw(st.integers(1, self.config.max_forward_chunks))
         actions = data.draw(st.just(0) | st.integers(0, self.config.max_action_tokens))
         commit = data.draw(st.booleans())
@@ -295,12 +399,14 @@ class PagingMachine(RuleBasedStateMachine):
             plan.cancel()
 
     @invariant()
-    def twin_blocks_are_never_shared(self) -> None:
+    def twin_pools_account_for_every_block(self) -> None:
         for cache in self.twin.caches:
             check_pool(cache)
 
     @invariant()
     def pools_account_for_every_block(self) -> None:
+        if self.main.copies:
+            event("the main rollout copied a shared tail block")
         self.main.check_pool()
         self.shadow.check_pool()
 
@@ -317,6 +423,6 @@ class PagingMachine(RuleBasedStateMachine):
 
 
 PagingMachine.TestCase.settings = settings(
-    settings(), max_examples=9 * settings().max_examples, stateful_step_count=20
+    settings(), max_examples=8 * settings().max_examples, stateful_step_count=20
 )
 TestPagingMachine = PagingMachine.TestCase

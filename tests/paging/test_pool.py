@@ -53,3 +53,36 @@ def test_double_free_across_calls_raises() -> None:
     with pytest.raises(ValueError, match="not held"):
         pool.free([block])
     assert pool.num_free == 2
+
+
+def test_a_shared_block_is_free_once_its_last_reference_is_dropped() -> None:
+    pool = BlockPool(3)
+    [block, other] = pool.allocate(2)
+    pool.share([block, block])  # two more tables list it
+    assert pool.refcount(block) == 3 and pool.num_held == 2
+    stats = pool.stats(block_bytes=10)
+    assert (stats.exclusive, stats.shared, stats.references, stats.free) == (1, 1, 4, 1)
+    assert (stats.held_bytes, stats.unshared_bytes) == (20, 40)
+    pool.free([block, other])
+    assert (pool.refcount(block), pool.num_free) == (2, 2)
+    pool.free([block, block])
+    assert not pool.is_held(block) and pool.num_free == 3
+
+
+@pytest.mark.parametrize("case", ["more-than-held", "share-free"])
+def test_references_not_held_raise_and_change_nothing(case: str) -> None:
+    pool = BlockPool(3)
+    [block, free_block] = pool.allocate(2)
+    pool.free([free_block])
+    pool.share([block])
+    with pytest.raises(ValueError, match="blocks"):
+        if case == "more-than-held":
+            pool.free([block, block, block])
+        else:
+            pool.share([block, free_block])
+    assert (pool.refcount(block), pool.refcount(free_block), pool.num_free) == (2, 0, 2)
+
+
+def test_a_bare_pool_has_no_storage_to_copy() -> None:
+    with pytest.raises(ValueError, match="no storage"):
+        BlockPool(2).copy_contents(1, 2)

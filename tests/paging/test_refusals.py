@@ -1,8 +1,9 @@
 """Every public entry point that refuses its input leaves the cache exactly as it found it
 (docs/errors.md): free count, tables, committed tokens, pending forwards, and every byte of
 the pools, the staging buffers and the staging record, and for quantized caches of the scales,
-the K means and their flags. One table of refusals over a cache with history, a staged forward,
-a pending committing forward, a cancelled and a stale plan, with float and quantized pools.
+the K means and their flags. One table of refusals over a cache with history, a fork sharing
+it, a staged forward, a pending committing forward, a cancelled and a stale plan, with float
+and quantized pools.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class World:
     stale_call: ForwardCall
     behind_pending: ForwardPlan  # a scratch plan on "neg", prepared before the pending one
     committed: ForwardPlan  # the last committing plan on "pos", run and committed
+    other: Session  # a fork of session's history, taking the last session slot
+    closed: Session  # a session that was closed
 
 
 def tensors(
@@ -83,10 +86,12 @@ def world(request: pytest.FixtureRequest) -> World:
         else:
             buffer.view(torch.int8).copy_(torch.randint(-100, 100, buffer.shape, generator=gen))
     session = cache.open_session()
-    cache.open_session()  # every session slot taken
+    closed = cache.open_session()
+    cache.close_session(closed)
     with plain_torch_kernels():
         for _ in range(2):
             run(cache, cache.plan(session, "pos", N, commit=True)).commit()
+        other = cache.fork(session)  # every session slot taken
         cancelled = cache.plan(session, "pos", N, commit=True)
         cancelled.prepare()
         cancelled.cancel()
@@ -107,7 +112,16 @@ def world(request: pytest.FixtureRequest) -> World:
     pending = cache.plan(session, "neg", N, commit=True)
     pending.prepare()
     return World(
-        cache, session, pending, cancelled, stale, stale_call, behind_pending, last.plans[0]
+        cache,
+        session,
+        pending,
+        cancelled,
+        stale,
+        stale_call,
+        behind_pending,
+        last.plans[0],
+        other,
+        closed,
     )
 
 
@@ -175,6 +189,11 @@ REFUSALS = [
         "action_tokens",
     ),
     ("open-session", lambda w: w.cache.open_session(), ValueError, "session_capacity"),
+    ("fork-mid-forward", lambda w: w.cache.fork(w.session), ValueError, "mid-forward"),
+    ("fork-capacity", lambda w: w.cache.fork(w.other), ValueError, "session_capacity"),
+    ("fork-closed", lambda w: w.cache.fork(w.closed), ValueError, "not open"),
+    ("fork-not-a-session", lambda w: w.cache.fork("s"), TypeError, "session"),
+    ("fork-foreign", lambda w: w.cache.fork(foreign_plan().session), ValueError, "not open"),
     ("close-foreign", lambda w: w.cache.close_session("s"), TypeError, "session"),
     ("layer-index", lambda w: w.cache.layer(2), ValueError, "index"),
     (

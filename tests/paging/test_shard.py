@@ -246,3 +246,16 @@ def test_a_refused_first_call_leaves_the_mean_and_factors_unchosen():
     call.attend(0, torch.randn(4, 1, 8), k, v)
     assert cache.k_means_chosen.all() and cache.equalizers_chosen.all()
     assert (cache.k_equalizers > 1).any() and cache.k_means.abs().sum() > 0
+
+
+def test_a_sharded_cache_refuses_forks_and_pool_blocks():
+    config = PagingConfig(block_size=4, chunk_size=8, sink_chunks=1, window_chunks=2)
+    geometry = dict(shard_degree=2, shard_index=0, num_layers=1, num_kv_heads=1, head_dim=2)
+    with pytest.raises(ValueError, match="pool_blocks"):
+        ShardedKVCache(config, pool_blocks=64, **geometry)
+    cache = ShardedKVCache(config, session_capacity=2, **geometry)
+    session = cache.open_session()
+    free = cache.pool.num_free
+    with pytest.raises(ValueError, match="does not fork"):
+        cache.fork(session)
+    assert cache.pool.num_free == free and len(cache.sessions) == 1

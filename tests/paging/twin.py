@@ -4,6 +4,11 @@ Every forward runs through ``ForwardCall`` on both with the same queries and K/V
 outputs must be equal bit for bit: the staged path attends over a copy of exactly the keys the
 paged path reads, so any stale or unfilled staging row shows up as a difference. Pools and
 staging buffers start NaN-poisoned.
+
+Forks: the staged cache forks (``cache.fork``: shared blocks, copy-on-write), the unstaged one
+makes a deep copy (``deep_copy``: a new session with its own copy of every block), so a fork's
+outputs must equal its deep-copied twin's bit for bit, and no forward of the staged cache may
+write into a block another sequence holds.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import torch
 from torch import Tensor
 
 from paged_video.kernels import _runtime
-from paged_video.paging import ForwardPlan, PagedKVCache, PagingConfig, Session
+from paged_video.paging import NULL_BLOCK, ForwardPlan, PagedKVCache, PagingConfig, Session
 from paged_video.paging.forward import ForwardCall
+from tests.paging.rollout import check_own_writes
 
 
 @contextlib.contextmanager
@@ -28,6 +34,25 @@ def plain_torch_kernels() -> Iterator[None]:
     many small forwards. The kernels themselves are checked against the oracle elsewhere."""
     with mock.patch.object(_runtime, "interpreter_active", return_value=False):
         yield
+
+
+def deep_copy(cache: PagedKVCache, session: Session) -> Session:
+    """A new session of ``cache`` with ``session``'s committed history in blocks of its own:
+    every layer's K and V (and scales) copied, nothing shared. What a fork must behave like."""
+    copy = cache.open_session()
+    stored = (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales)
+    for branch, source in session.sequences.items():
+        table = list.copy(source.block_table)
+        blocks = [block for block in table if block != NULL_BLOCK]
+        fresh = dict(zip(blocks, cache.pool.allocate(len(blocks)), strict=True))
+        for tensor in (t for t in stored if t.numel()):  # a float cache's scales are empty
+            for old, new in fresh.items():
+                tensor[:, new].copy_(tensor[:, old])
+        target = copy.sequences[branch]
+        target.block_table = [fresh.get(block, NULL_BLOCK) for block in table]
+        target.committed, target.compacted = source.committed, source.compacted
+        target.evicted = source.evicted
+    return copy
 
 
 def poison(cache: PagedKVCache) -> None:
@@ -89,6 +114,12 @@ class Twin:
         self.sessions.append(tuple(cache.open_session() for cache in self.caches))
         return len(self.sessions) - 1
 
+    def fork(self, index: int) -> int:
+        """Fork session ``index`` on the staged cache, deep-copy it on the unstaged one."""
+        staged, unstaged = self.sessions[index]
+        self.sessions.append((self.caches[0].fork(staged), deep_copy(self.caches[1], unstaged)))
+        return len(self.sessions) - 1
+
     def close(self, index: int) -> None:
         for cache, session in zip(self.caches, self.sessions.pop(index), strict=True):
             cache.close_session(session)
@@ -125,6 +156,8 @@ class Twin:
             ForwardCall(cache, p, softmax_scale=self.scale)
             for cache, p in zip(self.caches, plans, strict=True)
         ]
+        for plan in plans[0]:
+            check_own_writes(self.staged, plan)
         heads, kv_heads, _ = self.shape
         video = sum(plan.num_tokens for plan in plans[0])
         actions = sum(plan.action_tokens for plan in plans[0])
@@ -136,7 +169,7 @@ class Twin:
             pair = tuple(call.attend(layer, q, k, v, ak, av) for call in calls)
             assert not torch.isnan(pair[1]).any(), "the unstaged path read an unwritten slot"
             assert torch.equal(pair[0], pair[1]), (
-                f"layer {layer}: staged output differs from unstaged by "
+                f"layer {layer}: staged (forked) output differs from unstaged (deep-copied) by "
                 f"{(pair[0] - pair[1]).abs().max().item():.3g} (stage_from={calls[0].stage_from})"
             )
             outputs.append(pair)
