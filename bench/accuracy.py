@@ -1,26 +1,47 @@
 """``python -m paged_video.bench accuracy``: how far quantized KV pools move attention from
-float64 attention.
+float64 attention, next to how far the format itself must move it (its floor).
 
 One frame of queries attends over the sink + window of the shipped model (by default 9 + 9
 frames of 1,560 tokens: 28,080 keys; head_dim 128). Every row writes K/V through the real
-``write_slots`` (codes and per-(token, head) scales; K minus the smoothing mean when smoothing)
-and attends with the real ``paged_attention`` (the Triton interpreter on a CPU). The result is
-compared with float64 attention on the original K/V: q, K and V are rounded to bf16 first (the
-model's dtype), then everything is float64. The bf16 pool is the baseline row.
+``write_slots`` (codes and per-(token, head) scales; K minus the smoothing mean when smoothing,
+each channel divided by its equalization factor when equalizing) and attends with the real
+``paged_attention`` (the Triton interpreter on a CPU). The result is compared with float64
+attention on the original K/V: q, K and V are rounded to bf16 first (the model's dtype), then
+everything is float64. The bf16 pool is the baseline row.
+
+Beside each quantized row, float64 quantize-dequantize of the same data (``reference.quantize``,
+``reference.quantized_attention``) gives the floor the kernel cannot beat:
+
+- ``floor``: attention over the rows as the pool stores them (scale ``amax / qmax``);
+- ``best scale``: the same with, per row, the scale of least squared error (no per-row scale
+  does better);
+- ``mode floor``: the attention mode's own float64 emulation (``floor`` for the dequantizing
+  mode; the FP8-MMA and INT8-MMA modes also round the queries, and FP8-MMA the probabilities).
 
 Data kinds (``make_data``; all values rounded to bf16):
 
 - ``random``: q, K, V standard normal.
-- ``k-outliers``: the same, plus a per-channel offset on K, as real video-diffusion keys have:
-  in each head ``OUTLIER_CHANNELS`` channels chosen at random get a constant offset of random
-  sign and magnitude uniform in ``OUTLIER_OFFSET`` (the other channels get none), the same for
-  every token.
+- ``k-outliers``: plus a per-channel offset on K: in each head ``OUTLIER_CHANNELS`` channels
+  chosen at random get a constant offset of random sign and magnitude uniform in
+  ``OUTLIER_OFFSET``, the same for every token (what K smoothing removes).
+- ``k-token-outliers``: ``OUTLIER_CHANNELS`` channels of K per head are ``TOKEN_OUTLIER_GAIN``
+  times wider (uniform), still varying from token to token (the outlier channels reported for
+  keys); q is divided by K's root-mean-square channel gain, so the logits keep the unit spread
+  of random data, as a trained model's do.
+- ``v-token-outliers``: the same channels-and-gains pattern on V.
+- ``k-drift``: K's per-(head, channel) mean drifts as a video's does: ``DRIFT_BASE`` spread at
+  the first frame, then a random walk of ``DRIFT_STEP`` per frame.
 
 K smoothing subtracts a per-(head, channel) mean before quantizing; softmax does not change (a
-query's scores all shift by ``q . mean``). The mean is chosen as the cache chooses it: over the
-video tokens of the first write, here the first frame of the sink, in float32, then frozen.
+query's scores all shift by ``q . mean``). Equalization divides each (head, channel) by a power
+of two chosen by ``kernels.equalize.choose_factors``, which attention folds back into q (K's
+factors) and the output (V's). Both are chosen as the cache chooses them: from the first write
+(the first frame of the sink), then frozen.
 
-Goal: cosine similarity >= 0.9995 and relative L1 (``sum|o - r| / sum|r|``) <= 0.02.
+Goal of a quantized row: rel L1 (``sum|o - r| / sum|r|``) within ``RELATIVE_GOAL`` x its mode
+floor, and an absolute target: int8 <= ``INT8_REL_L1``; e4m3 no worse than today's pool (the
+mode floor of the same row without equalization, times ``RELATIVE_GOAL``). The bf16 baseline
+has no floor: cosine >= ``GOAL_COSINE`` and rel L1 <= ``GOAL_REL_L1``.
 """
 
 from __future__ import annotations
@@ -36,18 +57,38 @@ import torch
 from torch import Tensor
 
 from paged_video import kernels, reference
+from paged_video.bench.formats import (
+    DEQUANT,
+    MMA_MODES,
+    MODE_FLAGS,
+    QUANTIZED_FORMATS,
+    UNQUANTIZED,
+    dtype_name,
+)
 from paged_video.bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance, sig3
 from paged_video.bench.table import aligned
 from paged_video.bench.timing import figures_kind
+from paged_video.kernels.equalize import K_SHARE, choose_factors
+from paged_video.reference.quantized_attention import quantized_attention
 
-DATA_KINDS = ("random", "k-outliers")
-# Quantized formats by their short name; "bf16" (the baseline pool) is always measured.
-FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
-BASELINE = "bf16"
-DEQUANT, FP8_MMA = "dequant", "fp8-mma"
-# The k-outliers generator: channels per head with an offset, and the offsets' magnitude range.
+DATA_KINDS = ("random", "k-outliers", "k-token-outliers", "v-token-outliers", "k-drift")
+# Quantized formats by their one spelling (bench.formats); "bf16" (the baseline pool) is always
+# measured.
+FORMATS: dict[str, torch.dtype] = QUANTIZED_FORMATS
+BASELINE = UNQUANTIZED
+FP8_MMA, INT8_MMA = MMA_MODES["e4m3"], MMA_MODES["int8"]
+# Attention modes per format: the dequantizing one, then the MMA mode the format has.
+MODES: dict[str, tuple[str, ...]] = {name: (DEQUANT, MMA_MODES[name]) for name in FORMATS}
+# Channels per head with an outlier pattern; k-outliers' offsets; the token outliers' gains.
 OUTLIER_CHANNELS = 4
 OUTLIER_OFFSET = (10.0, 20.0)
+TOKEN_OUTLIER_GAIN = (20.0, 50.0)
+# k-drift: the spread of the first frame's per-channel means, and of their change per frame.
+DRIFT_BASE = 2.0
+DRIFT_STEP = 0.5
+# Goals: within 2% of the mode's floor; int8 at most 1.5% rel L1; the baseline's own goal.
+RELATIVE_GOAL = 1.02
+INT8_REL_L1 = 0.015
 GOAL_COSINE = 0.9995
 GOAL_REL_L1 = 0.02
 # The shipped model: 40 heads of 128, frames of 1,560 tokens, sink 9 + window 9 frames.
@@ -60,9 +101,15 @@ ACCURACY_COLUMNS = (
     "format",
     "mode",
     "k_smooth",
+    "equalize",
     "cosine",
     "rel_l1",
     "max_abs_error",
+    "floor_rel_l1",
+    "best_scale_rel_l1",
+    "mode_floor_rel_l1",
+    "vs_floor",
+    "target_rel_l1",
     "meets_goal",
     "heads",
     "head_dim",
@@ -82,26 +129,45 @@ ACCURACY_COLUMNS = (
 
 @dataclass(frozen=True)
 class Variant:
-    """One row: a pool format (``bf16`` or a ``FORMATS`` key), the attention mode, smoothing."""
+    """One row: a pool format (``bf16`` or a ``FORMATS`` key), the attention mode, K smoothing
+    and channel equalization."""
 
     format: str
     mode: str = DEQUANT
     smooth: bool = False
+    equalize: bool = False
 
     @property
     def label(self) -> str:
         if self.format == BASELINE:
             return f"{BASELINE} pool"
-        return f"{self.format} {self.mode}{' smooth-K' if self.smooth else ''}"
+        smooth = " smooth-K" if self.smooth else ""
+        return f"{self.format} {self.mode}{smooth}{' equalized' if self.equalize else ''}"
+
+    @property
+    def storage(self) -> Variant:
+        """What the pool stores, whatever the mode reads it with."""
+        return Variant(self.format, DEQUANT, self.smooth, self.equalize)
+
+    @property
+    def today(self) -> Variant:
+        """The same row without equalization: today's pool, for e4m3's absolute target."""
+        return Variant(self.format, self.mode, self.smooth, False)
 
 
-def variants(formats: Sequence[str], smoothing: Sequence[bool]) -> list[Variant]:
-    """The bf16 baseline, then per quantized format its modes (fp8-mma for e4m3 only), each
-    with and without K smoothing as asked."""
+def variants(
+    formats: Sequence[str], smoothing: Sequence[bool], equalizing: Sequence[bool] = (False,)
+) -> list[Variant]:
+    """The bf16 baseline, then per quantized format its modes (``MODES``), each with and
+    without K smoothing and channel equalization as asked."""
     rows = [Variant(BASELINE)]
     for name in formats:
-        modes = (DEQUANT, FP8_MMA) if FORMATS[name] == torch.float8_e4m3fn else (DEQUANT,)
-        rows += [Variant(name, mode, smooth) for mode in modes for smooth in smoothing]
+        rows += [
+            Variant(name, mode, smooth, equalize)
+            for mode in MODES[name]
+            for smooth in smoothing
+            for equalize in equalizing
+        ]
     return rows
 
 
@@ -121,6 +187,7 @@ class AccuracyConfig:
     data: tuple[str, ...] = DATA_KINDS
     formats: tuple[str, ...] = tuple(FORMATS)
     smoothing: tuple[bool, ...] = (False, True)
+    equalizing: tuple[bool, ...] = (False, True)
     q_dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
@@ -148,6 +215,18 @@ def _bf16(x: Tensor) -> Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
+def _outlier_channels(
+    generator: torch.Generator, heads: int, dim: int, low: float, high: float
+) -> tuple[Tensor, Tensor]:
+    """Per head ``OUTLIER_CHANNELS`` random channels ``(heads, n)`` and a magnitude uniform
+    in ``[low, high]`` for each."""
+    channels = torch.stack(
+        [torch.randperm(dim, generator=generator)[:OUTLIER_CHANNELS] for _ in range(heads)]
+    )
+    magnitude = low + (high - low) * torch.rand(heads, OUTLIER_CHANNELS, generator=generator)
+    return channels, magnitude
+
+
 def make_data(kind: str, config: AccuracyConfig) -> Data:
     """The q/K/V of data ``kind`` (see the module docstring), from ``config.seed`` alone."""
     if kind not in DATA_KINDS:
@@ -158,6 +237,7 @@ def make_data(kind: str, config: AccuracyConfig) -> Data:
     q = torch.randn(c.rows, *shape, generator=generator)
     keys = torch.randn(c.kv_tokens, *shape, generator=generator)
     values = torch.randn(c.kv_tokens, *shape, generator=generator)
+    heads = torch.arange(c.heads)[:, None]
     if kind == "k-outliers":
         low, high = OUTLIER_OFFSET
         offset = torch.zeros(shape)
@@ -167,17 +247,35 @@ def make_data(kind: str, config: AccuracyConfig) -> Data:
             sign = torch.randint(0, 2, (OUTLIER_CHANNELS,), generator=generator) * 2 - 1
             offset[head, channels] = magnitude * sign
         keys = keys + offset
+    elif kind in ("k-token-outliers", "v-token-outliers"):
+        channels, magnitude = _outlier_channels(generator, c.heads, c.head_dim, *TOKEN_OUTLIER_GAIN)
+        gain = torch.ones(shape)
+        gain[heads, channels] = magnitude
+        if kind == "k-token-outliers":
+            keys = keys * gain
+            # Every logit's spread grows by K's RMS gain: divide it out of q.
+            q = q / gain.square().mean(dim=-1).sqrt()[:, None]
+        else:
+            values = values * gain
+    elif kind == "k-drift":
+        frames = c.sink_chunks + c.window_chunks
+        steps = DRIFT_STEP * torch.randn(frames, *shape, generator=generator)
+        steps[0] = DRIFT_BASE * torch.randn(shape, generator=generator)
+        keys = keys + steps.cumsum(dim=0).repeat_interleave(c.chunk_size, dim=0)
     device = torch.device(c.device)
     return Data(*(_bf16(x).to(device) for x in (q, keys, values)))
 
 
 def reference_output(data: Data) -> Tensor:
     """Float64 attention of ``data`` (already bf16-rounded), in slices of ``REFERENCE_ROWS``."""
-    q = data.q
+    return _by_rows(data.q, lambda q: reference.dense_attention(q, data.keys, data.values))
+
+
+def _by_rows(q: Tensor, attend_rows: Callable[[Tensor], Tensor]) -> Tensor:
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for start in range(0, q.shape[0], REFERENCE_ROWS):
         rows = slice(start, start + REFERENCE_ROWS)
-        out[rows] = reference.dense_attention(q[rows], data.keys, data.values)
+        out[rows] = attend_rows(q[rows])
     return out
 
 
@@ -189,7 +287,8 @@ class Metrics:
 
     @property
     def meets_goal(self) -> bool:
-        """Cosine >= 0.9995 and relative L1 <= 0.02 (NaN meets nothing)."""
+        """The bf16 baseline's goal: cosine >= 0.9995 and relative L1 <= 0.02 (NaN meets
+        nothing)."""
         return self.cosine >= GOAL_COSINE and self.rel_l1 <= GOAL_REL_L1
 
 
@@ -204,12 +303,53 @@ def metrics(output: Tensor, expected: Tensor) -> Metrics:
     return Metrics(cosine, rel_l1, float(diff.max()))
 
 
+@dataclass(frozen=True)
+class Floors:
+    """Float64 rel L1 of a quantized row's data (see the module docstring): the stored rows,
+    the best per-row scales, the mode's emulation."""
+
+    storage: float
+    best_scale: float
+    mode: float
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a data kind's first write chooses: the smoothing mean and the equalization
+    factors (float32, ``(H, D)``), as the cache chooses them."""
+
+    mean: Tensor
+    k_factor: Tensor
+    v_factor: Tensor
+    smoothed_k_factor: Tensor
+
+    def smooth(self, variant: Variant) -> Tensor | None:
+        return self.mean if variant.smooth else None
+
+    def factors(self, variant: Variant) -> tuple[Tensor | None, Tensor | None]:
+        if not variant.equalize:
+            return None, None
+        return (self.smoothed_k_factor if variant.smooth else self.k_factor), self.v_factor
+
+
 def smoothing_mean(keys: Tensor, chunk_size: int) -> Tensor:
     """``(H, D)`` float32 mean of the first frame's keys: the cache's first write."""
     return keys[:chunk_size].to(torch.float32).mean(dim=0)
 
 
-def attend(variant: Variant, data: Data, config: AccuracyConfig) -> Tensor:
+def prepare(data: Data, config: AccuracyConfig) -> Prepared:
+    """The first frame's mean and factors (K's factors of K and of K minus the mean)."""
+    first = slice(0, config.chunk_size)
+    mean = smoothing_mean(data.keys, config.chunk_size)
+    return Prepared(
+        mean=mean,
+        k_factor=choose_factors(data.keys[first], share=K_SHARE),
+        v_factor=choose_factors(data.values[first]),
+        smoothed_k_factor=choose_factors(data.keys[first], mean, share=K_SHARE),
+    )
+
+
+def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepared) -> Tensor:
     """Write ``data``'s K/V into a pool of ``variant``'s format with ``kernels.write_slots``
     (frame by frame, as the cache writes), then attend with ``kernels.paged_attention``."""
     c = config
@@ -235,9 +375,15 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig) -> Tensor:
     slots = block_table[0].long()[positions // block] * block + positions % block
 
     flat = (-1, heads, dim)
-    write_scales = {name: s.view(-1, heads) for name, s in scales.items()}
+    write_extra: dict[str, Tensor] = {name: s.view(-1, heads) for name, s in scales.items()}
+    attend_extra: dict[str, object] = dict(scales)
     if variant.smooth:
-        write_scales["k_smooth"] = smoothing_mean(data.keys, c.chunk_size)
+        write_extra["k_smooth"] = prepared.mean
+    k_factor, v_factor = prepared.factors(variant)
+    if variant.equalize:
+        equalizers = {"k_equalizer": k_factor, "v_equalizer": v_factor}
+        write_extra |= equalizers
+        attend_extra |= equalizers
     key_dtype = c.q_dtype  # the model's K/V dtype (bf16 on a GPU; float32 holding it on a CPU)
     for start in range(0, c.kv_tokens, c.chunk_size):
         frame = slice(start, start + c.chunk_size)
@@ -247,11 +393,10 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig) -> Tensor:
             k_cache.view(flat),
             v_cache.view(flat),
             slots[frame].to(torch.int32),
-            **write_scales,
+            **write_extra,
         )
-    extra: dict[str, object] = dict(scales)
-    if variant.mode == FP8_MMA:
-        extra["fp8_mma"] = True
+    if variant.mode != DEQUANT:
+        attend_extra[MODE_FLAGS[variant.mode]] = True
     rows = data.q.shape[0]
     return kernels.paged_attention(
         data.q.to(c.q_dtype),
@@ -261,18 +406,83 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig) -> Tensor:
         torch.tensor([0, rows], dtype=torch.int32, device=device),
         torch.tensor([c.kv_tokens], dtype=torch.int32, device=device),
         max_seqlen_q=rows,
-        **extra,
+        **attend_extra,
     )
 
 
+class FloorCache:
+    """The floors of one data kind, each computed once: storage floors are shared by the
+    modes of a format, and e4m3's target is another row's mode floor."""
+
+    def __init__(self, data: Data, expected: Tensor, prepared: Prepared) -> None:
+        self._data, self._expected, self._prepared = data, expected, prepared
+        self._rel_l1: dict[tuple[Variant, str], float] = {}
+
+    def floors(self, variant: Variant) -> Floors:
+        storage = self._floor(variant.storage, "amax")
+        mode = storage if variant.mode == DEQUANT else self._floor(variant, "amax")
+        return Floors(storage, self._floor(variant.storage, "best"), mode)
+
+    def _floor(self, variant: Variant, scales: str) -> float:
+        key = (variant, scales)
+        if key not in self._rel_l1:
+            output = self._emulate(variant, best_scale=scales == "best")
+            self._rel_l1[key] = metrics(output, self._expected).rel_l1
+        return self._rel_l1[key]
+
+    def _emulate(self, variant: Variant, *, best_scale: bool) -> Tensor:
+        data, prepared = self._data, self._prepared
+        dtype = FORMATS[variant.format]
+        k_factor, v_factor = prepared.factors(variant)
+        quantize = (
+            reference.quantize.quantize_best_scale if best_scale else reference.quantize.quantize
+        )
+        k_codes, k_scale = quantize(
+            data.keys, dtype, smooth=prepared.smooth(variant), factor=k_factor
+        )
+        v_codes, v_scale = quantize(data.values, dtype, factor=v_factor)
+        return _by_rows(
+            data.q,
+            lambda q: quantized_attention(
+                q,
+                k_codes,
+                k_scale,
+                v_codes,
+                v_scale,
+                mode=variant.mode,
+                k_factor=k_factor,
+                v_factor=v_factor,
+            ),
+        )
+
+
+def target_rel_l1(variant: Variant, cache: FloorCache) -> float | None:
+    """A quantized row's absolute target: ``INT8_REL_L1`` for int8; for e4m3, today's pool
+    (the same row unequalized: its mode floor, times ``RELATIVE_GOAL``)."""
+    if variant.format == BASELINE:
+        return None
+    if FORMATS[variant.format] == torch.int8:
+        return INT8_REL_L1
+    return RELATIVE_GOAL * cache.floors(variant.today).mode
+
+
+def meets_goal(measured: Metrics, floors: Floors | None, target: float | None) -> bool:
+    """Quantized rows: within ``RELATIVE_GOAL`` x the mode floor and at most ``target``; the
+    baseline (no floors): ``Metrics.meets_goal``. NaN meets nothing."""
+    if floors is None:
+        return measured.meets_goal
+    return measured.rel_l1 <= RELATIVE_GOAL * floors.mode and measured.rel_l1 <= target
+
+
 Row = dict[str, object]
+AttendFn = Callable[[Variant, Data, AccuracyConfig, Prepared], Tensor]
 
 
 def run_accuracy(
     config: AccuracyConfig,
     csv_path: str | Path,
     *,
-    attend_fn: Callable[[Variant, Data, AccuracyConfig], Tensor] = attend,
+    attend_fn: AttendFn = attend,
     log: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """Measure every (data kind, variant) of ``config``; the rows are written to ``csv_path``
@@ -283,20 +493,34 @@ def run_accuracy(
     csv_path = Path(csv_path)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
-    cases = variants(config.formats, config.smoothing)
+    cases = variants(config.formats, config.smoothing, config.equalizing)
     with open(csv_path, "w", newline="") as stream:
         writer = CsvWriter(stream, ACCURACY_COLUMNS)
         for kind in config.data:
             data = make_data(kind, config)
             expected = reference_output(data)
+            prepared = prepare(data, config)
+            floors = FloorCache(data, expected, prepared)
             for variant in cases:
                 started = time.monotonic()
-                measured = metrics(attend_fn(variant, data, config), expected)
-                row = _row(kind, variant, measured, config, time.monotonic() - started, shared)
+                measured = metrics(attend_fn(variant, data, config, prepared), expected)
+                quantized = variant.format != BASELINE
+                row_floors = floors.floors(variant) if quantized else None
+                target = target_rel_l1(variant, floors)
+                row = _row(
+                    kind,
+                    variant,
+                    measured,
+                    row_floors,
+                    target,
+                    config,
+                    time.monotonic() - started,
+                    shared,
+                )
                 writer.write(row)
                 rows.append(row)
                 if log is not None:
-                    log(f"{kind} {variant.label}: {format_metrics(measured)}")
+                    log(f"{kind} {variant.label}: {format_metrics(measured, row_floors)}")
     return rows
 
 
@@ -304,20 +528,31 @@ def _row(
     kind: str,
     variant: Variant,
     measured: Metrics,
+    floors: Floors | None,
+    target: float | None,
     config: AccuracyConfig,
     seconds: float,
     shared: Row,
 ) -> Row:
     c = config
+    vs_floor = None
+    if floors is not None:
+        vs_floor = measured.rel_l1 / floors.mode if floors.mode > 0 else math.inf
     return {
         "data": kind,
         "format": variant.format,
         "mode": variant.mode if variant.format != BASELINE else "",
         "k_smooth": "on" if variant.smooth else "off",
+        "equalize": "on" if variant.equalize else "off",
         "cosine": measured.cosine,
         "rel_l1": measured.rel_l1,
         "max_abs_error": measured.max_abs_error,
-        "meets_goal": "yes" if measured.meets_goal else "no",
+        "floor_rel_l1": None if floors is None else floors.storage,
+        "best_scale_rel_l1": None if floors is None else floors.best_scale,
+        "mode_floor_rel_l1": None if floors is None else floors.mode,
+        "vs_floor": vs_floor,
+        "target_rel_l1": target,
+        "meets_goal": "yes" if meets_goal(measured, floors, target) else "no",
         "heads": c.heads,
         "head_dim": c.head_dim,
         "chunk_size": c.chunk_size,
@@ -327,15 +562,18 @@ def _row(
         "q_rows": c.rows,
         "kv_tokens": c.kv_tokens,
         "block_size": c.block_size,
-        "q_dtype": str(c.q_dtype).removeprefix("torch."),
+        "q_dtype": dtype_name(c.q_dtype),
         "seed": c.seed,
         "seconds": seconds,
         **shared,
     }
 
 
-def format_metrics(m: Metrics) -> str:
-    return f"cosine {m.cosine:.6f}, rel L1 {sig3(100 * m.rel_l1)}%, max abs {m.max_abs_error:.3g}"
+def format_metrics(m: Metrics, floors: Floors | None = None) -> str:
+    line = f"cosine {m.cosine:.6f}, rel L1 {sig3(100 * m.rel_l1)}%, max abs {m.max_abs_error:.3g}"
+    if floors is not None:
+        line += f", mode floor {sig3(100 * floors.mode)}%"
+    return line
 
 
 def describe(config: AccuracyConfig) -> list[str]:
@@ -350,28 +588,57 @@ def describe(config: AccuracyConfig) -> list[str]:
         f"{c.heads} heads (the shipped model has {SHIPPED_HEADS}), head_dim {c.head_dim}; "
         f"{queries} over sink {c.sink_chunks} + window {c.window_chunks} frames of "
         f"{c.chunk_size} tokens = {c.kv_tokens} keys; block_size {c.block_size}; "
-        f"q and bf16 pool in {str(c.q_dtype).removeprefix('torch.')} (values bf16-rounded)",
+        f"q and bf16 pool in {dtype_name(c.q_dtype)} (values bf16-rounded)",
         "reference: float64 attention on the bf16-rounded q, K, V; "
-        "k-outliers: K + offsets of +-U"
-        f"{OUTLIER_OFFSET} on {OUTLIER_CHANNELS} random channels per head; smoothing mean: "
-        "per (head, channel) over the first frame's keys (the cache's first write)",
-        f"goal: cosine >= {GOAL_COSINE} and rel L1 <= {GOAL_REL_L1}",
+        f"k-outliers: K + offsets of +-U{OUTLIER_OFFSET} on {OUTLIER_CHANNELS} random channels "
+        f"per head; k-/v-token-outliers: {OUTLIER_CHANNELS} channels per head U"
+        f"{TOKEN_OUTLIER_GAIN} times wider, varying per token; k-drift: per-channel K means "
+        f"N(0, {DRIFT_BASE}) at the first frame, random walk N(0, {DRIFT_STEP}) per frame; "
+        "smoothing mean and equalization factors from the first frame (the cache's first write)",
+        "floor: float64 attention over the stored rows; best scale: with each row's "
+        "least-squares scale; mode floor: the mode's float64 emulation (q and P roundings)",
+        f"goal: rel L1 <= {RELATIVE_GOAL} x mode floor, and int8 <= {100 * INT8_REL_L1}%, "
+        "e4m3 <= today's pool (the row unequalized); bf16 pool: cosine >= "
+        f"{GOAL_COSINE} and rel L1 <= {GOAL_REL_L1}",
     ]
 
 
+def _percent(value: object) -> str:
+    return "-" if value is None else f"{sig3(100 * float(value))}%"
+
+
 def format_rows(rows: Sequence[Row], *, markdown: bool = False) -> str:
-    """The accuracy table: one line per (data, format, mode, smoothing); ``markdown`` for the
-    README."""
-    header = ["data", "format", "mode", "K smooth", "cosine", "rel L1", "max abs err", "goal"]
+    """The accuracy table: one line per (data, format, mode, smoothing, equalization);
+    ``markdown`` for the README."""
+    header = [
+        "data",
+        "format",
+        "mode",
+        "K smooth",
+        "equalize",
+        "cosine",
+        "rel L1",
+        "floor",
+        "best scale",
+        "mode floor",
+        "/ floor",
+        "target",
+        "goal",
+    ]
     body = [
         [
             str(r["data"]),
             str(r["format"]),
             str(r["mode"] or "-"),
             str(r["k_smooth"]),
+            str(r["equalize"]),
             f"{r['cosine']:.6f}",
-            f"{sig3(100 * r['rel_l1'])}%",
-            f"{r['max_abs_error']:.3g}",
+            _percent(r["rel_l1"]),
+            _percent(r["floor_rel_l1"]),
+            _percent(r["best_scale_rel_l1"]),
+            _percent(r["mode_floor_rel_l1"]),
+            "-" if r["vs_floor"] is None else f"{float(r['vs_floor']):.3f}",
+            _percent(r["target_rel_l1"]),
             "meets" if r["meets_goal"] == "yes" else "MISSES",
         ]
         for r in rows

@@ -225,7 +225,7 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "accuracy",
         help="quantized KV pools (FP8/INT8) against float64 attention on bf16 K/V: cosine, "
-        "relative L1, max error, the goal",
+        "relative L1, the format's float64 floor, the goal",
         description="Every row writes K/V with write_slots and attends with paged_attention "
         "(the Triton interpreter on a CPU). Defaults: the shipped geometry (one frame of 1560 "
         "queries over sink 9 + window 9 frames of 1560 keys, head_dim 128) with "
@@ -250,6 +250,12 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
         type=_list_of(_choice(("off", "on"))),
         default=("off", "on"),
         help="K smoothing: off, on or both",
+    )
+    parser.add_argument(
+        "--equalize",
+        type=_list_of(_choice(("off", "on"))),
+        default=("off", "on"),
+        help="channel equalization of K and V: off, on or both",
     )
     parser.add_argument("--heads", type=_positive_int, help="default: 1 on a CPU, 40 on a GPU")
     parser.add_argument("--head-dim", type=_positive_int, default=128)
@@ -452,6 +458,7 @@ def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         data=args.data,
         formats=args.formats,
         smoothing=tuple(choice == "on" for choice in args.smoothing),
+        equalizing=tuple(choice == "on" for choice in args.equalize),
         q_dtype=DTYPES[dtype],
         device=device,
         seed=args.seed,

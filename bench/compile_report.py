@@ -49,8 +49,9 @@ from paged_video.bench import sass
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs), or e4m3 codes with FP8 MMAs (``fp8_mma=True``).
-KV_MODES = ("same", "fp8", "int8", "fp8_mma")
+# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``), or int8
+# codes with an int8 Q K^T MMA (``int8_mma=True``).
+KV_MODES = ("same", "fp8", "int8", "fp8_mma", "int8_mma")
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
 SHIPPED_BLOCK_SIZES = (16, 24, 64, 256, 520, 1560)
@@ -231,7 +232,7 @@ def check_launch_options(options: dict[str, object]) -> None:
     parameters = inspect.signature(paged_attention).parameters
     fixed = {"q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k"}
     fixed |= {"max_seqlen_q", "causal", "key_limits", "key_gap", "check_values"}
-    fixed |= {"k_scale", "v_scale", "fp8_mma", "out"}
+    fixed |= {"k_scale", "v_scale", "fp8_mma", "int8_mma", "out"}
     for name in options:
         if name not in parameters:
             raise ValueError(f"paged_attention takes no keyword {name!r}")
@@ -516,13 +517,15 @@ def _paged_launches(config: Config) -> list[_Launch]:
     dtype = DTYPES[config.dtype]
     d, bs = config.head_dim, config.block_size
     empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt)  # touches no memory
-    kv_dtype = {"same": dtype, "int8": torch.int8}.get(config.kv_mode, torch.float8_e4m3fn)
+    kv_int8 = {"int8": torch.int8, "int8_mma": torch.int8}
+    kv_dtype = {"same": dtype, **kv_int8}.get(config.kv_mode, torch.float8_e4m3fn)
     scales = {}
     if config.kv_mode != "same":
         scales = {
             "k_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
             "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
             "fp8_mma": config.kv_mode == "fp8_mma",
+            "int8_mma": config.kv_mode == "int8_mma",
         }
     with _recording("paged_video.kernels.paged_attention") as (real, calls):
         kernels.paged_attention(
@@ -1010,7 +1013,8 @@ def add_parser(
         type=choices(KV_MODES),
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
-        "before 16-bit MMAs (fp8, int8), or e4m3 with FP8 MMAs (fp8_mma)",
+        "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
+        "Q K^T MMA (int8_mma)",
     )
     parser.add_argument(
         "--launch",

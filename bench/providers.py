@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from paged_video import kernels, reference
+from paged_video.bench.formats import DEQUANT, MMA_MODES, dtype_name
 from paged_video.bench.results import QUANTIZED_GOALS
 from paged_video.bench.workload import Geometry, QuantizedPools, Workload
 
@@ -67,14 +68,22 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 
 @dataclass(frozen=True)
 class Quant:
-    """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``)."""
+    """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
+    neither: dequantizing)."""
 
     dtype: torch.dtype
     fp8_mma: bool = False
+    int8_mma: bool = False
+
+    @property
+    def mode(self) -> str:
+        """The mode's name (``bench.formats``: ``dequant`` or the format's MMA mode)."""
+        if self.fp8_mma or self.int8_mma:
+            return MMA_MODES[dtype_name(self.dtype)]
+        return DEQUANT
 
     def __str__(self) -> str:
-        name = {torch.float8_e4m3fn: "e4m3", torch.int8: "int8"}[self.dtype]
-        return f"{name} {'fp8-mma' if self.fp8_mma else 'dequant'}"
+        return f"{dtype_name(self.dtype)} {self.mode}"
 
 
 @dataclass(frozen=True)
@@ -258,6 +267,7 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
                 k_scale=pools.k_scale,
                 v_scale=pools.v_scale,
                 fp8_mma=quant.fp8_mma,
+                int8_mma=quant.int8_mma,
                 check_values=False,
                 **tiles,
             )
@@ -632,6 +642,7 @@ QUANTIZED_PROVIDERS = {
     "triton-e4m3": Quant(torch.float8_e4m3fn),
     "triton-e4m3-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
     "triton-int8": Quant(torch.int8),
+    "triton-int8-mma": Quant(torch.int8, int8_mma=True),
 }
 assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)
 BASELINE = "baseline"

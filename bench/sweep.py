@@ -75,7 +75,8 @@ from paged_video.bench.workload import (
 TORCH_ERROR_FACTOR = 2.0
 ERROR_FLOOR = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 4e-3}
 # Quantized providers are checked against the dequantizing oracle (float64 on the codes they
-# read), so the storage's rounding is not in the limit. The FP8-MMA mode also rounds each query
+# read), so the storage's rounding is not in the limit. The INT8-MMA mode rounds each query row
+# to int8, which the oracle does too, and nothing else. The FP8-MMA mode also rounds each query
 # row (the oracle does too) and the probabilities to e4m3, which the oracle cannot repeat (they
 # are scaled per key tile). Each probability is then off by up to 2**-4 of itself; the output,
 # relative to its largest magnitude, measured ~0.04 off on the small preset: the allowance is
@@ -215,12 +216,13 @@ class _Oracles:
 
 
 def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
+    """Float64 attention over the dequantized pools; the MMA modes' query rows rounded as they
+    round them (the INT8-MMA mode's oracle is then its float64 emulation: Q K^T is exact)."""
     keys, values = dequantized_sequences(workload, quantized_pools(workload, quant.dtype))
     q = None
-    if quant.fp8_mma:
-        q = reference.quantize.dequantize(
-            *reference.quantize.quantize(workload.q, torch.float8_e4m3fn)
-        )
+    if quant.fp8_mma or quant.int8_mma:
+        dtype = torch.float8_e4m3fn if quant.fp8_mma else torch.int8
+        q = reference.quantize.round_rows(workload.q, dtype)
     return oracle_attention(workload, q=q, keys=keys, values=values)
 
 

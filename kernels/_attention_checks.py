@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from paged_video.kernels import _checks, quantize
+from paged_video.kernels import _checks, equalize, quantize
 
 
 def check_arguments(
@@ -27,6 +27,9 @@ def check_arguments(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     fp8_mma: bool = False,
+    int8_mma: bool = False,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
 ) -> None:
     _checks.check_rank("q", q, 3, "(total_q, num_heads, head_dim)")
     layout = "(num_blocks, block_size, num_kv_heads, head_dim)"
@@ -50,9 +53,18 @@ def check_arguments(
         key_gap=key_gap,
         k_scale=k_scale,
         v_scale=v_scale,
+        k_equalizer=k_equalizer,
+        v_equalizer=v_equalizer,
     )
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
-    _check_cache_dtypes(q, k_cache, v_cache, fp8_mma)
+    _check_cache_dtypes(q, k_cache, v_cache, fp8_mma, int8_mma)
+    for name, factor, cache_name, cache in (
+        ("k_equalizer", k_equalizer, "k_cache", k_cache),
+        ("v_equalizer", v_equalizer, "v_cache", v_cache),
+    ):
+        if factor is not None and not quantize.is_quantized(cache.dtype):
+            raise ValueError(f"{name} is only for quantized caches; {cache_name} is {cache.dtype}")
+        equalize.check_factor(name, factor, cache_name, cache)
     quantize.check_scales("k_scale", k_scale, "k_cache", k_cache)
     quantize.check_scales("v_scale", v_scale, "v_cache", v_cache)
     for name, index in (
@@ -109,10 +121,14 @@ def check_arguments(
         _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
 
 
-def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_mma: object) -> None:
-    """Caches in q's dtype, or both in one quantized dtype; ``fp8_mma`` only for e4m3 caches."""
-    if not isinstance(fp8_mma, bool):
-        raise TypeError(f"fp8_mma must be a bool, got {type(fp8_mma).__name__}")
+def _check_cache_dtypes(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_mma: object, int8_mma: object
+) -> None:
+    """Caches in q's dtype, or both in one quantized dtype; ``fp8_mma`` only for e4m3 caches,
+    ``int8_mma`` only for int8 ones."""
+    for name, flag in (("fp8_mma", fp8_mma), ("int8_mma", int8_mma)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if quantize.is_quantized(k_cache.dtype):
         if v_cache.dtype != k_cache.dtype:
             raise TypeError(
@@ -128,6 +144,8 @@ def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_mma: ob
                 )
     if fp8_mma and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_mma needs float8_e4m3fn caches, got {k_cache.dtype}")
+    if int8_mma and k_cache.dtype != torch.int8:
+        raise ValueError(f"int8_mma needs int8 caches, got {k_cache.dtype}")
 
 
 def _check_values(

@@ -22,8 +22,11 @@ output in ``q``'s dtype; optionally each row's log-sum-exp (``HAS_LSE``).
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
 and the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
-MMAs instead. The unquantized kernel is compiled without any of it (the scale pointer's absence
-is a compile-time flag), as the kernel without ``HAS_LSE`` is without the LSE.
+MMAs instead; ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and
+``P V`` as the dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
+``HAS_V_EQUALIZER``) multiply q's channels before anything else and the output's at the end.
+The unquantized kernel is compiled without any of it (the scale pointer's absence is a
+compile-time flag), as the kernel without ``HAS_LSE`` is without the LSE.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from paged_video.kernels._quantize_jit import round_to_code_grid
+from paged_video.kernels._quantize_jit import quantize_rows, round_to_code_grid
 
 # ln 2 for the kernel (a global a jit function reads must be a constexpr).
 LN2 = tl.constexpr(0.6931471805599453)
+# The FP8-MMA accumulator's first unit: float32's smallest normal, so no ratio of units is 0/0.
+SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -155,6 +160,8 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    INT8_MMA: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
@@ -168,14 +175,17 @@ def _attend_tiles(
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
     ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
-    or per row (``FP8_MMA``: the query rows' scales folded in); it must be >= 0.
+    or per row (``FP8_MMA``, ``INT8_MMA``: the query rows' scales folded in); it must be >= 0.
 
     ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
     the scale pools). The K scales multiply the score columns; the V scales the probability
     columns before the PV product (row sums from the unscaled probabilities). Without
     ``FP8_MMA`` the codes convert exactly to q's compute dtype; with it, q is already e4m3 codes,
-    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 after
-    normalising by the tile's largest V scale (times 448, so they span the format).
+    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 in units of
+    the largest V scale seen so far / 448 (``acc_scale``, which only grows: rescaling the
+    accumulator to a new unit multiplies it by at most 1, so no V scale a pool can hold makes
+    it overflow). ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V
+    converts to ``PV_DTYPE`` for the dequantizing mode's ``P V``.
     """
     acc, row_max, row_sum, acc_scale = state
     k_cache = caches[0]
@@ -189,7 +199,7 @@ def _attend_tiles(
     k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
     v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
     d_mask = offs_d[None, :] < HEAD_DIM
-    row_scale = scale_log2[:, None] if FP8_MMA else scale_log2
+    row_scale = scale_log2[:, None] if FP8_MMA or INT8_MMA else scale_log2
     # With equal K/V strides the V (scale) rows are the K (scale) rows (the contiguous path
     # computes both).
     share_rows = SAME_KV_STRIDES and KV_PATH != "contiguous"
@@ -243,6 +253,10 @@ def _attend_tiles(
                 v_col = tl.load(v_scales[0] + vs_rows)
         if FP8_MMA:
             qk = tl.dot(q, tl.trans(k))
+        elif INT8_MMA:
+            # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
+            qk = tl.dot(q, tl.trans(k)).to(tl.float32)
+            v = v.to(PV_DTYPE)  # int8 codes are exact in every compute dtype
         else:
             if QUANTIZED:
                 # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7).
@@ -271,15 +285,14 @@ def _attend_tiles(
             rescale = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         if FP8_MMA:
-            # max(v_col) > 0 unless the tile's V rows are all zero (then so is the product).
-            v_max = tl.max(v_col, axis=0)
-            v_max = tl.where(v_max > 0.0, v_max, 1.0)
-            p_codes = _to_e4m3(probs * (v_col * (448.0 / v_max))[None, :], EXPLICIT_ROUNDING)
-            # acc holds the output in units of acc_scale: this tile's unit folds into the
-            # rescale, so the MMA accumulates in place (no multiply per output element).
-            tile_scale = v_max / 448.0
-            acc = acc * (rescale * (acc_scale / tile_scale))[:, None] + tl.dot(p_codes, v)
-            acc_scale = tile_scale
+            # acc holds the output in units of acc_scale, the largest V scale so far / 448: the
+            # tile's V-scaled probabilities are rounded in that unit, so the MMA accumulates in
+            # place (no multiply per output element), and a new unit folds into the rescale as a
+            # ratio <= 1 (at worst a far smaller tile's contributions underflow, not acc).
+            unit = tl.maximum(acc_scale, tl.max(v_col, axis=0) / 448.0)
+            p_codes = _to_e4m3(probs * (v_col * (1.0 / unit))[None, :], EXPLICIT_ROUNDING)
+            acc = acc * (rescale * (acc_scale / unit))[:, None] + tl.dot(p_codes, v)
+            acc_scale = unit
         else:
             if QUANTIZED:
                 probs = probs * v_col[None, :]
@@ -311,6 +324,8 @@ def _attend_run(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    INT8_MMA: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
@@ -363,6 +378,8 @@ def _attend_run(
             DOT_PRECISION,
             QUANTIZED,
             FP8_MMA,
+            INT8_MMA,
+            PV_DTYPE,
             EXPLICIT_ROUNDING,
         )
     return state
@@ -374,6 +391,8 @@ def _attend_run(
         "HAS_KEY_GAP": lambda args: args["key_gap_ptr"] is not None,
         "QUANTIZED": lambda args: args["k_scale_ptr"] is not None,
         "HAS_LSE": lambda args: args["lse_ptr"] is not None,
+        "HAS_K_EQUALIZER": lambda args: args["k_equalizer_ptr"] is not None,
+        "HAS_V_EQUALIZER": lambda args: args["v_equalizer_ptr"] is not None,
     }
 )
 @triton.jit
@@ -390,6 +409,8 @@ def _paged_attention_kernel(
     key_gap_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_equalizer_ptr,
+    v_equalizer_ptr,
     scale_log2,
     gaps_per_row,
     stride_q_tok,
@@ -416,6 +437,10 @@ def _paged_attention_kernel(
     stride_vs_head,
     stride_lse_tok,
     stride_lse_head,
+    stride_keq_head,
+    stride_keq_dim,
+    stride_veq_head,
+    stride_veq_dim,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -432,8 +457,12 @@ def _paged_attention_kernel(
     GAPS: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    INT8_MMA: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    HAS_K_EQUALIZER: tl.constexpr,
+    HAS_V_EQUALIZER: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -464,14 +493,29 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
+    if FP8_MMA or INT8_MMA or UPCAST:
+        q = q.to(tl.float32)
+    d_mask = offs_d < HEAD_DIM
+    if HAS_K_EQUALIZER:
+        # K was stored divided by these factors: q times them keeps every q.k (powers of two,
+        # as chosen: exact in q's dtype).
+        k_factor = tl.load(
+            k_equalizer_ptr + kv_head * stride_keq_head + offs_d * stride_keq_dim,
+            mask=d_mask,
+            other=1.0,
+        )
+        q = (q.to(tl.float32) * k_factor[None, :]).to(q.dtype)
     if FP8_MMA:
         # Each row as e4m3 codes and a scale (amax / 448), folded into the softmax scale.
-        q = q.to(tl.float32)
         q_scale = tl.max(tl.abs(q), axis=1) / 448.0
         q = _to_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None], EXPLICIT_ROUNDING)
         scale_log2 = q_scale * scale_log2
-    elif UPCAST:
-        q = q.to(tl.float32)
+    elif INT8_MMA:
+        # Each row as int8 codes and a scale (amax / 127, rounded as the write kernel rounds),
+        # folded into the softmax scale; a zero row has scale 0 and codes 0.
+        q, q_scale = quantize_rows(q, 127.0, False)
+        q = q.to(tl.int8)
+        scale_log2 = q_scale * scale_log2
 
     # Exclusive upper bound on the keys each row sees; rows past q_len see nothing and do not
     # count for the keys every row sees whole.
@@ -488,7 +532,7 @@ def _paged_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc_scale = 1.0  # FP8_MMA: acc is the output in units of acc_scale
+    acc_scale = SMALLEST_NORMAL  # FP8_MMA: acc is the output in units of acc_scale
     table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
     # Each pool of this KV head as (head pointer, block stride, slot stride[, dim stride]): K and
     # V, then the K and V scales of quantized pools.
@@ -540,6 +584,8 @@ def _paged_attention_kernel(
                 DOT_PRECISION,
                 QUANTIZED,
                 FP8_MMA,
+                INT8_MMA,
+                PV_DTYPE,
                 EXPLICIT_ROUNDING,
             )
             # Skip the union of the gaps that cover run_hi.
@@ -568,13 +614,23 @@ def _paged_attention_kernel(
             DOT_PRECISION,
             QUANTIZED,
             FP8_MMA,
+            INT8_MMA,
+            PV_DTYPE,
             EXPLICIT_ROUNDING,
         )
 
-    if FP8_MMA:
-        acc = acc * acc_scale
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    if FP8_MMA:
+        out = out * acc_scale  # after the division: acc * acc_scale alone may overflow
+    if HAS_V_EQUALIZER:
+        # V was stored divided by these factors.
+        v_factor = tl.load(
+            v_equalizer_ptr + kv_head * stride_veq_head + offs_d * stride_veq_dim,
+            mask=d_mask,
+            other=1.0,
+        )
+        out = out * v_factor[None, :]
     tl.store(
         out_ptr
         + q_rows[:, None] * stride_o_tok

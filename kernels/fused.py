@@ -21,8 +21,13 @@ Why the odd-looking choices:
   ``k_means[layer]`` (``(num_kv_heads, head_dim)``) is subtracted from K before quantizing. It
   is chosen by the first call that writes video keys to the layer (the mean of that call's
   finite video keys, per KV head) and frozen by ``k_means_chosen[layer]``, a CPU flag like the
-  tags: reading it costs no sync, and later calls skip the reduction. ``write_slots`` owns
-  both (``k_smooth_chosen``), so a driver that writes the cache without this op agrees.
+  tags: reading it costs no sync, and later calls skip the reduction.
+* Channel equalization: each layer's factors ``k_equalizers[layer]``/``v_equalizers[layer]``
+  divide K (after the mean) and V before quantizing and are folded back into q and the output
+  by attention. The first call that writes video keys chooses them from those rows (after the
+  mean), and ``equalizers_chosen[layer]``, a CPU flag, freezes them like the mean.
+  ``write_slots`` owns both the mean and the factors (``k_smooth_chosen``,
+  ``equalizers_chosen``), so a driver that writes the cache without this op agrees.
 * Every argument is checked before the first write: a refused call leaves the pools, scales,
   means, flags, the staging buffers and the tags as they were, and names the argument as the
   caller wrote it.
@@ -67,7 +72,9 @@ class PoolTensors(NamedTuple):
     may be 0 when staging is off). Quantized pools only, zero-size otherwise:
     ``k_scales``/``v_scales`` ``(L, N, B, H)`` float32; ``stage_k_scales``/``stage_v_scales``
     ``(L, T, H)`` float32; ``k_means`` ``(L, H, D)`` float32 and ``k_means_chosen`` ``(L,)`` bool
-    on the CPU (both zero-size when keys are not smoothed).
+    on the CPU (both zero-size when keys are not smoothed); ``k_equalizers``/``v_equalizers``
+    ``(L, H, D)`` float32 and ``equalizers_chosen`` ``(L,)`` bool on the CPU (all zero-size
+    without channel equalization).
     """
 
     k_pools: Tensor
@@ -80,6 +87,9 @@ class PoolTensors(NamedTuple):
     stage_v_scales: Tensor
     k_means: Tensor
     k_means_chosen: Tensor
+    k_equalizers: Tensor
+    v_equalizers: Tensor
+    equalizers_chosen: Tensor
 
     @classmethod
     def build(
@@ -97,7 +107,7 @@ class PoolTensors(NamedTuple):
         _checks.check_tensor("k_pools", k_pools)
 
         def empty(name: str) -> Tensor:
-            if name == "k_means_chosen":
+            if name in ("k_means_chosen", "equalizers_chosen"):
                 return torch.empty(0, dtype=torch.bool)
             return k_pools.new_empty(0, dtype=SCALE_DTYPE)
 
@@ -113,7 +123,8 @@ class LayerInputs(NamedTuple):
     hold the history ``stage_key`` names (any other layer restages all), or -1 to attend
     without staging; ``stage_tags`` is the cache's record of what each layer's buffers hold
     (mutated); ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` pools only); ``return_lse``
-    also returns each query row's log-sum-exp (see ``paged_attention``).
+    also returns each query row's log-sum-exp (see ``paged_attention``); ``int8_mma`` attends
+    with an int8 ``Q K^T`` MMA (``int8`` pools only).
     """
 
     layer: Tensor
@@ -130,6 +141,7 @@ class LayerInputs(NamedTuple):
     softmax_scale: float
     fp8_mma: bool = False
     return_lse: bool = False
+    int8_mma: bool = False
 
 
 MUTATED_ARGS = (*PoolTensors._fields, "stage_tags")
@@ -178,31 +190,46 @@ def _check_zero_size(names: tuple[str, ...], pools: PoolTensors, why: str) -> No
             raise ValueError(f"{name} must be zero-size {why}, got shape {tuple(tensor.shape)}")
 
 
-def _check_quantized_pools(pools: PoolTensors) -> bool:
-    """Scales and means match the pools (zero-size for float pools); returns whether K is
-    smoothed."""
+def _check_quantized_pools(pools: PoolTensors) -> tuple[bool, bool]:
+    """Scales, means and factors match the pools (zero-size for float pools); returns whether
+    K is smoothed and whether channels are equalized."""
     k_pools, v_pools = pools.k_pools, pools.v_pools
     if not is_quantized(k_pools.dtype):
         _check_zero_size(PoolTensors._fields[4:], pools, f"for {k_pools.dtype} pools")
-        return False
+        return False, False
     check_scales("k_scales", pools.k_scales, "k_pools", k_pools)
     check_scales("v_scales", pools.v_scales, "v_pools", v_pools)
-    if pools.k_means.numel() == 0:
-        _check_zero_size(("k_means_chosen",), pools, "when k_means is (keys not smoothed)")
+    smoothed = _check_layer_state(pools, ("k_means",), "k_means_chosen", "keys not smoothed")
+    equalized = _check_layer_state(
+        pools, ("k_equalizers", "v_equalizers"), "equalizers_chosen", "channels not equalized"
+    )
+    return smoothed, equalized
+
+
+def _check_layer_state(
+    pools: PoolTensors, names: tuple[str, ...], flag_name: str, why_empty: str
+) -> bool:
+    """Per-layer ``(L, H, D)`` float32 tensors ``names`` and their ``(L,)`` CPU bool flag, or
+    all zero-size; returns whether they are given."""
+    if getattr(pools, names[0]).numel() == 0:
+        _check_zero_size((*names[1:], flag_name), pools, f"when {names[0]} is ({why_empty})")
         return False
-    num_layers, _, _, num_kv_heads, head_dim = k_pools.shape
+    num_layers, _, _, num_kv_heads, head_dim = pools.k_pools.shape
     wanted = (num_layers, num_kv_heads, head_dim)
-    _checks.check_dtype("k_means", pools.k_means, (SCALE_DTYPE,))
-    if pools.k_means.shape != wanted:
+    for name in names:
+        tensor = getattr(pools, name)
+        _checks.check_dtype(name, tensor, (SCALE_DTYPE,))
+        if tensor.shape != wanted:
+            raise ValueError(
+                f"{name} must have shape {wanted} (layers, num_kv_heads, head_dim), got "
+                f"{tuple(tensor.shape)}"
+            )
+    flag = getattr(pools, flag_name)
+    _checks.check_dtype(flag_name, flag, (torch.bool,))
+    if flag.shape != (num_layers,) or flag.device.type != "cpu":
         raise ValueError(
-            f"k_means must have shape {wanted} (layers, num_kv_heads, head_dim), got "
-            f"{tuple(pools.k_means.shape)}"
-        )
-    _checks.check_dtype("k_means_chosen", pools.k_means_chosen, (torch.bool,))
-    if pools.k_means_chosen.shape != (num_layers,) or pools.k_means_chosen.device.type != "cpu":
-        raise ValueError(
-            f"k_means_chosen must be a CPU tensor of shape ({num_layers},) (one flag per layer), "
-            f"got {tuple(pools.k_means_chosen.shape)} on {pools.k_means_chosen.device}"
+            f"{flag_name} must be a CPU tensor of shape ({num_layers},) (one flag per layer), "
+            f"got {tuple(flag.shape)} on {flag.device}"
         )
     return True
 
@@ -248,8 +275,9 @@ def _check_staging(
 
 def _check_inputs(
     kv: list[Tensor], pools: PoolTensors, inputs: LayerInputs
-) -> tuple[int, int, bool]:
-    """Check every argument before the first write; returns ``(layer, stage_from, smoothed)``.
+) -> tuple[int, int, bool, bool]:
+    """Check every argument before the first write; returns ``(layer, stage_from, smoothed,
+    equalized)``.
 
     The kernels check their own arguments again, under their own names; by then nothing they
     check can fail, so no call writes half its work.
@@ -325,13 +353,15 @@ def _check_inputs(
     quantized = is_quantized(k_pools.dtype)
     if not quantized and k_pools.dtype != query.dtype:
         raise TypeError(f"k_pools must have query's dtype {query.dtype}, got {k_pools.dtype}")
-    smoothed = _check_quantized_pools(pools)
+    smoothed, equalized = _check_quantized_pools(pools)
     if inputs.fp8_mma and k_pools.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_mma needs float8_e4m3fn pools, got {k_pools.dtype}")
+    if inputs.int8_mma and k_pools.dtype != torch.int8:
+        raise ValueError(f"int8_mma needs int8 pools, got {k_pools.dtype}")
     _checks.check_same_device(
         **dict(zip(KV_ARGS, kv, strict=True)),
         # The flags are read on the host (as the tags are), so they live on the CPU.
-        **pools._replace(k_means_chosen=None)._asdict(),
+        **pools._replace(k_means_chosen=None, equalizers_chosen=None)._asdict(),
         video_slots=inputs.video_slots,
         action_slots=inputs.action_slots,
         block_table=inputs.block_table,
@@ -357,10 +387,13 @@ def _check_inputs(
         k_scale,
         v_scale,
         fp8_mma=inputs.fp8_mma,
+        int8_mma=inputs.int8_mma,
+        k_equalizer=pools.k_equalizers[layer_index] if equalized else None,
+        v_equalizer=pools.v_equalizers[layer_index] if equalized else None,
     )
     if first_block >= 0:
         _check_staging(query, pools, inputs.block_table, first_block)
-    return layer_index, first_block, smoothed
+    return layer_index, first_block, smoothed, equalized
 
 
 def _no_lse(query: Tensor) -> Tensor:
@@ -375,7 +408,7 @@ def _with_lse(result: Tensor | tuple[Tensor, Tensor], query: Tensor) -> tuple[Te
 
 def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
     kv, pools, inputs = _split(args)
-    layer_index, first_block, smoothed = _check_inputs(kv, pools, inputs)
+    layer_index, first_block, smoothed, equalized = _check_inputs(kv, pools, inputs)
     query, key, value, action_key, action_value = kv
     stage_tags = inputs.stage_tags
     # 0-dim CPU tensors and the CPU tags: reading them costs no device sync.
@@ -384,8 +417,10 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
     # Until this layer's restage is done, nothing in its staging buffers is vouched for.
     stage_tags[layer_index] = NOTHING_STAGED
     k_cache, v_cache = pools.k_pools[layer_index], pools.v_pools[layer_index]
-    # Scales and the K mean: None for float pools (and no mean without smoothing).
+    # Scales, the K mean and the factors: None for float pools (and no mean without smoothing,
+    # no factors without equalization).
     k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = k_smooth_chosen = None
+    k_equalizer = v_equalizer = equalizers_chosen = None
     if is_quantized(k_cache.dtype):
         k_scale, v_scale = pools.k_scales[layer_index], pools.v_scales[layer_index]
         stage_k_scale = pools.stage_k_scales[layer_index] if first_block >= 0 else None
@@ -395,10 +430,16 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             # no sync) and records it; only that call pays for the reduction.
             k_smooth = pools.k_means[layer_index]
             k_smooth_chosen = pools.k_means_chosen[layer_index]
+        if equalized:
+            # Likewise the factors, from the same rows (after the mean).
+            k_equalizer = pools.k_equalizers[layer_index]
+            v_equalizer = pools.v_equalizers[layer_index]
+            equalizers_chosen = pools.equalizers_chosen[layer_index]
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    for k, v, slots, chosen in (
-        (key, value, inputs.video_slots, k_smooth_chosen),
-        (action_key, action_value, inputs.action_slots, None),
+    # Only video keys choose the mean and the factors; action rows are written with them.
+    for k, v, slots, mean_chosen, factors_chosen in (
+        (key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen),
+        (action_key, action_value, inputs.action_slots, None, None),
     ):
         write_slots(
             k,
@@ -409,7 +450,10 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_scale=_apply(k_scale, Tensor.flatten, 0, 1),
             v_scale=_apply(v_scale, Tensor.flatten, 0, 1),
             k_smooth=k_smooth,
-            k_smooth_chosen=chosen,
+            k_smooth_chosen=mean_chosen,
+            k_equalizer=k_equalizer,
+            v_equalizer=v_equalizer,
+            equalizers_chosen=factors_chosen,
             check_values=False,
         )
     attend = {
@@ -418,6 +462,9 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         "key_gap": inputs.key_gap,
         "fp8_mma": inputs.fp8_mma,
         "return_lse": inputs.return_lse,
+        "int8_mma": inputs.int8_mma,
+        "k_equalizer": k_equalizer,
+        "v_equalizer": v_equalizer,
         "check_values": False,
     }
     table, cu_seqlens_q, seq_lens_k = inputs.block_table, inputs.cu_seqlens_q, inputs.seq_lens_k
@@ -513,7 +560,7 @@ def write_attend(
         if getattr(given, "_fields", None) != cls._fields:
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(given).__name__}")
     # Here: the dispatcher would turn an int into a bool.
-    for name in ("fp8_mma", "return_lse"):
+    for name in ("fp8_mma", "return_lse", "int8_mma"):
         flag = getattr(inputs, name)
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")

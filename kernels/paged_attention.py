@@ -9,6 +9,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 from paged_video.kernels import _checks, torch_path
@@ -17,6 +18,8 @@ from paged_video.kernels._attention_jit import _paged_attention_kernel
 from paged_video.kernels._runtime import interpreter_active, use_torch_path
 
 LOG2E = 1.4426950408889634
+# The 16-bit compute dtypes, as Triton names them (the INT8-MMA mode's P V).
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _is_tile(value: int) -> bool:
@@ -61,6 +64,7 @@ def choose_tiles(
     heads_per_kv_head: int = 1,
     dequantize: bool = False,
     fp8_mma: bool = False,
+    int8_mma: bool = False,
 ) -> dict[str, int | str]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
@@ -70,8 +74,11 @@ def choose_tiles(
     ``dequantize``: K/V codes converted to ``dtype`` before the MMAs. Triton's pipeliner then
     keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
     stage keeps as many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
-    ``fp8_mma``: FP8 MMAs on e4m3 codes. Before Triton 3.9 either quantized mode takes 32-key
-    tiles (register pressure).
+    ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
+    the table's stages (K feeds its MMA unconverted; one stage more spills 20-64 bytes at blocks
+    16 and 1560, Triton 3.9's cubin, while 3 stages keep 3 K/V buffers in flight and spill
+    none). Before Triton 3.9 every quantized mode takes 32-key tiles (register pressure). The
+    8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least 32.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -87,14 +94,14 @@ def choose_tiles(
         if short_q < default_m:
             default_m, warps = short_q, 4
         stages += dequantize
-        if (dequantize or fp8_mma) and _OLD_TRITON:
+        if (dequantize or fp8_mma or int8_mma) and _OLD_TRITON:
             default_n = min(default_n, _QUANTIZED_BLOCK_N_OLD_TRITON)
     tile_m = block_m or default_m
     tile_n = block_n or default_n
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_D": max(32 if fp8_mma or int8_mma else 16, triton.next_power_of_2(head_dim)),
         "KV_PATH": kv_path(block_size, tile_n),
         "num_warps": warps,
         "num_stages": stages,
@@ -121,6 +128,9 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     fp8_mma: bool = False,
+    int8_mma: bool = False,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of packed queries ``q (total_q, H, D)`` over a paged cache.
@@ -139,6 +149,12 @@ def paged_attention(
     scale the probability columns before the PV product.
     ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities to
     e4m3 and runs both products as FP8 MMAs with float32 accumulation.
+    ``int8_mma=True`` (int8 caches only) rounds each query row to int8 codes (scale
+    ``amax / 127``) and runs ``Q K^T`` as an int8 MMA (int32 sums: exact), then ``P V`` as the
+    dequantizing mode. ``k_equalizer``/``v_equalizer`` (quantized caches, float32
+    ``(num_kv_heads, head_dim)``, as ``write_slots`` divided K and V by them): q's channels are
+    multiplied by K's and the output's by V's, so the result is attention over the undivided
+    rows.
 
     A query that sees no key (every key masked by ``causal``, ``key_limits`` or ``key_gap``, or
     ``seq_lens_k`` 0) outputs zeros, as FlashAttention does.
@@ -166,6 +182,9 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
         fp8_mma=fp8_mma,
+        int8_mma=int8_mma,
+        k_equalizer=k_equalizer,
+        v_equalizer=v_equalizer,
     )
     _checks.check_softmax_scale(softmax_scale)
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
@@ -189,8 +208,9 @@ def paged_attention(
         block_m=block_m,
         block_n=block_n,
         heads_per_kv_head=group,
-        dequantize=k_scale is not None and not fp8_mma,
+        dequantize=k_scale is not None and not fp8_mma and not int8_mma,
         fp8_mma=fp8_mma,
+        int8_mma=int8_mma,
     )
     lse = None
     if return_lse:
@@ -214,6 +234,9 @@ def paged_attention(
             k_scale=k_scale,
             v_scale=v_scale,
             fp8_mma=fp8_mma,
+            int8_mma=int8_mma,
+            k_equalizer=k_equalizer,
+            v_equalizer=v_equalizer,
             lse=lse,
         )
         return (out, lse) if return_lse else out
@@ -229,6 +252,9 @@ def paged_attention(
     # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
     scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
     same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
+    equalizer_strides = [
+        factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
+    ]
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -242,6 +268,8 @@ def paged_attention(
         key_gap,
         k_scale,
         v_scale,
+        k_equalizer,
+        v_equalizer,
         scale * LOG2E,
         gaps_per_row,
         *q.stride(),
@@ -251,6 +279,8 @@ def paged_attention(
         *block_table.stride(),
         *scale_strides,
         *(lse.stride() if lse is not None else (0, 0)),
+        *equalizer_strides[0],
+        *equalizer_strides[1],
         HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_SIZE=block_size,
@@ -258,6 +288,8 @@ def paged_attention(
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         FP8_MMA=fp8_mma,
+        INT8_MMA=int8_mma,
+        PV_DTYPE=tl.float32 if upcast else _TRITON_DTYPES[q.dtype],
         EXPLICIT_ROUNDING=interpreter_active(),
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -42,6 +42,8 @@ def write_slots(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     k_smooth: Tensor | None = None,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
 ) -> None:
     mapped = slot_mapping.shape[0]
     keep = slot_mapping >= 0
@@ -51,11 +53,15 @@ def write_slots(
         k_pool[slots] = key.to(k_pool.dtype)
         v_pool[slots] = value.to(v_pool.dtype)
         return
-    key = key.float()
+    key, value = key.float(), value.float()
     if k_smooth is not None:
         key = key - k_smooth
+    if k_equalizer is not None:
+        key = key / k_equalizer
+    if v_equalizer is not None:
+        value = value / v_equalizer
     k_pool[slots], k_scale[slots] = quantize_rows(key, k_pool.dtype)
-    v_pool[slots], v_scale[slots] = quantize_rows(value.float(), v_pool.dtype)
+    v_pool[slots], v_scale[slots] = quantize_rows(value, v_pool.dtype)
 
 
 def gather_blocks(
@@ -97,21 +103,30 @@ def paged_attention(
     v_scale: Tensor | None = None,
     fp8_mma: bool = False,
     lse: Tensor | None = None,
+    int8_mma: bool = False,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
 ) -> Tensor:
     """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
     scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
     query row and the V-scaled probabilities to e4m3 codes as the kernel does, taking the whole
-    sequence as one key tile (the kernel normalises by each tile's largest V scale). ``lse``
+    sequence as one key tile (the kernel normalises by the largest V scale so far); ``int8_mma``
+    rounds each query row to int8 codes. ``k_equalizer`` multiplies q's channels first,
+    ``v_equalizer`` the output's last. ``lse``
     (float32 ``(total_q, H)``) receives each row's log-sum-exp of its visible scores, -inf for
     a row that sees none."""
     block_size = k_cache.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     group = q.shape[1] // k_cache.shape[2]
-    if fp8_mma:
-        codes, row_scale = quantize_rows(q.float(), torch.float8_e4m3fn)
+    queries = q.float()
+    if k_equalizer is not None:
+        queries = queries * k_equalizer.repeat_interleave(group, dim=0)
+    if fp8_mma or int8_mma:
+        dtype = torch.float8_e4m3fn if fp8_mma else torch.int8
+        codes, row_scale = quantize_rows(queries, dtype)
         queries = (codes.float(), row_scale)
     else:
-        queries = (q.float(), None)
+        queries = (queries, None)
     starts = cu_seqlens_q.tolist()
     for row, k_len in enumerate(seq_lens_k.tolist()):
         lo, hi = starts[row], starts[row + 1]
@@ -139,7 +154,7 @@ def paged_attention(
             for gap_lo, gap_hi in key_gap[row].reshape(-1, 2).tolist():
                 visible &= (cols < gap_lo) | (cols >= gap_hi)
         scores = torch.einsum("qhd,khd->hqk", queries[0][lo:hi], keys) * scale
-        if fp8_mma:
+        if fp8_mma or int8_mma:
             scores = scores * queries[1][lo:hi].T[:, :, None]
         if k_scale is not None:
             scores = scores * k_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
@@ -160,6 +175,8 @@ def paged_attention(
             else:
                 probs = probs * col_scale
         out_rows = torch.einsum("hqk,khd->qhd", probs, values)
+        if v_equalizer is not None:
+            out_rows = out_rows * v_equalizer.repeat_interleave(group, dim=0)
         # A query that sees nothing: zeros.
         out[lo:hi] = (out_rows / torch.where(row_sum == 0, 1.0, row_sum).permute(1, 0, 2)).to(
             out.dtype

@@ -4,12 +4,15 @@ Slots are arbitrary, so a chunk may start in the middle of a block and span any 
 blocks. A negative slot is padding and is skipped. K and V are written by one launch, cast to
 the pools' dtype, or, for quantized pools (``float8_e4m3fn``, ``int8``), quantized per
 (token, KV head) with their float32 scales written beside them in the same launch
-(``kernels._quantize_jit``; K smoothing optional).
+(``kernels._quantize_jit``; K smoothing and channel equalization optional).
 
-K smoothing subtracts a per-(KV head, channel) mean from K before quantizing. Given the flag
-``k_smooth_chosen`` (a cache's per-layer record), the first write that finds it unset chooses
-the mean from the keys it writes and sets it, so the mean has one owner: every later write
-of the layer, through the fused op or a driver of its own, subtracts that same frozen mean.
+K smoothing subtracts a per-(KV head, channel) mean from K before quantizing; channel
+equalization then divides each (KV head, channel) of K and V by a factor (``kernels.equalize``).
+Given a cache's per-layer flags ``k_smooth_chosen`` and ``equalizers_chosen``, the first write
+that finds one unset chooses what it guards from the rows it writes (the mean first, then the
+factors of K minus that mean: ``choose_k_mean``, ``choose_equalizers``) and sets it, so each has
+one owner: every later write of the layer, through the fused op or a driver of its own,
+subtracts the same frozen mean and divides by the same frozen factors.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import _checks, quantize, torch_path
+from paged_video.kernels import _checks, equalize, quantize, torch_path
 from paged_video.kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
 from paged_video.kernels._quantize_jit import quantize_rows
 from paged_video.kernels._runtime import use_torch_path
@@ -91,6 +94,8 @@ def _write_slots_quantized_kernel(
     k_scale_ptr,
     v_scale_ptr,
     k_smooth_ptr,
+    k_equalizer_ptr,
+    v_equalizer_ptr,
     slot_mapping_ptr,
     num_tokens,
     num_kv_heads,
@@ -113,10 +118,16 @@ def _write_slots_quantized_kernel(
     stride_vs_head,
     stride_sm_head,
     stride_sm_dim,
+    stride_keq_head,
+    stride_keq_dim,
+    stride_veq_head,
+    stride_veq_dim,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SMOOTH: tl.constexpr,
+    HAS_K_EQUALIZER: tl.constexpr,
+    HAS_V_EQUALIZER: tl.constexpr,
     K_QMAX: tl.constexpr,
     V_QMAX: tl.constexpr,
     K_FP8: tl.constexpr,
@@ -160,6 +171,21 @@ def _write_slots_quantized_kernel(
             other=0.0,
         )
         key = key - smooth[None, :, :]
+    # Equalization divides each channel by its factor (padding lanes by 1: they stay 0).
+    if HAS_K_EQUALIZER:
+        k_factor = tl.load(
+            k_equalizer_ptr + head[:, None] * stride_keq_head + dim[None, :] * stride_keq_dim,
+            mask=plane_mask,
+            other=1.0,
+        )
+        key = tl.div_rn(key, tl.broadcast_to(k_factor[None, :, :], key.shape))
+    if HAS_V_EQUALIZER:
+        v_factor = tl.load(
+            v_equalizer_ptr + head[:, None] * stride_veq_head + dim[None, :] * stride_veq_dim,
+            mask=plane_mask,
+            other=1.0,
+        )
+        value = tl.div_rn(value, tl.broadcast_to(v_factor[None, :, :], value.shape))
     k_codes, k_scale = quantize_rows(key, K_QMAX, K_FP8)
     v_codes, v_scale = quantize_rows(value, V_QMAX, V_FP8)
 
@@ -191,6 +217,9 @@ def _check_arguments(
     k_smooth: Tensor | None,
     k_smooth_chosen: Tensor | None,
     check_values: bool,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
+    equalizers_chosen: Tensor | None = None,
 ) -> None:
     _checks.check_rank("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
     _checks.check_rank("value", value, 3, "(num_tokens, num_kv_heads, head_dim)")
@@ -230,6 +259,18 @@ def _check_arguments(
                 "k_smooth_chosen must be a 0-dim bool tensor on the CPU (read without a device "
                 f"sync), got shape {tuple(k_smooth_chosen.shape)} on {k_smooth_chosen.device}"
             )
+    for name, factor, pool_name, pool in (
+        ("k_equalizer", k_equalizer, "k_pool", k_pool),
+        ("v_equalizer", v_equalizer, "v_pool", v_pool),
+    ):
+        if factor is not None and not quantized:
+            raise ValueError(f"{name} is only for quantized pools; {pool_name} is {pool.dtype}")
+        equalize.check_factor(name, factor, pool_name, pool)
+    equalize.check_chosen_flag(
+        "equalizers_chosen",
+        equalizers_chosen,
+        {"k_equalizer": k_equalizer, "v_equalizer": v_equalizer},
+    )
     _checks.check_same_device(
         key=key,
         value=value,
@@ -239,6 +280,8 @@ def _check_arguments(
         k_scale=k_scale,
         v_scale=v_scale,
         k_smooth=k_smooth,
+        k_equalizer=k_equalizer,
+        v_equalizer=v_equalizer,
     )
     if value.shape != key.shape:
         raise ValueError(
@@ -271,6 +314,9 @@ def _check_arguments(
             )
         if slots.unique().numel() != slots.numel():
             raise ValueError("slot_mapping writes one slot twice; the result would be ambiguous")
+    if check_values:
+        equalize.check_factor_values("k_equalizer", k_equalizer)
+        equalize.check_factor_values("v_equalizer", v_equalizer)
 
 
 def write_slots(
@@ -284,6 +330,9 @@ def write_slots(
     v_scale: Tensor | None = None,
     k_smooth: Tensor | None = None,
     k_smooth_chosen: Tensor | None = None,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
+    equalizers_chosen: Tensor | None = None,
     check_values: bool = True,
 ) -> None:
     """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
@@ -291,11 +340,14 @@ def write_slots(
     Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches. Quantized
     pools (``kernels.quantize.QUANT_DTYPES``) take codes, and their scales ``(num_slots,
     num_kv_heads)`` float32 ``k_scale``/``v_scale`` are written with them; ``k_smooth``
-    ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing. With
-    ``k_smooth_chosen`` (0-dim bool, CPU: a cache's flag, e.g. ``LayerCache.write_kwargs()``),
-    a call that finds it False first sets ``k_smooth`` to the mean of the keys it writes (per
-    KV head, over finite values of rows with a slot) and sets it True.
-    ``check_values=False`` skips the checks that read slot values (no device sync).
+    ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing;
+    ``k_equalizer``/``v_equalizer`` (the same shape, float32, > 0) then divide each channel of
+    K/V (``kernels.equalize``: attention multiplies them back in). With ``k_smooth_chosen``
+    (0-dim bool, CPU: a cache's flag, e.g. ``LayerCache.write_kwargs()``), a call that finds it
+    False first sets ``k_smooth`` to the mean of the keys it writes (per KV head, over finite
+    values of rows with a slot) and sets it True; with ``equalizers_chosen`` likewise, after the
+    mean, both factors (``choose_equalizers``).
+    ``check_values=False`` skips the checks that read values (no device sync).
     """
     _check_arguments(
         key,
@@ -308,19 +360,51 @@ def write_slots(
         k_smooth,
         k_smooth_chosen,
         check_values,
+        k_equalizer,
+        v_equalizer,
+        equalizers_chosen,
     )
     slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    if k_smooth_chosen is not None and not bool(k_smooth_chosen):  # a CPU flag: no sync
-        choose_k_mean(k_smooth, key[:num_tokens], slot_mapping)
-        k_smooth_chosen.fill_(True)
+    choose_unset(
+        key[:num_tokens],
+        value[:num_tokens],
+        slot_mapping,
+        k_smooth=k_smooth,
+        k_smooth_chosen=k_smooth_chosen,
+        k_equalizer=k_equalizer,
+        v_equalizer=v_equalizer,
+        equalizers_chosen=equalizers_chosen,
+    )
     if use_torch_path(key):
-        torch_path.write_slots(key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth)
+        torch_path.write_slots(
+            key,
+            value,
+            k_pool,
+            v_pool,
+            slot_mapping,
+            k_scale,
+            v_scale,
+            k_smooth,
+            k_equalizer,
+            v_equalizer,
+        )
         return
     if k_scale is not None:
-        _launch_quantized(key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale, k_smooth)
+        _launch_quantized(
+            key,
+            value,
+            k_pool,
+            v_pool,
+            slot_mapping,
+            k_scale,
+            v_scale,
+            k_smooth,
+            k_equalizer,
+            v_equalizer,
+        )
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     flat = all(plane_is_flat(t) for t in (key, value, k_pool, v_pool))
@@ -343,16 +427,66 @@ def write_slots(
     )
 
 
+def choose_unset(
+    key: Tensor,
+    value: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_smooth: Tensor | None = None,
+    k_smooth_chosen: Tensor | None = None,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
+    equalizers_chosen: Tensor | None = None,
+) -> list[Tensor]:
+    """What a write chooses while a layer's flags are unset, in order: the K mean
+    (``choose_k_mean``), then the factors from K minus that mean (``choose_equalizers``); each
+    unset flag is then set. Returns the flags it set.
+
+    ``write_slots`` calls it with the rows it writes; a caller that writes only part of a
+    forward's tokens (one rank of a sharded window) calls it first with every token's rows and
+    slots, so the write that follows finds the flags set. The flags are CPU tensors: no sync.
+    """
+    chosen = []
+    if k_smooth_chosen is not None and not bool(k_smooth_chosen):
+        choose_k_mean(k_smooth, key, slot_mapping)
+        k_smooth_chosen.fill_(True)
+        chosen.append(k_smooth_chosen)
+    if equalizers_chosen is not None and not bool(equalizers_chosen):
+        choose_equalizers(k_equalizer, v_equalizer, key, value, slot_mapping, k_smooth)
+        equalizers_chosen.fill_(True)
+        chosen.append(equalizers_chosen)
+    return chosen
+
+
 def choose_k_mean(mean: Tensor, key: Tensor, slot_mapping: Tensor) -> None:
     """Set ``mean`` to ``key``'s per KV head, over the finite values of rows with a slot.
 
-    What a write with ``k_smooth_chosen`` unset does; a caller that writes only part of a
-    forward's tokens (one rank of a sharded window) calls it with every token's slots.
+    What a write with ``k_smooth_chosen`` unset does, before choosing the factors
+    (``choose_unset``).
     """
     keys = key.to(quantize.SCALE_DTYPE)
     used = keys.isfinite() & (slot_mapping >= 0)[:, None, None]
     counts = used.sum(dim=0).clamp_min(1)
     mean.copy_(torch.where(used, keys, 0.0).sum(dim=0) / counts)
+
+
+def choose_equalizers(
+    k_equalizer: Tensor,
+    v_equalizer: Tensor,
+    key: Tensor,
+    value: Tensor,
+    slot_mapping: Tensor,
+    k_smooth: Tensor | None = None,
+) -> None:
+    """Set the channel equalization factors from the rows with a slot (K minus ``k_smooth``,
+    with ``kernels.equalize.K_SHARE``; V with ``V_SHARE``).
+
+    What a write with ``equalizers_chosen`` unset does, after choosing the mean
+    (``choose_unset``).
+    """
+    used = slot_mapping >= 0
+    k_equalizer.copy_(equalize.choose_factors(key, k_smooth, used, equalize.K_SHARE))
+    v_equalizer.copy_(equalize.choose_factors(value, None, used, equalize.V_SHARE))
 
 
 def _launch_quantized(
@@ -364,6 +498,8 @@ def _launch_quantized(
     k_scale: Tensor,
     v_scale: Tensor,
     k_smooth: Tensor | None,
+    k_equalizer: Tensor | None,
+    v_equalizer: Tensor | None,
 ) -> None:
     """One launch quantizes K and V and writes their codes and scales."""
     num_tokens = slot_mapping.shape[0]
@@ -371,6 +507,13 @@ def _launch_quantized(
     tiles = copy_tiles(num_tokens, num_kv_heads, head_dim, flat=False)
     grid = (triton.cdiv(num_tokens, tiles.block_t), tiles.col_programs)
     has_smooth = k_smooth is not None
+
+    def optional(tensor: Tensor | None) -> tuple[Tensor, tuple[int, int]]:
+        """The tensor and its strides, or a placeholder never read (its flag is off)."""
+        return (k_scale, (0, 0)) if tensor is None else (tensor, tensor.stride())
+
+    k_equalizer_arg, k_equalizer_strides = optional(k_equalizer)
+    v_equalizer_arg, v_equalizer_strides = optional(v_equalizer)
     _write_slots_quantized_kernel[grid](
         key,
         value,
@@ -379,6 +522,8 @@ def _launch_quantized(
         k_scale,
         v_scale,
         k_smooth if has_smooth else k_scale,  # a placeholder, never read without HAS_SMOOTH
+        k_equalizer_arg,
+        v_equalizer_arg,
         slot_mapping,
         num_tokens,
         num_kv_heads,
@@ -390,10 +535,14 @@ def _launch_quantized(
         *k_scale.stride(),
         *v_scale.stride(),
         *(k_smooth.stride() if has_smooth else (0, 0)),
+        *k_equalizer_strides,
+        *v_equalizer_strides,
         BLOCK_T=tiles.block_t,
         BLOCK_H=tiles.block_c // tiles.block_d,
         BLOCK_D=tiles.block_d,
         HAS_SMOOTH=has_smooth,
+        HAS_K_EQUALIZER=k_equalizer is not None,
+        HAS_V_EQUALIZER=v_equalizer is not None,
         K_QMAX=quantize.QMAX[k_pool.dtype],
         V_QMAX=quantize.QMAX[v_pool.dtype],
         K_FP8=k_pool.dtype == torch.float8_e4m3fn,

@@ -47,10 +47,12 @@ class LayerCache(NamedTuple):
 
     Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` and, with
     smoothing, the layer's K mean ``(num_kv_heads, head_dim)`` and its 0-dim CPU flag
-    ``k_mean_chosen``; else None. A driver of its own passes ``write_kwargs()`` to
-    ``write_slots`` and ``attention_kwargs()`` to ``paged_attention``: the scales, and the mean
-    with its flag, so the first write chooses the layer's mean and records it for every later
-    write (the fused op's included).
+    ``k_mean_chosen``; with channel equalization, the layer's factors ``k_equalizer``/
+    ``v_equalizer`` ``(num_kv_heads, head_dim)`` and their 0-dim CPU flag ``equalizers_chosen``;
+    else None. A driver of its own passes ``write_kwargs()`` to ``write_slots`` and
+    ``attention_kwargs()`` to ``paged_attention``: the scales, the mean and the factors with
+    their flags, so the first write chooses the layer's mean and factors and records them for
+    every later write (the fused op's included), and attention folds the factors back in.
     """
 
     k: Tensor
@@ -63,22 +65,36 @@ class LayerCache(NamedTuple):
     v_scale: Tensor | None = None
     k_mean: Tensor | None = None
     k_mean_chosen: Tensor | None = None
+    k_equalizer: Tensor | None = None
+    v_equalizer: Tensor | None = None
+    equalizers_chosen: Tensor | None = None
 
     def write_kwargs(self) -> dict[str, Tensor]:
         """Keyword arguments for ``write_slots`` after ``key, value, k_flat, v_flat, slots``:
-        flat scales, the K mean and its flag (none for a float cache)."""
+        flat scales, the K mean, the equalization factors and their flags (none for a float
+        cache)."""
         if self.k_scale is None:
             return {}
         kwargs = {"k_scale": self.k_scale.flatten(0, 1), "v_scale": self.v_scale.flatten(0, 1)}
         if self.k_mean is not None:
             kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}
+        if self.k_equalizer is not None:
+            kwargs |= {
+                "k_equalizer": self.k_equalizer,
+                "v_equalizer": self.v_equalizer,
+                "equalizers_chosen": self.equalizers_chosen,
+            }
         return kwargs
 
     def attention_kwargs(self) -> dict[str, Tensor]:
-        """Keyword arguments for ``paged_attention`` over ``k, v``: the scales (float: none)."""
+        """Keyword arguments for ``paged_attention`` over ``k, v``: the scales and the
+        equalization factors (float: none)."""
         if self.k_scale is None:
             return {}
-        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        kwargs = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if self.k_equalizer is not None:
+            kwargs |= {"k_equalizer": self.k_equalizer, "v_equalizer": self.v_equalizer}
+        return kwargs
 
 
 class BlockCounts(NamedTuple):
@@ -120,8 +136,10 @@ class PagedKVCache:
     ``stage_v_scales`` ``(num_layers, width * B, num_kv_heads)``; with ``smooth_keys``,
     ``k_means`` ``(num_layers, num_kv_heads, head_dim)`` float32 and ``k_means_chosen``
     ``(num_layers,)`` bool (on the CPU) are each layer's frozen K mean and whether it has
-    been chosen. A float cache has zero-size tensors in their place. ``pool_tensors`` hands
-    them all to the fused op.
+    been chosen; with channel equalization (``config.channel_equalization``), ``k_equalizers``/
+    ``v_equalizers`` ``(num_layers, num_kv_heads, head_dim)`` float32 and ``equalizers_chosen``
+    ``(num_layers,)`` bool (on the CPU) likewise. A float cache has zero-size tensors in their
+    place. ``pool_tensors`` hands them all to the fused op.
     """
 
     def __init__(
@@ -212,6 +230,12 @@ class PagedKVCache:
         self.k_means.zero_()
         # On the CPU, as stage_tags: the fused op reads it without a device sync.
         self.k_means_chosen = torch.zeros(num_layers if smoothed else 0, dtype=torch.bool)
+        # Factors of 1 until a layer's first write chooses them (then frozen, as the mean).
+        equalized = quantized and self.config.channel_equalization(kv_dtype)
+        factor_shape = (num_layers, num_kv_heads, head_dim) if equalized else (0,)
+        self.k_equalizers = torch.ones(factor_shape, device=device)
+        self.v_equalizers = torch.ones(factor_shape, device=device)
+        self.equalizers_chosen = torch.zeros(num_layers if equalized else 0, dtype=torch.bool)
         self.staging: HistoryStaging | None = None
         if self.config.reuse_history_staging:
             self.staging = HistoryStaging(
@@ -246,12 +270,21 @@ class PagedKVCache:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the K/V pools, their scale pools (quantized caches) and the K means.
+        """Bytes of the K/V pools, their scale pools (quantized caches), the K means and the
+        equalization factors.
 
         Not counted: the history staging buffers and their scales (a window per layer, only
-        with ``reuse_history_staging``), the means' per-layer flags and the host bookkeeping.
+        with ``reuse_history_staging``), the per-layer flags and the host bookkeeping.
         """
-        stored = (self.k_pools, self.v_pools, self.k_scales, self.v_scales, self.k_means)
+        stored = (
+            self.k_pools,
+            self.v_pools,
+            self.k_scales,
+            self.v_scales,
+            self.k_means,
+            self.k_equalizers,
+            self.v_equalizers,
+        )
         return sum(t.numel() * t.element_size() for t in stored)
 
     @property
@@ -309,6 +342,7 @@ class PagedKVCache:
             raise ValueError(f"index must be < num_layers ({self.num_layers}), got {index}")
         k, v = self.k_pools[index], self.v_pools[index]
         staged = self.staging is not None
+        equalized = self.equalizers_chosen.numel() > 0
         return LayerCache(
             k=k,
             v=v,
@@ -320,6 +354,9 @@ class PagedKVCache:
             v_scale=self.v_scales[index] if self.quantized else None,
             k_mean=self.k_means[index] if self.k_means.numel() else None,
             k_mean_chosen=self.k_means_chosen[index] if self.k_means.numel() else None,
+            k_equalizer=self.k_equalizers[index] if equalized else None,
+            v_equalizer=self.v_equalizers[index] if equalized else None,
+            equalizers_chosen=self.equalizers_chosen[index] if equalized else None,
         )
 
     def scratch_blocks(self, session: Session, branch: str) -> range:

@@ -41,8 +41,15 @@ class PagingConfig:
     a float32 scale per (slot, KV head), quantized on write (docs/quantization.md); ``None`` keeps
     the cache's ``dtype``. ``smooth_keys`` subtracts a per-(layer, KV head) mean from K before
     quantizing, chosen from the first keys written to the layer and frozen (attention is
-    unchanged by it). ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` only) instead of
-    dequantizing before bf16/fp16/fp32 MMAs.
+    unchanged by it). ``equalize_channels`` divides each (layer, KV head, channel) of K and V by
+    a power of two chosen from the layer's first write and frozen, which attention folds into
+    q and the output (unchanged in exact arithmetic): outlier channels then no longer take every
+    row's codes. ``None`` (the default) equalizes int8 pools only: e4m3 keeps every value's
+    relative precision whatever the row's range, so evening the channels out does not help it
+    (``channel_equalization`` gives the choice). ``fp8_mma`` attends with FP8 MMAs
+    (``float8_e4m3fn`` only) instead of dequantizing before bf16/fp16/fp32 MMAs; ``int8_mma``
+    (``int8`` only) quantizes each query row to int8 and runs ``Q K^T`` as an int8 MMA (exact
+    int32 sums), ``P V`` as the dequantizing mode.
     """
 
     block_size: int
@@ -58,6 +65,8 @@ class PagingConfig:
     kv_dtype: torch.dtype | None = None
     smooth_keys: bool = True
     fp8_mma: bool = False
+    int8_mma: bool = False
+    equalize_channels: bool | None = None
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, minimum=1, maximum=MAX_TOKENS)
@@ -73,9 +82,15 @@ class PagingConfig:
             "compaction",
             "smooth_keys",
             "fp8_mma",
+            "int8_mma",
         )
         for name in switches:
             require_bool(name, getattr(self, name))
+        if self.equalize_channels is not None and not isinstance(self.equalize_channels, bool):
+            raise TypeError(
+                "equalize_channels must be a bool or None, got "
+                f"{type(self.equalize_channels).__name__}"
+            )
         if self.kv_dtype is not None and not any(self.kv_dtype is d for d in KV_DTYPES):
             raise TypeError(
                 f"kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got {self.kv_dtype!r}"
@@ -84,6 +99,16 @@ class PagingConfig:
             raise ValueError(
                 f"fp8_mma needs kv_dtype=torch.float8_e4m3fn (FP8 MMAs read e4m3 codes), got "
                 f"kv_dtype={self.kv_dtype}"
+            )
+        if self.int8_mma and self.kv_dtype != torch.int8:
+            raise ValueError(
+                f"int8_mma needs kv_dtype=torch.int8 (int8 MMAs read int8 codes), got "
+                f"kv_dtype={self.kv_dtype}"
+            )
+        if self.equalize_channels and self.kv_dtype is None:
+            raise ValueError(
+                "equalize_channels=True needs a quantized kv_dtype (torch.int8 or "
+                "torch.float8_e4m3fn): float pools store K/V as they are"
             )
         if self.max_forward_chunks > self.window_chunks:
             raise ValueError(
@@ -99,6 +124,16 @@ class PagingConfig:
                 f"window_chunks={self.window_chunks}, chunk_size={self.chunk_size}, "
                 f"block_size={self.block_size}, max_action_tokens={self.max_action_tokens}"
             )
+
+    def channel_equalization(self, kv_dtype: torch.dtype | None = None) -> bool:
+        """Whether a cache of ``kv_dtype`` pools (default: ``self.kv_dtype``) equalizes channels:
+        ``equalize_channels`` when given, else for int8 pools only; never for float pools."""
+        kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
+        if not any(kv_dtype is d for d in KV_DTYPES):
+            return False
+        if self.equalize_channels is not None:
+            return self.equalize_channels
+        return kv_dtype is torch.int8
 
     @property
     def sink_tokens(self) -> int:

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from paged_video.kernels.fused import LayerInputs
-from paged_video.kernels.write_slots import choose_k_mean
+from paged_video.kernels.write_slots import choose_unset
 from paged_video.paging import window
 from paged_video.paging._validate import require_int
 from paged_video.paging.cache import PagedKVCache
@@ -52,6 +52,11 @@ from paged_video.paging.plan import AttentionInputs, ForwardPlan, PlanState
 from paged_video.paging.pool import BlockPool
 from paged_video.paging.session import Session
 from paged_video.paging.transfer import to_device
+
+# A layer's first-write state (``LayerCache.write_kwargs()`` names): the values and their flags.
+CHOSEN_VALUES = ("k_smooth", "k_equalizer", "v_equalizer")
+CHOSEN_FLAGS = ("k_smooth_chosen", "equalizers_chosen")
+LAYER_STATE = (*CHOSEN_VALUES, *CHOSEN_FLAGS)
 
 
 def _share(blocks: int, degree: int) -> int:
@@ -352,20 +357,25 @@ class ShardedForwardCall(ForwardCall):
     ) -> tuple[Tensor, Tensor]:
         """``ForwardCall.attend`` on this rank's share: ``(out, lse)``.
 
-        A smoothed quantized cache's first write chooses the layer's K mean. The op would take
-        it from the tokens this rank stores; every rank must smooth with the single process's
-        mean (the partial LSEs merge exactly only then), so it is chosen here from every video
-        token, and unchosen again if the call is refused.
+        A quantized cache's first write of a layer chooses its K mean (smoothing) and then its
+        channel equalization factors. The op would choose them from the tokens this rank
+        stores; every rank must quantize with the single process's mean and factors (the
+        partial LSEs merge exactly only then), so they are chosen here from every video token
+        by the same rule (``kernels.write_slots.choose_unset``), and unchosen again, values
+        and flags, if the call is refused.
         """
-        layer = self.cache.layer(index)
-        chosen = layer.k_mean_chosen
-        choosing = chosen is not None and not bool(chosen)  # a CPU flag: no sync
-        if choosing:
-            choose_k_mean(layer.k_mean, key, self.inputs.video_slots)
-            chosen.fill_(True)
+        written = self.cache.layer(index).write_kwargs()
+        state = {name: tensor for name, tensor in written.items() if name in LAYER_STATE}
+        flags = [state[name] for name in CHOSEN_FLAGS if name in state]
+        # Only a layer's first call chooses (CPU flags: no sync); it keeps what it overwrites.
+        unset = [flag for flag in flags if not bool(flag)]
+        before = {name: state[name].clone() for name in CHOSEN_VALUES if unset and name in state}
         try:
+            choose_unset(key, value, self.inputs.video_slots, **state)
             return super().attend(index, query, key, value, action_key, action_value)
         except Exception:
-            if choosing:
-                chosen.fill_(False)
+            for flag in unset:
+                flag.fill_(False)
+            for name, tensor in before.items():
+                state[name].copy_(tensor)
             raise

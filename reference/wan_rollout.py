@@ -15,7 +15,10 @@ the block's own, actions) is what a quantized cache reads back: ``reference.quan
 times their per-(token, head) scale, in float64. With ``smooth_keys``, keys are quantized minus
 the cache's smoothing mean: per layer and head, the mean of the keys of the video tokens (every
 row) of the first forward to reach that layer, frozen for the rollout. Attention does not add it
-back: it shifts each query's scores by the same amount.
+back: it shifts each query's scores by the same amount. With ``equalize_channels`` (by default
+for int8), each layer's K (minus its mean) and V are divided per (head, channel) by the factors
+``reference.quantize.channel_factors`` chooses from that same first forward, quantized, and
+multiplied back: what attention over the equalized pools computes in exact arithmetic.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paged_video.reference.quantize import dequantize, quantize
+from paged_video.reference.quantize import K_SHARE, channel_factors, dequantize, quantize
 from paged_video.reference.window import WindowGeometry, block_read_positions, kept_positions
 
 
@@ -43,24 +46,33 @@ class ReferenceRead:
 @dataclass(frozen=True)
 class ReferenceRolloutResult:
     """The latents, one ``ReferenceRead`` per forward per block, and with ``kv_dtype`` and
-    ``smooth_keys`` the smoothing mean of each layer (``(heads, head_dim)`` float32)."""
+    ``smooth_keys`` the smoothing mean of each layer (``(heads, head_dim)`` float32); with
+    channel equalization each layer's K and V factors (the same shape)."""
 
     latents: Tensor
     reads: list[list[ReferenceRead]]
     key_means: list[Tensor] | None = None
+    equalizers: list[tuple[Tensor, Tensor]] | None = None
 
 
 class _DenseHistory:
     """Per layer, per branch: the K and V of every committed token, in model position order."""
 
     def __init__(
-        self, layers: int, rows: int, kv_dtype: torch.dtype | None, smooth_keys: bool
+        self,
+        layers: int,
+        rows: int,
+        kv_dtype: torch.dtype | None,
+        smooth_keys: bool,
+        equalize: bool = False,
     ) -> None:
         self.keys: list[list[Tensor | None]] = [[None] * rows for _ in range(layers)]
         self.values: list[list[Tensor | None]] = [[None] * rows for _ in range(layers)]
         self.kv_dtype = kv_dtype
         self.smooth_keys = smooth_keys
         self.key_means: list[Tensor | None] = [None] * layers
+        self.equalize = equalize
+        self.equalizers: list[tuple[Tensor, Tensor] | None] = [None] * layers
         # Set by the driver for each forward.
         self.read: Tensor = torch.empty(0, dtype=torch.int64)
         self.rotary: tuple[Tensor, Tensor] | None = None
@@ -68,11 +80,20 @@ class _DenseHistory:
         self.commit = False
         self.dtype = torch.float64
 
-    def choose_mean(self, layer: int, key: Tensor) -> None:
-        """At the first write to ``layer`` (quantized, smoothed): the mean of its video keys
-        ``(rows, tokens, heads, head_dim)`` over rows and tokens, float32 as the cache keeps it."""
-        if self.kv_dtype is not None and self.smooth_keys and self.key_means[layer] is None:
+    def choose(self, layer: int, key: Tensor, value: Tensor) -> None:
+        """At the first write to ``layer`` (quantized): with smoothing, the mean of its video keys
+        ``(rows, tokens, heads, head_dim)`` over rows and tokens, float32 as the cache keeps it;
+        with equalization, the K factors (keys minus that mean) and the V factors."""
+        if self.kv_dtype is None:
+            return
+        if self.smooth_keys and self.key_means[layer] is None:
             self.key_means[layer] = key.to(torch.float64).mean(dim=(0, 1)).to(torch.float32)
+        if self.equalize and self.equalizers[layer] is None:
+            mean = self.key_means[layer] if self.smooth_keys else None
+            self.equalizers[layer] = (
+                channel_factors(key.flatten(0, 1), smooth=mean, share=K_SHARE),
+                channel_factors(value.flatten(0, 1)),
+            )
 
     def stored(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """``(..., heads, head_dim)`` K and V as the cache reads them back (unchanged unless
@@ -80,8 +101,12 @@ class _DenseHistory:
         if self.kv_dtype is None:
             return key, value
         mean = self.key_means[layer] if self.smooth_keys else None
-        k_codes, k_scale = quantize(key, self.kv_dtype, smooth=mean)
-        return dequantize(k_codes, k_scale), dequantize(*quantize(value, self.kv_dtype))
+        k_factor, v_factor = self.equalizers[layer] if self.equalize else (None, None)
+        keys = dequantize(*quantize(key, self.kv_dtype, smooth=mean, factor=k_factor))
+        values = dequantize(*quantize(value, self.kv_dtype, factor=v_factor))
+        if self.equalize:
+            keys, values = keys * k_factor, values * v_factor
+        return keys, values
 
     def append(self, layer: int, row: int, key: Tensor, value: Tensor) -> None:
         old_k, old_v = self.keys[layer][row], self.values[layer][row]
@@ -124,7 +149,7 @@ class ReferenceWanSelfAttention:
         query, key, value = _qkv(attn, hidden_states)
         query = _rotate(query, *history.rotary)
         key = _rotate(key, *history.rotary)
-        history.choose_mean(layer, key)
+        history.choose(layer, key, value)
         key, value = history.stored(layer, key, value)
         if history.actions is not None:
             _, action_key, action_value = _qkv(attn, history.actions.to(hidden_states.dtype))
@@ -163,14 +188,16 @@ def reference_rollout(
     dtype: torch.dtype = torch.float64,
     kv_dtype: torch.dtype | None = None,
     smooth_keys: bool = True,
+    equalize_channels: bool | None = None,
 ) -> ReferenceRolloutResult:
     """Generate like ``models.wan_paged.PagedWanRollout.generate``, densely.
 
     Frames are patched latent frames (the window's chunks). ``read_block_size=None`` reads
     exactly the kept frames; an int ``B`` reads every token in a ``B``-token block that holds a
     kept token (the positions a paged cache with blocks of ``B`` reads without ``exact_window``).
-    ``kv_dtype`` / ``smooth_keys``: attention reads K/V as a cache with
-    ``PagingConfig(kv_dtype=..., smooth_keys=...)`` stores them (the module docstring says how).
+    ``kv_dtype`` / ``smooth_keys`` / ``equalize_channels``: attention reads K/V as a cache with
+    ``PagingConfig(kv_dtype=..., smooth_keys=..., equalize_channels=...)`` stores them (the
+    module docstring says how; ``equalize_channels=None`` equalizes int8 only, as the cache).
     The model's self-attention processors are swapped for the duration and put back.
     """
     if kv_dtype is not None and kv_dtype not in (torch.float8_e4m3fn, torch.int8):
@@ -192,7 +219,10 @@ def reference_rollout(
     if negative_prompt_embeds is not None:
         text = torch.cat([prompt_embeds, negative_prompt_embeds])
     rows = text.shape[0]
-    history = _DenseHistory(len(model.blocks), rows, kv_dtype, smooth_keys)
+    if equalize_channels is None:
+        equalize_channels = kv_dtype == torch.int8
+    equalize = kv_dtype is not None and equalize_channels
+    history = _DenseHistory(len(model.blocks), rows, kv_dtype, smooth_keys, equalize)
     history.dtype = dtype
     attention = [block.attn1 for block in model.blocks]
     stock = [attn.processor for attn in attention]
@@ -232,4 +262,7 @@ def reference_rollout(
         for attn, processor in zip(attention, stock, strict=True):
             attn.set_processor(processor)
     means = history.key_means if kv_dtype is not None and smooth_keys else None
-    return ReferenceRolloutResult(latents=latents, reads=all_reads, key_means=means)
+    equalizers = history.equalizers if equalize else None
+    return ReferenceRolloutResult(
+        latents=latents, reads=all_reads, key_means=means, equalizers=equalizers
+    )

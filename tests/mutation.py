@@ -41,6 +41,12 @@ REFUSALS = "tests/paging/test_refusals.py::test_refused_call_changes_nothing"
 FUSED_REFUSALS = "tests/kernels/test_fused_quantized.py::test_refused_call_changes_nothing"
 BAD = "tests/kernels/test_bad_input.py"
 STAGING = "tests/paging/test_forward_staging.py"
+RAW_DRIVER = (
+    "tests/paging/test_quantized.py::"
+    "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache"
+)
+FUSED_QUANTIZED = "tests/kernels/test_fused_quantized.py"
+WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
 
 
 class Mutant(NamedTuple):
@@ -370,7 +376,7 @@ MUTANTS = [
         "paging/cache.py",
         '{"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}',
         '{"k_smooth": self.k_mean}',
-        "tests/paging/test_quantized.py::test_raw_driver_then_forward_call_on_a_smoothed_int8_cache",
+        RAW_DRIVER,
     ),
     # -- forks: reference counts, copy-on-write, fork ------------------------------------------
     _m(
@@ -647,14 +653,14 @@ MUTANTS = [
     _m(
         "fused-k-means-shape",
         "kernels/fused.py",
-        "    if pools.k_means.shape != wanted:",
-        "    if False:",
+        "        if tensor.shape != wanted:",
+        "        if False:",
         f"{REFUSALS}[int8-op-k-means]",
     ),
     _m(
         "fused-flags-shape",
         "kernels/fused.py",
-        "if pools.k_means_chosen.shape != (num_layers,) or",
+        "if flag.shape != (num_layers,) or",
         "if False or",
         f"{REFUSALS}[int8-op-k-means-chosen]",
     ),
@@ -682,8 +688,8 @@ MUTANTS = [
     _m(
         "fused-mean-never-chosen",
         "kernels/fused.py",
-        "(key, value, inputs.video_slots, k_smooth_chosen)",
-        "(key, value, inputs.video_slots, None)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen)",
+        "(key, value, inputs.video_slots, None, equalizers_chosen)",
         "tests/kernels/test_fused_quantized.py::test_non_finite_keys_are_left_out_of_the_mean",
     ),
     _m(
@@ -773,21 +779,21 @@ MUTANTS = [
     _m(
         "fused-means-without-flags",
         "kernels/fused.py",
-        '        _check_zero_size(("k_means_chosen",), pools,',
-        "        _check_zero_size((), pools,",
+        "        _check_zero_size((*names[1:], flag_name), pools,",
+        "        _check_zero_size(names[1:], pools,",
         f"{FUSED_REFUSALS}[int8-chosen-without-means]",
     ),
     _m(
         "fused-means-dtype",
         "kernels/fused.py",
-        '    _checks.check_dtype("k_means", pools.k_means, (SCALE_DTYPE,))\n',
+        "        _checks.check_dtype(name, tensor, (SCALE_DTYPE,))\n",
         "",
         f"{FUSED_REFUSALS}[int8-k-means-dtype]",
     ),
     _m(
         "fused-flags-dtype",
         "kernels/fused.py",
-        '    _checks.check_dtype("k_means_chosen", pools.k_means_chosen, (torch.bool,))\n',
+        "    _checks.check_dtype(flag_name, flag, (torch.bool,))\n",
         "",
         f"{FUSED_REFUSALS}[int8-k-means-chosen-dtype]",
     ),
@@ -973,6 +979,148 @@ MUTANTS = [
         "if not self.committing or self.state is not PlanState.PREPARED:",
         "if not self.committing:",
         "tests/paging/test_plan.py::test_commit_only_after_a_prepared_committing_forward",
+    ),
+    # -- channel equalization and the INT8-MMA mode ---------------------------------------------
+    _m(
+        "config-int8-mma-any-pools",
+        "paging/config.py",
+        "if self.int8_mma and self.kv_dtype != torch.int8:",
+        "if False:",
+        "tests/paging/test_config.py::test_int8_mma_needs_int8_pools",
+    ),
+    _m(
+        "config-equalizes-float-pools",
+        "paging/config.py",
+        "if self.equalize_channels and self.kv_dtype is None:",
+        "if False:",
+        "tests/paging/test_config.py::"
+        "test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype",
+    ),
+    _m(
+        "config-equalizes-e4m3-by-default",
+        "paging/config.py",
+        "        return kv_dtype is torch.int8\n",
+        "        return True\n",
+        "tests/paging/test_config.py::test_channel_equalization_defaults_by_format",
+    ),
+    _m(
+        "cache-raw-writes-skip-the-factors",
+        "paging/cache.py",
+        '                "equalizers_chosen": self.equalizers_chosen,\n',
+        "",
+        RAW_DRIVER,
+    ),
+    _m(
+        "cache-raw-attention-skips-the-factors",
+        "paging/cache.py",
+        '            kwargs |= {"k_equalizer": self.k_equalizer, "v_equalizer": self.v_equalizer}',
+        "            pass",
+        RAW_DRIVER,
+    ),
+    _m(
+        "shard-factors-from-own-tokens",
+        "paging/shard.py",
+        "LAYER_STATE = (*CHOSEN_VALUES, *CHOSEN_FLAGS)",
+        'LAYER_STATE = (*CHOSEN_VALUES, "k_smooth_chosen")',
+        "tests/paging/test_shard_attention.py::test_merged_partials_equal_one_process",
+    ),
+    _m(
+        "shard-refusal-keeps-the-choice",
+        "paging/shard.py",
+        "            for flag in unset:\n                flag.fill_(False)\n",
+        "",
+        "tests/paging/test_shard.py::test_a_refused_first_call_leaves_the_mean_and_factors_unchosen",
+    ),
+    _m(
+        "shard-refusal-keeps-the-values",
+        "paging/shard.py",
+        "                state[name].copy_(tensor)",
+        "                pass",
+        "tests/paging/test_shard.py::test_a_refused_first_call_leaves_the_mean_and_factors_unchosen",
+    ),
+    _m(
+        "fused-factors-never-chosen",
+        "kernels/fused.py",
+        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, None)",
+        f"{FUSED_QUANTIZED}::test_the_first_write_chooses_the_factors_and_attention_folds_them",
+    ),
+    _m(
+        "fused-factors-not-folded",
+        "kernels/fused.py",
+        '        "k_equalizer": k_equalizer,\n',
+        '        "k_equalizer": None,\n',
+        f"{FUSED_QUANTIZED}::test_the_first_write_chooses_the_factors_and_attention_folds_them",
+    ),
+    _m(
+        "fused-int8-mma-any-pools",
+        "kernels/fused.py",
+        "    if inputs.int8_mma and k_pools.dtype != torch.int8:",
+        "    if False:",
+        f"{FUSED_QUANTIZED}::test_int8_mma_needs_int8_pools_and_changes_nothing",
+    ),
+    _m(
+        "fused-int8-mma-dropped",
+        "kernels/fused.py",
+        '        "int8_mma": inputs.int8_mma,\n',
+        "",
+        f"{FUSED_QUANTIZED}::test_int8_mma_reaches_attention",
+    ),
+    _m(
+        "write-factors-rechosen",
+        "kernels/write_slots.py",
+        "if equalizers_chosen is not None and not bool(equalizers_chosen):",
+        "if equalizers_chosen is not None:",
+        f"{WRITE_QUANTIZED}::test_the_first_write_chooses_the_factors_once[torch]",
+    ),
+    _m(
+        "write-factors-before-the-mean",
+        "kernels/write_slots.py",
+        "choose_equalizers(k_equalizer, v_equalizer, key, value, slot_mapping, k_smooth)",
+        "choose_equalizers(k_equalizer, v_equalizer, key, value, slot_mapping, None)",
+        RAW_DRIVER,
+    ),
+    _m(
+        "write-factors-of-skipped-rows",
+        "kernels/write_slots.py",
+        "    used = slot_mapping >= 0\n",
+        "    used = slot_mapping >= -1\n",
+        f"{WRITE_QUANTIZED}::test_the_first_write_chooses_the_factors_once[torch]",
+    ),
+    _m(
+        "write-factors-on-float-pools",
+        "kernels/write_slots.py",
+        "        if factor is not None and not quantized:",
+        "        if False:",
+        f"{BAD}::test_write_slots_rejects_scales_and_smoothing_for_float_pools",
+    ),
+    _m(
+        "write-zero-factors",
+        "kernels/write_slots.py",
+        '        equalize.check_factor_values("v_equalizer", v_equalizer)\n',
+        "",
+        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[equalizer-zero-int8]",
+    ),
+    _m(
+        "write-flag-without-factors",
+        "kernels/write_slots.py",
+        '        "equalizers_chosen",\n        equalizers_chosen,\n',
+        '        "equalizers_chosen",\n        None,\n',
+        f"{WRITE_QUANTIZED}::test_the_chosen_flag_needs_the_factors_and_a_cpu_scalar",
+    ),
+    _m(
+        "attention-int8-mma-any-caches",
+        "kernels/_attention_checks.py",
+        "    if int8_mma and k_cache.dtype != torch.int8:",
+        "    if False:",
+        "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[e4m3]",
+    ),
+    _m(
+        "attention-factors-on-float-caches",
+        "kernels/_attention_checks.py",
+        "        if factor is not None and not quantize.is_quantized(cache.dtype):",
+        "        if False:",
+        "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[float-caches]",
     ),
     # -- the launchers' argument checks --------------------------------------------------------
     _m(

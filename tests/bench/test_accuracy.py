@@ -14,14 +14,21 @@ from paged_video.bench import accuracy
 from paged_video.bench.accuracy import (
     ACCURACY_COLUMNS,
     AccuracyConfig,
+    FloorCache,
+    Floors,
     Variant,
     attend,
     make_data,
+    meets_goal,
     metrics,
+    prepare,
+    reference_output,
     run_accuracy,
     smoothing_mean,
+    target_rel_l1,
 )
 from paged_video.bench.cli import main
+from paged_video.reference.quantized_attention import quantized_attention
 
 # One query frame of 8 tokens over 3 frames of keys, blocks of 5 (a frame straddles blocks).
 TINY = AccuracyConfig(
@@ -51,16 +58,26 @@ def test_the_goal_needs_both_cosine_and_rel_l1_and_nan_meets_nothing():
     assert not nan.meets_goal
 
 
-def test_variants_are_the_baseline_then_each_format_mode_and_smoothing():
-    labels = [v.label for v in accuracy.variants(("e4m3", "int8"), (False, True))]
-    assert labels == [
+def test_variants_are_the_baseline_then_each_format_mode_smoothing_and_equalization():
+    labels = [v.label for v in accuracy.variants(("e4m3", "int8"), (False, True), (False, True))]
+    assert labels[:6] == [
         "bf16 pool",
         "e4m3 dequant",
+        "e4m3 dequant equalized",
         "e4m3 dequant smooth-K",
+        "e4m3 dequant smooth-K equalized",
         "e4m3 fp8-mma",
-        "e4m3 fp8-mma smooth-K",
+    ]
+    assert labels[9:] == [
         "int8 dequant",
+        "int8 dequant equalized",
         "int8 dequant smooth-K",
+        "int8 dequant smooth-K equalized",
+        *[
+            f"int8 {mode}{rest}"
+            for mode in accuracy.MODES["int8"][1:]
+            for rest in ("", " equalized", " smooth-K", " smooth-K equalized")
+        ],
     ]
 
 
@@ -76,11 +93,52 @@ def test_k_outliers_offset_a_few_channels_of_k_only():
         assert torch.equal(x, x.to(torch.bfloat16).float())
 
 
+def _gains(plain: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    """Per (head, channel): how many times wider ``scaled`` is than ``plain``."""
+    return (scaled.square().mean(dim=0) / plain.square().mean(dim=0)).sqrt()
+
+
+@pytest.mark.parametrize("kind", ["k-token-outliers", "v-token-outliers"])
+def test_token_outliers_widen_a_few_channels_token_by_token(kind):
+    plain, data = make_data("random", TINY), make_data(kind, TINY)
+    widened, kept = (data.keys, data.values) if kind[0] == "k" else (data.values, data.keys)
+    base = plain.keys if kind[0] == "k" else plain.values
+    assert torch.equal(kept, plain.values if kind[0] == "k" else plain.keys)
+    gains = _gains(base, widened)
+    outlier = gains > 5
+    assert outlier.sum(dim=1).tolist() == [accuracy.OUTLIER_CHANNELS] * TINY.heads
+    low, high = accuracy.TOKEN_OUTLIER_GAIN
+    assert bool(((gains[outlier] > low - 1) & (gains[outlier] < high + 1)).all())
+    assert bool(((gains[~outlier] - 1).abs() < 0.01).all())
+    # Varying per token: no offset (smoothing cannot remove them).
+    assert bool((widened.mean(dim=0).abs() < widened.std(dim=0))[outlier].all())
+    if kind[0] == "k":  # q divided by K's RMS gain per head: the logits keep their spread
+        rms_gain = gains.square().mean(dim=-1).sqrt()
+        torch.testing.assert_close(
+            data.q, (plain.q / rms_gain[:, None]).bfloat16().float(), rtol=1e-2, atol=1e-3
+        )
+    else:
+        assert torch.equal(data.q, plain.q)
+
+
+def test_k_drift_moves_each_frames_mean():
+    plain, data = make_data("random", TINY), make_data("k-drift", TINY)
+    assert torch.equal(plain.q, data.q) and torch.equal(plain.values, data.values)
+    drift = (data.keys - plain.keys).unflatten(0, (-1, TINY.chunk_size))  # frames
+    per_frame = drift.mean(dim=1)  # (frames, heads, head_dim): constant within a frame
+    assert (drift - per_frame[:, None]).abs().max() < 0.1
+    steps = per_frame.diff(dim=0)
+    assert 0.2 < steps.std() / accuracy.DRIFT_STEP < 2.0
+    assert 0.5 < per_frame[0].std() / accuracy.DRIFT_BASE < 1.5
+
+
 def test_a_smoothed_row_is_the_kernel_over_codes_of_k_minus_the_first_frame_mean():
     """The bench hands the kernels the data and the mean it says: the output equals float64
     attention over the oracle's codes of (K - mean) and V (softmax ignores the shift)."""
     data = make_data("k-outliers", TINY)
+    prepared = prepare(data, TINY)
     mean = smoothing_mean(data.keys, TINY.chunk_size)
+    assert torch.equal(prepared.mean, mean)
     assert torch.allclose(mean, data.keys[: TINY.chunk_size].mean(dim=0))
     dtype = torch.float8_e4m3fn
     keys = reference.quantize.dequantize(
@@ -88,56 +146,131 @@ def test_a_smoothed_row_is_the_kernel_over_codes_of_k_minus_the_first_frame_mean
     )
     values = reference.quantize.dequantize(*reference.quantize.quantize(data.values, dtype))
     want = reference.dense_attention(data.q, keys, values)
-    got = attend(Variant("e4m3", smooth=True), data, TINY)
+    got = attend(Variant("e4m3", smooth=True), data, TINY, prepared)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_an_equalized_row_is_the_kernel_over_equalized_codes():
+    """Equalized: K minus the mean and V divided by the first frame's factors before
+    quantizing, folded back by the kernel; the oracle reads the same codes."""
+    data = make_data("k-token-outliers", TINY)
+    prepared = prepare(data, TINY)
+    k_factor, v_factor = prepared.factors(Variant("int8", smooth=True, equalize=True))
+    assert k_factor.max() >= 4
+    dtype = torch.int8
+    k_codes, k_scale = reference.quantize.quantize(
+        data.keys, dtype, smooth=prepared.mean, factor=k_factor
+    )
+    v_codes, v_scale = reference.quantize.quantize(data.values, dtype, factor=v_factor)
+    want = quantized_attention(
+        data.q, k_codes, k_scale, v_codes, v_scale, k_factor=k_factor, v_factor=v_factor
+    )
+    got = attend(Variant("int8", smooth=True, equalize=True), data, TINY, prepared)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    plain = attend(Variant("int8", smooth=True), data, TINY, prepared)
+    expected = reference_output(data)
+    assert metrics(got, expected).rel_l1 < 0.8 * metrics(plain, expected).rel_l1
+
+
+def test_floors_are_float64_attention_over_the_stored_rows_and_the_modes_roundings():
+    data = make_data("k-token-outliers", TINY)
+    prepared, expected = prepare(data, TINY), reference_output(data)
+    cache = FloorCache(data, expected, prepared)
+    variant = Variant("e4m3", accuracy.FP8_MMA, smooth=True, equalize=True)
+    k_factor, v_factor = prepared.factors(variant)
+    dtype = torch.float8_e4m3fn
+    rows = reference.quantize.quantize(data.keys, dtype, smooth=prepared.mean, factor=k_factor)
+    rows += reference.quantize.quantize(data.values, dtype, factor=v_factor)
+    factors = {"k_factor": k_factor, "v_factor": v_factor}
+    floors = cache.floors(variant)
+    stored = quantized_attention(data.q, *rows, **factors)
+    assert floors.storage == metrics(stored, expected).rel_l1
+    emulated = quantized_attention(data.q, *rows, mode="fp8-mma", **factors)
+    assert floors.mode == metrics(emulated, expected).rel_l1 > floors.storage
+    assert cache.floors(variant.storage).mode == floors.storage  # dequant: the storage floor
+    assert 0 < floors.best_scale <= 1.1 * floors.storage
+
+
+def test_the_goal_is_the_floor_and_the_absolute_targets():
+    at = Floors(storage=0.010, best_scale=0.009, mode=0.010)
+    assert meets_goal(accuracy.Metrics(0.9999, 0.0102, 0.0), at, 0.015)
+    assert not meets_goal(accuracy.Metrics(0.9999, 0.0103, 0.0), at, 0.015)  # > 1.02 x floor
+    assert not meets_goal(accuracy.Metrics(0.9999, 0.0100, 0.0), at, 0.0099)  # > target
+    assert not meets_goal(accuracy.Metrics(math.nan, math.nan, 0.0), at, 0.015)
+    # Baseline: no floors, its own goal.
+    assert meets_goal(accuracy.Metrics(0.9999, 0.001, 0.0), None, None)
+    assert not meets_goal(accuracy.Metrics(0.9999, 0.03, 0.0), None, None)
+    # Targets: int8's absolute figure; e4m3's today's pool (the row unequalized).
+    data = make_data("random", TINY)
+    cache = FloorCache(data, reference_output(data), prepare(data, TINY))
+    e4m3 = Variant("e4m3", accuracy.FP8_MMA, smooth=True, equalize=True)
+    assert target_rel_l1(e4m3, cache) == accuracy.RELATIVE_GOAL * cache.floors(e4m3.today).mode
+    assert e4m3.today == Variant("e4m3", accuracy.FP8_MMA, smooth=True)
+    assert target_rel_l1(Variant("int8", equalize=True), cache) == accuracy.INT8_REL_L1
+    assert target_rel_l1(Variant("bf16"), cache) is None
+
+
+# The fixture's rows: two data kinds, smoothing on, equalization off and on.
+ROWS = AccuracyConfig(
+    **{**TINY.__dict__, "data": ("random", "k-token-outliers"), "smoothing": (True,)}
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_rows(tmp_path_factory):
     csv_path = tmp_path_factory.mktemp("accuracy") / "accuracy.csv"
-    return csv_path, run_accuracy(TINY, csv_path)
+    return csv_path, run_accuracy(ROWS, csv_path)
 
 
 def test_every_row_is_measured_and_written_with_provenance(tiny_rows):
     csv_path, rows = tiny_rows
-    assert [(r["data"], r["format"], r["mode"], r["k_smooth"]) for r in rows[:7]] == [
-        ("random", "bf16", "", "off"),
-        ("random", "e4m3", "dequant", "off"),
-        ("random", "e4m3", "dequant", "on"),
-        ("random", "e4m3", "fp8-mma", "off"),
-        ("random", "e4m3", "fp8-mma", "on"),
-        ("random", "int8", "dequant", "off"),
-        ("random", "int8", "dequant", "on"),
+    cases = accuracy.variants(ROWS.formats, ROWS.smoothing, ROWS.equalizing)
+    keys = [(r["data"], r["format"], r["mode"], r["k_smooth"], r["equalize"]) for r in rows]
+    assert keys == [
+        (
+            kind,
+            v.format,
+            v.mode if v.format != "bf16" else "",
+            "on" if v.smooth else "off",
+            "on" if v.equalize else "off",
+        )
+        for kind in ROWS.data
+        for v in cases
     ]
-    assert [r["data"] for r in rows[7:]] == ["k-outliers"] * 7
     with open(csv_path, newline="") as stream:
         reader = csv.DictReader(stream)
         assert tuple(reader.fieldnames) == ACCURACY_COLUMNS
         written = list(reader)
-    assert len(written) == 14
+    assert len(written) == len(rows) == 2 * len(cases)
     for row in written:
         assert row["kv_tokens"] == "24" and row["q_rows"] == "8" and row["block_size"] == "5"
         assert row["torch"] == torch.__version__ and row["commit"] and row["timestamp"]
         assert row["figures"] and row["device"]
         assert row["meets_goal"] in ("yes", "no")
+        quantized = row["format"] != "bf16"
+        for column in ("floor_rel_l1", "mode_floor_rel_l1", "vs_floor", "target_rel_l1"):
+            assert (row[column] != "") == quantized, (column, row)
 
 
-def test_the_bf16_pool_meets_the_goal_and_quantized_pools_lose_some(tiny_rows):
+def test_quantized_rows_sit_on_their_floor_and_equalization_helps_int8(tiny_rows):
     _, rows = tiny_rows
     for row in rows:
         if row["format"] == "bf16":
             assert row["cosine"] > 1 - 1e-9 and row["rel_l1"] < 1e-5 and row["meets_goal"] == "yes"
-        else:
-            assert 0.9 < row["cosine"] < 1 - 1e-9 and row["rel_l1"] > 1e-4
-    by = {(r["data"], r["format"], r["mode"], r["k_smooth"]): r for r in rows}
-    # K's channel offsets cost int8 most: smoothing takes them out.
-    raw = by["k-outliers", "int8", "dequant", "off"]["rel_l1"]
-    assert by["k-outliers", "int8", "dequant", "on"]["rel_l1"] < raw / 2
+            continue
+        assert 0.9 < row["cosine"] < 1 - 1e-9 and row["rel_l1"] > 1e-4
+        # The kernel loses nothing beyond its mode's emulation (float32 vs float64 aside; the
+        # FP8-MMA kernel rounds per key tile, the emulation per sequence).
+        assert abs(row["vs_floor"] - 1) < (0.05 if row["mode"] == "fp8-mma" else 1e-3), row
+        assert row["mode_floor_rel_l1"] >= row["floor_rel_l1"]
+    by = {(r["data"], r["format"], r["mode"], r["equalize"]): r for r in rows}
+    raw = by["k-token-outliers", "int8", "dequant", "off"]["rel_l1"]
+    assert by["k-token-outliers", "int8", "dequant", "on"]["rel_l1"] < 0.8 * raw
 
 
 def test_a_corrupted_output_is_flagged_as_missing_the_goal(tmp_path):
-    def corrupted(variant, data, config):
-        out = attend(variant, data, config)
+    def corrupted(variant, data, config, prepared):
+        out = attend(variant, data, config, prepared)
         return out * 1.05 if variant.format == "bf16" else out
 
     config = AccuracyConfig(**{**TINY.__dict__, "data": ("random",), "formats": ()})
@@ -148,21 +281,36 @@ def test_a_corrupted_output_is_flagged_as_missing_the_goal(tmp_path):
     assert "MISSES" in accuracy.format_rows([row])
     markdown = accuracy.format_rows([row], markdown=True).splitlines()
     assert markdown[0].startswith("| data | format |") and markdown[1].startswith("| --- |")
-    assert markdown[2].startswith("| random | bf16 | - | off | 1.000000 | 5.00% |")
+    assert markdown[2].startswith("| random | bf16 | - | off | off | 1.000000 | 5.00% | - |")
+
+
+def test_a_quantized_row_off_its_floor_is_flagged(tmp_path):
+    def off_floor(variant, data, config, prepared):
+        out = attend(variant, data, config, prepared)
+        return out * 1.01 + 0.01 * out.abs().mean() if variant.format != "bf16" else out
+
+    config = AccuracyConfig(
+        **{**TINY.__dict__, "data": ("random",), "formats": ("int8",), "equalizing": (False,)}
+    )
+    rows = run_accuracy(config, tmp_path / "a.csv", attend_fn=off_floor)
+    assert [r["meets_goal"] for r in rows] == ["yes"] + ["no"] * (len(rows) - 1)
+    assert all(r["vs_floor"] > 1.5 for r in rows[1:])
+    assert "MISSES" in accuracy.format_rows(rows)
 
 
 def test_the_command_prints_the_table_and_names_a_query_subset(tmp_path, capsys):
     argv = ["accuracy", "--heads", "1", "--head-dim", "16", "--chunk-size", "8"]
     argv += ["--sink-chunks", "1", "--window-chunks", "1", "--block-size", "4", "--queries", "3"]
-    argv += ["--data", "random", "--formats", "int8", "--smoothing", "on", "--out", str(tmp_path)]
+    argv += ["--data", "random", "--formats", "int8", "--smoothing", "on", "--equalize", "on"]
+    argv += ["--out", str(tmp_path)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "the first 3 of the frame's 8 queries (a subset)" in printed
     assert "of the shipped 40" in printed or "shipped model has 40" in printed
     table = [line for line in printed.splitlines() if line.startswith("random")]
-    assert [line.split()[:4] for line in table] == [
-        ["random", "bf16", "-", "off"],
-        ["random", "int8", "dequant", "on"],
+    assert [line.split()[:5] for line in table] == [
+        ["random", "bf16", "-", "off", "off"],
+        *[["random", "int8", mode, "on", "on"] for mode in accuracy.MODES["int8"]],
     ]
     assert (tmp_path / "accuracy.csv").exists()
 
@@ -173,6 +321,7 @@ def test_the_command_prints_the_table_and_names_a_query_subset(tmp_path, capsys)
         (["--data", "gaussian"], "--data"),
         (["--formats", "e5m2"], "--formats"),
         (["--smoothing", "maybe"], "--smoothing"),
+        (["--equalize", "yes"], "--equalize"),
         (["--heads", "0"], "--heads"),
         (["--head-dim", "512"], "--head-dim"),
     ],

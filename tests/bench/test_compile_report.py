@@ -33,7 +33,7 @@ TRITON36_VENV = Path(os.environ.get("TRITON36_VENV", "/work/venvs/triton36"))
 BLOCK_SIZES = compile_report.SHIPPED_BLOCK_SIZES
 HEAD_DIMS = (64, 128)
 QUANTIZED_BLOCKS = (16, 24, 64, 1560)
-QUANTIZED_MODES = ("fp8", "int8", "fp8_mma")
+QUANTIZED_MODES = ("fp8", "int8", "fp8_mma", "int8_mma")
 CONTIGUOUS_BLOCK = 64
 
 
@@ -268,12 +268,13 @@ _QUANTIZED_SPILLS = {
     ("int8", 16): "4/4 bytes",
     ("int8", 64): "72/76 bytes",
     ("int8", 1560): "60/64 bytes",
-    ("fp8_mma", 16): "4/4 bytes",
+    ("fp8_mma", 16): "8/8 bytes",
     ("fp8_mma", 24): "140/176 bytes",
-    ("fp8_mma", 64): "4/4 bytes",
-    ("fp8_mma", 1560): "48/52 bytes",
+    ("fp8_mma", 64): "8/8 bytes",
+    ("fp8_mma", 1560): "52/56 bytes",
+    ("int8_mma", 24): "4/4 bytes",
+    ("int8_mma", 64): "12/12 bytes",
 }
-_FP8_MMA_LONGER = {(24,): "fp8_mma 1160 vs fp8 1157 instructions"}
 
 
 def _bf16_cases(misses: dict) -> list:
@@ -348,8 +349,10 @@ def _quantized_cases(misses: dict) -> list:
 def test_quantized_mma_and_prefetch(report: Report, mode: str, block: int) -> None:
     triton = report.version("3.9")
     row = report.paged(triton, block, kv=mode)
-    # Dequantizing: 16-bit wgmma only; fp8_mma: FP8 wgmma only (QK^T and PV).
-    assert row["mma"] == ("QGMMA" if mode == "fp8_mma" else "HGMMA"), row
+    # Dequantizing: 16-bit wgmma only; fp8_mma: FP8 wgmma only (QK^T and PV); int8_mma: int8
+    # wgmma for QK^T, 16-bit for PV.
+    wanted = {"fp8_mma": "QGMMA", "int8_mma": "HGMMA+IGMMA"}.get(mode, "HGMMA")
+    assert row["mma"] == wanted, row
     assert row["loop_divisions"] == 0, row
     # As many K/V tiles in flight as the bf16 kernel (the dequantizing launch adds a stage for it).
     plain = report.paged(triton, block)
@@ -362,13 +365,14 @@ def test_quantized_no_spills(report: Report, mode: str, block: int) -> None:
     assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
 
 
-@pytest.mark.parametrize(
-    "block", [pytest.param(b, marks=_misses(_FP8_MMA_LONGER, (b,))) for b in QUANTIZED_BLOCKS]
-)
-def test_fp8_mma_loop_no_longer_than_dequantizing(report: Report, block: int) -> None:
+@pytest.mark.parametrize("mma_mode, dequantizing_mode", [("fp8_mma", "fp8"), ("int8_mma", "int8")])
+@pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
+def test_mma_loop_no_longer_than_dequantizing(
+    report: Report, mma_mode: str, dequantizing_mode: str, block: int
+) -> None:
     triton = report.version("3.9")
-    mma = report.paged(triton, block, kv="fp8_mma")
-    dequantizing = report.paged(triton, block, kv="fp8")
+    mma = report.paged(triton, block, kv=mma_mode)
+    dequantizing = report.paged(triton, block, kv=dequantizing_mode)
     assert mma["loop_instructions"] <= dequantizing["loop_instructions"], (mma, dequantizing)
 
 

@@ -15,9 +15,19 @@ from paged_video.bench.providers import (
     quantized_pools,
 )
 from paged_video.bench.results import QUANTIZED_GOALS
-from paged_video.bench.sweep import WrongResultError, bytes_moved, run_sweep
+from paged_video.bench.sweep import (
+    WrongResultError,
+    _dequantizing_oracle,
+    bytes_moved,
+    run_sweep,
+)
 from paged_video.bench.table import format_ratios, quantized_cases
-from paged_video.bench.workload import Geometry, make_workload
+from paged_video.bench.workload import (
+    Geometry,
+    dequantized_sequences,
+    make_workload,
+    oracle_attention,
+)
 from tests.bench.rows import STEADY_CEILINGS, measured
 from tests.bench.tiny import TINY, paged_config
 
@@ -52,6 +62,22 @@ def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
     # oracle, not in the tolerance.
     assert rows["triton-e4m3"]["error_limit"] == rows["triton"]["error_limit"]
     assert rows["triton-int8"]["max_error"] < 1e-5
+    # The INT8-MMA mode's oracle rounds the query rows to int8 as the mode does (its float64
+    # emulation: Q K^T is then exact), so it too stays at float32 distance, and its limit is
+    # the bf16 pool's.
+    assert rows["triton-int8-mma"]["error_limit"] == rows["triton"]["error_limit"]
+    assert rows["triton-int8-mma"]["max_error"] < 1e-5
+    assert rows["triton-int8-mma"]["backend"] == "triton paged_attention int8 int8-mma"
+
+
+def test_the_int8_mma_oracle_rounds_the_queries():
+    workload = make_workload(TINY, 5)
+    plain = _dequantizing_oracle(workload, QUANTIZED_PROVIDERS["triton-int8"])
+    mma = _dequantizing_oracle(workload, QUANTIZED_PROVIDERS["triton-int8-mma"])
+    assert (mma - plain).abs().max() > 1e-4 * plain.abs().max()
+    q = reference.quantize.dequantize(*reference.quantize.quantize(workload.q, torch.int8))
+    keys, values = dequantized_sequences(workload, quantized_pools(workload, torch.int8))
+    assert torch.equal(mma, oracle_attention(workload, q=q, keys=keys, values=values))
 
 
 def _bf16_pool_answer(workload, tile):

@@ -263,6 +263,30 @@ QUANTIZED_WRITE_CASES = [
         id="smooth-dtype",
     ),
     pytest.param(
+        lambda a, k: k.update(k_equalizer=torch.ones(2, 8)),
+        ValueError,
+        "k_equalizer",
+        id="equalizer-shape",
+    ),
+    pytest.param(
+        lambda a, k: k.update(v_equalizer=torch.ones(2, 16).double()),
+        TypeError,
+        "v_equalizer",
+        id="equalizer-dtype",
+    ),
+    pytest.param(
+        lambda a, k: k.update(v_equalizer=torch.tensor([[1.0] * 15 + [0.0]] * 2)),
+        ValueError,
+        "v_equalizer must be finite and > 0",
+        id="equalizer-zero",
+    ),
+    pytest.param(
+        lambda a, k: k.update(k_equalizer=torch.full((2, 16), float("inf"))),
+        ValueError,
+        "k_equalizer must be finite and > 0",
+        id="equalizer-inf",
+    ),
+    pytest.param(
         lambda a, k: k.update(k_smooth_chosen=torch.tensor(False)),
         ValueError,
         "k_smooth_chosen needs k_smooth",
@@ -303,6 +327,9 @@ def test_write_slots_rejects_scales_and_smoothing_for_float_pools() -> None:
         kernels.write_slots(*args, k_scale=torch.zeros(32, 2))
     with pytest.raises(ValueError, match="k_smooth"):
         kernels.write_slots(*args, k_smooth=torch.zeros(2, 16))
+    for name in ("k_equalizer", "v_equalizer"):
+        with pytest.raises(ValueError, match=f"{name} is only for quantized pools"):
+            kernels.write_slots(*args, **{name: torch.ones(2, 16)})
     assert torch.equal(args[2], torch.zeros_like(args[2]))
 
 

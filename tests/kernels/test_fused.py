@@ -65,8 +65,9 @@ def make_forward(step: int, *, staged: bool, layer: int = 0, return_lse: bool = 
     return tensors, inputs
 
 
-def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None):
-    """The op's work by hand: the three kernels, with ``mean`` as the K smoothing.
+def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None, equalizers=None):
+    """The op's work by hand: the three kernels, with ``mean`` as the K smoothing and
+    ``equalizers`` (K's and V's factors) as the channel equalization.
 
     Scales are passed only for quantized pools (the zero-size ones of float pools are not).
     """
@@ -81,8 +82,11 @@ def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None):
     if quantized:
         scales = {"k_scale": k_scale.flatten(0, 1), "v_scale": v_scale.flatten(0, 1)}
         scales["k_smooth"] = mean
-    kernels.write_slots(key, value, *flat, inputs.video_slots, **scales)
-    kernels.write_slots(action_key, action_value, *flat, inputs.action_slots, **scales)
+    factors = {}
+    if equalizers is not None:
+        factors = {"k_equalizer": equalizers[0], "v_equalizer": equalizers[1]}
+    kernels.write_slots(key, value, *flat, inputs.video_slots, **scales, **factors)
+    kernels.write_slots(action_key, action_value, *flat, inputs.action_slots, **scales, **factors)
     cache_k, cache_v, table = k_cache, v_cache, inputs.block_table
     if int(inputs.stage_from) >= 0:
         stage = (pools.stage_k_scales[layer], pools.stage_v_scales[layer]) if quantized else None
@@ -117,7 +121,9 @@ def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None):
         k_scale=k_scale,
         v_scale=v_scale,
         fp8_mma=inputs.fp8_mma,
+        int8_mma=inputs.int8_mma,
         return_lse=inputs.return_lse,
+        **factors,
     )
 
 

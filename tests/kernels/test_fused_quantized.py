@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from paged_video.kernels import fused
-from paged_video.reference.quantize import nearest_code_error, quantize
+from paged_video.reference.quantize import K_SHARE, channel_factors, nearest_code_error, quantize
 from tests.helpers import DEVICE
 from tests.kernels.test_fused import (
     BLOCK,
@@ -34,9 +34,10 @@ POISON = {torch.float8_e4m3fn: 0x7F, torch.int8: -128}  # e4m3 NaN; int8's never
 ATOL = 2e-5
 
 
-def make_state(dtype: torch.dtype, seed: int = 0) -> fused.PoolTensors:
+def make_state(dtype: torch.dtype, seed: int = 0, equalize: bool = False) -> fused.PoolTensors:
     """Pools of quantized random K/V; staging buffers, their scales and the means poisoned
-    (NaN scales and means, NaN / never-written codes), no mean chosen."""
+    (NaN scales and means, NaN / never-written codes), no mean chosen; with ``equalize``,
+    factors poisoned too (NaN), none chosen."""
     gen = torch.Generator().manual_seed(seed)
     shape = (LAYERS, BLOCKS, BLOCK, KV_HEADS, DIM)
     (k_pools, k_scales), (v_pools, v_scales) = (
@@ -58,16 +59,26 @@ def make_state(dtype: torch.dtype, seed: int = 0) -> fused.PoolTensors:
     )
     # The flags stay on the CPU: the op reads them without a device sync.
     flags = torch.zeros(LAYERS, dtype=torch.bool)
-    return fused.PoolTensors(*(t.to(DEVICE) for t in on_device), flags)
+    factor_shape = (LAYERS, KV_HEADS, DIM) if equalize else (0,)
+    factors = [torch.full(factor_shape, float("nan"), device=DEVICE) for _ in range(2)]
+    equalized = torch.zeros(LAYERS if equalize else 0, dtype=torch.bool)
+    return fused.PoolTensors(*(t.to(DEVICE) for t in on_device), flags, *factors, equalized)
 
 
-def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False):
-    """``make_forward``'s inputs with keys offset per channel (what smoothing removes)."""
+def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False, int8_mma: bool = False):
+    """``make_forward``'s inputs with keys offset per channel (what smoothing removes), and two
+    key and two value channels 30x wider, token by token (what channel equalization evens
+    out)."""
     tensors, inputs = make_forward(step, staged=staged, layer=layer)
     offsets = torch.linspace(-20, 20, DIM, device=DEVICE)
-    tensors[1] = tensors[1] + offsets
-    tensors[3] = tensors[3] + offsets
-    return tensors, inputs._replace(fp8_mma=fp8_mma)
+    k_gains, v_gains = torch.ones(2, DIM, device=DEVICE)
+    k_gains[[2, 5]] = 30.0
+    v_gains[[1, 6]] = 30.0
+    tensors[1] = tensors[1] * k_gains + offsets
+    tensors[3] = tensors[3] * k_gains + offsets
+    tensors[2] = tensors[2] * v_gains
+    tensors[4] = tensors[4] * v_gains
+    return tensors, inputs._replace(fp8_mma=fp8_mma, int8_mma=int8_mma)
 
 
 def clone(pools: fused.PoolTensors) -> fused.PoolTensors:
@@ -135,6 +146,54 @@ def test_fp8_mma_reaches_attention() -> None:
     assert not torch.equal(got, dequantized)  # the switch changes the arithmetic
 
 
+def test_int8_mma_reaches_attention() -> None:
+    state, twin = make_state(torch.int8), make_state(torch.int8)
+    tensors, inputs = forward(0, staged=False, layer=0, int8_mma=True)
+    got = fused.write_attend(*tensors, state, inputs)
+    twin.k_means[0], twin.k_means_chosen[0] = state.k_means[0], True
+    assert torch.equal(got, direct_calls(tensors, inputs, twin, twin.k_means[0]))
+    dequantized = fused.write_attend(
+        *tensors, make_state(torch.int8), inputs._replace(int8_mma=False)
+    )
+    assert not torch.equal(got, dequantized)  # the switch changes the arithmetic
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+def test_the_first_write_chooses_the_factors_and_attention_folds_them(staged: bool) -> None:
+    # The layer's first call chooses its factors (K's from the keys minus the mean it chose,
+    # V's from the values: video rows only), writes video and action rows divided by them and
+    # attends folding them back: the kernels called by hand with those factors agree bit for
+    # bit. A later call of the layer keeps them. Another layer is untouched.
+    state, twin = make_state(torch.int8, equalize=True), make_state(torch.int8, equalize=True)
+    tensors, inputs = forward(0, staged=staged, layer=1)
+    got = fused.write_attend(*tensors, state, inputs)
+    assert state.equalizers_chosen.tolist() == [False, True, False]
+    _, key, value, *_ = tensors
+    mean = state.k_means[1]
+    want_k = channel_factors(key.cpu(), smooth=mean.cpu(), share=K_SHARE)
+    want_v = channel_factors(value.cpu())
+    assert torch.equal(state.k_equalizers[1].cpu(), want_k)
+    assert torch.equal(state.v_equalizers[1].cpu(), want_v)
+    assert bool((want_v[:, [1, 6]] >= 16).all()) and bool((want_k[:, [2, 5]] >= 4).all())
+    assert state.k_equalizers[0].isnan().all() and state.v_equalizers[2].isnan().all()
+    factors = (state.k_equalizers[1], state.v_equalizers[1])
+    assert torch.equal(got, direct_calls(tensors, inputs, twin, mean, factors))
+    assert equal(
+        state._replace(
+            equalizers_chosen=twin.equalizers_chosen, k_means_chosen=twin.k_means_chosen
+        ),
+        twin._replace(
+            k_means=state.k_means, k_equalizers=state.k_equalizers, v_equalizers=state.v_equalizers
+        ),
+    )
+    chosen = [f.clone() for f in factors]
+    tensors, inputs = forward(1, staged=staged, layer=1)
+    tensors[2] = tensors[2] * 100.0
+    fused.write_attend(*tensors, state, inputs)
+    assert torch.equal(state.k_equalizers[1], chosen[0])
+    assert torch.equal(state.v_equalizers[1], chosen[1])
+
+
 def test_smoothing_off_writes_plain_codes() -> None:
     state = make_state(torch.int8)
     empty = state.k_means.new_empty(0)
@@ -199,6 +258,38 @@ REFUSALS = [
         "stage_v",
     ),
     ("fp8-mma-int", changed(fp8_mma=1), TypeError, "fp8_mma"),
+    ("int8-mma-int", changed(int8_mma=1), TypeError, "int8_mma"),
+    (
+        "chosen-without-equalizers",
+        replaced("equalizers_chosen", lambda t: torch.zeros(LAYERS, dtype=torch.bool)),
+        ValueError,
+        "equalizers_chosen must be zero-size",
+    ),
+    (
+        "k-equalizers-shape",
+        replaced("k_equalizers", lambda t: torch.ones(LAYERS, KV_HEADS, DIM + 1, device=DEVICE)),
+        ValueError,
+        "k_equalizers",
+    ),
+    (
+        "v-equalizers-missing",
+        replaced("k_equalizers", lambda t: torch.ones(LAYERS, KV_HEADS, DIM, device=DEVICE)),
+        ValueError,
+        "v_equalizers",
+    ),
+    (
+        "equalizers-chosen-shape",
+        lambda p, i: (
+            p._replace(
+                k_equalizers=torch.ones(LAYERS, KV_HEADS, DIM, device=DEVICE),
+                v_equalizers=torch.ones(LAYERS, KV_HEADS, DIM, device=DEVICE),
+                equalizers_chosen=torch.zeros(LAYERS + 1, dtype=torch.bool),
+            ),
+            i,
+        ),
+        ValueError,
+        "equalizers_chosen",
+    ),
     (
         "action-rows",
         changed(action_slots=torch.zeros(2, dtype=torch.int64)),
@@ -218,6 +309,15 @@ def test_refused_call_changes_nothing(dtype: torch.dtype, change, error, match: 
     pools, inputs = change(state, inputs)
     with pytest.raises(error, match=match):
         fused.write_attend(*tensors, pools, inputs)
+    assert equal(state, before)
+
+
+def test_int8_mma_needs_int8_pools_and_changes_nothing() -> None:
+    state = make_state(torch.float8_e4m3fn)
+    before = clone(state)
+    tensors, inputs = forward(0, staged=False, layer=1, int8_mma=True)
+    with pytest.raises(ValueError, match="int8_mma needs int8 pools"):
+        fused.write_attend(*tensors, state, inputs)
     assert equal(state, before)
 
 

@@ -19,8 +19,8 @@ from paged_video import kernels, reference
 from paged_video.kernels import _runtime
 from paged_video.kernels._attention_jit import _to_e4m3
 from paged_video.kernels.paged_attention import kv_path
-from paged_video.reference.attention import attention_mask, gather_sequence
 from paged_video.reference.quantize import quantize
+from paged_video.reference.quantized_attention import paged_quantized_attention
 from tests.helpers import DEVICE, nan_like
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
 
@@ -312,50 +312,13 @@ def test_fp8_mma_needs_e4m3() -> None:
 # ---------------------------------------------------------------- fp8_mma: FP8 MMAs, e4m3 q and P
 
 
-def _e4m3(x: Tensor) -> Tensor:
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float64)
-
-
-def emulate_fp8_mma(args: tuple, scales: dict, *, causal: bool = False, **kwargs) -> Tensor:
-    """The oracle with the fp8_mma mode's two roundings, in float64: each query row to e4m3
-    codes (scale amax / 448), and the probabilities times the V scales, normalised by the
-    sequence's largest V scale times 448, to e4m3 (the kernel normalises per key tile)."""
-    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k = args
-    q64 = q.cpu().to(torch.float64)
-    q_scale = q64.abs().amax(dim=-1, keepdim=True) / 448.0
-    q64 = _e4m3(q64 / torch.where(q_scale > 0, q_scale, 1.0)) * q_scale
-    group = q.shape[1] // k_cache.shape[2]
-    scale = 1.0 / q.shape[2] ** 0.5
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    starts = cu_seqlens_q.tolist()
-    for i, k_len in enumerate(seq_lens_k.tolist()):
-        lo, hi = starts[i], starts[i + 1]
-        if hi == lo or k_len == 0:
-            continue
-        k_codes, k_scale, v_codes, v_scale = (
-            gather_sequence(pool.cpu(), block_table[i].cpu(), k_len)
-            .to(torch.float64)
-            .repeat_interleave(group, dim=1)
-            .transpose(0, 1)
-            for pool in (k_cache, scales["k_scale"], v_cache, scales["v_scale"])
-        )
-        keys = k_codes * k_scale[..., None]
-        mask = attention_mask(
-            hi - lo,
-            k_len,
-            causal=causal,
-            key_limits=None if kwargs.get("key_limits") is None else kwargs["key_limits"][lo:hi],
-            key_gap=None if kwargs.get("key_gap") is None else kwargs["key_gap"][i].tolist(),
-        )
-        scores = q64[lo:hi].transpose(0, 1) @ keys.transpose(1, 2) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        row_max = scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-        probs = torch.exp(scores - row_max)
-        unit = v_scale.amax(dim=-1, keepdim=True)[:, None] / 448.0
-        rounded = _e4m3(probs * (v_scale[:, None, :] / unit)) * unit
-        row_sum = probs.sum(dim=-1, keepdim=True)
-        out[lo:hi] = ((rounded @ v_codes) / torch.where(row_sum > 0, row_sum, 1.0)).transpose(0, 1)
-    return out
+def emulate_fp8_mma(args: tuple, scales: dict, **kwargs) -> Tensor:
+    """The oracle with the fp8_mma mode's two roundings, in float64
+    (``reference.quantized_attention``): each query row to e4m3 codes (scale amax / 448), and
+    the probabilities times the V scales, in units of the sequence's largest V scale / 448, to
+    e4m3 (the kernel: the largest V scale so far)."""
+    scales = {name: scales[name] for name in ("k_scale", "v_scale")}
+    return paged_quantized_attention(*args, **scales, mode="fp8-mma", **kwargs)
 
 
 def lse_oracle(args: tuple, scales: dict, *, fp8_mma: bool, **kwargs) -> Tensor:

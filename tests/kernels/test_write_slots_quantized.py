@@ -17,7 +17,7 @@ import triton.language as tl
 
 from paged_video import kernels
 from paged_video.kernels.quantize import QMAX
-from paged_video.reference.quantize import nearest_code_error, quantize
+from paged_video.reference.quantize import K_SHARE, channel_factors, nearest_code_error, quantize
 from tests.helpers import DEVICE, ON_GPU, copy_tiling
 
 write_module = importlib.import_module("paged_video.kernels.write_slots")
@@ -85,18 +85,33 @@ def float32_ties(x, scale, dtype) -> torch.Tensor:
     return torch.frac(ratio / step) == 0.5
 
 
-def smoothed(key: torch.Tensor, k_smooth: torch.Tensor | None) -> torch.Tensor:
-    """What the write quantizes: K in float32 minus the smoothing mean (one float32 rounding)."""
+def smoothed(
+    key: torch.Tensor, k_smooth: torch.Tensor | None, factor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the write quantizes: K in float32 minus the smoothing mean, divided by the
+    equalization factors (one float32 rounding each)."""
     key = key.float()
-    return key if k_smooth is None else key - k_smooth
+    key = key if k_smooth is None else key - k_smooth
+    return key if factor is None else key / factor
 
 
-def check_quantized_write(key, value, slots, pools, k_smooth=None) -> None:
+def check_quantized_write(
+    key, value, slots, pools, k_smooth=None, k_equalizer=None, v_equalizer=None
+) -> None:
     """Write, then compare every slot: mapped ones against the oracle, others bitwise."""
     k_pool, v_pool, k_scale, v_scale = pools
     before = [t.clone() for t in pools]
     kernels.write_slots(
-        key, value, k_pool, v_pool, slots, k_scale=k_scale, v_scale=v_scale, k_smooth=k_smooth
+        key,
+        value,
+        k_pool,
+        v_pool,
+        slots,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_smooth=k_smooth,
+        k_equalizer=k_equalizer,
+        v_equalizer=v_equalizer,
     )
     mapped = slots >= 0
     written = slots[mapped].long()
@@ -110,8 +125,8 @@ def check_quantized_write(key, value, slots, pools, k_smooth=None) -> None:
     # but for ties within float32 rounding (none in these seeded examples).
     bitwise = not ON_GPU
     n = slots.shape[0]
-    x_key = smoothed(key[:n][mapped], k_smooth)
-    x_value = value[:n][mapped].float()
+    x_key = smoothed(key[:n][mapped], k_smooth, k_equalizer)
+    x_value = smoothed(value[:n][mapped], None, v_equalizer)
     assert_rows_quantized(k_pool[written], k_scale[written], x_key, k_pool.dtype, bitwise=bitwise)
     assert_rows_quantized(v_pool[written], v_scale[written], x_value, v_pool.dtype, bitwise=bitwise)
 
@@ -155,6 +170,125 @@ def test_padding_slots_heads_and_head_dims(dtype, where, smooth, heads, dim) -> 
     pools = poisoned_pools(32, heads, dim, dtype)
     with backend(where):
         check_quantized_write(key, value, slots, pools, k_smooth=mean if smooth else None)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("where", ["triton", "gpu-tiles", "torch"])
+def test_equalized_channels(dtype, where) -> None:
+    # Each (head, channel) divided by its factor before quantizing, K after the mean: factors
+    # of both kinds (powers of two, as chosen; any positive float32, as a caller may pass),
+    # 5 heads of 80 (padding heads and lanes), padding slots.
+    heads, dim = 5, 80
+    key, value, mean = random_kv(11, heads, dim, seed=17)
+    gen = torch.Generator().manual_seed(3)
+    k_equalizer = torch.exp2(torch.randint(0, 9, (heads, dim), generator=gen).float())
+    v_equalizer = torch.empty(heads, dim).uniform_(0.3, 70.0, generator=gen)
+    slots = torch.tensor([9, -1, 0, 4, 5, 6, 1, 2, 3, 10], device=DEVICE)
+    pools = poisoned_pools(12, heads, dim, dtype)
+    with backend(where):
+        check_quantized_write(
+            key,
+            value,
+            slots,
+            pools,
+            k_smooth=mean,
+            k_equalizer=k_equalizer.to(DEVICE),
+            v_equalizer=v_equalizer.to(DEVICE),
+        )
+    # The factors changed the codes (a write ignoring them fails the comparison above).
+    plain = poisoned_pools(12, heads, dim, dtype)
+    kernels.write_slots(key, value, *plain[:2], slots, k_scale=plain[2], v_scale=plain[3])
+    assert not torch.equal(as_bytes(plain[1][9]), as_bytes(pools[1][9]))
+
+
+@pytest.mark.parametrize("where", ["triton", "torch"])
+def test_the_first_write_chooses_the_factors_once(where) -> None:
+    # With the flag unset, the call chooses both factors from the rows it writes (K minus the
+    # mean; padding rows ignored, even huge ones), stores with them and sets the flag; a later
+    # call with other data keeps them.
+    dtype, heads, dim = torch.int8, 2, 80
+    key, value, mean = random_kv(9, heads, dim, seed=4, spread=0.5)
+    key[:, :, :3] *= 60.0
+    value[:, 1, 7] *= 20.0
+    key[4], value[4] = 1e6, -1e6  # padding
+    slots = torch.tensor([0, 1, 2, 3, -1, 5, 6, 7, 8], device=DEVICE)
+    used = slots >= 0
+    k_equalizer = torch.ones(heads, dim, device=DEVICE)
+    v_equalizer = torch.ones(heads, dim, device=DEVICE)
+    chosen = torch.tensor(False)
+    pools = poisoned_pools(12, heads, dim, dtype)
+    factors = {"k_equalizer": k_equalizer, "v_equalizer": v_equalizer}
+    with backend(where):
+        kernels.write_slots(
+            key,
+            value,
+            *pools[:2],
+            slots,
+            k_scale=pools[2],
+            v_scale=pools[3],
+            k_smooth=mean,
+            **factors,
+            equalizers_chosen=chosen,
+        )
+    assert bool(chosen)
+    want_k = channel_factors(key.cpu()[used.cpu()], smooth=mean.cpu(), share=K_SHARE)
+    want_v = channel_factors(value.cpu()[used.cpu()])
+    assert torch.equal(k_equalizer.cpu(), want_k) and torch.equal(v_equalizer.cpu(), want_v)
+    assert want_k[:, :3].min() >= 4 and want_v[1, 7] >= 8 and want_v[0].max() <= 2
+    # The rows were stored with the chosen factors.
+    check_quantized_write(key, value, slots, poisoned_pools(12, heads, dim, dtype), mean, **factors)
+    stored = poisoned_pools(12, heads, dim, dtype)
+    kernels.write_slots(
+        key,
+        value,
+        *stored[:2],
+        slots,
+        k_scale=stored[2],
+        v_scale=stored[3],
+        k_smooth=mean,
+        **factors,
+    )
+    assert torch.equal(as_bytes(stored[0]), as_bytes(pools[0]))
+    assert torch.equal(as_bytes(stored[1]), as_bytes(pools[1]))
+    # Chosen: frozen.
+    with backend(where):
+        kernels.write_slots(
+            3 * value,
+            key,
+            *pools[:2],
+            slots,
+            k_scale=pools[2],
+            v_scale=pools[3],
+            k_smooth=mean,
+            **factors,
+            equalizers_chosen=chosen,
+        )
+    assert torch.equal(k_equalizer.cpu(), want_k) and torch.equal(v_equalizer.cpu(), want_v)
+
+
+def test_the_chosen_flag_needs_the_factors_and_a_cpu_scalar() -> None:
+    key, value, _ = random_kv(4, 2, 16, seed=0)
+    pools = poisoned_pools(4, 2, 16, torch.int8)
+    slots = torch.arange(4, device=DEVICE)
+    factors = {"k_equalizer": torch.ones(2, 16), "v_equalizer": torch.ones(2, 16)}
+    for bad, word in (
+        ({"k_equalizer": factors["k_equalizer"]}, "needs v_equalizer"),
+        ({**factors, "equalizers_chosen": torch.tensor([False])}, "0-dim bool"),
+        ({**factors, "equalizers_chosen": torch.tensor(0)}, "equalizers_chosen"),
+    ):
+        flag = bad.pop("equalizers_chosen", torch.tensor(False))
+        with pytest.raises((ValueError, TypeError), match=word):
+            kernels.write_slots(
+                key,
+                value,
+                *pools[:2],
+                slots,
+                k_scale=pools[2],
+                v_scale=pools[3],
+                **bad,
+                equalizers_chosen=flag,
+            )
+        assert pools[2].isnan().all() and not bool(flag.any())
 
 
 @pytest.mark.parametrize("dtype", FORMATS)

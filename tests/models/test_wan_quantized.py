@@ -51,6 +51,13 @@ def test_sliding_window_rollout_on_quantized_pools(kv_dtype):
     assert cache.k_means_chosen.all()
     for layer, mean in enumerate(dense.key_means):
         torch.testing.assert_close(cache.k_means[layer], mean, atol=1e-6, rtol=1e-6)
+    # int8 equalizes channels by default: the cache chose the reference's factors.
+    assert (dense.equalizers is not None) == (kv_dtype == torch.int8)
+    if dense.equalizers is not None:
+        assert cache.equalizers_chosen.all()
+        for layer, (k_factor, v_factor) in enumerate(dense.equalizers):
+            assert torch.equal(cache.k_equalizers[layer], k_factor)
+            assert torch.equal(cache.v_equalizers[layer], v_factor)
 
     # Against the unquantized rollout: close, but not equal (the pools really were quantized).
     diff = (paged.latents - plain.latents).abs()

@@ -66,6 +66,7 @@ def test_a_window_past_int32_keys_is_refused() -> None:
         ("compaction", 0, "compaction must be a bool, got int"),
         ("smooth_keys", 1, "smooth_keys must be a bool, got int"),
         ("fp8_mma", "yes", "fp8_mma must be a bool, got str"),
+        ("int8_mma", 1, "int8_mma must be a bool, got int"),
         (
             "kv_dtype",
             torch.float16,
@@ -91,6 +92,47 @@ def test_fp8_mma_needs_e4m3_pools(kv_dtype) -> None:
         f"kv_dtype={kv_dtype}",
     ):
         PagingConfig(**VALID, kv_dtype=kv_dtype, fp8_mma=True)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_int8_mma_needs_int8_pools(kv_dtype) -> None:
+    with raises_exactly(
+        ValueError,
+        f"int8_mma needs kv_dtype=torch.int8 (int8 MMAs read int8 codes), got kv_dtype={kv_dtype}",
+    ):
+        PagingConfig(**VALID, kv_dtype=kv_dtype, int8_mma=True)
+    assert PagingConfig(**VALID, kv_dtype=torch.int8, int8_mma=True).int8_mma
+
+
+def test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype() -> None:
+    with raises_exactly(TypeError, "equalize_channels must be a bool or None, got int"):
+        PagingConfig(**VALID, kv_dtype=torch.int8, equalize_channels=1)
+    with raises_exactly(
+        ValueError,
+        "equalize_channels=True needs a quantized kv_dtype (torch.int8 or torch.float8_e4m3fn): "
+        "float pools store K/V as they are",
+    ):
+        PagingConfig(**VALID, equalize_channels=True)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "given", "equalized"),
+    [
+        (torch.int8, None, True),  # the default: int8 on ...
+        (torch.float8_e4m3fn, None, False),  # ... e4m3 off
+        (torch.int8, False, False),
+        (torch.float8_e4m3fn, True, True),
+        (None, None, False),
+        (None, False, False),
+    ],
+)
+def test_channel_equalization_defaults_by_format(kv_dtype, given, equalized) -> None:
+    config = PagingConfig(**VALID, kv_dtype=kv_dtype, equalize_channels=given)
+    assert config.channel_equalization() is equalized
+    # A cache may give the format instead of the config (PagedKVCache(dtype=torch.int8)).
+    plain = PagingConfig(**VALID, equalize_channels=None if given is None else False)
+    assert plain.channel_equalization(torch.int8) is (given is None)
+    assert not plain.channel_equalization(torch.bfloat16)
 
 
 def test_quantized_switches_default_and_combine() -> None:

@@ -20,7 +20,7 @@ from paged_video import reference
 from paged_video.kernels import paged_attention, write_slots
 from paged_video.paging import PagedKVCache, PagingConfig, Session
 from paged_video.paging.forward import ForwardCall
-from paged_video.reference.quantize import dequantize, nearest_code_error
+from paged_video.reference.quantize import K_SHARE, channel_factors, dequantize, nearest_code_error
 from tests.paging.rollout import geometry_of
 from tests.paging.twin import plain_torch_kernels
 
@@ -70,9 +70,13 @@ class QuantizedRollout:
         # (session, branch, layer, model position) -> codes and scales as written, K and V.
         self.stored: dict[tuple, tuple[Tensor, ...]] = {}
         self.offsets = torch.linspace(-30, 30, DIM)  # K channel outliers, what smoothing removes
+        # V channels 25x wider, token by token: what channel equalization evens out (int8).
+        self.gains = torch.ones(DIM)
+        self.gains[[2, 5]] = 25.0
 
-    def _random(self, tokens: int, heads: int, offset: bool = False) -> Tensor:
+    def _random(self, tokens: int, heads: int, offset: bool = False, gain: bool = False) -> Tensor:
         x = torch.randn(tokens, heads, DIM, generator=self.gen)
+        x = x * self.gains if gain else x
         return x + self.offsets if offset else x
 
     def _read(self, layer: int, slots: Tensor) -> tuple[Tensor, ...]:
@@ -95,18 +99,20 @@ class QuantizedRollout:
             q = self._random(n * len(rows), HEADS)
             k, v = (
                 self._random(n * len(rows), KV_HEADS, True),
-                self._random(n * len(rows), KV_HEADS),
+                self._random(n * len(rows), KV_HEADS, gain=True),
             )
             ak = self._random(actions * len(rows), KV_HEADS, True)
-            av = self._random(actions * len(rows), KV_HEADS)
+            av = self._random(actions * len(rows), KV_HEADS, gain=True)
             out = call.attend(layer, q, k, v, ak, av)
             assert not torch.isnan(out).any(), "attention read a poisoned slot"
             video = self._read(layer, inputs.video_slots)
             action = self._read(layer, inputs.action_slots)
             mean = self.cache.k_means[layer] if self.config.smooth_keys else 0.0
+            k_factor, v_factor = self.factors(layer)
             dtype = self.cache.k_pools.dtype
-            assert nearest_code_error(video[0], video[1], k - mean, dtype).max() <= 1 + 1e-3
-            assert nearest_code_error(video[2], video[3], v, dtype).max() <= 1 + 1e-3
+            stored_k, stored_v = (k - mean) / k_factor, v / v_factor
+            assert nearest_code_error(video[0], video[1], stored_k, dtype).max() <= 1 + 1e-3
+            assert nearest_code_error(video[2], video[3], stored_v, dtype).max() <= 1 + 1e-3
             for r, plan in enumerate(plans):
                 rq, ra = slice(r * n, (r + 1) * n), slice(r * actions, (r + 1) * actions)
                 own = [t[rq] for t in video]
@@ -119,6 +125,13 @@ class QuantizedRollout:
         self.check_survivors()
         return call
 
+    def factors(self, layer: int) -> tuple[Tensor | float, Tensor | float]:
+        """The layer's K and V equalization factors (1 without equalization)."""
+        cache = self.cache
+        if not cache.equalizers_chosen.numel():
+            return 1.0, 1.0
+        return cache.k_equalizers[layer], cache.v_equalizers[layer]
+
     def _check_row(self, plan, layer, q, out, own, action) -> None:
         sid, branch = plan.session.id, plan.branch
         reads = (
@@ -130,10 +143,13 @@ class QuantizedRollout:
             torch.stack([row[i] for row in rows] + list(x) + list(a))
             for i, (x, a) in enumerate(zip(own, action, strict=True))
         )
-        keys, values = dequantize(k_codes, k_scale), dequantize(v_codes, v_scale)
+        k_factor, v_factor = self.factors(layer)
+        keys = dequantize(k_codes, k_scale) * k_factor
+        values = dequantize(v_codes, v_scale) * v_factor
         want = reference.dense_attention(q, keys, values, softmax_scale=DIM**-0.5)
         error = (out.double() - want).abs().max().item()
-        assert error <= ATOL, f"layer {layer}, history {plan.history}: max error {error:.2e}"
+        limit = ATOL * max(1.0, want.abs().max().item())
+        assert error <= limit, f"layer {layer}, history {plan.history}: max error {error:.2e}"
 
     def check_survivors(self) -> None:
         """Every resident committed token still holds its codes and scales, bit for bit."""
@@ -177,12 +193,20 @@ def test_forwards_match_the_oracle_over_dequantized_pools(
         if tick % 2 == 0:
             rollout.forward(rows, commit=False, actions=tick % 3)
         kept.append(rollout.forward(rows, commit=True).stage_from > 0)
-        if tick == 0:
-            means = cache.k_means.clone()  # chosen by the first forward, a scratch one
+        if tick == 0:  # chosen by the first forward, a scratch one
+            means = cache.k_means.clone()
+            factors = (cache.k_equalizers.clone(), cache.v_equalizers.clone())
     assert any(kept) == (block_size == 3)
     # The window slid and compacted, and no survivor's codes or scales were rewritten.
     assert session.sequences["main"].compacted > 0
     assert cache.k_means_chosen.all() and torch.equal(cache.k_means, means)
+    # int8 equalizes by default: chosen by the first forward too, and frozen.
+    assert cache.equalizers_chosen.numel() == (LAYERS if dtype == torch.int8 else 0)
+    assert cache.equalizers_chosen.all()
+    if dtype == torch.int8:
+        assert bool((cache.v_equalizers[:, :, [2, 5]] >= 8).all())
+    assert torch.equal(cache.k_equalizers, factors[0])
+    assert torch.equal(cache.v_equalizers, factors[1])
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -206,7 +230,9 @@ def test_unsmoothed_cache_has_no_means() -> None:
     rollout = QuantizedRollout(config)
     assert rollout.cache.k_means.numel() == 0 and rollout.cache.k_means_chosen.numel() == 0
     assert rollout.cache.layer(0).k_mean is None
-    assert rollout.cache.layer(0).write_kwargs().keys() == {"k_scale", "v_scale"}
+    factors = {"k_equalizer", "v_equalizer"}  # int8: equalized by default
+    write = rollout.cache.layer(0).write_kwargs()
+    assert write.keys() == {"k_scale", "v_scale", "equalizers_chosen"} | factors
     session = rollout.cache.open_session()
     for _ in range(3):
         rollout.forward([(session, "main")], commit=True)
@@ -230,6 +256,7 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
         assert cache.k_pools.dtype == cache.stage_k.dtype == torch.float32
         assert all(t.numel() == 0 for t in tensors[4:])
         assert layer.k_scale is layer.v_scale is layer.k_mean is layer.k_mean_chosen is None
+        assert layer.k_equalizer is layer.v_equalizer is layer.equalizers_chosen is None
         assert layer.write_kwargs() == {} == layer.attention_kwargs()
         return
     views = ("k_scale", "k_scales"), ("v_scale", "v_scales"), ("k_mean", "k_means")
@@ -237,9 +264,16 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
         view, stacked = getattr(layer, name), getattr(cache, whole)
         assert view.data_ptr() == stacked[1].data_ptr() and view.shape == stacked.shape[1:]
     write, attend = layer.write_kwargs(), layer.attention_kwargs()
-    assert write.keys() == {"k_scale", "v_scale", "k_smooth", "k_smooth_chosen"}
+    factors = {"k_equalizer", "v_equalizer"} if dtype == torch.int8 else set()
+    flags = {"equalizers_chosen"} if factors else set()
+    assert write.keys() == {"k_scale", "v_scale", "k_smooth", "k_smooth_chosen"} | factors | flags
     assert write["k_scale"].shape == (cache.num_blocks * 4, 2) and write["k_smooth"] is not None
+    assert attend.keys() == {"k_scale", "v_scale"} | factors
     assert attend["k_scale"] is layer.k_scale and attend["v_scale"] is layer.v_scale
+    for name in factors:
+        assert write[name] is attend[name] is getattr(layer, name)
+    if flags:
+        assert write["equalizers_chosen"] is layer.equalizers_chosen
     assert cache.k_pools.dtype == cache.v_pools.dtype == cache.stage_k.dtype == dtype
     for name, shape, scale_dtype in (
         ("k_scales", pool[:-1], torch.float32),
@@ -254,12 +288,35 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
         assert tensor.shape == shape and tensor.dtype == scale_dtype, name
         assert tensor.device == cache.device
     assert not cache.k_means_chosen.any() and not cache.k_means.any()
+    # Channel equalization: int8 by default, factors of 1 until a layer's first write.
+    equalized = dtype == torch.int8
+    for name, shape, factor_dtype in (
+        ("k_equalizers", (3, 2, 8), torch.float32),
+        ("v_equalizers", (3, 2, 8), torch.float32),
+        ("equalizers_chosen", (3,), torch.bool),
+    ):
+        tensor = getattr(tensors, name)
+        assert tensor is getattr(cache, name) and tensor.dtype == factor_dtype
+        assert tensor.shape == (shape if equalized else (0,)), name
+    assert cache.equalizers_chosen.device.type == "cpu"
+    if equalized:
+        assert bool((cache.k_equalizers == 1).all() and (cache.v_equalizers == 1).all())
+        assert not cache.equalizers_chosen.any()
+        for name, whole in (
+            ("k_equalizer", "k_equalizers"),
+            ("v_equalizer", "v_equalizers"),
+            ("equalizers_chosen", "equalizers_chosen"),
+        ):
+            view, stacked = getattr(layer, name), getattr(cache, whole)
+            assert view.data_ptr() == stacked[1].data_ptr() and view.shape == stacked.shape[1:]
+    else:
+        assert layer.k_equalizer is layer.v_equalizer is layer.equalizers_chosen is None
     if staged:
         assert cache.staging.k_scales is cache.stage_k_scales
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
-def test_pool_bytes_of_quantized_pools_are_at_most_53_percent_of_bf16(dtype: torch.dtype) -> None:
+def test_pool_bytes_of_quantized_pools_are_at_most_54_percent_of_bf16(dtype: torch.dtype) -> None:
     layers, heads, head_dim = 2, 3, 128
     config = PagingConfig(block_size=16, chunk_size=24, sink_chunks=1, window_chunks=3)
     sizes = dict(num_layers=layers, num_kv_heads=heads, head_dim=head_dim)
@@ -268,15 +325,18 @@ def test_pool_bytes_of_quantized_pools_are_at_most_53_percent_of_bf16(dtype: tor
     slots = layers * bf16.num_blocks * config.block_size
     assert quantized.num_blocks == bf16.num_blocks and slots == 384
     # Per (slot, KV head): bf16 K and V are 2 x 128 x 2 = 512 bytes; codes 2 x 128 x 1 and
-    # float32 scales 2 x 4 are 264, so 264 / 512 = 51.6%. Plus the K means: 4 bytes per
-    # (layer, KV head, channel), once: (384 * 264 + 2 * 128 * 4) / (384 * 512) = 0.5208.
+    # float32 scales 2 x 4 are 264, so 264 / 512 = 51.6%. Plus the K means and (int8: channel
+    # equalization) the K and V factors: 4 bytes each per (layer, KV head, channel), once:
+    # (384 * 264 + 3 * 2 * 128 * 4) / (384 * 512) = 0.5312 for int8.
+    per_layer = 1 + 2 * (dtype == torch.int8)
     assert bf16.pool_bytes == slots * heads * 2 * head_dim * 2
     assert (
-        quantized.pool_bytes == slots * heads * 2 * (head_dim + 4) + layers * heads * head_dim * 4
+        quantized.pool_bytes
+        == slots * heads * 2 * (head_dim + 4) + per_layer * layers * heads * head_dim * 4
     )
     ratio = quantized.pool_bytes / bf16.pool_bytes
-    assert ratio == (slots * 264 + layers * 128 * 4) / (slots * 512)
-    assert ratio <= 0.53
+    assert ratio == (slots * 264 + per_layer * layers * 128 * 4) / (slots * 512)
+    assert ratio <= 0.54
 
 
 def test_cache_dtype_may_name_the_quantized_format() -> None:
@@ -296,11 +356,12 @@ def test_quantized_pools_too_large_to_allocate_name_the_scales() -> None:
 
 
 @pytest.mark.usefixtures("plain")
-def test_raw_driver_then_forward_call_on_a_smoothed_int8_cache() -> None:
+def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache() -> None:
     # The README's raw driver (plan.prepare, write_slots, paged_attention with the layer's
-    # write_kwargs and attention_kwargs) over an int8 cache with smoothing on (the default),
-    # then a ForwardCall: the raw driver's first write chooses each layer's K mean and records
-    # it, so the fused op keeps it and history and new keys are shifted alike.
+    # write_kwargs and attention_kwargs) over an int8 cache with smoothing and channel
+    # equalization on (the defaults), then a ForwardCall: the raw driver's first write chooses
+    # each layer's K mean, then its factors (from K minus that mean), and records them, so the
+    # fused op keeps them and history and new keys are shifted and divided alike.
     c, heads, dim = 8, 2, 8
     config = PagingConfig(
         block_size=4, chunk_size=c, sink_chunks=2, window_chunks=3, kv_dtype=torch.int8
@@ -309,10 +370,13 @@ def test_raw_driver_then_forward_call_on_a_smoothed_int8_cache() -> None:
     session = cache.open_session()
     gen = torch.Generator().manual_seed(3)
     offsets = torch.linspace(-30, 30, dim)  # what smoothing removes
+    # Two channels 16x and 64x wider than the rest, in K and in V: what equalization evens out.
+    widths = torch.tensor([1.0] * (dim - 2) + [16.0, 64.0])
 
     def qkv() -> list[Tensor]:
         q, k, v = (torch.randn(c, heads, dim, generator=gen) for _ in range(3))
-        return [q, k + offsets, v]
+        # q shrinks by K's RMS width: the logits keep unit spread, as a trained model's do.
+        return [q / widths.square().mean().sqrt(), k * widths + offsets, v * widths]
 
     history: list[list[Tensor]] = [[] for _ in range(LAYERS)]  # per layer: committed K, V
 
@@ -320,7 +384,7 @@ def test_raw_driver_then_forward_call_on_a_smoothed_int8_cache() -> None:
         keys = torch.cat([*history[layer][0::2], k])  # the window keeps every token here
         values = torch.cat([*history[layer][1::2], v])
         want = reference.dense_attention(q, keys, values, softmax_scale=dim**-0.5)
-        error = (out.double() - want).abs().max().item()
+        error = ((out.double() - want).abs() / widths).max().item()  # per channel's width
         assert error < 0.03, f"layer {layer}: max error {error:.3f} against exact attention"
 
     for commit in (False, True, True):  # a probe, then two committed frames
@@ -337,12 +401,19 @@ def test_raw_driver_then_forward_call_on_a_smoothed_int8_cache() -> None:
                 i, q, k, v, paged_attention(q, layer.k, layer.v, softmax_scale=dim**-0.5, **kwargs)
             )
             if i == 0 and not commit:
-                first_keys = k
+                first_keys, first_values = k, v
             if commit:
                 history[i] += [k, v]
         plan.commit()
-    assert cache.k_means_chosen.all()
-    torch.testing.assert_close(cache.k_means[0], first_keys.mean(dim=0))
+    assert cache.k_means_chosen.all() and cache.equalizers_chosen.all()
+    mean = first_keys.mean(dim=0)
+    torch.testing.assert_close(cache.k_means[0], mean)
+    # The factors of the first write (K's after the mean): the wide channels' exceed 1 (K takes
+    # half of a channel's excess width in log2, V all of it).
+    want_k = channel_factors(first_keys, smooth=mean, share=K_SHARE)
+    want_v = channel_factors(first_values)
+    assert torch.equal(cache.k_equalizers[0], want_k) and torch.equal(cache.v_equalizers[0], want_v)
+    assert want_k[:, -2:].min() > 1 and want_v[:, -2:].min() >= 8
     call = ForwardCall(cache, cache.plan(session, "main", c), softmax_scale=dim**-0.5)
     for i in range(LAYERS):
         q, k, v = qkv()

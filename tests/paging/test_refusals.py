@@ -102,9 +102,11 @@ def world(request: pytest.FixtureRequest) -> World:
         run(cache, cache.plan(session, "pos", N))  # staged: the record holds its history
     assert (cache.stage_tags >= 0).all()
     if cache.quantized:
-        # Means chosen, then unchosen again: a refused call must choose none.
-        assert cache.k_means_chosen.all()
+        # Means (and int8's equalization factors) chosen, then unchosen again: a refused call
+        # must choose none.
+        assert cache.k_means_chosen.all() and cache.equalizers_chosen.all()
         cache.k_means_chosen.fill_(False)
+        cache.equalizers_chosen.fill_(False)
     behind_pending = cache.plan(session, "neg", N)
     behind_pending.prepare()
     pending = cache.plan(session, "neg", N, commit=True)

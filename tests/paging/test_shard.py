@@ -225,6 +225,29 @@ def test_project_needs_a_prepared_plan_of_this_cache():
         cache.project(plan)
 
 
+def test_a_refused_first_call_leaves_the_mean_and_factors_unchosen():
+    # The sharded call chooses a layer's K mean and equalization factors from every video token
+    # before the op runs; when the op then refuses (a query of the wrong width), the values and
+    # their flags are as before, and the next call chooses them.
+    config = PagingConfig(block_size=4, chunk_size=4, window_chunks=2, kv_dtype=torch.int8)
+    cache = ShardedKVCache(
+        config, shard_degree=2, shard_index=0, num_layers=1, num_kv_heads=1, head_dim=8
+    )
+    state = ("k_means", "k_equalizers", "v_equalizers", "k_means_chosen", "equalizers_chosen")
+    before = [getattr(cache, name).clone() for name in state]
+    plan = cache.plan(cache.open_session(), "main", 4)
+    call = ShardedForwardCall(cache, plan, softmax_scale=1.0)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 4, 1, 8, generator=gen) * torch.exp2(torch.arange(8.0))
+    with pytest.raises(ValueError, match="head_dim"):
+        call.attend(0, torch.randn(4, 1, 7), k, v)
+    for name, then in zip(state, before, strict=True):
+        assert torch.equal(getattr(cache, name), then), name
+    call.attend(0, torch.randn(4, 1, 8), k, v)
+    assert cache.k_means_chosen.all() and cache.equalizers_chosen.all()
+    assert (cache.k_equalizers > 1).any() and cache.k_means.abs().sum() > 0
+
+
 def test_a_sharded_cache_refuses_forks_and_pool_blocks():
     config = PagingConfig(block_size=4, chunk_size=8, sink_chunks=1, window_chunks=2)
     geometry = dict(shard_degree=2, shard_index=0, num_layers=1, num_kv_heads=1, head_dim=2)

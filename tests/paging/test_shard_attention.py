@@ -7,9 +7,11 @@ pools; each rank writes the K/V of its own blocks and attends every query over i
 single process's ``ForwardCall.attend`` (float32: the merge reorders the softmax's sums, a few
 roundings, so 2e-5). Blocks of 7 tokens over frames of 5 (chunks start mid-block), GQA, head_dim
 80, action tokens, two CFG rows in one call, the window sliding; with 3 ranks some rows leave a
-rank no key (its LSE is -inf and the merge skips it). Over int8 pools every rank quantizes with
-the K mean of every key of the first forward, as one process does, so the codes are the same
-and the merged attention still equals the single process's.
+rank no key (its LSE is -inf and the merge skips it). Over int8 pools (equalized by default)
+every rank quantizes with the K mean and the channel equalization factors of every key of the
+first forward, as one process does, so the codes are the same and the merged attention still
+equals the single process's. There K and V have a few channels whose width varies from token to
+token (up to 2**6), so factors chosen from one rank's tokens would differ from one process's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ from tests.paging.twin import poison
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 80
 # (chunks, commit, action tokens, rows): two rows attend in one call with both branches.
 STEPS = [(1, True, 0, 2), (2, False, 3, 2), (2, True, 3, 1), (2, True, 2, 1)]
+
+
+def widths(tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """Per token, the first 8 channels of each KV head 2**U(0, 6) times wider."""
+    gains = torch.ones(tokens, KV_HEADS, HEAD_DIM)
+    gains[..., :8] = torch.exp2(6 * torch.rand(tokens, KV_HEADS, 8, generator=generator))
+    return gains
 
 
 @pytest.mark.parametrize(
@@ -67,6 +76,8 @@ def test_merged_partials_equal_one_process(degree, exact_window, staged, kv_dtyp
         n = chunks * config.chunk_size * rows
         q = torch.randn(n, HEADS, HEAD_DIM, generator=generator)
         k, v = torch.randn(2, n, KV_HEADS, HEAD_DIM, generator=generator)
+        if kv_dtype is not None:
+            k, v = k * widths(n, generator), v * widths(n, generator)
         ak, av = torch.randn(2, actions * rows, KV_HEADS, HEAD_DIM, generator=generator)
         calls = []
         for cache, session in zip(caches, sessions, strict=True):
@@ -90,3 +101,10 @@ def test_merged_partials_equal_one_process(degree, exact_window, staged, kv_dtyp
             call.commit()
     if degree == 3:
         assert empty_rows > 0  # the merge met ranks that saw no key
+    if kv_dtype is not None:
+        # The ranks froze the single process's mean and factors, and the factors do something.
+        for cache in shards:
+            assert cache.equalizers_chosen.all() and cache.k_means_chosen.all()
+            for name in ("k_means", "k_equalizers", "v_equalizers"):
+                assert torch.equal(getattr(cache, name), getattr(single, name)), name
+        assert (single.k_equalizers > 1).any() and (single.v_equalizers > 1).any()

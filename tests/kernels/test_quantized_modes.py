@@ -1,0 +1,302 @@
+"""paged_attention's INT8-MMA mode, channel equalization factors, and FP8-MMA over V scales of
+any range a pool can hold.
+
+The INT8-MMA mode rounds each query row to int8 codes exactly as its float64 emulation does
+(``reference.quantized_attention``, mode ``int8-mma``) and then computes ``Q K^T`` exactly
+(int32 sums), so it is held to the emulation at float32 tolerance, and to the dequantizing
+oracle within twice the emulation's own error (the FP8-MMA mode's rule). Pools are NaN-poisoned
+outside what the tables point at, outputs NaN-poisoned before the launch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import Tensor
+
+from paged_video import kernels
+from paged_video.kernels.paged_attention import choose_tiles, kv_path
+from paged_video.reference.quantize import dequantize, quantize
+from paged_video.reference.quantized_attention import paged_quantized_attention
+from tests.helpers import DEVICE, nan_like
+from tests.kernels.paged_case import assert_lse_close, make_paged_case
+from tests.kernels.test_paged_attention_quantized import (
+    FP32_ATOL,
+    LSE_RTOL,
+    emulate_fp8_mma,
+    no_interpreter,  # noqa: F401 (a fixture)
+    oracle,
+    quantized_args,
+)
+
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
+# The INT8-MMA mode against the dequantizing oracle: twice its emulation's error (the
+# emulation rounds the query rows exactly as the kernel does; the margin is the FP8-MMA rule).
+EMULATION_MARGIN = 2.0
+
+
+def emulate(args: tuple, scales: dict, mode: str, **kwargs) -> Tensor:
+    """Float64 attention over the case's codes in ``mode``, on the CPU."""
+    scales = {name: scales[name] for name in ("k_scale", "v_scale")}
+    return paged_quantized_attention(*args, **scales, mode=mode, **kwargs)
+
+
+def factors(num_kv_heads: int, head_dim: int, seed: int) -> tuple[Tensor, Tensor]:
+    """K and V equalization factors: powers of two from 1 to 2**5, as chosen ones are."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (
+        torch.exp2(torch.randint(0, 6, (num_kv_heads, head_dim), generator=gen).float())
+        for _ in range(2)
+    )
+    return k.to(DEVICE), v.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n, table_order",
+    [
+        pytest.param(1, 16, "permuted", id="rows-B1-N16"),
+        pytest.param(7, 16, "repeated", id="rows-B7-N16-repeated"),
+        pytest.param(16, 16, "permuted", id="contiguous-B16-N16"),
+        pytest.param(24, 16, "permuted", id="two_blocks-B24-N16"),
+        pytest.param(1560, 64, "permuted", id="two_blocks-B1560-N64"),
+    ],
+)
+def test_int8_mma_against_its_emulation_and_the_oracle(
+    block_size: int, block_n: int, table_order: str
+) -> None:
+    # GQA 2, head_dim 80; a chunk that starts mid-block (causal), per-row limits and a gap, so
+    # unmasked and masked tiles both run; a row with no queries.
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 4 * block_n + 9
+    case = make_paged_case(
+        q_lens=[7, 0, 3],
+        k_lens=[k_len, 5, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=80,
+        table_order=table_order,
+        device=DEVICE,
+    )
+    assert choose_tiles(
+        block_size=block_size, head_dim=80, max_seqlen_q=7, dtype=torch.float32, block_n=block_n
+    )["KV_PATH"] == kv_path(block_size, block_n)
+    key_limits = torch.arange(10, dtype=torch.int32) % 5 + k_len - 4
+    key_gap = torch.tensor([[(block_n + 3, 2 * block_n + 1)], [(0, 0)], [(1, 2)]])
+    kwargs = dict(
+        causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE, torch.int32)
+    )
+    args, scales = quantized_args(case, torch.int8, spread=0.5)
+    got, lse = kernels.paged_attention(
+        *args,
+        **scales,
+        **kwargs,
+        out=nan_like(case.q),
+        int8_mma=True,
+        block_m=16,
+        block_n=block_n,
+        return_lse=True,
+    )
+    assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
+    emulated = emulate(args, scales, "int8-mma", **kwargs)
+    scale = max(1.0, emulated.abs().max().item())
+    assert (got.double().cpu() - emulated).abs().max().item() <= FP32_ATOL * scale
+    want = oracle(args, scales, **kwargs).cpu()
+    emulation_error = (emulated - want).abs().max().item()
+    assert emulation_error > 10 * FP32_ATOL * scale  # the queries really were rounded
+    assert (got.double().cpu() - want).abs().max().item() <= EMULATION_MARGIN * emulation_error
+    # The LSE is of the scores the kernel used: those of the int8-rounded query rows.
+    q_rows = dequantize(*quantize(case.q.cpu(), torch.int8)).to(DEVICE)
+    want_lse = oracle((q_rows, *args[1:]), scales, return_lse=True, **kwargs)[1]
+    assert_lse_close(lse, want_lse, LSE_RTOL)
+
+
+def test_int8_mma_scores_are_exact_int32_sums() -> None:
+    # Query rows already on the int8 grid (amax 127: scale 1) against one key each (K scale 1):
+    # every LSE is q.k times the softmax scale, sums up to 128 * 127**2, to float32 rounding
+    # of the LSE's own log2/ln2 conversions (a 16-bit accumulation would be 2**-11 off).
+    heads, dim = 2, 128
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (6, heads, dim), generator=gen).float()
+    q[:, :, 0] = 127.0
+    q[0, 0] = 127.0  # the largest sum: 128 * 127 * 127
+    keys = torch.randint(-127, 128, (6, 1, heads, dim), generator=gen).to(torch.int8)
+    keys[0, 0, 0] = 127
+    k_scale = torch.ones(6, 1, heads)
+    v_cache = torch.zeros_like(keys)
+    table = torch.arange(6, dtype=torch.int32).view(6, 1)
+    cu = torch.arange(7, dtype=torch.int32)
+    ones = torch.ones(6, dtype=torch.int32)
+    _, lse = kernels.paged_attention(
+        *(t.to(DEVICE) for t in (q, keys, v_cache, table, cu, ones)),
+        max_seqlen_q=1,
+        k_scale=k_scale.to(DEVICE),
+        v_scale=k_scale.to(DEVICE),
+        int8_mma=True,
+        softmax_scale=2.0**-10,
+        return_lse=True,
+    )
+    exact = torch.einsum("qhd,qhd->qh", q.double(), keys[:, 0].double())
+    assert exact[0, 0] == 128 * 127 * 127
+    torch.testing.assert_close(lse.cpu().double(), exact * 2.0**-10, rtol=2.0**-21, atol=0)
+
+
+MODES = [
+    pytest.param(torch.float8_e4m3fn, "dequant", id="e4m3-dequant"),
+    pytest.param(torch.float8_e4m3fn, "fp8-mma", id="e4m3-fp8-mma"),
+    pytest.param(torch.int8, "dequant", id="int8-dequant"),
+    pytest.param(torch.int8, "int8-mma", id="int8-int8-mma"),
+]
+
+
+@pytest.mark.parametrize("dtype, mode", MODES)
+def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) -> None:
+    # The pools hold rows divided by the factors; with them, every mode computes attention over
+    # the undivided rows (its emulation with the same factors), and without them something else.
+    case = make_paged_case(q_lens=[9, 4], k_lens=[41, 17], block_size=7, head_dim=80, device=DEVICE)
+    k_factor, v_factor = factors(2, 80, seed=1)
+    case.k_cache /= k_factor  # stored divided, as write_slots divides them (NaN stays NaN)
+    case.v_cache /= v_factor
+    args, scales = quantized_args(case, dtype, spread=0.5)
+    modes = {"fp8_mma": mode == "fp8-mma", "int8_mma": mode == "int8-mma"}
+    got, lse = kernels.paged_attention(
+        *args,
+        **scales,
+        **modes,
+        k_equalizer=k_factor,
+        v_equalizer=v_factor,
+        out=nan_like(case.q),
+        block_m=16,
+        block_n=16,
+        return_lse=True,
+    )
+    # The LSE is of the scores the kernel used: q times K's factors (exact: powers of two),
+    # then, in the MMA modes, rounded per row to the format's codes.
+    group = case.q.shape[1] // k_factor.shape[0]
+    q_rows = case.q.cpu() * k_factor.cpu().repeat_interleave(group, dim=0)
+    if mode != "dequant":
+        q_rows = dequantize(*quantize(q_rows, dtype))
+    want_lse = oracle((q_rows.to(DEVICE), *args[1:]), scales, return_lse=True)[1]
+    assert_lse_close(lse, want_lse, LSE_RTOL)
+    emulated = emulate(args, scales, mode, k_factor=k_factor, v_factor=v_factor)
+    error = (got.double().cpu() - emulated).abs().max().item()
+    limit = FP32_ATOL * max(1.0, emulated.abs().max().item())
+    if mode == "fp8-mma":  # per-tile units: its own roundings differ from the emulation's
+        plain = emulate(args, scales, "dequant", k_factor=k_factor, v_factor=v_factor)
+        limit = 2 * (emulated - plain).abs().max().item()
+    assert error <= limit, f"{error:.3e} > {limit:.3e}"
+    unfolded = kernels.paged_attention(*args, **scales, **modes, block_m=16, block_n=16)
+    assert (unfolded.double().cpu() - emulated).abs().max().item() > 10 * limit
+
+
+def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
+    # V scales of whole key tiles spanning 60 decades, dropping by up to 1e60 from one tile to
+    # the next (an accumulator kept in the latest tile's unit overflows to inf): the output is
+    # finite and as close to the oracle as the FP8-MMA mode gets on tame scales (relative to
+    # the output's magnitude, which the 1e30 tiles set).
+    block_n = 16
+    case = make_paged_case(
+        q_lens=[6, 5], k_lens=[6 * block_n, 3 * block_n + 4], block_size=16, device=DEVICE
+    )
+    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
+    exponents = torch.tensor([30.0, -30.0, 20.0, -25.0, 0.0, 30.0, -30.0])
+    v_scale = scales["v_scale"].clone()
+    for row, length in enumerate(case.seq_lens_k.tolist()):
+        for key in range(length):
+            block = int(case.block_table[row, key // 16])
+            tile = exponents[(key // block_n) % len(exponents)]
+            v_scale[block, key % 16] *= 10.0**tile
+    scales = {**scales, "v_scale": v_scale}
+    got = kernels.paged_attention(
+        *args, **scales, fp8_mma=True, out=nan_like(case.q), block_m=16, block_n=block_n
+    )
+    assert torch.isfinite(got).all(), "the FP8-MMA accumulator overflowed"
+    want = oracle(args, scales).cpu()
+    magnitude = want.abs().amax(dim=(1, 2), keepdim=True)  # per query: its largest output
+    assert magnitude.min() > 1e25 and torch.isfinite(want).all()
+    emulated = emulate_fp8_mma(args, scales)
+    emulation_error = ((emulated - want).abs() / magnitude).max().item()
+    error = ((got.double().cpu() - want).abs() / magnitude).max().item()
+    assert 0 < error <= 2 * emulation_error + 1e-6, (error, emulation_error)
+
+
+def test_torch_path_int8_mma_and_equalizers(no_interpreter) -> None:  # noqa: F811
+    case = make_paged_case(q_lens=[5, 12], k_lens=[30, 12], block_size=7, head_dim=80)
+    key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
+    args, scales = quantized_args(case, torch.int8)
+    k_factor, v_factor = factors(2, 80, seed=2)
+    got, lse = kernels.paged_attention(
+        *args,
+        **scales,
+        key_gap=key_gap,
+        int8_mma=True,
+        k_equalizer=k_factor,
+        v_equalizer=v_factor,
+        return_lse=True,
+    )
+    emulated = emulate(
+        args, scales, "int8-mma", key_gap=key_gap, k_factor=k_factor, v_factor=v_factor
+    )
+    torch.testing.assert_close(got.double(), emulated, atol=FP32_ATOL * 40, rtol=1e-5)
+    # The LSE of the scores used: the int8-rounded rows of q times K's factors.
+    q_rows = dequantize(*quantize(case.q * k_factor.repeat_interleave(2, dim=0), torch.int8))
+    want_lse = oracle((q_rows, *args[1:]), scales, return_lse=True, key_gap=key_gap)[1]
+    assert_lse_close(lse, want_lse, LSE_RTOL)
+
+
+def test_int8_mma_tiles(monkeypatch) -> None:
+    # The 8-bit MMAs reduce over 32 channels at least. On a GPU the INT8-MMA mode keeps the
+    # table's stages (the dequantizing mode takes one more; with it the INT8-MMA mode spills).
+    small = dict(block_size=16, head_dim=16, max_seqlen_q=64, dtype=torch.bfloat16)
+    assert choose_tiles(**small, int8_mma=True)["BLOCK_D"] == 32
+    assert choose_tiles(**small, fp8_mma=True)["BLOCK_D"] == 32
+    assert choose_tiles(**small)["BLOCK_D"] == 16
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    shipped = dict(block_size=16, head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
+    plain = choose_tiles(**shipped)["num_stages"]
+    assert choose_tiles(**shipped, int8_mma=True)["num_stages"] == plain
+    assert choose_tiles(**shipped, dequantize=True)["num_stages"] == plain + 1
+
+
+def _bad_calls():
+    e4m3 = torch.float8_e4m3fn
+    return [
+        pytest.param(e4m3, {"int8_mma": True}, ValueError, "int8_mma needs int8", id="e4m3"),
+        pytest.param(torch.int8, {"int8_mma": 1}, TypeError, "int8_mma must be a bool", id="int"),
+        pytest.param(
+            torch.int8,
+            {"k_equalizer": torch.ones(2, 8)},
+            ValueError,
+            "k_equalizer must have shape",
+            id="k-equalizer-shape",
+        ),
+        pytest.param(
+            torch.int8,
+            {"v_equalizer": torch.ones(2, 16, dtype=torch.float64)},
+            TypeError,
+            "v_equalizer",
+            id="v-equalizer-dtype",
+        ),
+        pytest.param(
+            None,
+            {"k_equalizer": torch.ones(2, 16)},
+            ValueError,
+            "k_equalizer is only for quantized caches",
+            id="float-caches",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("dtype, extra, error, words", _bad_calls())
+def test_rejects_and_writes_nothing(dtype, extra, error, words) -> None:
+    case = make_paged_case(q_lens=[4], k_lens=[9], block_size=8, head_dim=16)
+    if dtype is None:
+        args, scales = case.args(), {"max_seqlen_q": 4}
+    else:
+        args, scales = quantized_args(case, dtype)
+    sentinel = torch.full_like(case.q, 7.0)
+    extra = {k: v.to(DEVICE) if isinstance(v, Tensor) else v for k, v in extra.items()}
+    with pytest.raises(error, match=words):
+        kernels.paged_attention(*args, **scales, **extra, out=sentinel)
+    assert torch.equal(sentinel, torch.full_like(sentinel, 7.0)), "a rejected call wrote out"
