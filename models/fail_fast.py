@@ -33,6 +33,7 @@ the same code, not measured here.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
@@ -135,9 +136,21 @@ class FailFast:
         cls._current = guard
         return guard
 
+    @classmethod
+    def _close_current(cls) -> None:
+        if cls._current is not None:
+            cls._current.close()
+
     def close(self) -> None:
-        """Stop the heartbeats (the others will take this rank for dead if they still wait)."""
+        """Stop the heartbeats (the others will take this rank for dead if they still wait).
+
+        Waits for the heartbeat thread to leave the store: a daemon thread still inside a store
+        call while the interpreter exits and destroys that store aborts the process
+        (``terminate called without an active exception``).
+        """
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10 * self.heartbeat_s)
 
     def _beat(self) -> None:
         self.store.add(f"{HEARTBEAT_KEY}{self.rank}", 1)
@@ -248,3 +261,8 @@ class FailFast:
             time.sleep(pause)
             pause = min(2 * pause, self.check_s / 4)
         work.wait()
+
+
+# A rank that returns without closing its guard (or destroys its world first) must not exit with
+# the heartbeat thread inside a store call; see ``FailFast.close``.
+atexit.register(FailFast._close_current)

@@ -8,6 +8,8 @@ the others wait for it. Hard deadline: ``DEADLINE_S``.
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -71,3 +73,21 @@ def test_one_guard_per_world_and_a_poisoned_world_raises(world_of_one):
 def test_guard_rejects_bad_settings(settings, message):
     with pytest.raises(ValueError, match=message):
         FailFast(dist.HashStore(), 0, 1, **settings)
+
+
+class _SlowStore(dist.HashStore):
+    """A store whose heartbeats take a while, as a remote TCPStore's can."""
+
+    def add(self, key: str, value: int) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        return super().add(key, value)
+
+
+def test_close_returns_only_when_the_heartbeat_thread_left_the_store():
+    # A daemon thread still inside a store call when the interpreter exits and destroys the
+    # store aborts the process ("terminate called without an active exception").
+    guard = FailFast(_SlowStore(), 0, 1, heartbeat_s=0.05, dead_after_s=1.0)
+    time.sleep(0.1)  # the thread is inside its first slow heartbeat now
+    guard.close()
+    assert not guard._thread.is_alive()
