@@ -68,11 +68,12 @@ def choose_tiles(
     stage keeps as many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
     ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
     the table's stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
-    Every quantized mode takes the table's 64-key tiles: at hd 128, bf16, blocks 16/24/64/1560,
-    they compile without spills on Triton 3.9 and 3.6 (but FP8-MMA at block 1560 on 3.9, 16-20
-    bytes outside the hot loop), at 8.5-10.4 SASS instructions per key against 12-16 with
-    32-key tiles. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at
-    least 32.
+    Every quantized mode takes the table's 64-key tiles, on Triton 3.9 as on 3.6: at hd 128,
+    bf16, blocks 16/24/64/1560 they compile without spills (but FP8-MMA at block 1560 on 3.9,
+    16/20 bytes outside the key loops) at 8.5-10.2 SASS instructions per key; 3.6 once took
+    32-key tiles (13.4-20.3 per key), when its 64-key ones spilled 250-480 bytes; 128-key
+    tiles spill on 3.6. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D``
+    is at least 32.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
