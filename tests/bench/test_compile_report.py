@@ -4,11 +4,10 @@ tutorial's warp-specialized TMA loop), on a CPU (skipped where Triton's wheel ha
 cuobjdump).
 
 One session compiles everything once: bf16 at head_dim 64/128 and block sizes 16..1560, the
-masked features at block 1560, the quantized modes at blocks 16/24/64/1560, launch options
-(``block_n=32``, and FP8-MMA at ``block_n=128``: a launch that spills), with Triton 3.9 (this
-interpreter) and, where a Triton 3.6 virtual environment exists (``TRITON36_VENV``, default
-``/work/venvs/triton36``; CI has none), the shipped bf16 launches and the quantized modes with
-Triton 3.6 as well.
+masked features at block 1560, the quantized modes at blocks 16/24/64/1560 and one launch
+option (``block_n=32``), with Triton 3.9 (this interpreter) and, where a Triton 3.6 virtual
+environment exists (``TRITON36_VENV``, default ``/work/venvs/triton36``; CI has none), the
+shipped bf16 launches and the quantized modes with Triton 3.6 as well.
 
 The parsers are tested on planted SASS and TTGIR: a masked key loop shorter than the unmasked
 one, an mbarrier retry placed after the kernel's exit, 64-bit integer arithmetic, spills, and
@@ -56,10 +55,6 @@ def _configs_39() -> list[compile_report.Config]:
     configs += compile_report.configs_for(**one, launches=({"block_n": 32}, {"block_n": 48}))
     configs += compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=QUANTIZED_BLOCKS, kv_modes=QUANTIZED_MODES
-    )
-    # 128-key FP8-MMA tiles: a launch that spills (with Triton's own ptxas flags).
-    configs += compile_report.configs_for(
-        **one, kv_modes=("fp8_mma",), launches=({"block_n": 128},)
     )
     return configs
 
@@ -162,11 +157,12 @@ def test_every_launch_compiled_and_checked_against_tritons_ptxas_log(report: Rep
 
 
 def test_spills_are_read_from_tritons_build(report: Report) -> None:
-    # FP8-MMA with 128-key tiles spills 60/64 bytes on Triton 3.9 (2026-12-03): the figures come
-    # from the SASS and agree with the ptxas -v log of Triton's own build (--regAllocOptLevel=2;
-    # a mismatch would be the row's error). If a kernel change removes these spills, this test
-    # needs another launch that spills.
-    row = report.paged(report.version("3.9"), 1560, kv="fp8_mma", variant="block_n=128")
+    # FP8-MMA at block 1560 spills 16/20 bytes on Triton 3.9 (2026-12-03): the figures come from
+    # the SASS and agree with the ptxas -v log of Triton's own build (--regAllocOptLevel=2; a
+    # mismatch would be the row's error). When a kernel change removes these spills (the
+    # xfail of test_quantized_no_spills), this test needs another launch that spills, e.g.
+    # FP8-MMA with 128-key tiles (60/64 bytes).
+    row = report.paged(report.version("3.9"), 1560, kv="fp8_mma")
     assert row["spill_stores"] > 0 and row["spill_loads"] > 0, row
     assert row["registers"] == 255 and row["stack_bytes"] > 0, row
 
