@@ -122,6 +122,24 @@ def _tile_rows(
 
 
 @triton.jit
+def _load_scales(scales, rows, n_mask, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tile's scales (float32, one per row): ``scales + rows``, hidden rows 0.
+
+    They are read as ``BLOCK_N x SPREAD`` equal values (at least 256, a thread each at 8 warps)
+    and reduced. Triton recomputes a load of fewer elements than threads in the layout its
+    consumer wants, here the score MMA's, where each thread holds a quarter of the tile's
+    columns: the address arithmetic, and on the ``rows`` path every block id read, division
+    and modulo, then ran once per column per thread (block 24: 1157 SASS instructions per
+    iteration and spills, where this wide load takes 652 and none). A load this wide keeps its
+    own layout; the scales then move to the MMA's through shared memory once.
+    """
+    SPREAD: tl.constexpr = 256 // BLOCK_N if BLOCK_N < 256 else 1
+    wide = scales + rows[:, None] + tl.zeros([1, SPREAD], dtype=rows.dtype)
+    wide = tl.load(wide, mask=n_mask[:, None], other=0.0) if MASKED else tl.load(wide)
+    return tl.max(wide, axis=1)
+
+
+@triton.jit
 def _to_e4m3(x, EXPLICIT_ROUNDING: tl.constexpr):
     """Float32 ``x`` as the nearest e4m3 code (ties to even), saturating at +-448.
 
@@ -197,7 +215,14 @@ def _attend_tiles(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
-    v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
+    if FP8_MMA:
+        # V's e4m3 codes as bytes, reinterpreted before the MMA: the 8-bit MMA takes V only
+        # transposed (its rows are the reduction axis), and Triton does not prefetch a load
+        # feeding it directly (it read V synchronously in the loop); as bytes V is prefetched
+        # into shared memory like K.
+        v_dims = v_cache[0].to(tl.pointer_type(tl.uint8)) + offs_d[None, :] * v_cache[3]
+    else:
+        v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
     d_mask = offs_d[None, :] < HEAD_DIM
     row_scale = scale_log2[:, None] if FP8_MMA or INT8_MMA else scale_log2
     # With equal K/V strides the V (scale) rows are the K (scale) rows (the contiguous path
@@ -239,8 +264,8 @@ def _attend_tiles(
             k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             if QUANTIZED:
-                k_col = tl.load(k_scales[0] + ks_rows, mask=n_mask, other=0.0)
-                v_col = tl.load(v_scales[0] + vs_rows, mask=n_mask, other=0.0)
+                k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, BLOCK_N)
+                v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, BLOCK_N)
         else:
             if HEAD_DIM == BLOCK_D:
                 k = tl.load(k_dims + k_rows[:, None])
@@ -249,8 +274,8 @@ def _attend_tiles(
                 k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
                 v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
             if QUANTIZED:
-                k_col = tl.load(k_scales[0] + ks_rows)
-                v_col = tl.load(v_scales[0] + vs_rows)
+                k_col = _load_scales(k_scales[0], ks_rows, 0, False, BLOCK_N)
+                v_col = _load_scales(v_scales[0], vs_rows, 0, False, BLOCK_N)
         if FP8_MMA:
             qk = tl.dot(q, tl.trans(k))
         elif INT8_MMA:
@@ -291,6 +316,7 @@ def _attend_tiles(
             # ratio <= 1 (at worst a far smaller tile's contributions underflow, not acc).
             unit = tl.maximum(acc_scale, tl.max(v_col, axis=0) / 448.0)
             p_codes = _to_e4m3(probs * (v_col * (1.0 / unit))[None, :], EXPLICIT_ROUNDING)
+            v = v.to(tl.float8e4nv, bitcast=True)
             acc = acc * (rescale * (acc_scale / unit))[:, None] + tl.dot(p_codes, v)
             acc_scale = unit
         else:

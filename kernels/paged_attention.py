@@ -38,14 +38,6 @@ _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
 }
 
 
-# Quantized caches at the 128 x 64 tile, hd 128, bf16
-# (`python -m paged_video.bench compile --kv-modes fp8,int8,fp8_mma`): Triton 3.9 fits them in
-# 255 registers (spills of 8-28 bytes at some block sizes), Triton 3.6 spills 250-480 bytes; with
-# 32-key tiles 3.6 does not spill (dequantizing) or spills 8-12 bytes (FP8 MMA).
-_QUANTIZED_BLOCK_N_OLD_TRITON = 32
-_OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
-
-
 def kv_path(block_size: int, block_n: int) -> str:
     """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``."""
     if block_size % block_n == 0:
@@ -75,10 +67,13 @@ def choose_tiles(
     keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
     stage keeps as many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
     ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
-    the table's stages (K feeds its MMA unconverted; one stage more spills 20-64 bytes at blocks
-    16 and 1560, Triton 3.9's cubin, while 3 stages keep 3 K/V buffers in flight and spill
-    none). Before Triton 3.9 every quantized mode takes 32-key tiles (register pressure). The
-    8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least 32.
+    the table's stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
+    Every quantized mode takes the table's 64-key tiles, on Triton 3.9 as on 3.6: at hd 128,
+    bf16, blocks 16/24/64/1560 they compile without spills (but FP8-MMA at block 1560 on 3.9,
+    16/20 bytes outside the key loops) at 8.5-10.2 SASS instructions per key; 3.6 once took
+    32-key tiles (13.4-20.3 per key), when its 64-key ones spilled 250-480 bytes; 128-key
+    tiles spill on 3.6. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D``
+    is at least 32.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -94,8 +89,6 @@ def choose_tiles(
         if short_q < default_m:
             default_m, warps = short_q, 4
         stages += dequantize
-        if (dequantize or fp8_mma or int8_mma) and _OLD_TRITON:
-            default_n = min(default_n, _QUANTIZED_BLOCK_N_OLD_TRITON)
     tile_m = block_m or default_m
     tile_n = block_n or default_n
     return {
