@@ -141,6 +141,7 @@ def _attend_tiles(
     state,
     q,
     caches,
+    descs,
     table,
     first_tile,
     tiles_start,
@@ -163,6 +164,7 @@ def _attend_tiles(
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
     at ``tiles_start + (j - 1) * BLOCK_N``. The one tile body of both loops: ``MASKED`` adds the
@@ -206,6 +208,9 @@ def _attend_tiles(
     id0, id1, ids = _tile_block_ids(
         table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
     )
+    # TMA: whole tiles of the contiguous path are descriptor loads (masked tiles load only the
+    # keys they show, so they stay pointer loads).
+    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and KV_PATH == "contiguous"
     for j in range(0, num_tiles):
         if MASKED:
             n_start = tl.where(j == 0, first_tile, tiles_start + (j - 1) * BLOCK_N)
@@ -241,6 +246,10 @@ def _attend_tiles(
             if QUANTIZED:
                 k_col = tl.load(k_scales[0] + ks_rows, mask=n_mask, other=0.0)
                 v_col = tl.load(v_scales[0] + vs_rows, mask=n_mask, other=0.0)
+        elif DESCRIPTOR_LOADS:
+            tile_row = id0 * BLOCK_SIZE + n_start % BLOCK_SIZE
+            k = descs[0].load([tile_row, descs[2]])
+            v = descs[1].load([tile_row, descs[2]])
         else:
             if HEAD_DIM == BLOCK_D:
                 k = tl.load(k_dims + k_rows[:, None])
@@ -308,6 +317,7 @@ def _attend_run(
     state,
     q,
     caches,
+    descs,
     table,
     run_lo,
     run_hi,
@@ -327,6 +337,7 @@ def _attend_run(
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
@@ -359,6 +370,7 @@ def _attend_run(
             state,
             q,
             caches,
+            descs,
             table,
             first_tile,
             tiles_start,
@@ -381,6 +393,7 @@ def _attend_run(
             INT8_MMA,
             PV_DTYPE,
             EXPLICIT_ROUNDING,
+            TMA,
         )
     return state
 
@@ -413,6 +426,7 @@ def _paged_attention_kernel(
     v_equalizer_ptr,
     scale_log2,
     gaps_per_row,
+    pool_rows,
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
@@ -463,6 +477,7 @@ def _paged_attention_kernel(
     HAS_LSE: tl.constexpr,
     HAS_K_EQUALIZER: tl.constexpr,
     HAS_V_EQUALIZER: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -549,6 +564,22 @@ def _paged_attention_kernel(
             (v_scale_ptr + kv_head_i64 * stride_vs_head, stride_vs_block, stride_vs_slot),
         )
 
+    if TMA:
+        # Each pool as a 2-D tensor of (block, slot) rows and (KV head, channel) columns: a key
+        # tile inside one block is one descriptor load (the launcher checked the layout).
+        row = tl.num_programs(2) * HEAD_DIM
+        descs = (
+            tl.make_tensor_descriptor(
+                k_ptr, [pool_rows, row], [stride_k_slot, 1], [BLOCK_N, BLOCK_D]
+            ),
+            tl.make_tensor_descriptor(
+                v_ptr, [pool_rows, row], [stride_v_slot, 1], [BLOCK_N, BLOCK_D]
+            ),
+            kv_head * HEAD_DIM,
+        )
+    else:
+        descs = (0, 0, 0)
+
     if HAS_KEY_GAP:
         # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing
         # ones load as the empty [0, 0). Visible runs between gaps are attended one by one.
@@ -568,6 +599,7 @@ def _paged_attention_kernel(
                 (acc, row_max, row_sum, acc_scale),
                 q,
                 caches,
+                descs,
                 table,
                 run_lo,
                 run_hi,
@@ -587,6 +619,7 @@ def _paged_attention_kernel(
                 INT8_MMA,
                 PV_DTYPE,
                 EXPLICIT_ROUNDING,
+                TMA,
             )
             # Skip the union of the gaps that cover run_hi.
             for _ in tl.static_range(GAPS):
@@ -598,6 +631,7 @@ def _paged_attention_kernel(
             (acc, row_max, row_sum, acc_scale),
             q,
             caches,
+            descs,
             table,
             k_len * 0,
             keys_end,
@@ -617,6 +651,7 @@ def _paged_attention_kernel(
             INT8_MMA,
             PV_DTYPE,
             EXPLICIT_ROUNDING,
+            TMA,
         )
 
     # A query with no visible key outputs zeros, as FlashAttention does.

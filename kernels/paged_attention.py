@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import _checks, torch_path
+from paged_video.kernels import _checks, launch_table, torch_path
 from paged_video.kernels._attention_checks import check_arguments
 from paged_video.kernels._attention_jit import _paged_attention_kernel
 from paged_video.kernels._runtime import interpreter_active, use_torch_path
@@ -46,6 +46,34 @@ _QUANTIZED_BLOCK_N_OLD_TRITON = 32
 _OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
 
 
+def _descriptor_layout(k_cache: Tensor, v_cache: Tensor, block_d: int, head_dim: int) -> bool:
+    """True when each pool reads as the 2-D tensor of (block, slot) rows and (KV head, channel)
+    columns that the TMA loop's descriptors describe, within TMA's limits."""
+    if block_d != head_dim:
+        return False  # a tile's columns would run into the next head's
+    for pool in (k_cache, v_cache):
+        blocks, block_size, heads, _ = pool.shape
+        stride_block, stride_slot, stride_head, stride_dim = pool.stride()
+        size = pool.element_size()
+        if stride_dim != 1 or stride_head != head_dim or stride_slot != heads * head_dim:
+            return False
+        if stride_block != block_size * stride_slot or blocks * block_size >= 2**31:
+            return False
+        if pool.data_ptr() % 16 or stride_slot * size % 16:
+            return False
+    return True
+
+
+def _ensure_allocator() -> None:
+    """Give Triton a scratch allocator for device-made descriptors, unless one is set."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(
+            lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda")
+        )
+
+
 def kv_path(block_size: int, block_n: int) -> str:
     """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``."""
     if block_size % block_n == 0:
@@ -65,7 +93,8 @@ def choose_tiles(
     dequantize: bool = False,
     fp8_mma: bool = False,
     int8_mma: bool = False,
-) -> dict[str, int | str]:
+    variant: str | None = None,
+) -> dict[str, int | str | bool]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
     A tile's M rows are (query, head) pairs of one KV head, so ``heads_per_kv_head`` times the
@@ -83,6 +112,14 @@ def choose_tiles(
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+    quantized = dequantize or fp8_mma or int8_mma
+    if variant is not None and variant not in launch_table.VARIANTS:
+        raise ValueError(
+            f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
+        )
+    if variant == "tma" and quantized:
+        raise ValueError(f"variant {variant!r} loads unquantized caches only; use 'cp_async'")
+    chosen = "cp_async"
     rows = max(1, max_seqlen_q) * max(1, heads_per_kv_head)
     short_q = max(16, triton.next_power_of_2(rows))
     if interpreter_active():
@@ -91,6 +128,13 @@ def choose_tiles(
     else:
         dim_class = next(d for d in (64, 128, 256) if head_dim <= d)
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
+        row = None
+        if not quantized and dtype != torch.float32:
+            row = launch_table.lookup(head_dim, kv_path(block_size, default_n), "same")
+        # The table's settings belong to its tile: a caller's other tile keeps the defaults.
+        if row is not None and block_n in (None, row["block_n"]):
+            default_n, warps, stages = row["block_n"], row["num_warps"], row["num_stages"]
+            chosen = row["variant"]
         if short_q < default_m:
             default_m, warps = short_q, 4
         stages += dequantize
@@ -98,11 +142,16 @@ def choose_tiles(
             default_n = min(default_n, _QUANTIZED_BLOCK_N_OLD_TRITON)
     tile_m = block_m or default_m
     tile_n = block_n or default_n
+    path = kv_path(block_size, tile_n)
+    variant = variant or chosen
+    # Descriptor loads are for tiles inside one block; other paths keep the pointer loop.
+    tma = variant == "tma" and path == "contiguous"
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
         "BLOCK_D": max(32 if fp8_mma or int8_mma else 16, triton.next_power_of_2(head_dim)),
-        "KV_PATH": kv_path(block_size, tile_n),
+        "KV_PATH": path,
+        "TMA": tma,
         "num_warps": warps,
         "num_stages": stages,
     }
@@ -124,6 +173,7 @@ def paged_attention(
     key_gap: Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    variant: str | None = None,
     check_values: bool = True,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
@@ -139,8 +189,9 @@ def paged_attention(
     mixed causal/full masks; ``key_gap`` (int32 ``(batch, 2)`` or ``(batch, gaps, 2)``) hides
     keys ``lo <= j < hi`` of each row, e.g. the boundary tokens of an exact window, or the
     unwritten slots between a video run that ends mid-block and the action blocks.
-    ``block_m``/``block_n`` override the tile. ``check_values=False`` skips the checks that
-    read tensor values (no device sync).
+    ``block_m``/``block_n`` override the tile; ``variant`` the key loop (``"cp_async"`` or
+    ``"tma"``; default: the launch table's choice, docs/kernels.md).
+    ``check_values=False`` skips the checks that read tensor values (no device sync).
 
     Quantized caches (``float8_e4m3fn`` or ``int8`` codes, docs/quantization.md) need ``k_scale``
     and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
@@ -211,7 +262,16 @@ def paged_attention(
         dequantize=k_scale is not None and not fp8_mma and not int8_mma,
         fp8_mma=fp8_mma,
         int8_mma=int8_mma,
+        variant=variant,
     )
+    if tiles["TMA"] and not _descriptor_layout(k_cache, v_cache, tiles["BLOCK_D"], head_dim):
+        if variant is not None:
+            raise ValueError(
+                f"variant {variant!r} needs caches a tensor descriptor can read (16-byte aligned "
+                "pointer and strides, unit channel stride, blocks of contiguous slots, "
+                "head_dim a power of two, fewer than 2**31 slots); use 'cp_async'"
+            )
+        tiles["TMA"] = False
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -255,6 +315,8 @@ def paged_attention(
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
     ]
+    if tiles["TMA"] and not interpreter_active():
+        _ensure_allocator()  # the kernel makes its descriptors in global scratch memory
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -272,6 +334,7 @@ def paged_attention(
         v_equalizer,
         scale * LOG2E,
         gaps_per_row,
+        k_cache.shape[0] * block_size,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
