@@ -1,10 +1,10 @@
 """The launch table: which kernel variant and launch settings ``paged_attention`` takes on a GPU.
 
 ``kernels/launch_choices.json`` holds one row per (head_dim class, key path, K/V mode): the
-variant (``cp_async`` or ``tma``), the key tile, warps and stages, and one provenance
-record for the whole table (date, device, commit, and whether a GPU run or the compile report
-chose it). ``python -m paged_video.bench choose SWEEP.csv --write kernels/launch_choices.json``
-rewrites it from a GPU sweep (docs/benchmarks.md, "The launch table").
+variant (``cp_async`` or ``tma``), the key tile, warps and stages, and where the choice comes
+from (``source``: a GPU run or the compile report; date, device, commit, evidence).
+``python -m paged_video.bench choose SWEEP.csv --write kernels/launch_choices.json`` rewrites
+it from a GPU sweep (docs/benchmarks.md, "The launch table").
 """
 
 from __future__ import annotations
@@ -21,8 +21,20 @@ MODES = ("same", "fp8", "int8", "fp8_mma", "int8_mma")
 HEAD_DIM_CLASSES = (64, 128, 256)
 SOURCES = ("compile evidence", "gpu run")
 TABLE_PATH = Path(__file__).with_name("launch_choices.json")
-_ROW_KEYS = ("head_dim", "kv_path", "mode", "variant", "block_n", "num_warps", "num_stages")
-_PROVENANCE_KEYS = ("date", "device", "commit", "source", "evidence")
+_CHOICE_KEYS = ("head_dim", "kv_path", "mode", "variant", "block_n", "num_warps", "num_stages")
+# Each row says where it comes from: a GPU run (its device) or the compile report.
+_PROVENANCE_KEYS = ("source", "date", "device", "commit", "evidence")
+ROW_KEYS = (*_CHOICE_KEYS, *_PROVENANCE_KEYS)
+_ALLOWED = {
+    "head_dim": HEAD_DIM_CLASSES,
+    "kv_path": KV_PATHS,
+    "mode": MODES,
+    "variant": VARIANTS,
+    "block_n": (16, 32, 64, 128),
+    "num_warps": (4, 8),
+    "num_stages": (1, 2, 3, 4, 5),
+    "source": SOURCES,
+}
 
 
 def head_dim_class(head_dim: int) -> int:
@@ -32,29 +44,18 @@ def head_dim_class(head_dim: int) -> int:
 
 def check_table(table: object) -> dict:
     """A launch table's structure and values, or a one-line ``ValueError`` naming the field."""
-    if not isinstance(table, dict) or set(table) != {"provenance", "choices"}:
-        raise ValueError("launch table: expected an object with 'provenance' and 'choices'")
-    provenance = table["provenance"]
-    if not isinstance(provenance, dict) or set(provenance) != set(_PROVENANCE_KEYS):
-        raise ValueError(f"launch table: provenance needs exactly {', '.join(_PROVENANCE_KEYS)}")
-    if provenance["source"] not in SOURCES:
-        raise ValueError(f"launch table: source must be one of {SOURCES}")
+    if not isinstance(table, dict) or set(table) != {"about", "choices"}:
+        raise ValueError("launch table: expected an object with 'about' and 'choices'")
     seen = set()
     for n, row in enumerate(table["choices"]):
-        if not isinstance(row, dict) or set(row) != set(_ROW_KEYS):
-            raise ValueError(f"launch table: choice {n} needs exactly {', '.join(_ROW_KEYS)}")
-        allowed = {
-            "head_dim": HEAD_DIM_CLASSES,
-            "kv_path": KV_PATHS,
-            "mode": MODES,
-            "variant": VARIANTS,
-            "num_stages": (1, 2, 3, 4, 5),
-            "num_warps": (4, 8),
-            "block_n": (16, 32, 64, 128),
-        }
-        for name, values in allowed.items():
+        if not isinstance(row, dict) or set(row) != set(ROW_KEYS):
+            raise ValueError(f"launch table: choice {n} needs exactly {', '.join(ROW_KEYS)}")
+        for name, values in _ALLOWED.items():
             if row[name] not in values:
                 raise ValueError(f"launch table: choice {n} {name}={row[name]!r} not in {values}")
+        for name in ("date", "device", "commit", "evidence"):
+            if not isinstance(row[name], str) or not row[name]:
+                raise ValueError(f"launch table: choice {n} {name} must be a non-empty string")
         key = (row["head_dim"], row["kv_path"], row["mode"])
         if key in seen:
             raise ValueError(f"launch table: choice {n} repeats {key}")
