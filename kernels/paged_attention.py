@@ -74,6 +74,13 @@ def _ensure_allocator() -> None:
         )
 
 
+def table_key(block_size: int, head_dim: int) -> tuple[int, str]:
+    """A 16-bit call's row of the launch table: its head_dim class and its key path at the
+    built-in key tile of that class."""
+    dim_class = launch_table.head_dim_class(head_dim)
+    return dim_class, kv_path(block_size, _GPU_TILES[(dim_class, True)][1])
+
+
 def kv_path(block_size: int, block_n: int) -> str:
     """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``."""
     if block_size % block_n == 0:
@@ -130,7 +137,7 @@ def choose_tiles(
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
         row = None
         if not quantized and dtype != torch.float32:
-            row = launch_table.lookup(head_dim, kv_path(block_size, default_n), "same")
+            row = launch_table.lookup(*table_key(block_size, head_dim), "same")
         # The table's settings belong to its tile: a caller's other tile keeps the defaults.
         if row is not None and block_n in (None, row["block_n"]):
             default_n, warps, stages = row["block_n"], row["num_warps"], row["num_stages"]
