@@ -1,7 +1,7 @@
 """The launch table: which kernel variant and launch settings ``paged_attention`` takes on a GPU.
 
 ``kernels/launch_choices.json`` holds one row per (head_dim class, key path, K/V mode): the
-variant (``cp_async`` or ``tma``), the key tile, warps and stages, and where the choice comes
+variant (``cp_async``, ``tma``, ``ws``), the key tile, warps and stages, and where the choice comes
 from (``source``: a GPU run or the compile report; date, device, commit, evidence).
 ``python -m paged_video.bench choose SWEEP.csv --write kernels/launch_choices.json`` rewrites
 it from a GPU sweep (docs/benchmarks.md, "The launch table").
@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 
 # The loop that loads K/V tiles: ``cp_async`` pointer loads pipelined by Triton (every path),
-# ``tma`` tensor-descriptor loads of the whole tiles of the contiguous path (docs/kernels.md).
-VARIANTS = ("cp_async", "tma")
+# ``tma`` tensor-descriptor loads of the whole tiles of the contiguous path, ``ws`` those tiles
+# in a warp-specialized kernel (a producer warp, 4-warp consumers) merged with the masked
+# kernel's partial tiles (docs/kernels.md).
+VARIANTS = ("cp_async", "tma", "ws")
 KV_PATHS = ("contiguous", "two_blocks", "rows")
 MODES = ("same", "fp8", "int8", "fp8_mma", "int8_mma")
 HEAD_DIM_CLASSES = (64, 128, 256)

@@ -15,7 +15,9 @@ from torch import Tensor
 from paged_video.kernels import _checks, launch_table, torch_path
 from paged_video.kernels._attention_checks import check_arguments
 from paged_video.kernels._attention_jit import _paged_attention_kernel
+from paged_video.kernels._attention_ws_jit import _paged_attention_ws_kernel
 from paged_video.kernels._runtime import interpreter_active, use_torch_path
+from paged_video.kernels.merge_states import merge_attention_states
 
 LOG2E = 1.4426950408889634
 # The 16-bit compute dtypes, as Triton names them (the INT8-MMA mode's P V).
@@ -62,6 +64,84 @@ def _descriptor_layout(k_cache: Tensor, v_cache: Tensor, block_d: int, head_dim:
         if pool.data_ptr() % 16 or stride_slot * size % 16:
             return False
     return True
+
+
+def _warp_specialized_refusal(
+    q: Tensor, group: int, causal: bool, key_limits: Tensor | None, key_gap: Tensor | None
+) -> str | None:
+    """Why the warp-specialized kernel cannot take a call (None: it can)."""
+    if causal or key_limits is not None or key_gap is not None:
+        return "attends whole tiles unmasked: no causal, key_limits or key_gap"
+    if group != 1:
+        return "takes one query head per KV head"
+    size = q.element_size()
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) * size % 16:
+        return "needs q's heads and channels packed, rows 16-byte aligned"
+    if q.data_ptr() % 16 or q.shape[0] >= 2**31:
+        return "needs q 16-byte aligned, fewer than 2**31 tokens"
+    return None
+
+
+def _warp_specialized(
+    args: tuple[Tensor, ...],
+    *,
+    max_seqlen_q: int,
+    scale: float,
+    tiles: dict,
+    out: Tensor,
+    lse: Tensor | None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ``ws`` variant: the whole key tiles in the warp-specialized kernel, the partial last
+    tile of each sequence in the masked kernel (a key gap hides the whole tiles from it), merged
+    by their log-sum-exps. ``scale`` >= 0."""
+    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k = args
+    block_n, block_size = tiles["BLOCK_N"], k_cache.shape[1]
+    whole_out = torch.empty_like(q)
+    whole_lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if not interpreter_active():
+        _ensure_allocator()
+    grid = (triton.cdiv(max_seqlen_q, tiles["BLOCK_M"]), block_table.shape[0], k_cache.shape[2])
+    _paged_attention_ws_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        whole_out,
+        whole_lse,
+        block_table,
+        cu_seqlens_q,
+        seq_lens_k,
+        scale * LOG2E,
+        k_cache.shape[0] * block_size,
+        q.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(1),
+        *whole_out.stride()[:2],
+        *block_table.stride(),
+        *whole_lse.stride(),
+        BLOCK_M=tiles["BLOCK_M"],
+        BLOCK_N=block_n,
+        HEAD_DIM=q.shape[2],
+        BLOCK_SIZE=block_size,
+        num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
+    )
+    whole = (seq_lens_k // block_n * block_n).to(torch.int32)
+    key_gap = torch.stack([torch.zeros_like(whole), whole], dim=-1)
+    tail_out, tail_lse = paged_attention(
+        *args,
+        max_seqlen_q=max_seqlen_q,
+        softmax_scale=scale,
+        key_gap=key_gap,
+        block_m=tiles["BLOCK_M"],
+        block_n=block_n,
+        variant="cp_async",
+        check_values=False,
+        return_lse=True,
+    )
+    out, out_lse = merge_attention_states(
+        whole_out, whole_lse, tail_out, tail_lse, out=out, out_lse=lse
+    )
+    return (out, out_lse) if lse is not None else out
 
 
 def _ensure_allocator() -> None:
@@ -124,7 +204,7 @@ def choose_tiles(
         raise ValueError(
             f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
         )
-    if variant == "tma" and quantized:
+    if variant in ("tma", "ws") and quantized:
         raise ValueError(f"variant {variant!r} loads unquantized caches only; use 'cp_async'")
     chosen = "cp_async"
     rows = max(1, max_seqlen_q) * max(1, heads_per_kv_head)
@@ -152,13 +232,16 @@ def choose_tiles(
     path = kv_path(block_size, tile_n)
     variant = variant or chosen
     # Descriptor loads are for tiles inside one block; other paths keep the pointer loop.
-    tma = variant == "tma" and path == "contiguous"
+    variant = variant if path == "contiguous" else "cp_async"
+    if variant == "ws" and not interpreter_active():
+        warps = 4  # Triton specializes 4-warp consumers (at 8 it builds a plain loop)
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
         "BLOCK_D": max(32 if fp8_mma or int8_mma else 16, triton.next_power_of_2(head_dim)),
         "KV_PATH": path,
-        "TMA": tma,
+        "TMA": variant in ("tma", "ws"),
+        "VARIANT": variant,
         "num_warps": warps,
         "num_stages": stages,
     }
@@ -271,6 +354,7 @@ def paged_attention(
         int8_mma=int8_mma,
         variant=variant,
     )
+    chosen_variant = tiles.pop("VARIANT")
     if tiles["TMA"] and not _descriptor_layout(k_cache, v_cache, tiles["BLOCK_D"], head_dim):
         if variant is not None:
             raise ValueError(
@@ -278,7 +362,13 @@ def paged_attention(
                 "pointer and strides, unit channel stride, blocks of contiguous slots, "
                 "head_dim a power of two, fewer than 2**31 slots); use 'cp_async'"
             )
-        tiles["TMA"] = False
+        tiles["TMA"], chosen_variant = False, "cp_async"
+    if chosen_variant == "ws":
+        refusal = _warp_specialized_refusal(q, group, causal, key_limits, key_gap)
+        if refusal and variant is not None:
+            raise ValueError(f"variant 'ws' {refusal}; use 'tma'")
+        if refusal:
+            chosen_variant = "tma"
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -310,6 +400,15 @@ def paged_attention(
     if scale < 0:
         # The kernel's unmasked loop takes the row max of unscaled scores: keep the scale >= 0.
         q, scale = -q, -scale
+    if chosen_variant == "ws":
+        return _warp_specialized(
+            (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k),
+            max_seqlen_q=max_seqlen_q,
+            scale=scale,
+            tiles=tiles,
+            out=out,
+            lse=lse,
+        )
     upcast = interpreter_active() or q.dtype == torch.float32
     if key_gap is not None:
         key_gap = key_gap.reshape(batch, -1, 2).contiguous()

@@ -1,10 +1,12 @@
 """The key-loop variants of ``paged_attention`` (``variant=``) and the launch table.
 
-The TMA variant's descriptor loads run under the interpreter (Triton's interpreter implements
-tensor descriptors), so it is checked against the float64 oracle like the default loop: on the
-contiguous path (whole tiles through descriptors, masked tiles through pointers) and on the
-other paths (where it keeps the pointer loop). Its machine code is checked by
-tests/bench/test_compile_report.py.
+The TMA and warp-specialized variants' descriptor loads run under the interpreter (Triton's
+interpreter implements tensor descriptors; it ignores ``warp_specialize``, so the
+warp-specialized kernel runs as a plain loop there), so both are checked against the float64
+oracle like the default loop: on the contiguous path (whole tiles through descriptors, masked
+tiles through pointers; for ``ws`` the partial tiles in the masked kernel, merged by LSE) and
+on the other paths (where they keep the pointer loop). Their machine code (TMA loads, warp
+partitions) is checked by tests/bench/test_compile_report.py.
 """
 
 from __future__ import annotations
@@ -78,6 +80,89 @@ def test_tma_variant_plain_long_run() -> None:
     run_and_compare(case, block_m=16, block_n=32, variant="tma")
 
 
+@pytest.mark.parametrize(
+    "block_size, block_n, head_dim, k_lens",
+    [
+        pytest.param(16, 16, 64, [59, 17, 5, 32], id="B16-N16-D64"),
+        pytest.param(64, 32, 128, [200, 64, 31, 1], id="B64-N32-D128"),
+        pytest.param(256, 64, 32, [300, 0, 64, 129], id="B256-N64-D32"),
+    ],
+)
+def test_warp_specialized_variant_matches_oracle(
+    block_size: int, block_n: int, head_dim: int, k_lens: list[int]
+) -> None:
+    # Whole tiles and a partial last tile, a sequence shorter than a tile, one with no keys,
+    # one with no queries; NaN-poisoned pool and output; the LSE of the merge.
+    case = make_paged_case(
+        q_lens=[32, 5, 0, 7],
+        k_lens=k_lens,
+        block_size=block_size,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        device=DEVICE,
+    )
+    tiles = kernels.choose_tiles(
+        block_size=block_size,
+        head_dim=head_dim,
+        max_seqlen_q=32,
+        dtype=torch.float32,
+        block_n=block_n,
+        variant="ws",
+    )
+    assert (tiles["KV_PATH"], tiles["VARIANT"]) == ("contiguous", "ws")
+    run_and_compare(case, block_m=16, block_n=block_n, variant="ws")
+
+
+def test_warp_specialized_kernel_attends_the_whole_tiles(monkeypatch) -> None:
+    # The masked kernel sees only the partial tiles: a key gap hides the whole ones from it.
+    case = make_paged_case(q_lens=[8], k_lens=[70], block_size=16, num_kv_heads=4, device=DEVICE)
+    gaps = []
+    real = kernels.paged_attention
+
+    def spy(*args, **kwargs):
+        if kwargs.get("key_gap") is not None:
+            gaps.append(kwargs["key_gap"].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launcher, "paged_attention", spy)
+    run_and_compare(case, block_m=16, block_n=16, variant="ws")
+    assert gaps == [[[0, 64]]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(causal=True), "no causal"),
+        (dict(key_limits=torch.full((8,), 20, dtype=torch.int32)), "key_limits"),
+        (dict(key_gap=torch.tensor([[3, 9]], dtype=torch.int32)), "key_gap"),
+    ],
+    ids=["causal", "key_limits", "key_gap"],
+)
+def test_warp_specialized_refusals(kwargs: dict, message: str) -> None:
+    case = make_paged_case(q_lens=[8], k_lens=[40], block_size=16, num_kv_heads=4, device=DEVICE)
+    out = nan_like(case.q)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=f"variant 'ws' .*{message}"):
+        kernels.paged_attention(
+            *case.args(), max_seqlen_q=8, out=out, block_n=16, variant="ws", **kwargs
+        )
+    assert torch.isnan(out).all()
+
+
+def test_warp_specialized_refuses_gqa_and_falls_back_when_chosen(monkeypatch) -> None:
+    case = make_paged_case(q_lens=[8], k_lens=[40], block_size=16, device=DEVICE)  # GQA 4:2
+    with pytest.raises(ValueError, match="one query head per KV head"):
+        kernels.paged_attention(*case.args(), max_seqlen_q=8, block_n=16, variant="ws")
+    # Chosen by the table, it falls back to the TMA loop, which takes GQA and masks.
+    real = launcher.choose_tiles
+    monkeypatch.setattr(
+        launcher, "choose_tiles", lambda **kw: real(**{**kw, "variant": kw["variant"] or "ws"})
+    )
+    key_limits = torch.full((8,), 30, dtype=torch.int32, device=DEVICE)
+    run_and_compare(case, causal=True, key_limits=key_limits, block_m=16, block_n=16)
+
+
 def test_variant_names_are_checked() -> None:
     case = make_paged_case(q_lens=[4], k_lens=[20], block_size=16, device=DEVICE)
     out = nan_like(case.q)
@@ -87,7 +172,7 @@ def test_variant_names_are_checked() -> None:
 
 
 def test_tma_refuses_quantized_caches() -> None:
-    with pytest.raises(ValueError, match="variant 'tma'"):
+    with pytest.raises(ValueError, match="variant 'tma' loads unquantized"):
         kernels.choose_tiles(
             block_size=64,
             head_dim=64,
