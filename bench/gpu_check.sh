@@ -14,7 +14,8 @@
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
 # 3. the launch candidates: this project's kernel at each variant and key tile the launch table
-#    can choose (the launch providers: triton-cp_async, triton-tma, and both at 128 keys) over
+#    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, and
+#    triton-ws, the warp-specialized kernel) over
 #    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds), then
 #    `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
 #    quantized pools' speedup at every block size the sweep reached) and rewrites
@@ -84,7 +85,7 @@ echo "== launch candidates (runs start until ${launch_budget}s, limit ${launch_t
 start=$SECONDS
 timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped \
     --block-sizes 64,256,1560,16,24,520 --kernels paged_attention \
-    --providers triton-cp_async,triton-tma,triton-cp_async-n128,triton-tma-n128 \
+    --providers triton-cp_async,triton-tma,triton-cp_async-n128,triton-tma-n128,triton-ws \
     --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
     >"$out_dir/launches.log" 2>&1
 launch_rc=$?

@@ -217,6 +217,7 @@ LAUNCH_PROVIDERS: dict[str, dict[str, object]] = {
     "triton-tma": {"variant": "tma", "block_n": 64},
     "triton-cp_async-n128": {"variant": "cp_async", "block_n": 128},
     "triton-tma-n128": {"variant": "tma", "block_n": 128},
+    "triton-ws": {"variant": "ws", "block_n": 64},
 }
 
 
@@ -229,7 +230,8 @@ def launch_backend(settings: dict[str, object]) -> str:
 
 
 def _launch_provider(name: str, launch: dict[str, object]) -> Provider:
-    """Our paged attention forced to one launch (variant and key tile)."""
+    """Our paged attention forced to one launch (variant and key tile); its rows' ``backend``
+    names the launch that ran (the pointer loop where the variant does not apply)."""
 
     def build(workload: Workload, tile: Tile | None) -> Bench:
         w = workload
@@ -254,7 +256,7 @@ def _launch_provider(name: str, launch: dict[str, object]) -> Provider:
             )
 
         settings = {
-            "variant": launch["variant"],
+            "variant": tiles["VARIANT"],
             "tile": f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}",
             "num_warps": tiles["num_warps"],
             "num_stages": tiles["num_stages"],
@@ -262,7 +264,13 @@ def _launch_provider(name: str, launch: dict[str, object]) -> Provider:
         }
         return Bench(run, backend=launch_backend(settings))
 
-    return Provider("paged_attention", name, build, on_request=True)
+    def unsupported(workload: Workload) -> str | None:
+        g = workload.geometry
+        if launch["variant"] == "ws" and g.heads != g.kv_heads:
+            return "the warp-specialized kernel takes one query head per KV head"
+        return None
+
+    return Provider("paged_attention", name, build, unsupported, on_request=True)
 
 
 def _build_reference_paged(workload: Workload, tile: Tile | None) -> Bench:

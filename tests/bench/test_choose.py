@@ -131,15 +131,23 @@ def test_launch_providers_run_when_named_only(tmp_path) -> None:
     from tests.bench.tiny import paged_config
 
     # Unnamed, the sweep leaves them out; named, each is checked against the oracle and its
-    # backend names the launch it ran (block 16 with 16-key tiles: the contiguous path).
-    plain = run_sweep(paged_config(block_sizes=(16,)), tmp_path / "a.csv", progress=False)
+    # backend names the launch that ran: at block 64 (64-key tiles: the contiguous path) the
+    # TMA loop; at block 16 (the rows path) the pointer loop. The tiny geometry's GQA has no
+    # warp-specialized kernel: skipped with the reason.
+    plain = run_sweep(paged_config(block_sizes=(64,)), tmp_path / "a.csv", progress=False)
     assert not {r["provider"] for r in plain.rows} & set(LAUNCH_PROVIDERS)
-    config = paged_config(block_sizes=(16,), providers=("triton-tma", "triton-cp_async"))
+    names = ("triton-tma", "triton-cp_async", "triton-ws")
+    config = paged_config(block_sizes=(64, 16), providers=names)
     result = run_sweep(config, tmp_path / "b.csv", progress=False)
-    rows = {r["provider"]: r for r in result.rows if r["kernel"] == "paged_attention"}
-    assert set(rows) == {"triton-tma", "triton-cp_async"}
-    assert all(
-        r["max_error"] is not None and r["max_error"] <= r["error_limit"] for r in rows.values()
-    )
-    assert "variant=tma" in rows["triton-tma"]["backend"]
-    assert "variant=cp_async" in rows["triton-cp_async"]["backend"]
+    rows = {
+        (r["provider"], r["block_size"]): r
+        for r in result.rows
+        if r["kernel"] == "paged_attention" and not r.get("skipped")
+    }
+    assert set(rows) == {(n, b) for n in names[:2] for b in (64, 16)}
+    assert all(r["max_error"] <= r["error_limit"] for r in rows.values())
+    assert "variant=tma" in rows[("triton-tma", 64)]["backend"]
+    assert "variant=cp_async" in rows[("triton-tma", 16)]["backend"]
+    assert "variant=cp_async" in rows[("triton-cp_async", 64)]["backend"]
+    skipped = [s for s in result.skipped if s.provider == "triton-ws"]
+    assert len(skipped) == 2 and all("one query head per KV head" in s.reason for s in skipped)

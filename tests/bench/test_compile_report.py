@@ -63,7 +63,7 @@ def _configs_39() -> list[compile_report.Config]:
 
 # The key-loop variants forced at the contiguous blocks (TMA's) and at the frame block (where
 # the TMA variant keeps the pointer loop).
-VARIANT_LAUNCHES = ({"variant": "cp_async"}, {"variant": "tma"})
+VARIANT_LAUNCHES = ({"variant": "cp_async"}, {"variant": "tma"}, {"variant": "ws"})
 VARIANT_BLOCKS = (64, 256, 1560)
 
 
@@ -372,6 +372,33 @@ def test_tma_variant_loads_whole_tiles_through_descriptors(
     # on Triton 3.9, 0.99x and 1.01x; 328 and 336 on 3.6, 1.01x and 1.03x).
     assert tma["loop_instructions"] < pointers["loop_instructions"], (tma, pointers)
     assert tma["vs_anchor"] <= 1.10, tma
+
+
+WS_KERNEL = "paged_attention/_paged_attention_ws_kernel"
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("block", [64, 256])
+def test_ws_variant_is_warp_specialized_over_tma(report: Report, minor: str, block: int) -> None:
+    triton = report.version(minor)
+    rows = [r for r in report.rows if r["triton"] == triton and r["variant"] == "ws"]
+    [ws] = [r for r in rows if r["kernel"] == WS_KERNEL and r["block_size"] == block]
+    # The whole tiles: a producer warp issuing the TMA loads, two 4-warp consumer warpgroups.
+    assert ws["error"] == "" and ws["num_warps"] == 4, ws
+    assert (ws["partitions"], ws["partition_warps"]) == (3, "4+4+4"), ws
+    assert ws["partition_roles"].startswith("load,"), ws
+    assert ws["tma_loads"] > 0 and ws["mbarriers"] > 0, ws
+    assert "+" in ws["setmaxnreg"] and "-" in ws["setmaxnreg"], ws
+    assert (ws["spill_stores"], ws["kv_buffers"], ws["loop_global_loads"]) == (0, 3, 0), ws
+    assert ws["producer_loop_instructions"] < 100, ws
+    # 2026-12-03: consumer loops of 325 instructions on Triton 3.9, 303 on 3.6 (the anchor with
+    # as many MMA warps: 348 and 325).
+    consumers = [int(s) for s in ws["key_loops"].split(",")]
+    assert len(consumers) == 2 and ws["vs_anchor"] <= 1.10, ws
+    # The partial tiles: the masked kernel beside it.
+    kernel = "paged_attention/_paged_attention_kernel"
+    [masked] = [r for r in rows if r["kernel"] == kernel and r["block_size"] == block]
+    assert masked["error"] == "" and masked["spill_stores"] == 0, masked
 
 
 @pytest.mark.parametrize("minor", _versions())
