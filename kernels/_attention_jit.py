@@ -12,7 +12,10 @@ compile-time constant (a model has one), so no path divides by it at run time. A
   when the block divides the tile, each of the tile's blocks reads it once for all its rows.
 
 The next tile's block ids are read one iteration ahead (loop-carried), so the software pipeliner
-keeps K/V loads as many tiles ahead as in a table-free loop. Key tiles every query row of the
+keeps K/V loads as many tiles ahead as in a table-free loop. With ``TMA`` the unmasked loop of
+the contiguous path loads each K/V tile with one tensor-descriptor load (descriptors made on
+the device over the pool seen as (block * slot) rows of (KV head * channel) columns); masked
+tiles keep pointer loads, which skip hidden keys. Key tiles every query row of the
 program sees whole run in an unmasked loop; only tiles touching ``seq_lens_k``, a row's
 ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked, and tiles inside a gap are
 skipped. Query heads sharing a KV head are packed into the M dimension, so each K/V tile is
@@ -172,8 +175,9 @@ def _attend_tiles(
 
     ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated; ``caches`` the K and
     V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
-    block stride, slot stride[, dim stride])``; ``table`` the sequence's ``(block table row,
-    column stride)``.
+    block stride, slot stride[, dim stride])``; ``descs`` (``TMA``) the K and V descriptors and
+    the KV head's first column in them; ``table`` the sequence's ``(block table row, column
+    stride)``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
     ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
