@@ -74,6 +74,8 @@ def _warp_specialized_refusal(
         return "attends whole tiles unmasked: no causal, key_limits or key_gap"
     if group != 1:
         return "takes one query head per KV head"
+    if q.dtype == torch.float32 and not interpreter_active():
+        return "takes fp16/bf16 queries on a GPU (float32 MMAs do not specialize)"
     size = q.element_size()
     if q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) * size % 16:
         return "needs q's heads and channels packed, rows 16-byte aligned"

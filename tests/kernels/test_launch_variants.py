@@ -19,11 +19,13 @@ import torch
 
 from paged_video import kernels
 from paged_video.kernels import launch_table
-from tests.helpers import DEVICE, nan_like
+from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import make_paged_case
 from tests.kernels.test_paged_attention import run_and_compare
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
+# The warp-specialized kernel takes 16-bit queries on a GPU; the interpreter runs float32 too.
+WS_DTYPE = torch.float16 if ON_GPU else torch.float32
 
 
 @pytest.mark.parametrize(
@@ -100,13 +102,14 @@ def test_warp_specialized_variant_matches_oracle(
         num_heads=2,
         num_kv_heads=2,
         head_dim=head_dim,
+        dtype=WS_DTYPE,
         device=DEVICE,
     )
     tiles = kernels.choose_tiles(
         block_size=block_size,
         head_dim=head_dim,
         max_seqlen_q=32,
-        dtype=torch.float32,
+        dtype=WS_DTYPE,
         block_n=block_n,
         variant="ws",
     )
@@ -116,7 +119,9 @@ def test_warp_specialized_variant_matches_oracle(
 
 def test_warp_specialized_kernel_attends_the_whole_tiles(monkeypatch) -> None:
     # The masked kernel sees only the partial tiles: a key gap hides the whole ones from it.
-    case = make_paged_case(q_lens=[8], k_lens=[70], block_size=16, num_kv_heads=4, device=DEVICE)
+    case = make_paged_case(
+        q_lens=[8], k_lens=[70], block_size=16, num_kv_heads=4, dtype=WS_DTYPE, device=DEVICE
+    )
     gaps = []
     real = kernels.paged_attention
 
@@ -161,6 +166,13 @@ def test_warp_specialized_refuses_gqa_and_falls_back_when_chosen(monkeypatch) ->
     )
     key_limits = torch.full((8,), 30, dtype=torch.int32, device=DEVICE)
     run_and_compare(case, causal=True, key_limits=key_limits, block_m=16, block_n=16)
+
+
+def test_warp_specialized_refuses_float32_on_a_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    q = torch.zeros(4, 2, 64)
+    assert "fp16/bf16" in launcher._warp_specialized_refusal(q, 1, False, None, None)
+    assert launcher._warp_specialized_refusal(q.half(), 1, False, None, None) is None
 
 
 def test_variant_names_are_checked() -> None:
