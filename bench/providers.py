@@ -258,7 +258,7 @@ def _launch_provider(name: str, launch: dict[str, object]) -> Provider:
         settings = {
             "variant": tiles["VARIANT"],
             "tile": f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}",
-            "num_warps": tiles["num_warps"],
+            "num_warps": 4 if tiles["VARIANT"] == "ws" else tiles["num_warps"],
             "num_stages": tiles["num_stages"],
             "tma": "on" if tiles["TMA"] else "off",
         }

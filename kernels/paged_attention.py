@@ -124,7 +124,8 @@ def _warp_specialized(
         BLOCK_N=block_n,
         HEAD_DIM=q.shape[2],
         BLOCK_SIZE=block_size,
-        num_warps=tiles["num_warps"],
+        # Triton specializes 4-warp consumers (at 8 warps it builds a plain loop).
+        num_warps=4,
         num_stages=tiles["num_stages"],
     )
     whole = (seq_lens_k // block_n * block_n).to(torch.int32)
@@ -235,8 +236,6 @@ def choose_tiles(
     variant = variant or chosen
     # Descriptor loads are for tiles inside one block; other paths keep the pointer loop.
     variant = variant if path == "contiguous" else "cp_async"
-    if variant == "ws" and not interpreter_active():
-        warps = 4  # Triton specializes 4-warp consumers (at 8 it builds a plain loop)
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
@@ -281,8 +280,8 @@ def paged_attention(
     mixed causal/full masks; ``key_gap`` (int32 ``(batch, 2)`` or ``(batch, gaps, 2)``) hides
     keys ``lo <= j < hi`` of each row, e.g. the boundary tokens of an exact window, or the
     unwritten slots between a video run that ends mid-block and the action blocks.
-    ``block_m``/``block_n`` override the tile; ``variant`` the key loop (``"cp_async"`` or
-    ``"tma"``; default: the launch table's choice, docs/kernels.md).
+    ``block_m``/``block_n`` override the tile; ``variant`` the key loop (``"cp_async"``,
+    ``"tma"`` or ``"ws"``; default: the launch table's choice, docs/kernels.md).
     ``check_values=False`` skips the checks that read tensor values (no device sync).
 
     Quantized caches (``float8_e4m3fn`` or ``int8`` codes, docs/quantization.md) need ``k_scale``
