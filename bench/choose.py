@@ -5,12 +5,13 @@ A sweep that names the launch providers (``LAUNCH_PROVIDERS``: this project's ke
 variant and key tile each) times every launch at every block size. Per (head_dim class, key
 path at the built-in tile) the winner is the launch with the smallest geometric mean, over the
 block sizes measured for that class, of its time over the fastest launch's at the same block
-size (a launch missing at one of them does not compete; ties go to the first in
-``LAUNCH_PROVIDERS``). The winner table prints every block size: each launch's time, the
-winner, ``sdpa-best`` and the winner's speedup over it, and the quantized providers' speedup
-over ``sdpa-best``. ``--write`` replaces the table's rows of the classes measured (source
-``gpu run``, with the run's date, device and commit) and keeps the others; quantized launches
-keep the launcher's built-in settings, so their rows are printed, never written.
+size (a launch missing at one of them does not compete, and a class where every launch misses
+one, as in a run cut short, keeps its row; ties go to the first in ``LAUNCH_PROVIDERS``). The
+winner table prints every block size: each launch's time, the winner, ``sdpa-best`` and the
+winner's speedup over it, and the quantized providers' speedup over ``sdpa-best``. ``--write``
+replaces the table's rows of the classes measured (source ``gpu run``, with the run's date,
+device and commit) and keeps the others; quantized launches keep the launcher's built-in
+settings, so their rows are printed, never written.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
                 if name in measured:
                     ratios[name].append(measured[name] / fastest)
         complete = {n: v for n, v in ratios.items() if len(v) == len(cases)}
-        if not complete:
-            raise ValueError(f"head_dim {dim_class} {path}: no launch measured at every block size")
+        if not complete:  # a run cut short: this class keeps its row
+            lines.append(f"head_dim {dim_class} {path}: no launch measured at every block size")
+            continue
         winner = min(complete, key=lambda n: _geomean(complete[n]))
         for case in cases:
             lines.append(_line(dim_class, path, case, by_case[case], winner))
@@ -98,6 +100,8 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
                 + ", ".join(f"{n} {_geomean(v):.3f}" for n, v in complete.items()),
             }
         )
+    if not choices:
+        raise ValueError("no class has a launch measured at every one of its block sizes")
     return choices, lines
 
 

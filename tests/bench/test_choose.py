@@ -86,6 +86,22 @@ def test_a_launch_missing_at_one_block_does_not_compete() -> None:
     assert [(c["variant"], c["block_n"]) for c in contiguous] == [("cp_async", 64)]
 
 
+def test_a_class_without_a_complete_launch_keeps_its_row() -> None:
+    # Cut short: at block 24 nothing was measured but tma, at 16 nothing but cp_async.
+    rows = [
+        r
+        for r in _rows()
+        if not (r["block_size"] == 24 and r["provider"] != "triton-tma")
+        and not (r["block_size"] == 16 and r["provider"] != "triton-cp_async")
+    ]
+    choices, lines = choose.choose(rows)
+    assert {c["kv_path"] for c in choices} == {"contiguous", "two_blocks"}
+    assert any("rows: no launch measured at every block size" in line for line in lines)
+    only_rows = [r for r in rows if r["block_size"] in (16, 24)]
+    with pytest.raises(ValueError, match="no class"):
+        choose.choose(only_rows)
+
+
 def test_write_replaces_measured_classes_only(tmp_path) -> None:
     table = tmp_path / "launch_choices.json"
     shutil.copy(launch_table.TABLE_PATH, table)
