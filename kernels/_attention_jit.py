@@ -96,13 +96,18 @@ def _tile_rows(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
-    """Element offsets (int64) of the tile's key rows in one cache, from its block ids.
+    """Element offsets of the tile's key rows in one cache (from its head pointer), from its
+    block ids: int32 when every offset into the pool fits (``OFFSETS_32``, checked by the
+    launcher: the head pointer is then the one 64-bit address, as in a plain flash loop), else
+    int64.
 
     ``cache`` is ``(head pointer, block stride, slot stride, ...)``. Tiles start at multiples of
     ``BLOCK_N``; the per-row parts are loop-invariant where they can be, so a tile costs a
     scalar base plus, for ``two_blocks``, one select per row.
     """
+    offset_type = tl.int32 if OFFSETS_32 else tl.int64
     stride_block = cache[1]
     stride_slot = cache[2]
     offs_n = tl.arange(0, BLOCK_N)
@@ -110,17 +115,17 @@ def _tile_rows(
         # When the block divides the tile, every tile's slots are the same (loop-invariant).
         shift = 0 if BLOCK_N % BLOCK_SIZE == 0 else n_start
         slot = (shift + offs_n) % BLOCK_SIZE
-        rows = ids.to(tl.int64) * stride_block + slot.to(tl.int64) * stride_slot
+        rows = ids.to(offset_type) * stride_block + slot.to(offset_type) * stride_slot
     else:
         first_slot = n_start % BLOCK_SIZE
-        base = id0.to(tl.int64) * stride_block + first_slot.to(tl.int64) * stride_slot
-        rows = base + offs_n.to(tl.int64) * stride_slot
+        base = id0.to(offset_type) * stride_block + first_slot.to(offset_type) * stride_slot
+        rows = base + offs_n.to(offset_type) * stride_slot
         if KV_PATH == "two_blocks":
             # Rows past the block's end move from block id0 slot BLOCK_SIZE + i to block id1
             # slot i.
-            jump = (id1 - id0).to(tl.int64) * stride_block - BLOCK_SIZE * stride_slot
+            jump = (id1 - id0).to(offset_type) * stride_block - BLOCK_SIZE * stride_slot
             # (A select here hides the rows' alignment from the pipeliner; a product does not.)
-            rows += (offs_n >= BLOCK_SIZE - first_slot).to(tl.int64) * jump
+            rows += (offs_n >= BLOCK_SIZE - first_slot).to(offset_type) * jump
     return rows
 
 
@@ -159,6 +164,7 @@ def _attend_tiles(
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -230,17 +236,25 @@ def _attend_tiles(
             BLOCK_SIZE,
             KV_PATH,
         )
-        k_rows = _tile_rows(id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
+        k_rows = _tile_rows(
+            id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+        )
         if share_rows:
             v_rows = k_rows
         else:
-            v_rows = _tile_rows(id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
+            v_rows = _tile_rows(
+                id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+            )
         if QUANTIZED:
-            ks_rows = _tile_rows(id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
+            ks_rows = _tile_rows(
+                id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+            )
             if share_rows:
                 vs_rows = ks_rows
             else:
-                vs_rows = _tile_rows(id0, id1, ids, n_start, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
+                vs_rows = _tile_rows(
+                    id0, id1, ids, n_start, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+                )
         if MASKED:
             keys = n_start + offs_n
             n_mask = (keys >= keys_lo) & (keys < keys_hi)
@@ -334,6 +348,7 @@ def _attend_run(
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
@@ -389,6 +404,7 @@ def _attend_run(
             BLOCK_SIZE,
             KV_PATH,
             SAME_KV_STRIDES,
+            OFFSETS_32,
             masked == 1,
             UPCAST,
             DOT_PRECISION,
@@ -467,6 +483,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -616,6 +633,7 @@ def _paged_attention_kernel(
                 BLOCK_SIZE,
                 KV_PATH,
                 SAME_KV_STRIDES,
+                OFFSETS_32,
                 UPCAST,
                 DOT_PRECISION,
                 QUANTIZED,
@@ -648,6 +666,7 @@ def _paged_attention_kernel(
             BLOCK_SIZE,
             KV_PATH,
             SAME_KV_STRIDES,
+            OFFSETS_32,
             UPCAST,
             DOT_PRECISION,
             QUANTIZED,

@@ -48,6 +48,11 @@ _QUANTIZED_BLOCK_N_OLD_TRITON = 32
 _OLD_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9)
 
 
+def _largest_offset(pool: Tensor) -> int:
+    """The largest element offset into a pool from its first element (strides are >= 0)."""
+    return sum((size - 1) * stride for size, stride in zip(pool.shape, pool.stride(), strict=True))
+
+
 def _descriptor_layout(k_cache: Tensor, v_cache: Tensor, block_d: int, head_dim: int) -> bool:
     """True when each pool reads as the 2-D tensor of (block, slot) rows and (KV head, channel)
     columns that the TMA loop's descriptors describe, within TMA's limits."""
@@ -419,6 +424,8 @@ def paged_attention(
     # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
     scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
     same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
+    pools = (k_cache, v_cache, k_scale, v_scale)
+    offsets_32 = max(_largest_offset(pool) for pool in pools if pool is not None) < 2**31
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
     ]
@@ -455,6 +462,7 @@ def paged_attention(
         GROUP=group,
         BLOCK_SIZE=block_size,
         SAME_KV_STRIDES=same_strides,
+        OFFSETS_32=offsets_32,
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         FP8_MMA=fp8_mma,
