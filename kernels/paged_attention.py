@@ -424,8 +424,9 @@ def paged_attention(
     # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
     scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
     same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
-    pools = (k_cache, v_cache, k_scale, v_scale)
-    offsets_32 = max(_largest_offset(pool) for pool in pools if pool is not None) < 2**31
+    # int32 row offsets when the pools allow (unquantized caches: the quantized modes' register
+    # budget is tuned on their own).
+    offsets_32 = k_scale is None and max(map(_largest_offset, (k_cache, v_cache))) < 2**31
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
     ]
