@@ -1,6 +1,7 @@
-"""``python -m paged_video.bench sweep|plot|table|compare|compile|accuracy``: run a checked
-sweep, redraw its plots, print its ratio table, compare two runs, compile the kernels for a GPU
-target and report on the machine code, or measure the accuracy of quantized (FP8/INT8) KV pools.
+"""``python -m paged_video.bench sweep|plot|table|compare|compile|accuracy|choose``: run a
+checked sweep, redraw its plots, print its ratio table, compare two runs, compile the kernels for
+a GPU target and report on the machine code, measure the accuracy of quantized (FP8/INT8) KV
+pools, or turn a GPU sweep of the launch providers into the launch table.
 
 Each subcommand is a pair: ``_add_<name>(commands)`` declares it and sets its handler (and
 itself as ``command_parser``, for errors), ``_<name>(parser, args) -> exit status`` runs it;
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paged_video.bench import accuracy, compile_report
+from paged_video.bench import accuracy, choose, compile_report
 from paged_video.bench.compare import format_compare
 from paged_video.bench.formats import old_spelling
 from paged_video.bench.plot import plot_rows
@@ -278,6 +279,19 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
 
 
+def _add_choose(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "choose",
+        help="the launch table from GPU sweeps of the launch providers: print the winners, "
+        "optionally write them",
+    )
+    parser.set_defaults(handler=_choose, command_parser=parser)
+    parser.add_argument("csv", type=Path, nargs="+", help="results CSVs of one GPU run")
+    parser.add_argument(
+        "--write", type=Path, help="launch table to update (e.g. kernels/launch_choices.json)"
+    )
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_sweep,
     _add_plot,
@@ -285,6 +299,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_compare,
     _add_compile,
     _add_accuracy,
+    _add_choose,
 )
 
 
@@ -469,6 +484,27 @@ def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     rows = accuracy.run_accuracy(config, csv_path, log=accuracy.print_progress)
     print(accuracy.format_rows(rows, markdown=args.markdown))
     print(f"wrote {csv_path}")
+    return 0
+
+
+def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    rows = [row for path in args.csv for row in _rows_of(parser, "csv", path)]
+    if args.write is not None and not args.write.is_file():
+        parser.error(f"--write {args.write}: no such launch table")
+    try:
+        choices, lines = choose.choose(rows)
+        if args.write is not None:
+            choose.write_choices(args.write, choices)
+    except ValueError as error:
+        parser.error(str(error))
+    print("\n".join(lines))
+    for row in choices:
+        print(
+            f"head_dim {row['head_dim']} {row['kv_path']}: {row['variant']} "
+            f"block_n={row['block_n']} warps={row['num_warps']} stages={row['num_stages']}"
+        )
+    if args.write is not None:
+        print(f"wrote {args.write}")
     return 0
 
 

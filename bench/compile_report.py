@@ -527,7 +527,12 @@ def _paged_launches(config: Config) -> list[_Launch]:
             "fp8_mma": config.kv_mode == "fp8_mma",
             "int8_mma": config.kv_mode == "int8_mma",
         }
-    with _recording("paged_video.kernels.paged_attention") as (real, calls):
+    # The warp-specialized variant merges two partial attentions: its merge is recorded too
+    # (and left out of the report: it is no attention kernel).
+    with (
+        _recording("paged_video.kernels.paged_attention") as (real, calls),
+        _recording("paged_video.kernels.merge_states"),
+    ):
         kernels.paged_attention(
             empty(config.max_seqlen_q, config.heads, d),
             empty(2, bs, config.kv_heads, d, dt=kv_dtype),
@@ -552,7 +557,7 @@ def _paged_launches(config: Config) -> list[_Launch]:
         label = "paged_attention" if len(calls) == 1 else f"paged_attention/{name}"
         launches.append(_Launch(label, real[name], args, kwargs, {}))
     first = calls[0][2]
-    if {"BLOCK_M", "BLOCK_N", "BLOCK_D"} <= first.keys():
+    if {"BLOCK_M", "BLOCK_N"} <= first.keys() and {"BLOCK_D", "HEAD_DIM"} & first.keys():
         launches.append(_anchor_launch(config, first))
     if d & (d - 1) == 0 and d >= 16 and config.dtype in ("bf16", "fp16"):
         launches.append(_tutorial_launch(config))
@@ -572,7 +577,8 @@ def _anchor_launch(config: Config, paged_kwargs: dict) -> _Launch:
     q_len = config.max_seqlen_q
     args = (tokens(q_len), tokens(keys), tokens(keys), tokens(q_len), 1.0, q_len, keys)
     args += (h * d, d) * 4
-    kwargs = dict(settings, HEAD_DIM=d, BLOCK_D=paged_kwargs["BLOCK_D"])
+    block_d = paged_kwargs.get("BLOCK_D", paged_kwargs.get("HEAD_DIM"))
+    kwargs = dict(settings, HEAD_DIM=d, BLOCK_D=block_d)
     return _Launch("anchor", anchor_attention_kernel, args, kwargs, {"path": "contiguous"})
 
 

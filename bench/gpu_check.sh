@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one command for a lent GPU (sized for an H200), inside 7 minutes, with the
+# The GPU check: one command for a lent GPU (sized for an H200), inside 7.5 minutes, with the
 # machine's own torch and Triton (nothing installed, nothing downloaded).
 #
 #   bench/gpu_check.sh [OUT_DIR]          OUT_DIR defaults to $OUT, else out/gpu_check
@@ -13,18 +13,26 @@
 #    the oracle (quantized ones against the dequantizing oracle) before it is timed.
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
-# 3. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,
+# 3. the launch candidates: this project's kernel at each variant and key tile the launch table
+#    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, and
+#    triton-ws, the warp-specialized kernel) over
+#    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds), then
+#    `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
+#    quantized pools' speedup at every block size the sweep reached) and rewrites
+#    kernels/launch_choices.json, copied to OUT_DIR: recording the run is committing that file;
+# 4. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,
 #    K smoothing on (the default), every data kind, format, mode (the INT8-MMA one too) with
 #    and without channel equalization, each beside its float64 floor (OUT_DIR/accuracy.csv, log
 #    in OUT_DIR/accuracy.log, table printed);
-# 4. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
-# 5. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
+# 5. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
+# 6. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
 #    over the bf16 pool and their goals), printed last.
-# Each stage has a time limit (SWEEP_TIMEOUT, ACCURACY_TIMEOUT, TEST_TIMEOUT seconds); a sweep
+# Each stage has a time limit (SWEEP_TIMEOUT, LAUNCH_TIMEOUT, ACCURACY_TIMEOUT, TEST_TIMEOUT
+# seconds); a sweep
 # cut short still leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS
 # (comma lists) narrow the sweep. PYTHON picks the interpreter (default python3).
-# Exit status: 0 when the sweep, the accuracy report and the tests passed, 1 otherwise, 2
-# without a GPU.
+# Exit status: 0 when the sweeps, the choice, the accuracy report and the tests passed, 1
+# otherwise, 2 without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,8 +65,8 @@ PY
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
     2>/dev/null || true
 
-sweep_timeout=${SWEEP_TIMEOUT:-210}
-sweep_budget=${SWEEP_BUDGET:-150}
+sweep_timeout=${SWEEP_TIMEOUT:-160}
+sweep_budget=${SWEEP_BUDGET:-110}
 echo "== shipped-geometry sweep, block sizes $block_sizes (runs start until ${sweep_budget}s," \
     "limit ${sweep_timeout}s)"
 start=$SECONDS
@@ -70,6 +78,27 @@ sweep_rc=$?
 grep -E "^error" "$out_dir/sweep.log" | cut -c1-400 || true  # the skips come with the table
 [ "$sweep_rc" -eq 0 ] || tail -n 15 "$out_dir/sweep.log"
 echo "== sweep: exit $sweep_rc after $((SECONDS - start))s"
+
+launch_timeout=${LAUNCH_TIMEOUT:-85}
+launch_budget=${LAUNCH_BUDGET:-60}
+echo "== launch candidates (runs start until ${launch_budget}s, limit ${launch_timeout}s)"
+start=$SECONDS
+timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped \
+    --block-sizes 64,256,1560,16,24,520 --kernels paged_attention \
+    --providers triton-cp_async,triton-tma,triton-cp_async-n128,triton-tma-n128,triton-ws \
+    --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
+    >"$out_dir/launches.log" 2>&1
+launch_rc=$?
+[ "$launch_rc" -eq 0 ] || tail -n 15 "$out_dir/launches.log"
+echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s; the winners:"
+choose_rc=1
+if [ -s "$out_dir/launches/sweep.csv" ]; then
+    "$python" -m paged_video.bench choose "$out_dir/launches/sweep.csv" \
+        $([ -s "$out_dir/sweep.csv" ] && echo "$out_dir/sweep.csv") \
+        --write kernels/launch_choices.json
+    choose_rc=$?
+    cp kernels/launch_choices.json "$out_dir/launch_choices.json"
+fi
 
 # About 17 kernel compiles (attention per mode, with and without equalization; the writes)
 # take most of the time.
@@ -96,10 +125,12 @@ echo "== kernel tests: exit $tests_rc after $((SECONDS - start))s"
 
 if [ -s "$out_dir/sweep.csv" ]; then
     "$python" -m paged_video.bench plot "$out_dir/sweep.csv" --out "$out_dir"
-    echo "== sweep exit $sweep_rc, accuracy exit $accuracy_rc, tests exit $tests_rc; ratio table:"
+    echo "== sweep exit $sweep_rc, launches exit $launch_rc (choose $choose_rc), accuracy exit" \
+        "$accuracy_rc, tests exit $tests_rc; ratio table:"
     "$python" -m paged_video.bench table "$out_dir/sweep.csv" --goal
 else
-    echo "== sweep exit $sweep_rc, accuracy exit $accuracy_rc, tests exit $tests_rc;" \
-        "the sweep wrote no CSV"
+    echo "== sweep exit $sweep_rc, launches exit $launch_rc (choose $choose_rc), accuracy exit" \
+        "$accuracy_rc, tests exit $tests_rc; the sweep wrote no CSV"
 fi
-[ "$sweep_rc" -eq 0 ] && [ "$accuracy_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]
+[ "$sweep_rc" -eq 0 ] && [ "$launch_rc" -eq 0 ] && [ "$choose_rc" -eq 0 ] \
+    && [ "$accuracy_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]

@@ -97,7 +97,8 @@ class Provider:
     sweep's tile overrides; ``late`` ones (long compiles) run after every other provider of the
     sweep, so a run cut short has measured the rest. ``quant``: the pool format of a
     ``quantized`` provider (this project's kernel over FP8/INT8 codes, checked against the
-    dequantizing oracle and rated against the bf16 pool).
+    dequantizing oracle and rated against the bf16 pool). ``on_request``: run only when a
+    sweep names it (the launch table's candidates).
     """
 
     kernel: str
@@ -108,6 +109,7 @@ class Provider:
     tunable: bool = False
     late: bool = False
     quant: Quant | None = None
+    on_request: bool = False
 
     @property
     def skippable(self) -> bool:
@@ -206,6 +208,69 @@ def _build_triton_paged(workload: Workload, tile: Tile | None) -> Bench:
         )
 
     return Bench(run, backend="triton paged_attention")
+
+
+# This project's kernel at each launch the launch table can choose (``bench choose`` turns
+# their rows into the table): provider name -> the launcher's keywords.
+LAUNCH_PROVIDERS: dict[str, dict[str, object]] = {
+    "triton-cp_async": {"variant": "cp_async", "block_n": 64},
+    "triton-tma": {"variant": "tma", "block_n": 64},
+    "triton-cp_async-n128": {"variant": "cp_async", "block_n": 128},
+    "triton-tma-n128": {"variant": "tma", "block_n": 128},
+    "triton-ws": {"variant": "ws", "block_n": 64},
+}
+
+
+def launch_backend(settings: dict[str, object]) -> str:
+    """The ``backend`` of a launch provider's rows: the settings the launcher used."""
+    return (
+        f"triton paged_attention variant={settings['variant']} tile={settings['tile']} "
+        f"warps={settings['num_warps']} stages={settings['num_stages']} tma={settings['tma']}"
+    )
+
+
+def _launch_provider(name: str, launch: dict[str, object]) -> Provider:
+    """Our paged attention forced to one launch (variant and key tile); its rows' ``backend``
+    names the launch that ran (the pointer loop where the variant does not apply)."""
+
+    def build(workload: Workload, tile: Tile | None) -> Bench:
+        w = workload
+        g = w.geometry
+        tiles = kernels.choose_tiles(
+            block_size=w.block_size,
+            head_dim=g.head_dim,
+            max_seqlen_q=g.q_tokens,
+            dtype=w.q.dtype,
+            heads_per_kv_head=g.heads // g.kv_heads,
+            **launch,
+        )
+        out = torch.empty_like(w.q)
+
+        def run() -> Tensor:
+            return kernels.paged_attention(
+                *w.attention_args(),
+                max_seqlen_q=g.q_tokens,
+                out=out,
+                check_values=False,
+                **launch,
+            )
+
+        settings = {
+            "variant": tiles["VARIANT"],
+            "tile": f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}",
+            "num_warps": 4 if tiles["VARIANT"] == "ws" else tiles["num_warps"],
+            "num_stages": tiles["num_stages"],
+            "tma": "on" if tiles["TMA"] else "off",
+        }
+        return Bench(run, backend=launch_backend(settings))
+
+    def unsupported(workload: Workload) -> str | None:
+        g = workload.geometry
+        if launch["variant"] == "ws" and g.heads != g.kv_heads:
+            return "the warp-specialized kernel takes one query head per KV head"
+        return None
+
+    return Provider("paged_attention", name, build, unsupported, on_request=True)
 
 
 def _build_reference_paged(workload: Workload, tile: Tile | None) -> Bench:
@@ -654,6 +719,7 @@ PROVIDERS: tuple[Provider, ...] = (
     *(_forced_sdpa_provider(name) for name in SDPA_BACKENDS),
     Provider("paged_attention", "sdpa+gather", _build_sdpa_with_gather, role=BASELINE),
     *(_quantized_paged_provider(name, quant) for name, quant in QUANTIZED_PROVIDERS.items()),
+    *(_launch_provider(name, launch) for name, launch in LAUNCH_PROVIDERS.items()),
     Provider("paged_attention", "flash_attn", _build_flash_attn, _flash_attn_unsupported, BASELINE),
     Provider("paged_attention", "flex", _build_flex, _flex_unsupported, BASELINE, late=True),
     Provider("staged", "triton", _build_staged_triton, tunable=True),

@@ -227,13 +227,16 @@ def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
 
 
 def selected_providers(config: SweepConfig, providers: Sequence[Provider]) -> list[Provider]:
-    """The providers the config names (``sdpa-best`` names the forced SDPA backends), late
-    ones last."""
+    """The providers the config names (``sdpa-best`` names the forced SDPA backends; none
+    named: all but those run ``on_request`` only), late ones last."""
     names = config.providers
     if names is not None and SDPA_BEST in names:
         names = (*names, *SDPA_BACKENDS)
     chosen = [
-        p for p in providers if p.kernel in config.kernels and (names is None or p.name in names)
+        p
+        for p in providers
+        if p.kernel in config.kernels
+        and (p.name in names if names is not None else not p.on_request)
     ]
     return sorted(chosen, key=lambda p: p.late)
 

@@ -12,7 +12,10 @@ compile-time constant (a model has one), so no path divides by it at run time. A
   when the block divides the tile, each of the tile's blocks reads it once for all its rows.
 
 The next tile's block ids are read one iteration ahead (loop-carried), so the software pipeliner
-keeps K/V loads as many tiles ahead as in a table-free loop. Key tiles every query row of the
+keeps K/V loads as many tiles ahead as in a table-free loop. With ``TMA`` the unmasked loop of
+the contiguous path loads each K/V tile with one tensor-descriptor load (descriptors made on
+the device over the pool seen as (block * slot) rows of (KV head * channel) columns); masked
+tiles keep pointer loads, which skip hidden keys. Key tiles every query row of the
 program sees whole run in an unmasked loop; only tiles touching ``seq_lens_k``, a row's
 ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked, and tiles inside a gap are
 skipped. Query heads sharing a KV head are packed into the M dimension, so each K/V tile is
@@ -93,13 +96,18 @@ def _tile_rows(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
-    """Element offsets (int64) of the tile's key rows in one cache, from its block ids.
+    """Element offsets of the tile's key rows in one cache (from its head pointer), from its
+    block ids: int32 when every offset into the pool fits (``OFFSETS_32``, checked by the
+    launcher: the head pointer is then the one 64-bit address, as in a plain flash loop), else
+    int64.
 
     ``cache`` is ``(head pointer, block stride, slot stride, ...)``. Tiles start at multiples of
     ``BLOCK_N``; the per-row parts are loop-invariant where they can be, so a tile costs a
     scalar base plus, for ``two_blocks``, one select per row.
     """
+    offset_type = tl.int32 if OFFSETS_32 else tl.int64
     stride_block = cache[1]
     stride_slot = cache[2]
     offs_n = tl.arange(0, BLOCK_N)
@@ -107,17 +115,17 @@ def _tile_rows(
         # When the block divides the tile, every tile's slots are the same (loop-invariant).
         shift = 0 if BLOCK_N % BLOCK_SIZE == 0 else n_start
         slot = (shift + offs_n) % BLOCK_SIZE
-        rows = ids.to(tl.int64) * stride_block + slot.to(tl.int64) * stride_slot
+        rows = ids.to(offset_type) * stride_block + slot.to(offset_type) * stride_slot
     else:
         first_slot = n_start % BLOCK_SIZE
-        base = id0.to(tl.int64) * stride_block + first_slot.to(tl.int64) * stride_slot
-        rows = base + offs_n.to(tl.int64) * stride_slot
+        base = id0.to(offset_type) * stride_block + first_slot.to(offset_type) * stride_slot
+        rows = base + offs_n.to(offset_type) * stride_slot
         if KV_PATH == "two_blocks":
             # Rows past the block's end move from block id0 slot BLOCK_SIZE + i to block id1
             # slot i.
-            jump = (id1 - id0).to(tl.int64) * stride_block - BLOCK_SIZE * stride_slot
+            jump = (id1 - id0).to(offset_type) * stride_block - BLOCK_SIZE * stride_slot
             # (A select here hides the rows' alignment from the pipeliner; a product does not.)
-            rows += (offs_n >= BLOCK_SIZE - first_slot).to(tl.int64) * jump
+            rows += (offs_n >= BLOCK_SIZE - first_slot).to(offset_type) * jump
     return rows
 
 
@@ -159,6 +167,7 @@ def _attend_tiles(
     state,
     q,
     caches,
+    descs,
     table,
     first_tile,
     tiles_start,
@@ -173,6 +182,7 @@ def _attend_tiles(
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -181,6 +191,7 @@ def _attend_tiles(
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
     at ``tiles_start + (j - 1) * BLOCK_N``. The one tile body of both loops: ``MASKED`` adds the
@@ -188,8 +199,9 @@ def _attend_tiles(
 
     ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated; ``caches`` the K and
     V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
-    block stride, slot stride[, dim stride])``; ``table`` the sequence's ``(block table row,
-    column stride)``.
+    block stride, slot stride[, dim stride])``; ``descs`` (``TMA``) the K and V descriptors and
+    the KV head's first column in them; ``table`` the sequence's ``(block table row, column
+    stride)``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
     ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
@@ -231,6 +243,9 @@ def _attend_tiles(
     id0, id1, ids = _tile_block_ids(
         table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
     )
+    # TMA: whole tiles of the contiguous path are descriptor loads (masked tiles load only the
+    # keys they show, so they stay pointer loads).
+    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and KV_PATH == "contiguous"
     for j in range(0, num_tiles):
         if MASKED:
             n_start = tl.where(j == 0, first_tile, tiles_start + (j - 1) * BLOCK_N)
@@ -246,17 +261,25 @@ def _attend_tiles(
             BLOCK_SIZE,
             KV_PATH,
         )
-        k_rows = _tile_rows(id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
+        k_rows = _tile_rows(
+            id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+        )
         if share_rows:
             v_rows = k_rows
         else:
-            v_rows = _tile_rows(id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH)
+            v_rows = _tile_rows(
+                id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+            )
         if QUANTIZED:
-            ks_rows = _tile_rows(id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
+            ks_rows = _tile_rows(
+                id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+            )
             if share_rows:
                 vs_rows = ks_rows
             else:
-                vs_rows = _tile_rows(id0, id1, ids, n_start, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH)
+                vs_rows = _tile_rows(
+                    id0, id1, ids, n_start, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+                )
         if MASKED:
             keys = n_start + offs_n
             n_mask = (keys >= keys_lo) & (keys < keys_hi)
@@ -266,6 +289,10 @@ def _attend_tiles(
             if QUANTIZED:
                 k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, BLOCK_N)
                 v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, BLOCK_N)
+        elif DESCRIPTOR_LOADS:
+            tile_row = id0 * BLOCK_SIZE + n_start % BLOCK_SIZE
+            k = descs[0].load([tile_row, descs[2]])
+            v = descs[1].load([tile_row, descs[2]])
         else:
             if HEAD_DIM == BLOCK_D:
                 k = tl.load(k_dims + k_rows[:, None])
@@ -334,6 +361,7 @@ def _attend_run(
     state,
     q,
     caches,
+    descs,
     table,
     run_lo,
     run_hi,
@@ -346,6 +374,7 @@ def _attend_run(
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
@@ -353,6 +382,7 @@ def _attend_run(
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
@@ -385,6 +415,7 @@ def _attend_run(
             state,
             q,
             caches,
+            descs,
             table,
             first_tile,
             tiles_start,
@@ -399,6 +430,7 @@ def _attend_run(
             BLOCK_SIZE,
             KV_PATH,
             SAME_KV_STRIDES,
+            OFFSETS_32,
             masked == 1,
             UPCAST,
             DOT_PRECISION,
@@ -407,6 +439,7 @@ def _attend_run(
             INT8_MMA,
             PV_DTYPE,
             EXPLICIT_ROUNDING,
+            TMA,
         )
     return state
 
@@ -439,6 +472,7 @@ def _paged_attention_kernel(
     v_equalizer_ptr,
     scale_log2,
     gaps_per_row,
+    pool_rows,
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
@@ -475,6 +509,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -489,6 +524,7 @@ def _paged_attention_kernel(
     HAS_LSE: tl.constexpr,
     HAS_K_EQUALIZER: tl.constexpr,
     HAS_V_EQUALIZER: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -575,6 +611,22 @@ def _paged_attention_kernel(
             (v_scale_ptr + kv_head_i64 * stride_vs_head, stride_vs_block, stride_vs_slot),
         )
 
+    if TMA:
+        # Each pool as a 2-D tensor of (block, slot) rows and (KV head, channel) columns: a key
+        # tile inside one block is one descriptor load (the launcher checked the layout).
+        row = tl.num_programs(2) * HEAD_DIM
+        descs = (
+            tl.make_tensor_descriptor(
+                k_ptr, [pool_rows, row], [stride_k_slot, 1], [BLOCK_N, BLOCK_D]
+            ),
+            tl.make_tensor_descriptor(
+                v_ptr, [pool_rows, row], [stride_v_slot, 1], [BLOCK_N, BLOCK_D]
+            ),
+            kv_head * HEAD_DIM,
+        )
+    else:
+        descs = (0, 0, 0)
+
     if HAS_KEY_GAP:
         # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing
         # ones load as the empty [0, 0). Visible runs between gaps are attended one by one.
@@ -594,6 +646,7 @@ def _paged_attention_kernel(
                 (acc, row_max, row_sum, acc_scale),
                 q,
                 caches,
+                descs,
                 table,
                 run_lo,
                 run_hi,
@@ -606,6 +659,7 @@ def _paged_attention_kernel(
                 BLOCK_SIZE,
                 KV_PATH,
                 SAME_KV_STRIDES,
+                OFFSETS_32,
                 UPCAST,
                 DOT_PRECISION,
                 QUANTIZED,
@@ -613,6 +667,7 @@ def _paged_attention_kernel(
                 INT8_MMA,
                 PV_DTYPE,
                 EXPLICIT_ROUNDING,
+                TMA,
             )
             # Skip the union of the gaps that cover run_hi.
             for _ in tl.static_range(GAPS):
@@ -624,6 +679,7 @@ def _paged_attention_kernel(
             (acc, row_max, row_sum, acc_scale),
             q,
             caches,
+            descs,
             table,
             k_len * 0,
             keys_end,
@@ -636,6 +692,7 @@ def _paged_attention_kernel(
             BLOCK_SIZE,
             KV_PATH,
             SAME_KV_STRIDES,
+            OFFSETS_32,
             UPCAST,
             DOT_PRECISION,
             QUANTIZED,
@@ -643,6 +700,7 @@ def _paged_attention_kernel(
             INT8_MMA,
             PV_DTYPE,
             EXPLICIT_ROUNDING,
+            TMA,
         )
 
     # A query with no visible key outputs zeros, as FlashAttention does.

@@ -12,10 +12,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import _checks, torch_path
+from paged_video.kernels import _checks, launch_table, torch_path
 from paged_video.kernels._attention_checks import check_arguments
 from paged_video.kernels._attention_jit import _paged_attention_kernel
+from paged_video.kernels._attention_ws_jit import _paged_attention_ws_kernel
 from paged_video.kernels._runtime import interpreter_active, use_torch_path
+from paged_video.kernels.merge_states import merge_attention_states
 
 LOG2E = 1.4426950408889634
 # The 16-bit compute dtypes, as Triton names them (the INT8-MMA mode's P V).
@@ -38,6 +40,127 @@ _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
 }
 
 
+def _largest_offset(pool: Tensor) -> int:
+    """The largest element offset into a pool from its first element (strides are >= 0)."""
+    return sum((size - 1) * stride for size, stride in zip(pool.shape, pool.stride(), strict=True))
+
+
+def _descriptor_layout(k_cache: Tensor, v_cache: Tensor, block_d: int, head_dim: int) -> bool:
+    """True when each pool reads as the 2-D tensor of (block, slot) rows and (KV head, channel)
+    columns that the TMA loop's descriptors describe, within TMA's limits."""
+    if block_d != head_dim:
+        return False  # a tile's columns would run into the next head's
+    for pool in (k_cache, v_cache):
+        blocks, block_size, heads, _ = pool.shape
+        stride_block, stride_slot, stride_head, stride_dim = pool.stride()
+        size = pool.element_size()
+        if stride_dim != 1 or stride_head != head_dim or stride_slot != heads * head_dim:
+            return False
+        if stride_block != block_size * stride_slot or blocks * block_size >= 2**31:
+            return False
+        if pool.data_ptr() % 16 or stride_slot * size % 16:
+            return False
+    return True
+
+
+def _warp_specialized_refusal(
+    q: Tensor, group: int, causal: bool, key_limits: Tensor | None, key_gap: Tensor | None
+) -> str | None:
+    """Why the warp-specialized kernel cannot take a call (None: it can)."""
+    if causal or key_limits is not None or key_gap is not None:
+        return "attends whole tiles unmasked: no causal, key_limits or key_gap"
+    if group != 1:
+        return "takes one query head per KV head"
+    if q.dtype == torch.float32 and not interpreter_active():
+        return "takes fp16/bf16 queries on a GPU (float32 MMAs do not specialize)"
+    size = q.element_size()
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) * size % 16:
+        return "needs q's heads and channels packed, rows 16-byte aligned"
+    if q.data_ptr() % 16 or q.shape[0] >= 2**31:
+        return "needs q 16-byte aligned, fewer than 2**31 tokens"
+    return None
+
+
+def _warp_specialized(
+    args: tuple[Tensor, ...],
+    *,
+    max_seqlen_q: int,
+    scale: float,
+    tiles: dict,
+    out: Tensor,
+    lse: Tensor | None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ``ws`` variant: the whole key tiles in the warp-specialized kernel, the partial last
+    tile of each sequence in the masked kernel (a key gap hides the whole tiles from it), merged
+    by their log-sum-exps. ``scale`` >= 0."""
+    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k = args
+    block_n, block_size = tiles["BLOCK_N"], k_cache.shape[1]
+    whole_out = torch.empty_like(q)
+    whole_lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if not interpreter_active():
+        _ensure_allocator()
+    grid = (triton.cdiv(max_seqlen_q, tiles["BLOCK_M"]), block_table.shape[0], k_cache.shape[2])
+    _paged_attention_ws_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        whole_out,
+        whole_lse,
+        block_table,
+        cu_seqlens_q,
+        seq_lens_k,
+        scale * LOG2E,
+        k_cache.shape[0] * block_size,
+        q.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(1),
+        *whole_out.stride()[:2],
+        *block_table.stride(),
+        *whole_lse.stride(),
+        BLOCK_M=tiles["BLOCK_M"],
+        BLOCK_N=block_n,
+        HEAD_DIM=q.shape[2],
+        BLOCK_SIZE=block_size,
+        # Triton specializes 4-warp consumers (at 8 warps it builds a plain loop).
+        num_warps=4,
+        num_stages=tiles["num_stages"],
+    )
+    whole = (seq_lens_k // block_n * block_n).to(torch.int32)
+    key_gap = torch.stack([torch.zeros_like(whole), whole], dim=-1)
+    tail_out, tail_lse = paged_attention(
+        *args,
+        max_seqlen_q=max_seqlen_q,
+        softmax_scale=scale,
+        key_gap=key_gap,
+        block_m=tiles["BLOCK_M"],
+        block_n=block_n,
+        variant="cp_async",
+        check_values=False,
+        return_lse=True,
+    )
+    out, out_lse = merge_attention_states(
+        whole_out, whole_lse, tail_out, tail_lse, out=out, out_lse=lse
+    )
+    return (out, out_lse) if lse is not None else out
+
+
+def _ensure_allocator() -> None:
+    """Give Triton a scratch allocator for device-made descriptors, unless one is set."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(
+            lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda")
+        )
+
+
+def table_key(block_size: int, head_dim: int) -> tuple[int, str]:
+    """A 16-bit call's row of the launch table: its head_dim class and its key path at the
+    built-in key tile of that class."""
+    dim_class = launch_table.head_dim_class(head_dim)
+    return dim_class, kv_path(block_size, _GPU_TILES[(dim_class, True)][1])
+
+
 def kv_path(block_size: int, block_n: int) -> str:
     """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``."""
     if block_size % block_n == 0:
@@ -57,7 +180,8 @@ def choose_tiles(
     dequantize: bool = False,
     fp8_mma: bool = False,
     int8_mma: bool = False,
-) -> dict[str, int | str]:
+    variant: str | None = None,
+) -> dict[str, int | str | bool]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
     A tile's M rows are (query, head) pairs of one KV head, so ``heads_per_kv_head`` times the
@@ -78,6 +202,14 @@ def choose_tiles(
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+    quantized = dequantize or fp8_mma or int8_mma
+    if variant is not None and variant not in launch_table.VARIANTS:
+        raise ValueError(
+            f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
+        )
+    if variant in ("tma", "ws") and quantized:
+        raise ValueError(f"variant {variant!r} loads unquantized caches only; use 'cp_async'")
+    chosen = "cp_async"
     rows = max(1, max_seqlen_q) * max(1, heads_per_kv_head)
     short_q = max(16, triton.next_power_of_2(rows))
     if interpreter_active():
@@ -86,16 +218,29 @@ def choose_tiles(
     else:
         dim_class = next(d for d in (64, 128, 256) if head_dim <= d)
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
+        row = None
+        if not quantized and dtype != torch.float32:
+            row = launch_table.lookup(*table_key(block_size, head_dim), "same")
+        # The table's settings belong to its tile: a caller's other tile keeps the defaults.
+        if row is not None and block_n in (None, row["block_n"]):
+            default_n, warps, stages = row["block_n"], row["num_warps"], row["num_stages"]
+            chosen = row["variant"]
         if short_q < default_m:
             default_m, warps = short_q, 4
         stages += dequantize
     tile_m = block_m or default_m
     tile_n = block_n or default_n
+    path = kv_path(block_size, tile_n)
+    variant = variant or chosen
+    # Descriptor loads are for tiles inside one block; other paths keep the pointer loop.
+    variant = variant if path == "contiguous" else "cp_async"
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
         "BLOCK_D": max(32 if fp8_mma or int8_mma else 16, triton.next_power_of_2(head_dim)),
-        "KV_PATH": kv_path(block_size, tile_n),
+        "KV_PATH": path,
+        "TMA": variant in ("tma", "ws"),
+        "VARIANT": variant,
         "num_warps": warps,
         "num_stages": stages,
     }
@@ -117,6 +262,7 @@ def paged_attention(
     key_gap: Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    variant: str | None = None,
     check_values: bool = True,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
@@ -132,8 +278,9 @@ def paged_attention(
     mixed causal/full masks; ``key_gap`` (int32 ``(batch, 2)`` or ``(batch, gaps, 2)``) hides
     keys ``lo <= j < hi`` of each row, e.g. the boundary tokens of an exact window, or the
     unwritten slots between a video run that ends mid-block and the action blocks.
-    ``block_m``/``block_n`` override the tile. ``check_values=False`` skips the checks that
-    read tensor values (no device sync).
+    ``block_m``/``block_n`` override the tile; ``variant`` the key loop (``"cp_async"``,
+    ``"tma"`` or ``"ws"``; default: the launch table's choice, docs/kernels.md).
+    ``check_values=False`` skips the checks that read tensor values (no device sync).
 
     Quantized caches (``float8_e4m3fn`` or ``int8`` codes, docs/quantization.md) need ``k_scale``
     and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
@@ -204,7 +351,23 @@ def paged_attention(
         dequantize=k_scale is not None and not fp8_mma and not int8_mma,
         fp8_mma=fp8_mma,
         int8_mma=int8_mma,
+        variant=variant,
     )
+    chosen_variant = tiles.pop("VARIANT")
+    if tiles["TMA"] and not _descriptor_layout(k_cache, v_cache, tiles["BLOCK_D"], head_dim):
+        if variant is not None:
+            raise ValueError(
+                f"variant {variant!r} needs caches a tensor descriptor can read (16-byte aligned "
+                "pointer and strides, unit channel stride, blocks of contiguous slots, "
+                "head_dim a power of two, fewer than 2**31 slots); use 'cp_async'"
+            )
+        tiles["TMA"], chosen_variant = False, "cp_async"
+    if chosen_variant == "ws":
+        refusal = _warp_specialized_refusal(q, group, causal, key_limits, key_gap)
+        if refusal and variant is not None:
+            raise ValueError(f"variant 'ws' {refusal}; use 'tma'")
+        if refusal:
+            chosen_variant = "tma"
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -236,6 +399,15 @@ def paged_attention(
     if scale < 0:
         # The kernel's unmasked loop takes the row max of unscaled scores: keep the scale >= 0.
         q, scale = -q, -scale
+    if chosen_variant == "ws":
+        return _warp_specialized(
+            (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k),
+            max_seqlen_q=max_seqlen_q,
+            scale=scale,
+            tiles=tiles,
+            out=out,
+            lse=lse,
+        )
     upcast = interpreter_active() or q.dtype == torch.float32
     if key_gap is not None:
         key_gap = key_gap.reshape(batch, -1, 2).contiguous()
@@ -245,9 +417,14 @@ def paged_attention(
     # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
     scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
     same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
+    # int32 row offsets when the pools allow (unquantized caches: the quantized modes' register
+    # budget is tuned on their own).
+    offsets_32 = k_scale is None and max(map(_largest_offset, (k_cache, v_cache))) < 2**31
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
     ]
+    if tiles["TMA"] and not interpreter_active():
+        _ensure_allocator()  # the kernel makes its descriptors in global scratch memory
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -265,6 +442,7 @@ def paged_attention(
         v_equalizer,
         scale * LOG2E,
         gaps_per_row,
+        k_cache.shape[0] * block_size,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -278,6 +456,7 @@ def paged_attention(
         GROUP=group,
         BLOCK_SIZE=block_size,
         SAME_KV_STRIDES=same_strides,
+        OFFSETS_32=offsets_32,
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         FP8_MMA=fp8_mma,

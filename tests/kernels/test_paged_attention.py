@@ -430,8 +430,12 @@ def test_strided_inputs() -> None:
     run_and_compare(case)
 
 
-def test_offsets_past_int32() -> None:
-    # The used blocks sit past 2**31 elements into the cache: offsets computed in int32 wrap.
+@pytest.mark.parametrize(
+    "launch", [{}, {"block_n": 16, "variant": "tma"}], ids=["default", "tma-contiguous"]
+)
+def test_offsets_past_int32(launch: dict) -> None:
+    # The used blocks sit past 2**31 elements into the cache: offsets computed in int32 wrap
+    # (the TMA variant's descriptor rows are block * block_size + slot, its addresses 64-bit).
     block_size, heads, dim = 16, 1, 64
     per_block = block_size * heads * dim
     num_blocks = 2**31 // per_block + 8
@@ -448,7 +452,7 @@ def test_offsets_past_int32() -> None:
     q = torch.randn(10, 2, dim, generator=gen).half().to(DEVICE)
     cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
-    got = kernels.paged_attention(q, k_cache, v_cache, table, cu, lens, max_seqlen_q=10)
+    got = kernels.paged_attention(q, k_cache, v_cache, table, cu, lens, max_seqlen_q=10, **launch)
     want = reference.paged_attention(q, k_cache, v_cache, table, cu, lens, max_seqlen_q=10)
     assert (got.double() - want.double()).abs().max().item() < 2e-3
 

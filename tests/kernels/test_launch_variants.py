@@ -1,0 +1,311 @@
+"""The key-loop variants of ``paged_attention`` (``variant=``) and the launch table.
+
+The TMA and warp-specialized variants' descriptor loads run under the interpreter (Triton's
+interpreter implements tensor descriptors; it ignores ``warp_specialize``, so the
+warp-specialized kernel runs as a plain loop there), so both are checked against the float64
+oracle like the default loop: on the contiguous path (whole tiles through descriptors, masked
+tiles through pointers; for ``ws`` the partial tiles in the masked kernel, merged by LSE) and
+on the other paths (where they keep the pointer loop). Their machine code (TMA loads, warp
+partitions) is checked by tests/bench/test_compile_report.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from paged_video import kernels
+from paged_video.kernels import launch_table
+from tests.helpers import DEVICE, ON_GPU, nan_like
+from tests.kernels.paged_case import make_paged_case
+from tests.kernels.test_paged_attention import run_and_compare
+
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
+# The warp-specialized kernel takes 16-bit queries on a GPU; the interpreter runs float32 too.
+WS_DTYPE = torch.float16 if ON_GPU else torch.float32
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n, head_dim",
+    [
+        pytest.param(16, 16, 64, id="contiguous-B16-N16-D64"),
+        pytest.param(64, 32, 128, id="contiguous-B64-N32-D128"),
+        pytest.param(256, 64, 32, id="contiguous-B256-N64-D32"),
+        pytest.param(24, 16, 64, id="two_blocks-B24-N16"),
+        pytest.param(1560, 64, 16, id="two_blocks-B1560-N64"),
+        pytest.param(7, 16, 16, id="rows-B7-N16"),
+        pytest.param(1, 16, 16, id="rows-B1-N16"),
+    ],
+)
+def test_tma_variant_matches_oracle(block_size: int, block_n: int, head_dim: int) -> None:
+    # GQA, a chunk of queries at the end of the keys (causal), per-row limits and a gap: whole
+    # tiles before, between and after masked ones; NaN-poisoned pool and output.
+    k_len = 5 * block_n + 9 if block_size <= 64 else block_size + 2 * block_n + 9
+    case = make_paged_case(
+        q_lens=[21, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        device=DEVICE,
+    )
+    tiles = kernels.choose_tiles(
+        block_size=block_size,
+        head_dim=head_dim,
+        max_seqlen_q=21,
+        dtype=torch.float32,
+        block_n=block_n,
+        variant="tma",
+    )
+    assert tiles["TMA"] == (tiles["KV_PATH"] == "contiguous")
+    gen = torch.Generator().manual_seed(block_size)
+    key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
+    key_gap = torch.tensor([[[block_n + 3, 2 * block_n + 1]], [[1, 2]]], dtype=torch.int32)
+    run_and_compare(
+        case,
+        causal=True,
+        key_limits=key_limits.to(DEVICE),
+        key_gap=key_gap.to(DEVICE),
+        block_m=16,
+        block_n=block_n,
+        variant="tma",
+    )
+
+
+def test_tma_variant_plain_long_run() -> None:
+    # No masks: every tile but the last is a descriptor load, with a permuted table.
+    case = make_paged_case(q_lens=[9, 16], k_lens=[200, 64], block_size=32, device=DEVICE)
+    run_and_compare(case, block_m=16, block_n=32, variant="tma")
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n, head_dim, k_lens",
+    [
+        pytest.param(16, 16, 64, [59, 17, 5, 32], id="B16-N16-D64"),
+        pytest.param(64, 32, 128, [200, 64, 31, 1], id="B64-N32-D128"),
+        pytest.param(256, 64, 32, [300, 0, 64, 129], id="B256-N64-D32"),
+    ],
+)
+def test_warp_specialized_variant_matches_oracle(
+    block_size: int, block_n: int, head_dim: int, k_lens: list[int]
+) -> None:
+    # Whole tiles and a partial last tile, a sequence shorter than a tile, one with no keys,
+    # one with no queries; NaN-poisoned pool and output; the LSE of the merge.
+    case = make_paged_case(
+        q_lens=[32, 5, 0, 7],
+        k_lens=k_lens,
+        block_size=block_size,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        dtype=WS_DTYPE,
+        device=DEVICE,
+    )
+    tiles = kernels.choose_tiles(
+        block_size=block_size,
+        head_dim=head_dim,
+        max_seqlen_q=32,
+        dtype=WS_DTYPE,
+        block_n=block_n,
+        variant="ws",
+    )
+    assert (tiles["KV_PATH"], tiles["VARIANT"]) == ("contiguous", "ws")
+    run_and_compare(case, block_m=16, block_n=block_n, variant="ws")
+
+
+def test_warp_specialized_kernel_attends_the_whole_tiles(monkeypatch) -> None:
+    # The masked kernel sees only the partial tiles: a key gap hides the whole ones from it.
+    case = make_paged_case(
+        q_lens=[8], k_lens=[70], block_size=16, num_kv_heads=4, dtype=WS_DTYPE, device=DEVICE
+    )
+    gaps = []
+    real = kernels.paged_attention
+
+    def spy(*args, **kwargs):
+        if kwargs.get("key_gap") is not None:
+            gaps.append(kwargs["key_gap"].tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launcher, "paged_attention", spy)
+    run_and_compare(case, block_m=16, block_n=16, variant="ws")
+    assert gaps == [[[0, 64]]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(causal=True), "no causal"),
+        (dict(key_limits=torch.full((8,), 20, dtype=torch.int32)), "key_limits"),
+        (dict(key_gap=torch.tensor([[3, 9]], dtype=torch.int32)), "key_gap"),
+    ],
+    ids=["causal", "key_limits", "key_gap"],
+)
+def test_warp_specialized_refusals(kwargs: dict, message: str) -> None:
+    case = make_paged_case(q_lens=[8], k_lens=[40], block_size=16, num_kv_heads=4, device=DEVICE)
+    out = nan_like(case.q)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=f"variant 'ws' .*{message}"):
+        kernels.paged_attention(
+            *case.args(), max_seqlen_q=8, out=out, block_n=16, variant="ws", **kwargs
+        )
+    assert torch.isnan(out).all()
+
+
+def test_warp_specialized_refuses_gqa_and_falls_back_when_chosen(monkeypatch) -> None:
+    case = make_paged_case(q_lens=[8], k_lens=[40], block_size=16, device=DEVICE)  # GQA 4:2
+    with pytest.raises(ValueError, match="one query head per KV head"):
+        kernels.paged_attention(*case.args(), max_seqlen_q=8, block_n=16, variant="ws")
+    # Chosen by the table, it falls back to the TMA loop, which takes GQA and masks.
+    real = launcher.choose_tiles
+    monkeypatch.setattr(
+        launcher, "choose_tiles", lambda **kw: real(**{**kw, "variant": kw["variant"] or "ws"})
+    )
+    key_limits = torch.full((8,), 30, dtype=torch.int32, device=DEVICE)
+    run_and_compare(case, causal=True, key_limits=key_limits, block_m=16, block_n=16)
+
+
+def test_warp_specialized_refuses_float32_on_a_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    q = torch.zeros(4, 2, 64)
+    assert "fp16/bf16" in launcher._warp_specialized_refusal(q, 1, False, None, None)
+    assert launcher._warp_specialized_refusal(q.half(), 1, False, None, None) is None
+
+
+def test_variant_names_are_checked() -> None:
+    case = make_paged_case(q_lens=[4], k_lens=[20], block_size=16, device=DEVICE)
+    out = nan_like(case.q)
+    with pytest.raises(ValueError, match="variant"):
+        kernels.paged_attention(*case.args(), max_seqlen_q=4, out=out, variant="wgmma")
+    assert torch.isnan(out).all()
+
+
+def test_tma_refuses_quantized_caches() -> None:
+    with pytest.raises(ValueError, match="variant 'tma' loads unquantized"):
+        kernels.choose_tiles(
+            block_size=64,
+            head_dim=64,
+            max_seqlen_q=8,
+            dtype=torch.float16,
+            dequantize=True,
+            variant="tma",
+        )
+
+
+def test_tma_refuses_a_layout_descriptors_cannot_read() -> None:
+    # head_dim 80 pads to 128 columns, which would run into the next head: refused, nothing
+    # written. Without the check the tile's extra columns read the next head (NaN-poisoned).
+    case = make_paged_case(q_lens=[4], k_lens=[40], block_size=16, head_dim=80, device=DEVICE)
+    out = nan_like(case.q)
+    with pytest.raises(ValueError, match="variant 'tma' needs caches"):
+        kernels.paged_attention(*case.args(), max_seqlen_q=4, out=out, block_n=16, variant="tma")
+    assert torch.isnan(out).all()
+
+
+def test_strided_pool_refused_for_tma_and_fine_when_the_table_chose_it(monkeypatch) -> None:
+    # Every other KV head of a wider pool: descriptors would read the wrong columns.
+    case = make_paged_case(q_lens=[9], k_lens=[70], block_size=16, device=DEVICE)
+    case.k_cache = torch.cat([case.k_cache, case.k_cache], dim=2)[:, :, ::2]
+    case.v_cache = torch.cat([case.v_cache, case.v_cache], dim=2)[:, :, ::2]
+    with pytest.raises(ValueError, match="variant 'tma' needs caches"):
+        kernels.paged_attention(*case.args(), max_seqlen_q=9, block_n=16, variant="tma")
+    # A default that cannot apply is not an error: the pointer loop runs.
+    real = launcher.choose_tiles
+    monkeypatch.setattr(
+        launcher, "choose_tiles", lambda **kw: real(**{**kw, "variant": kw["variant"] or "tma"})
+    )
+    run_and_compare(case, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(head_dim=80),
+        dict(stride_dim=2),
+        dict(stride_block_extra=64),
+        dict(stride_slot_bytes=8),
+        dict(slots=2**31),
+    ],
+    ids=str,
+)
+def test_descriptor_layout_conditions(change: dict) -> None:
+    # Meta tensors: shapes and strides without memory, so 2**31 slots cost nothing.
+    heads, head_dim, block_size = 2, 64, 16
+    blocks = change.get("slots", 64) // block_size
+
+    def pool(**c) -> torch.Tensor:
+        d = c.get("head_dim", head_dim)
+        slot = heads * d if "stride_slot_bytes" not in c else c["stride_slot_bytes"] // 2
+        dim = c.get("stride_dim", 1)
+        stride = (block_size * slot + c.get("stride_block_extra", 0), slot, d * dim, dim)
+        return torch.empty_strided(
+            (blocks, block_size, heads, d), stride, dtype=torch.bfloat16, device="meta"
+        )
+
+    good = pool()
+    d = change.get("head_dim", head_dim)
+    assert launcher._descriptor_layout(good, good, head_dim, head_dim) == ("slots" not in change)
+    bad = pool(**change)
+    block_d = 1 << (d - 1).bit_length()  # BLOCK_D: head_dim rounded up to a power of two
+    assert not launcher._descriptor_layout(bad, bad, block_d, d)
+
+
+def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    choices = {
+        (128, "contiguous", "same"): dict(variant="tma", block_n=128, num_warps=8, num_stages=2),
+        (128, "two_blocks", "same"): dict(
+            variant="cp_async", block_n=64, num_warps=4, num_stages=4
+        ),
+    }
+    monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: choices.get((d, p, m)))
+    shipped = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
+    tiles = kernels.choose_tiles(block_size=256, **shipped)
+    assert (tiles["BLOCK_N"], tiles["TMA"], tiles["num_warps"], tiles["num_stages"]) == (
+        128,
+        True,
+        8,
+        2,
+    )
+    tiles = kernels.choose_tiles(block_size=1560, **shipped)
+    assert (tiles["TMA"], tiles["num_warps"], tiles["num_stages"]) == (False, 4, 4)
+    # Caller overrides win; another tile keeps the built-in settings, not the table's.
+    tiles = kernels.choose_tiles(block_size=256, variant="cp_async", **shipped)
+    assert (tiles["BLOCK_N"], tiles["TMA"]) == (128, False)
+    tiles = kernels.choose_tiles(block_size=256, block_n=64, **shipped)
+    assert (tiles["BLOCK_N"], tiles["TMA"], tiles["num_stages"]) == (64, False, 3)
+    # Quantized caches and float32 do not read the 16-bit table.
+    tiles = kernels.choose_tiles(block_size=256, dequantize=True, **shipped)
+    assert (tiles["BLOCK_N"], tiles["TMA"]) == (64, False)
+
+
+def test_shipped_launch_table_is_complete() -> None:
+    table = launch_table.read_table()
+    keys = {(r["head_dim"], r["kv_path"], r["mode"]) for r in table["choices"]}
+    for head_dim in launch_table.HEAD_DIM_CLASSES:
+        for path in launch_table.KV_PATHS:
+            assert (head_dim, path, "same") in keys
+    assert all(r["source"] in launch_table.SOURCES for r in table["choices"])
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda t: t["choices"][0].update(variant="wgmma"), "variant"),
+        (lambda t: t["choices"][0].update(block_n=48), "block_n"),
+        (lambda t: t["choices"].append(dict(t["choices"][0])), "repeats"),
+        (lambda t: t["choices"][1].pop("commit"), "choice 1 needs"),
+        (lambda t: t["choices"][0].update(source="a guess"), "source"),
+        (lambda t: t["choices"][0].update(device=""), "device"),
+        (lambda t: t.pop("about"), "about"),
+    ],
+)
+def test_launch_table_checks(breakage, message: str) -> None:
+    table = json.loads(launch_table.TABLE_PATH.read_text())
+    launch_table.check_table(json.loads(json.dumps(table)))
+    breakage(table)
+    with pytest.raises(ValueError, match=message):
+        launch_table.check_table(table)
