@@ -138,7 +138,7 @@ def _load_scales(scales, rows, n_mask, MASKED: tl.constexpr, BLOCK_N: tl.constex
     consumer wants, here the score MMA's, where each thread holds a quarter of the tile's
     columns: the address arithmetic, and on the ``rows`` path every block id read, division
     and modulo, then ran once per column per thread (block 24: 1157 SASS instructions per
-    iteration and spills, where this wide load takes 652 and none). A load this wide keeps its
+    iteration and spills, where this wide load takes 624 and none). A load this wide keeps its
     own layout; the scales then move to the MMA's through shared memory once.
     """
     SPREAD: tl.constexpr = 256 // BLOCK_N if BLOCK_N < 256 else 1

@@ -194,7 +194,7 @@ def choose_tiles(
     the table's stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
     Every quantized mode takes the table's 64-key tiles, on Triton 3.9 as on 3.6: at hd 128,
     bf16, blocks 16/24/64/1560 they compile without spills (but FP8-MMA at block 1560 on 3.9,
-    16/20 bytes outside the key loops) at 8.5-10.2 SASS instructions per key; 3.6 once took
+    12/16 bytes outside the key loops) at 8.3-9.8 SASS instructions per key; 3.6 once took
     32-key tiles (13.4-20.3 per key), when its 64-key ones spilled 250-480 bytes; 128-key
     tiles spill on 3.6. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D``
     is at least 32.
@@ -417,9 +417,9 @@ def paged_attention(
     # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
     scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
     same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
-    # int32 row offsets when the pools allow (unquantized caches: the quantized modes' register
-    # budget is tuned on their own).
-    offsets_32 = k_scale is None and max(map(_largest_offset, (k_cache, v_cache))) < 2**31
+    # int32 row offsets when every offset into the pools (and their scale pools) fits.
+    pools = [pool for pool in (k_cache, v_cache, k_scale, v_scale) if pool is not None]
+    offsets_32 = max(map(_largest_offset, pools)) < 2**31
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
     ]

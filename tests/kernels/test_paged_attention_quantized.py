@@ -425,3 +425,34 @@ def test_e4m3_rounding_is_nearest_even() -> None:
     _round_kernel[(1,)](x, out, N=256, EXPLICIT_ROUNDING=_runtime.interpreter_active())
     want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
     assert torch.equal(out, want), (x[out != want], out[out != want], want[out != want])
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_offsets_past_int32(dtype: torch.dtype) -> None:
+    # The used blocks sit past 2**31 codes into the pools: the launcher must fall back to 64-bit
+    # row offsets for codes and scales alike (int32 offsets would wrap).
+    block_size, heads, dim = 16, 1, 64
+    per_block = block_size * heads * dim
+    num_blocks = 2**31 // per_block + 8
+    far = [num_blocks - 3, num_blocks - 1, 2]
+    assert far[0] * per_block > 2**31
+    # torch.empty does not touch memory; only the blocks written below become resident.
+    codes = [torch.empty(num_blocks, block_size, heads, dim, dtype=dtype) for _ in "kv"]
+    scales = [torch.empty(num_blocks, block_size, heads) for _ in "kv"]
+    gen = torch.Generator().manual_seed(3)
+    for block in far:
+        for pool, scale in zip(codes, scales, strict=True):
+            block_codes, block_scale = quantize(
+                torch.randn(block_size, heads, dim, generator=gen), dtype
+            )
+            pool[block], scale[block] = block_codes, block_scale
+    k_codes, v_codes, k_scale, v_scale = (t.to(DEVICE) for t in (*codes, *scales))
+    q = torch.randn(10, 2, dim, generator=gen).to(DEVICE)
+    table = torch.tensor([far + [0]], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    args = (q, k_codes, v_codes, table, cu, lens)
+    quantized = {"k_scale": k_scale, "v_scale": v_scale, "max_seqlen_q": 10}
+    got = kernels.paged_attention(*args, **quantized)
+    want = oracle(args, quantized)
+    assert (got.double() - want).abs().max().item() < FP32_ATOL * want.abs().max().item() + 1e-6
