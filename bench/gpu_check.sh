@@ -24,12 +24,13 @@
 #    K smoothing on (the default), every data kind, format, mode (the INT8-MMA one too) with
 #    and without channel equalization, each beside its float64 floor (OUT_DIR/accuracy.csv, log
 #    in OUT_DIR/accuracy.log, table printed);
-# 5. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
-# 6. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
+# 5. the compile report with this machine's Triton and ptxas at blocks 16 and 1560
+#    (OUT_DIR/compile.csv; informative, not part of the exit status);
+# 6. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
+# 7. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
 #    over the bf16 pool and their goals), printed last.
-# Each stage has a time limit (SWEEP_TIMEOUT, LAUNCH_TIMEOUT, ACCURACY_TIMEOUT, TEST_TIMEOUT
-# seconds); a sweep
-# cut short still leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS
+# Each stage has a time limit (SWEEP_TIMEOUT, LAUNCH_TIMEOUT, ACCURACY_TIMEOUT, COMPILE_TIMEOUT,
+# TEST_TIMEOUT seconds); a sweep cut short still leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS
 # (comma lists) narrow the sweep. PYTHON picks the interpreter (default python3).
 # Exit status: 0 when the sweeps, the choice, the accuracy report and the tests passed, 1
 # otherwise, 2 without a GPU.
@@ -110,7 +111,15 @@ accuracy_rc=$?
 grep -vE "^[a-z0-9-]+ .*: cosine" "$out_dir/accuracy.log" | tail -n 50
 echo "== accuracy: exit $accuracy_rc after $((SECONDS - start))s"
 
-# --- spot for a `python -m paged_video.bench compile` step (the compile report), added by the lead ------
+# The compile report with this machine's own Triton and ptxas: ties the timings above to the
+# machine code the CPU-side report describes (the launch table's defaults, blocks 16 and 1560).
+echo "== compile report (limit ${COMPILE_TIMEOUT:-60}s)"
+start=$SECONDS
+timeout "${COMPILE_TIMEOUT:-60}" "$python" -m paged_video.bench compile --kernels paged_attention \
+    --block-sizes 16,1560 --out "$out_dir" >"$out_dir/compile.log" 2>&1
+compile_rc=$?
+tail -n 6 "$out_dir/compile.log"
+echo "== compile report: exit $compile_rc after $((SECONDS - start))s"
 
 workers=()
 if "$python" -c "import xdist" 2>/dev/null; then

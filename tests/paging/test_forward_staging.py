@@ -1,7 +1,7 @@
 """History staging through ``ForwardCall``: staged and unstaged caches agree bit for bit after
-batched forwards, dropped, cancelled and abandoned plans (issue 9), and the reuse still happens.
+batched forwards, dropped, cancelled and abandoned plans, and the reuse still happens.
 
-The issue's scenarios run the Triton kernels; the longer sequences take the plain-PyTorch path
+The short scenarios run the Triton kernels; the longer sequences take the plain-PyTorch path
 (``plain``), since what they test is the staging record, not the kernels.
 """
 
