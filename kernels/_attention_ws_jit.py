@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LN2 = tl.constexpr(0.6931471805599453)
+from paged_video.kernels._attention_jit import LN2
 
 
 @triton.jit
