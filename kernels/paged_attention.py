@@ -216,7 +216,7 @@ def choose_tiles(
         # 1024 x 512 scores stay under Triton's 2**20-element block limit.
         default_m, default_n, warps, stages = min(1024, short_q), 512, 4, 1
     else:
-        dim_class = next(d for d in (64, 128, 256) if head_dim <= d)
+        dim_class = launch_table.head_dim_class(head_dim)
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
         row = None
         if not quantized and dtype != torch.float32:
