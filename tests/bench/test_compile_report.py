@@ -152,9 +152,14 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
     return Report(rows)
 
 
+def _version_marks(minor: str) -> list:
+    if minor == "3.6" and not _triton36():
+        return [pytest.mark.skip(reason="no Triton 3.6 venv (TRITON36_VENV)")]
+    return []
+
+
 def _versions() -> list:
-    marks = [] if _triton36() else [pytest.mark.skip(reason="no Triton 3.6 venv (TRITON36_VENV)")]
-    return ["3.9", pytest.param("3.6", marks=marks)]
+    return ["3.9", pytest.param("3.6", marks=_version_marks("3.6"))]
 
 
 # ---------------------------------------------------------------- the report tells the truth
@@ -459,16 +464,12 @@ _BLOCK24_QUANTIZED_MISSES = {
 
 
 def _block24_cases() -> list:
-    skip_36 = _versions()[1].marks
     return [
         pytest.param(
             mode,
             minor,
             id=f"{mode}-{minor}",
-            marks=[
-                *(skip_36 if minor == "3.6" else []),
-                *_misses(_BLOCK24_QUANTIZED_MISSES, (mode, minor)),
-            ],
+            marks=_version_marks(minor) + _misses(_BLOCK24_QUANTIZED_MISSES, (mode, minor)),
         )
         for mode, minor in itertools.product(QUANTIZED_MODES, ("3.9", "3.6"))
     ]
