@@ -6,21 +6,29 @@ compile-time constant (a model has one), so no path divides by it at run time. A
 ``BLOCK_N`` rows finds its cache rows one of three ways (``KV_PATH``):
 
 * ``contiguous``: the tile divides the block size, so one table entry gives the whole tile;
-* ``two_blocks``: the block is at least a tile but not a multiple of it, so a tile spans at
-  most two blocks and each row picks one of two bases;
+* ``block_tiles``: a block of several tiles and a remainder (``BLOCK_SIZE % BLOCK_N``, at
+  most a quarter of the block): tiles never straddle a block. Each block's whole tiles are
+  read as on the contiguous path (one table entry per tile), in a key order that skips the
+  remainders (the "grid": ``BLOCK_SIZE // BLOCK_N`` tiles per block); the remainders of all
+  blocks are gathered into tiles of their own ("tails", a table entry per row), attended in a
+  masked loop after the grid's. Softmax does not depend on the order keys are seen in;
+* ``two_blocks``: the block is at least a tile but not a multiple of it (and the remainder is
+  more than a quarter of it), so a tile spans at most two blocks and each row picks one of two
+  bases;
 * ``rows``: blocks smaller than the tile; each row reads its block id (a vector load), or,
   when the block divides the tile, each of the tile's blocks reads it once for all its rows.
 
 The next tile's block ids are read one iteration ahead (loop-carried), so the software pipeliner
 keeps K/V loads as many tiles ahead as in a table-free loop. With ``TMA`` the unmasked loop of
-the contiguous path loads each K/V tile with one tensor-descriptor load (descriptors made on
-the device over the pool seen as (block * slot) rows of (KV head * channel) columns); masked
-tiles keep pointer loads, which skip hidden keys. Key tiles every query row of the
-program sees whole run in an unmasked loop; only tiles touching ``seq_lens_k``, a row's
-``key_limits``, the causal diagonal or a ``key_gap`` edge run masked, and tiles inside a gap are
-skipped. Query heads sharing a KV head are packed into the M dimension, so each K/V tile is
-loaded once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA),
-output in ``q``'s dtype; optionally each row's log-sum-exp (``HAS_LSE``).
+the contiguous and ``block_tiles`` paths loads each K/V tile with one tensor-descriptor load
+(descriptors made on the device over the pool seen as (block * slot) rows of (KV head *
+channel) columns); masked tiles keep pointer loads, which skip hidden keys. Key tiles every
+query row of the program sees whole run in an unmasked loop; only tiles touching
+``seq_lens_k``, a row's ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked,
+and tiles inside a gap are skipped. Query heads sharing a KV head are packed into the M
+dimension, so each K/V tile is loaded once per KV head. Online softmax in float32 (exp2, the
+scale folded into one FFMA), output in ``q``'s dtype; optionally each row's log-sum-exp
+(``HAS_LSE``).
 
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
@@ -54,12 +62,25 @@ def _tile_block_ids(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
+    TAILS: tl.constexpr,
 ):
     """Block ids of the key tile at ``n_start``: ``(first, second, per_row)``; unused ones are 0.
 
     Only entries of keys below ``keys_end`` are read: padding past the sequence is never touched.
+    ``block_tiles``: ``n_start`` is a grid position (``keys_end`` a key), or, ``TAILS``, both are
+    positions among the gathered remainders (``_attend_run``).
     """
-    if KV_PATH == "rows":
+    SPAN: tl.constexpr = BLOCK_SIZE // BLOCK_N * BLOCK_N
+    if KV_PATH == "block_tiles" and TAILS:
+        pos = n_start + tl.arange(0, BLOCK_N)
+        entries = table_row + (pos // (BLOCK_SIZE - SPAN)) * stride_table_col
+        return 0, 0, tl.load(entries, mask=pos < keys_end, other=0)
+    elif KV_PATH == "block_tiles":
+        block = n_start // SPAN
+        first_key = block * BLOCK_SIZE + n_start % SPAN
+        id0 = tl.load(table_row + block * stride_table_col, mask=first_key < keys_end, other=0)
+        return id0, 0, tl.zeros([BLOCK_N], dtype=tl.int32)
+    elif KV_PATH == "rows":
         if BLOCK_N % BLOCK_SIZE == 0:
             # Whole blocks per tile: load each entry once and repeat it over its block's rows.
             NUM_BLOCKS: tl.constexpr = BLOCK_N // BLOCK_SIZE
@@ -97,6 +118,7 @@ def _tile_rows(
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
     OFFSETS_32: tl.constexpr,
+    TAILS: tl.constexpr,
 ):
     """Element offsets of the tile's key rows in one cache (from its head pointer), from its
     block ids: int32 when every offset into the pool fits (``OFFSETS_32``, checked by the
@@ -111,7 +133,16 @@ def _tile_rows(
     stride_block = cache[1]
     stride_slot = cache[2]
     offs_n = tl.arange(0, BLOCK_N)
-    if KV_PATH == "rows":
+    SPAN: tl.constexpr = BLOCK_SIZE // BLOCK_N * BLOCK_N
+    if KV_PATH == "block_tiles" and TAILS:
+        slot = SPAN + (n_start + offs_n) % (BLOCK_SIZE - SPAN)
+        rows = ids.to(offset_type) * stride_block + slot.to(offset_type) * stride_slot
+    elif KV_PATH == "block_tiles":
+        # A grid tile lies inside one block: a scalar base, as on the contiguous path.
+        first_slot = n_start % SPAN
+        base = id0.to(offset_type) * stride_block + first_slot.to(offset_type) * stride_slot
+        rows = base + offs_n.to(offset_type) * stride_slot
+    elif KV_PATH == "rows":
         # When the block divides the tile, every tile's slots are the same (loop-invariant).
         shift = 0 if BLOCK_N % BLOCK_SIZE == 0 else n_start
         slot = (shift + offs_n) % BLOCK_SIZE
@@ -192,6 +223,7 @@ def _attend_tiles(
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
     TMA: tl.constexpr,
+    TAILS: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
     at ``tiles_start + (j - 1) * BLOCK_N``. The one tile body of both loops: ``MASKED`` adds the
@@ -204,8 +236,11 @@ def _attend_tiles(
     stride)``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
-    ``key_limit``. Unmasked: every row sees every key of every tile. ``scale_log2`` is a scalar,
-    or per row (``FP8_MMA``, ``INT8_MMA``: the query rows' scales folded in); it must be >= 0.
+    ``key_limit``. On the ``block_tiles`` path tile starts are grid positions, and ``TAILS``
+    tiles (always masked) gather the blocks' remainders: their starts and ``[keys_lo,
+    keys_hi)`` are positions among the remainders (``_attend_run``). Unmasked: every row sees
+    every key of every tile. ``scale_log2`` is a scalar, or per row (``FP8_MMA``,
+    ``INT8_MMA``: the query rows' scales folded in); it must be >= 0.
 
     ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
     the scale pools). The K scales multiply the score columns; the V scales the probability
@@ -237,15 +272,18 @@ def _attend_tiles(
         v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
     d_mask = offs_d[None, :] < HEAD_DIM
     row_scale = scale_log2[:, None] if FP8_MMA or INT8_MMA else scale_log2
-    # With equal K/V strides the V (scale) rows are the K (scale) rows (the contiguous path
-    # computes both).
-    share_rows = SAME_KV_STRIDES and KV_PATH != "contiguous"
+    # Tiles inside one block: one scalar base per tile (the grid tiles of block_tiles too).
+    SCALAR_BASE: tl.constexpr = KV_PATH == "contiguous" or (KV_PATH == "block_tiles" and not TAILS)
+    SPAN: tl.constexpr = BLOCK_SIZE // BLOCK_N * BLOCK_N
+    # With equal K/V strides the V (scale) rows are the K (scale) rows (a scalar base is
+    # cheaper computed twice).
+    share_rows = SAME_KV_STRIDES and not SCALAR_BASE
     id0, id1, ids = _tile_block_ids(
-        table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH
+        table_row, stride_table_col, first_tile, keys_hi, BLOCK_N, BLOCK_SIZE, KV_PATH, TAILS
     )
-    # TMA: whole tiles of the contiguous path are descriptor loads (masked tiles load only the
-    # keys they show, so they stay pointer loads).
-    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and KV_PATH == "contiguous"
+    # TMA: whole tiles inside one block are descriptor loads (masked tiles load only the keys
+    # they show, so they stay pointer loads).
+    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and SCALAR_BASE
     for j in range(0, num_tiles):
         if MASKED:
             n_start = tl.where(j == 0, first_tile, tiles_start + (j - 1) * BLOCK_N)
@@ -260,29 +298,49 @@ def _attend_tiles(
             BLOCK_N,
             BLOCK_SIZE,
             KV_PATH,
+            TAILS,
         )
         k_rows = _tile_rows(
-            id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+            id0, id1, ids, n_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32, TAILS
         )
         if share_rows:
             v_rows = k_rows
         else:
             v_rows = _tile_rows(
-                id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+                id0, id1, ids, n_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32, TAILS
             )
         if QUANTIZED:
             ks_rows = _tile_rows(
-                id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+                id0, id1, ids, n_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32, TAILS
             )
             if share_rows:
                 vs_rows = ks_rows
             else:
                 vs_rows = _tile_rows(
-                    id0, id1, ids, n_start, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32
+                    id0,
+                    id1,
+                    ids,
+                    n_start,
+                    v_scales,
+                    BLOCK_N,
+                    BLOCK_SIZE,
+                    KV_PATH,
+                    OFFSETS_32,
+                    TAILS,
                 )
         if MASKED:
-            keys = n_start + offs_n
-            n_mask = (keys >= keys_lo) & (keys < keys_hi)
+            if TAILS:
+                # Positions among the remainders, and the keys they are.
+                pos = n_start + offs_n
+                n_mask = (pos >= keys_lo) & (pos < keys_hi)
+                REMAINDER: tl.constexpr = BLOCK_SIZE - SPAN
+                keys = pos // REMAINDER * BLOCK_SIZE + SPAN + pos % REMAINDER
+            else:
+                if KV_PATH == "block_tiles":
+                    keys = n_start // SPAN * BLOCK_SIZE + n_start % SPAN + offs_n
+                else:
+                    keys = n_start + offs_n
+                n_mask = (keys >= keys_lo) & (keys < keys_hi)
             # Hidden keys are never loaded: they may be unwritten slots holding NaN.
             k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
@@ -290,7 +348,7 @@ def _attend_tiles(
                 k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, BLOCK_N)
                 v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, BLOCK_N)
         elif DESCRIPTOR_LOADS:
-            tile_row = id0 * BLOCK_SIZE + n_start % BLOCK_SIZE
+            tile_row = id0 * BLOCK_SIZE + n_start % SPAN
             k = descs[0].load([tile_row, descs[2]])
             v = descs[1].load([tile_row, descs[2]])
         else:
@@ -357,6 +415,22 @@ def _attend_tiles(
 
 
 @triton.jit
+def _grid_position(key, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """``block_tiles``: where ``key`` falls among the keys of the blocks' whole tiles (a key of a
+    block's remainder falls on the next block's first)."""
+    SPAN: tl.constexpr = BLOCK_SIZE // BLOCK_N * BLOCK_N
+    return key // BLOCK_SIZE * SPAN + tl.minimum(key % BLOCK_SIZE, SPAN)
+
+
+@triton.jit
+def _tail_position(key, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """``block_tiles``: where ``key`` falls among the blocks' remainders (a key of a block's whole
+    tiles falls on that block's first remainder key)."""
+    SPAN: tl.constexpr = BLOCK_SIZE // BLOCK_N * BLOCK_N
+    return key // BLOCK_SIZE * (BLOCK_SIZE - SPAN) + tl.maximum(key % BLOCK_SIZE - SPAN, 0)
+
+
+@triton.jit
 def _attend_run(
     state,
     q,
@@ -387,11 +461,21 @@ def _attend_run(
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end``. Whole tiles inside ``[run_lo, min(run_hi, full_end))`` run unmasked; the
     tile holding ``run_lo`` and the tiles from the unmasked ones' end to ``run_hi`` run masked
-    (``state`` as in ``_attend_tiles``)."""
-    head_tile = run_lo // BLOCK_N * BLOCK_N
-    tiles_end = tl.cdiv(run_hi, BLOCK_N) * BLOCK_N
-    full_lo = tl.cdiv(run_lo, BLOCK_N) * BLOCK_N
-    full_hi = tl.maximum(full_lo, tl.minimum(run_hi, full_end) // BLOCK_N * BLOCK_N)
+    (``state`` as in ``_attend_tiles``).
+
+    ``block_tiles``: tiles are placed on grid positions (``_grid_position``), which order the
+    keys of the blocks' whole tiles; a third, masked pass takes the run's remainder keys.
+    """
+    if KV_PATH == "block_tiles":
+        lo = _grid_position(run_lo, BLOCK_N, BLOCK_SIZE)
+        hi = _grid_position(run_hi, BLOCK_N, BLOCK_SIZE)
+        full = _grid_position(full_end, BLOCK_N, BLOCK_SIZE)
+    else:
+        lo, hi, full = run_lo, run_hi, full_end
+    head_tile = lo // BLOCK_N * BLOCK_N
+    tiles_end = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(lo, BLOCK_N) * BLOCK_N
+    full_hi = tl.maximum(full_lo, tl.minimum(hi, full) // BLOCK_N * BLOCK_N)
     # Pass 0, unmasked: the whole tiles. Pass 1, masked: the head tile when the run starts
     # mid-tile (and it is not also the tail), then the tail from the unmasked tiles' end.
     for masked in tl.static_range(2):
@@ -440,6 +524,42 @@ def _attend_run(
             PV_DTYPE,
             EXPLICIT_ROUNDING,
             TMA,
+            False,
+        )
+    if KV_PATH == "block_tiles":
+        # Pass 2, masked: the run's remainder keys, BLOCK_N to a tile.
+        tails_lo = _tail_position(run_lo, BLOCK_N, BLOCK_SIZE)
+        tails_hi = _tail_position(run_hi, BLOCK_N, BLOCK_SIZE)
+        state = _attend_tiles(
+            state,
+            q,
+            caches,
+            descs,
+            table,
+            tails_lo,
+            tails_lo + BLOCK_N,
+            tl.cdiv(tails_hi - tails_lo, BLOCK_N),
+            tails_lo,
+            tails_hi,
+            key_limit,
+            scale_log2,
+            BLOCK_N,
+            BLOCK_D,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            KV_PATH,
+            SAME_KV_STRIDES,
+            OFFSETS_32,
+            True,
+            UPCAST,
+            DOT_PRECISION,
+            QUANTIZED,
+            FP8_MMA,
+            INT8_MMA,
+            PV_DTYPE,
+            EXPLICIT_ROUNDING,
+            TMA,
+            True,
         )
     return state
 

@@ -18,7 +18,7 @@ from pathlib import Path
 # in a warp-specialized kernel (a producer warp, 4-warp consumers) merged with the masked
 # kernel's partial tiles (docs/kernels.md).
 VARIANTS = ("cp_async", "tma", "ws")
-KV_PATHS = ("contiguous", "two_blocks", "rows")
+KV_PATHS = ("contiguous", "block_tiles", "two_blocks", "rows")
 MODES = ("same", "fp8", "int8", "fp8_mma", "int8_mma")
 HEAD_DIM_CLASSES = (64, 128, 256)
 SOURCES = ("compile evidence", "gpu run")

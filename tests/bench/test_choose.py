@@ -15,7 +15,7 @@ from paged_video.kernels import launch_table
 from tests.bench.rows import STEADY_CEILINGS, measured
 
 # Per block size, each launch's milliseconds. Contiguous blocks (64, 256): TMA wins at both;
-# two_blocks (520, 1560): cp_async at 128 keys wins once and loses once, but its geometric mean
+# block_tiles (520, 1560): cp_async at 128 keys wins once and loses once, but its geometric mean
 # beats the 64-key cp_async; rows (16, 24): the 64-key cp_async.
 TIMES = {
     16: {"triton-cp_async": 1.0, "triton-tma": 1.0, "triton-cp_async-n128": 1.2},
@@ -27,7 +27,7 @@ TIMES = {
 }
 WINNERS = {
     "contiguous": ("tma", 64),
-    "two_blocks": ("cp_async", 128),
+    "block_tiles": ("cp_async", 128),
     "rows": ("cp_async", 64),
 }
 
@@ -95,7 +95,7 @@ def test_a_class_without_a_complete_launch_keeps_its_row() -> None:
         and not (r["block_size"] == 16 and r["provider"] != "triton-cp_async")
     ]
     choices, lines = choose.choose(rows)
-    assert {c["kv_path"] for c in choices} == {"contiguous", "two_blocks"}
+    assert {c["kv_path"] for c in choices} == {"contiguous", "block_tiles"}
     assert any("rows: no launch measured at every block size" in line for line in lines)
     only_rows = [r for r in rows if r["block_size"] in (16, 24)]
     with pytest.raises(ValueError, match="no class"):

@@ -35,7 +35,7 @@ WS_DTYPE = torch.float16 if ON_GPU else torch.float32
         pytest.param(64, 32, 128, id="contiguous-B64-N32-D128"),
         pytest.param(256, 64, 32, id="contiguous-B256-N64-D32"),
         pytest.param(24, 16, 64, id="two_blocks-B24-N16"),
-        pytest.param(1560, 64, 16, id="two_blocks-B1560-N64"),
+        pytest.param(1560, 64, 16, id="block_tiles-B1560-N64"),
         pytest.param(7, 16, 16, id="rows-B7-N16"),
         pytest.param(1, 16, 16, id="rows-B1-N16"),
     ],
@@ -257,7 +257,7 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     choices = {
         (128, "contiguous", "same"): dict(variant="tma", block_n=128, num_warps=8, num_stages=2),
-        (128, "two_blocks", "same"): dict(
+        (128, "block_tiles", "same"): dict(
             variant="cp_async", block_n=64, num_warps=4, num_stages=4
         ),
     }

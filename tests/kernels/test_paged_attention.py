@@ -95,15 +95,19 @@ def test_table_orders(table_order: str, block_size: int) -> None:
     run_and_compare(case)
 
 
-# (block_size, block_n) for every key path: the tile divides the block, a tile spans two
-# blocks, blocks smaller than the tile (dividing it or not). Small tiles give many tiles, so the
+# (block_size, block_n) for every key path: the tile divides the block, tiles inside blocks with
+# the remainders gathered, a tile spans two blocks, blocks smaller than the tile (dividing it or
+# not). Small tiles give many tiles, so the
 # unmasked loop, the masked head and tail and the prefetch past the last tile all run.
 PATHS = [
     pytest.param(16, 16, id="contiguous-B16-N16"),
     pytest.param(64, 32, id="contiguous-B64-N32"),
     pytest.param(256, 64, id="contiguous-B256-N64"),
+    pytest.param(1560, 64, id="block_tiles-B1560-N64"),
+    pytest.param(40, 16, id="block_tiles-B40-N16"),
+    pytest.param(17, 16, id="block_tiles-B17-N16"),
     pytest.param(24, 16, id="two_blocks-B24-N16"),
-    pytest.param(1560, 64, id="two_blocks-B1560-N64"),
+    pytest.param(100, 64, id="two_blocks-B100-N64"),
     pytest.param(16, 64, id="rows-B16-N64"),
     pytest.param(24, 64, id="rows-B24-N64"),
     pytest.param(7, 16, id="rows-B7-N16"),
@@ -127,10 +131,44 @@ def test_key_paths(block_size: int, block_n: int) -> None:
 
 
 def test_kv_path_classes() -> None:
-    assert kv_path(1560, 64) == "two_blocks"
-    assert kv_path(520, 64) == "two_blocks"
+    assert kv_path(1560, 64) == kv_path(520, 64) == kv_path(520, 128) == "block_tiles"
+    # Remainders of more than a quarter of the block: tiles straddle blocks instead.
+    assert kv_path(100, 64) == kv_path(24, 16) == kv_path(200, 128) == "two_blocks"
     assert kv_path(64, 64) == kv_path(256, 64) == "contiguous"
     assert kv_path(16, 64) == kv_path(24, 64) == kv_path(1, 16) == "rows"
+
+
+@given(
+    shape=st.sampled_from([(17, 16), (20, 16), (40, 16), (52, 16), (100, 32), (24, 16), (28, 16)]),
+    q_lens=st.lists(st.integers(0, 24), min_size=1, max_size=3),
+    extra_k=st.lists(st.integers(0, 150), min_size=3, max_size=3),
+    causal=st.booleans(),
+    limits=st.booleans(),
+    gaps=st.lists(st.tuples(st.integers(0, 180), st.integers(0, 60)), max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_property_tiles_near_block_edges(shape, q_lens, extra_k, causal, limits, gaps, seed):
+    # block_tiles (remainders 1..8 keys, gathered into tiles of their own) and two_blocks:
+    # runs that start and end anywhere in a block's whole tiles or its remainder, under every
+    # mask, with 16-key tiles so that many blocks and tiles are crossed.
+    block_size, block_n = shape
+    k_lens = [q + extra for q, extra in zip(q_lens, extra_k, strict=False)]
+    case = make_paged_case(
+        q_lens=q_lens, k_lens=k_lens, block_size=block_size, head_dim=16, seed=seed, device=DEVICE
+    )
+    gen = torch.Generator().manual_seed(seed)
+    kwargs = {"causal": causal, "block_m": 16, "block_n": block_n}
+    if limits:
+        kwargs["key_limits"] = torch.cat(
+            [
+                torch.randint(0, k + 1, (q,), generator=gen, dtype=torch.int32)
+                for q, k in zip(q_lens, k_lens, strict=False)
+            ]
+        ).to(DEVICE)
+    if gaps:
+        rows = [[[lo, lo + width] for lo, width in gaps] for _ in k_lens]
+        kwargs["key_gap"] = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    run_and_compare(case, **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -165,12 +165,12 @@ def test_fp16_queries(dtype: torch.dtype) -> None:
 PATHS = [
     pytest.param(16, 16, torch.float8_e4m3fn, id="contiguous-B16-N16-e4m3"),
     pytest.param(24, 16, torch.float8_e4m3fn, id="two_blocks-B24-N16-e4m3"),
-    pytest.param(1560, 64, torch.float8_e4m3fn, id="two_blocks-B1560-N64-e4m3"),
+    pytest.param(1560, 64, torch.float8_e4m3fn, id="block_tiles-B1560-N64-e4m3"),
     pytest.param(16, 64, torch.float8_e4m3fn, id="rows-B16-N64-e4m3"),
     pytest.param(7, 16, torch.float8_e4m3fn, id="rows-B7-N16-e4m3"),
     pytest.param(1, 16, torch.float8_e4m3fn, id="rows-B1-N16-e4m3"),
     pytest.param(16, 16, torch.int8, id="contiguous-B16-N16-int8"),
-    pytest.param(1560, 64, torch.int8, id="two_blocks-B1560-N64-int8"),
+    pytest.param(1560, 64, torch.int8, id="block_tiles-B1560-N64-int8"),
     pytest.param(7, 16, torch.int8, id="rows-B7-N16-int8"),
 ]
 
@@ -344,7 +344,7 @@ FP8_MMA_MARGIN = 2.0
     [
         pytest.param(16, 16, id="contiguous-B16-N16"),
         pytest.param(7, 16, id="rows-B7-N16"),
-        pytest.param(1560, 64, id="two_blocks-B1560-N64"),
+        pytest.param(1560, 64, id="block_tiles-B1560-N64"),
     ],
 )
 def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:

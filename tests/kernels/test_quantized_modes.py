@@ -60,7 +60,7 @@ def factors(num_kv_heads: int, head_dim: int, seed: int) -> tuple[Tensor, Tensor
         pytest.param(7, 16, "repeated", id="rows-B7-N16-repeated"),
         pytest.param(16, 16, "permuted", id="contiguous-B16-N16"),
         pytest.param(24, 16, "permuted", id="two_blocks-B24-N16"),
-        pytest.param(1560, 64, "permuted", id="two_blocks-B1560-N64"),
+        pytest.param(1560, 64, "permuted", id="block_tiles-B1560-N64"),
     ],
 )
 def test_int8_mma_against_its_emulation_and_the_oracle(
