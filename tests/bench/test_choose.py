@@ -112,7 +112,7 @@ def test_write_replaces_measured_classes_only(tmp_path) -> None:
     shipped = launch_table.read_table()
     for row in written["choices"]:
         key = (row["head_dim"], row["kv_path"])
-        if row["head_dim"] == 128:
+        if row["head_dim"] == 128 and row["kv_path"] in WINNERS:
             assert (row["variant"], row["block_n"]) == WINNERS[row["kv_path"]], row
             assert row["source"] == "gpu run"
         else:

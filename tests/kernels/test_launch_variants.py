@@ -61,7 +61,8 @@ def test_tma_variant_matches_oracle(block_size: int, block_n: int, head_dim: int
         block_n=block_n,
         variant="tma",
     )
-    assert tiles["TMA"] == (tiles["KV_PATH"] == "contiguous")
+    # Descriptor loads for tiles inside one block; straddling and per-row tiles keep pointers.
+    assert tiles["TMA"] == (tiles["KV_PATH"] in ("contiguous", "block_tiles"))
     gen = torch.Generator().manual_seed(block_size)
     key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
     key_gap = torch.tensor([[[block_n + 3, 2 * block_n + 1]], [[1, 2]]], dtype=torch.int32)
