@@ -162,13 +162,30 @@ def table_key(block_size: int, head_dim: int) -> tuple[int, str]:
 
 
 def kv_path(block_size: int, block_n: int) -> str:
-    """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``."""
+    """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``
+    (docs/kernels.md, "How any block size stays fast")."""
     if block_size % block_n == 0:
         return "contiguous"
-    if block_size > block_n and 4 * (block_size % block_n) <= block_size:
-        # At most a quarter of the keys in the remainders' masked loop (1.5% at 520 and 1560).
+    if block_split(block_size, block_n) != block_size:
         return "block_tiles"
     return "two_blocks" if block_size >= block_n else "rows"
+
+
+def block_split(block_size: int, block_n: int) -> int:
+    """Where ``block_tiles`` cuts each block in two pieces whose keys fill tiles without
+    straddling a piece (``block_size`` where the path does not apply): after its whole tiles,
+    when the rest is at most a quarter of the block (1560 = 1536 + 24 at 64-key tiles); or, for
+    a block smaller than the tile that does not divide it, after its highest power of two when
+    the rest is a power of two too (24 = 16 + 8: both divide the tile, so a tile holds whole
+    pieces and reads one table entry per piece)."""
+    rest = block_size % block_n
+    if block_size > block_n:
+        return block_size - rest if 4 * rest <= block_size else block_size
+    if block_n % block_size == 0:
+        return block_size
+    head = 1 << (block_size.bit_length() - 1)
+    rest = block_size - head
+    return head if rest & (rest - 1) == 0 else block_size
 
 
 def choose_tiles(
@@ -235,16 +252,19 @@ def choose_tiles(
     tile_n = block_n or default_n
     path = kv_path(block_size, tile_n)
     variant = variant or chosen
-    # Descriptor loads are for tiles inside one block; other paths keep the pointer loop. The
-    # warp-specialized kernel takes the contiguous path's tiles only.
+    # Descriptor loads are for tiles inside one block (block_tiles: the whole-tile piece, when
+    # its keys fill tiles); other paths keep the pointer loop. The warp-specialized kernel takes
+    # the contiguous path's tiles only.
     if path == "block_tiles" and variant == "ws":
         variant = "tma"
-    variant = variant if path in ("contiguous", "block_tiles") else "cp_async"
+    whole_tiles = path == "contiguous" or (path == "block_tiles" and block_size > tile_n)
+    variant = variant if whole_tiles else "cp_async"
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
         "BLOCK_D": max(32 if fp8_mma or int8_mma else 16, triton.next_power_of_2(head_dim)),
         "KV_PATH": path,
+        "BLOCK_SPLIT": block_split(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
         "VARIANT": variant,
         "num_warps": warps,

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_video import kernels, reference
-from paged_video.kernels.paged_attention import kv_path
+from paged_video.kernels.paged_attention import block_split, kv_path
 from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import (
     PagedCase,
@@ -95,10 +95,11 @@ def test_table_orders(table_order: str, block_size: int) -> None:
     run_and_compare(case)
 
 
-# (block_size, block_n) for every key path: the tile divides the block, tiles inside blocks with
-# the remainders gathered, a tile spans two blocks, blocks smaller than the tile (dividing it or
-# not). Small tiles give many tiles, so the
-# unmasked loop, the masked head and tail and the prefetch past the last tile all run.
+# (block_size, block_n) for every key path: the tile divides the block, tiles of block pieces
+# (whole tiles and the remainders gathered; two power-of-two pieces of a small block), a tile
+# spans two blocks, blocks smaller than the tile (dividing it or not). Small tiles give many
+# tiles, so the unmasked loop, the masked head and tail and the prefetch past the last tile all
+# run.
 PATHS = [
     pytest.param(16, 16, id="contiguous-B16-N16"),
     pytest.param(64, 32, id="contiguous-B64-N32"),
@@ -109,7 +110,8 @@ PATHS = [
     pytest.param(24, 16, id="two_blocks-B24-N16"),
     pytest.param(100, 64, id="two_blocks-B100-N64"),
     pytest.param(16, 64, id="rows-B16-N64"),
-    pytest.param(24, 64, id="rows-B24-N64"),
+    pytest.param(24, 64, id="block_tiles-B24-N64"),
+    pytest.param(12, 16, id="block_tiles-B12-N16"),
     pytest.param(7, 16, id="rows-B7-N16"),
     pytest.param(1, 16, id="rows-B1-N16"),
 ]
@@ -135,11 +137,23 @@ def test_kv_path_classes() -> None:
     # Remainders of more than a quarter of the block: tiles straddle blocks instead.
     assert kv_path(100, 64) == kv_path(24, 16) == kv_path(200, 128) == "two_blocks"
     assert kv_path(64, 64) == kv_path(256, 64) == "contiguous"
-    assert kv_path(16, 64) == kv_path(24, 64) == kv_path(1, 16) == "rows"
+    assert kv_path(24, 64) == kv_path(12, 16) == kv_path(3, 16) == "block_tiles"
+    assert kv_path(16, 64) == kv_path(7, 16) == kv_path(1, 16) == "rows"
+
+
+def test_block_split() -> None:
+    # After the whole tiles when the rest is at most a quarter of the block.
+    assert (block_split(1560, 64), block_split(520, 128), block_split(80, 64)) == (1536, 512, 64)
+    assert block_split(100, 64) == 100  # 36 of 100: tiles straddle blocks instead
+    # Smaller blocks: two power-of-two pieces, or none.
+    assert (block_split(24, 64), block_split(12, 16), block_split(3, 16)) == (16, 8, 2)
+    assert (block_split(7, 16), block_split(16, 64), block_split(256, 64)) == (7, 16, 256)
 
 
 @given(
-    shape=st.sampled_from([(17, 16), (20, 16), (40, 16), (52, 16), (100, 32), (24, 16), (28, 16)]),
+    shape=st.sampled_from(
+        [(17, 16), (20, 16), (40, 16), (52, 16), (100, 32), (24, 16), (28, 16), (24, 32), (12, 16)]
+    ),
     q_lens=st.lists(st.integers(0, 24), min_size=1, max_size=3),
     extra_k=st.lists(st.integers(0, 150), min_size=3, max_size=3),
     causal=st.booleans(),
@@ -148,9 +162,9 @@ def test_kv_path_classes() -> None:
     seed=st.integers(0, 2**16),
 )
 def test_property_tiles_near_block_edges(shape, q_lens, extra_k, causal, limits, gaps, seed):
-    # block_tiles (remainders 1..8 keys, gathered into tiles of their own) and two_blocks:
-    # runs that start and end anywhere in a block's whole tiles or its remainder, under every
-    # mask, with 16-key tiles so that many blocks and tiles are crossed.
+    # block_tiles (remainders of 1..8 keys gathered into tiles of their own; blocks of 24 and 12
+    # cut 16 + 8 and 8 + 4) and two_blocks: runs that start and end anywhere in a block's
+    # pieces, under every mask, with small tiles so that many blocks and tiles are crossed.
     block_size, block_n = shape
     k_lens = [q + extra for q, extra in zip(q_lens, extra_k, strict=False)]
     case = make_paged_case(
