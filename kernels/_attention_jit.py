@@ -58,7 +58,7 @@ def _tile_block_ids(
     table_row,
     stride_table_col,
     n_start,
-    keys_end,
+    positions_end,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_PATH: tl.constexpr,
@@ -68,43 +68,33 @@ def _tile_block_ids(
     """Block ids of the key tile at piece position ``n_start`` (``_attend_run``): ``(first,
     second, per_row)``; unused ones are 0.
 
-    Only entries of blocks with a key of the tile below ``keys_end`` are read: padding past the
-    sequence is never touched.
+    Only entries of blocks with a key of the tile below piece position ``positions_end`` are
+    read: padding past the sequence is never touched.
     """
-    WHOLE_BLOCKS: tl.constexpr = PIECE_SIZE == BLOCK_SIZE
     if KV_PATH == "two_blocks":
         first = n_start // BLOCK_SIZE
-        id0 = tl.load(table_row + first * stride_table_col, mask=n_start < keys_end, other=0)
+        id0 = tl.load(table_row + first * stride_table_col, mask=n_start < positions_end, other=0)
         edge = (first + 1) * BLOCK_SIZE
-        second_needed = (edge < n_start + BLOCK_N) & (edge < keys_end)
+        second_needed = (edge < n_start + BLOCK_N) & (edge < positions_end)
         id1 = tl.load(table_row + (first + 1) * stride_table_col, mask=second_needed, other=0)
         return id0, id1, tl.zeros([BLOCK_N], dtype=tl.int32)
     elif PIECE_SIZE % BLOCK_N == 0:
         # The tile lies inside one block: one entry.
         block = n_start // PIECE_SIZE
-        if WHOLE_BLOCKS:
-            first_key = n_start
-        else:
-            first_key = block * BLOCK_SIZE + PIECE_OFFSET + n_start % PIECE_SIZE
-        id0 = tl.load(table_row + block * stride_table_col, mask=first_key < keys_end, other=0)
+        id0 = tl.load(table_row + block * stride_table_col, mask=n_start < positions_end, other=0)
         return id0, 0, tl.zeros([BLOCK_N], dtype=tl.int32)
     elif BLOCK_N % PIECE_SIZE == 0:
         # Whole pieces per tile: load each entry once and repeat it over its piece's rows.
         NUM_BLOCKS: tl.constexpr = BLOCK_N // PIECE_SIZE
         blocks = n_start // PIECE_SIZE + tl.arange(0, NUM_BLOCKS)
         entries = table_row + blocks * stride_table_col
-        first_keys = blocks * BLOCK_SIZE + PIECE_OFFSET
-        per_block = tl.load(entries, mask=first_keys < keys_end, other=0)
+        per_block = tl.load(entries, mask=blocks * PIECE_SIZE < positions_end, other=0)
         ids = tl.reshape(tl.broadcast_to(per_block[:, None], (NUM_BLOCKS, PIECE_SIZE)), (BLOCK_N,))
         return 0, 0, ids
     else:
         pos = n_start + tl.arange(0, BLOCK_N)
-        if WHOLE_BLOCKS:
-            keys = pos
-        else:
-            keys = pos // PIECE_SIZE * BLOCK_SIZE + PIECE_OFFSET + pos % PIECE_SIZE
         entries = table_row + (pos // PIECE_SIZE) * stride_table_col
-        return 0, 0, tl.load(entries, mask=keys < keys_end, other=0)
+        return 0, 0, tl.load(entries, mask=pos < positions_end, other=0)
 
 
 @triton.jit
@@ -200,6 +190,7 @@ def _attend_tiles(
     num_tiles,
     keys_lo,
     keys_hi,
+    positions_end,
     key_limit,
     scale_log2,
     BLOCK_N: tl.constexpr,
@@ -234,7 +225,8 @@ def _attend_tiles(
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
     ``key_limit``. Tile starts are positions in the blocks' piece ``[PIECE_OFFSET, PIECE_OFFSET +
     PIECE_SIZE)`` (``_attend_run``; the keys themselves when the piece is the whole block), key
-    bounds are keys. Unmasked: every row sees
+    bounds are keys; ``positions_end`` is ``keys_hi``'s piece position (no table entry at or
+    past it is read). Unmasked: every row sees
     every key of every tile. ``scale_log2`` is a scalar, or per row (``FP8_MMA``,
     ``INT8_MMA``: the query rows' scales folded in); it must be >= 0.
 
@@ -277,7 +269,7 @@ def _attend_tiles(
         table_row,
         stride_table_col,
         first_tile,
-        keys_hi,
+        positions_end,
         BLOCK_N,
         BLOCK_SIZE,
         KV_PATH,
@@ -297,7 +289,7 @@ def _attend_tiles(
             table_row,
             stride_table_col,
             tiles_start + j * BLOCK_N,
-            keys_hi,
+            positions_end,
             BLOCK_N,
             BLOCK_SIZE,
             KV_PATH,
@@ -531,6 +523,7 @@ def _attend_piece(
             num_tiles,
             run_lo,
             run_hi,
+            hi,
             key_limit,
             scale_log2,
             BLOCK_N,
