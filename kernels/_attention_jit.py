@@ -3,15 +3,17 @@
 Any block size >= 1. Key position ``p`` of sequence ``i`` lives in block
 ``block_table[i, p // block_size]`` at offset ``p % block_size``. The block size is a
 compile-time constant (a model has one), so no path divides by it at run time. A key tile of
-``BLOCK_N`` rows finds its cache rows one of three ways (``KV_PATH``):
+``BLOCK_N`` rows finds its cache rows one of four ways (``KV_PATH``):
 
 * ``contiguous``: the tile divides the block size, so one table entry gives the whole tile;
-* ``block_tiles``: a block of several tiles and a remainder (``BLOCK_SIZE % BLOCK_N``, at
-  most a quarter of the block): tiles never straddle a block. Each block's whole tiles are
-  read as on the contiguous path (one table entry per tile), in a key order that skips the
-  remainders (the "grid": ``BLOCK_SIZE // BLOCK_N`` tiles per block); the remainders of all
-  blocks are gathered into tiles of their own ("tails", a table entry per row), attended in a
-  masked loop after the grid's. Softmax does not depend on the order keys are seen in;
+* ``block_tiles``: each block is cut at ``BLOCK_SPLIT`` into two pieces whose keys fill tiles
+  without straddling a piece, and the keys of each piece (over all blocks, in block order:
+  "piece positions") are tiled and attended in loops of their own; softmax does not depend on
+  the order keys are seen in. A block larger than the tile is cut after its whole tiles (its
+  first piece reads as the contiguous path, one entry per tile; the remainder, at most a
+  quarter of the block, runs masked only, an entry per row); a smaller one that does not
+  divide the tile is cut into two powers of two (24 = 16 + 8), so a tile holds whole pieces
+  and reads one entry per piece;
 * ``two_blocks``: the block is at least a tile but not a multiple of it (and the remainder is
   more than a quarter of it), so a tile spans at most two blocks and each row picks one of two
   bases;
@@ -83,8 +85,11 @@ def _tile_block_ids(
         block = n_start // PIECE_SIZE
         id0 = tl.load(table_row + block * stride_table_col, mask=n_start < positions_end, other=0)
         return id0, 0, tl.zeros([BLOCK_N], dtype=tl.int32)
-    elif BLOCK_N % PIECE_SIZE == 0:
-        # Whole pieces per tile: load each entry once and repeat it over its piece's rows.
+    elif BLOCK_N % PIECE_SIZE == 0 and BLOCK_SIZE < BLOCK_N:
+        # Whole pieces per tile: load each entry once and repeat it over its piece's rows. (The
+        # remainder of a block larger than the tile reads an entry per row instead: its loop is
+        # masked-only and rare, and the repeated entries' registers, live across the other
+        # loops, made FP8-MMA spill at block 520.)
         NUM_BLOCKS: tl.constexpr = BLOCK_N // PIECE_SIZE
         blocks = n_start // PIECE_SIZE + tl.arange(0, NUM_BLOCKS)
         entries = table_row + blocks * stride_table_col

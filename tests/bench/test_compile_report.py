@@ -5,7 +5,7 @@ cuobjdump).
 
 One session compiles everything once: bf16 at head_dim 64/128 and block sizes 16..1560 (the
 launch table's defaults), the masked features at block 1560, the quantized modes at blocks
-16/24/64/1560, one launch option (``block_n=32``) and the key-loop variants forced at blocks
+16/24/64/520/1560, one launch option (``block_n=32``) and the key-loop variants forced at blocks
 64/256/1560, with Triton 3.9 (this interpreter) and, where a Triton 3.6 virtual environment
 exists (``TRITON36_VENV``, default ``/work/venvs/triton36``; CI has none), the shipped bf16
 launches, the variants and the quantized modes with Triton 3.6 as well.
@@ -33,7 +33,7 @@ from paged_video.bench.cli import main
 TRITON36_VENV = Path(os.environ.get("TRITON36_VENV", "/work/venvs/triton36"))
 BLOCK_SIZES = compile_report.SHIPPED_BLOCK_SIZES
 HEAD_DIMS = (64, 128)
-QUANTIZED_BLOCKS = (16, 24, 64, 1560)
+QUANTIZED_BLOCKS = (16, 24, 64, 520, 1560)
 QUANTIZED_MODES = ("fp8", "int8", "fp8_mma", "int8_mma")
 CONTIGUOUS_BLOCK = 256  # contiguous at 64- and 128-key tiles
 
