@@ -93,7 +93,8 @@ def _tile_block_ids(
         NUM_BLOCKS: tl.constexpr = BLOCK_N // PIECE_SIZE
         blocks = n_start // PIECE_SIZE + tl.arange(0, NUM_BLOCKS)
         entries = table_row + blocks * stride_table_col
-        per_block = tl.load(entries, mask=blocks * PIECE_SIZE < positions_end, other=0)
+        # (Block indices against the last one: no multiply per entry.)
+        per_block = tl.load(entries, mask=blocks < tl.cdiv(positions_end, PIECE_SIZE), other=0)
         ids = tl.reshape(tl.broadcast_to(per_block[:, None], (NUM_BLOCKS, PIECE_SIZE)), (BLOCK_N,))
         return 0, 0, ids
     else:
