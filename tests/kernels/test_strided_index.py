@@ -12,6 +12,7 @@ import torch
 from paged_video import kernels, reference
 from paged_video.kernels import fused
 from paged_video.kernels.masks import key_limits_from_spans, mixed_mask_attention
+from paged_video.kernels.paged_attention import kv_path
 from tests.helpers import DEVICE, nan_like
 from tests.kernels.paged_case import make_paged_case
 from tests.kernels.test_fused import direct_calls, make_forward, make_state
@@ -73,6 +74,41 @@ def test_paged_attention_strided_index(name: str, make_view) -> None:
     )
     got = kernels.paged_attention(
         case.q, case.k_cache, case.v_cache, **args, max_seqlen_q=9, out=nan_like(case.q)
+    )
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [
+        pytest.param(40, 16, id="block_tiles-B40-N16"),  # whole tiles + remainders of 8
+        pytest.param(24, 64, id="block_tiles-B24-N64"),  # pieces of 16 and 8 per tile
+    ],
+)
+@pytest.mark.parametrize("make_view", [column_major, lambda t: column(t, 0)], ids=["cm", "step"])
+def test_block_tiles_read_a_strided_block_table(block_size: int, block_n: int, make_view) -> None:
+    # The piece loops read the table by entry (whole tiles), per piece and per row (remainders).
+    case = make_paged_case(
+        q_lens=[5, 9],
+        k_lens=[3 * block_size + 5, 2 * block_n + 3],
+        block_size=block_size,
+        device=DEVICE,
+    )
+    assert kv_path(block_size, block_n) == "block_tiles"
+    want = reference.paged_attention(*case.args(), max_seqlen_q=9)
+    q, k_cache, v_cache, table, cu, lens = case.args()
+    got = kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        make_view(table),
+        cu,
+        lens,
+        max_seqlen_q=9,
+        block_m=16,
+        block_n=block_n,
+        out=nan_like(q),
     )
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
