@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFUSALS = "tests/paging/test_refusals.py::test_refused_call_changes_nothing"
 FUSED_REFUSALS = "tests/kernels/test_fused_quantized.py::test_refused_call_changes_nothing"
 BAD = "tests/kernels/test_bad_input.py"
+PAGED = "tests/kernels/test_paged_attention.py"
 STAGING = "tests/paging/test_forward_staging.py"
 RAW_DRIVER = (
     "tests/paging/test_quantized.py::"
@@ -1201,6 +1202,29 @@ MUTANTS = [
         "    if len(devices) > 1:",
         "    if len(devices) > 2:",
         f"{REFUSALS}[float-attend-query-device]",
+    ),
+    # -- kernels/_attention_jit.py: the block_tiles path's pieces ----------------------------
+    _m(
+        "block-tiles-remainder-loop-skips-whole-tiles",
+        "kernels/_attention_jit.py",
+        "    full = lo if MASKED_ONLY else",
+        "    full = hi if MASKED_ONLY else",
+        f"{PAGED}::test_key_paths[block_tiles-B40-N16]",
+    ),
+    _m(
+        "block-tiles-piece-position-ignores-offset",
+        "kernels/_attention_jit.py",
+        "        inside = tl.minimum(tl.maximum(key % BLOCK_SIZE - PIECE_OFFSET, 0), PIECE_SIZE)",
+        "        inside = tl.minimum(key % BLOCK_SIZE, PIECE_SIZE)",
+        f"{PAGED}::test_key_paths[block_tiles-B12-N16]",
+    ),
+    _m(
+        "block-tiles-piece-entries-ignore-table-stride",
+        "kernels/_attention_jit.py",
+        "        entries = table_row + blocks * stride_table_col",
+        "        entries = table_row + blocks",
+        "tests/kernels/test_strided_index.py::test_block_tiles_read_a_strided_block_table"
+        "[cm-block_tiles-B24-N64]",
     ),
 ]
 
