@@ -232,9 +232,9 @@ def _attend_tiles(
     ``key_limit``. Tile starts are positions in the blocks' piece ``[PIECE_OFFSET, PIECE_OFFSET +
     PIECE_SIZE)`` (``_attend_run``; the keys themselves when the piece is the whole block), key
     bounds are keys; ``positions_end`` is ``keys_hi``'s piece position (no table entry at or
-    past it is read). Unmasked: every row sees
-    every key of every tile. ``scale_log2`` is a scalar, or per row (``FP8_MMA``,
-    ``INT8_MMA``: the query rows' scales folded in); it must be >= 0.
+    past it is read). Unmasked: every row sees every key of every tile. ``scale_log2`` is a
+    scalar, or per row (``FP8_MMA``, ``INT8_MMA``: the query rows' scales folded in); it must be
+    >= 0.
 
     ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
     the scale pools). The K scales multiply the score columns; the V scales the probability
@@ -789,33 +789,15 @@ def _paged_attention_kernel(
     # V, then the K and V scales of quantized pools.
     kv_head_i64 = kv_head.to(tl.int64)
     caches = (
-        (
-            k_ptr + kv_head_i64 * stride_k_head,
-            stride_k_block,
-            stride_k_slot,
-            stride_k_dim,
-        ),
-        (
-            v_ptr + kv_head_i64 * stride_v_head,
-            stride_v_block,
-            stride_v_slot,
-            stride_v_dim,
-        ),
+        (k_ptr + kv_head_i64 * stride_k_head, stride_k_block, stride_k_slot, stride_k_dim),
+        (v_ptr + kv_head_i64 * stride_v_head, stride_v_block, stride_v_slot, stride_v_dim),
     )
     if QUANTIZED:
         caches = (
             caches[0],
             caches[1],
-            (
-                k_scale_ptr + kv_head_i64 * stride_ks_head,
-                stride_ks_block,
-                stride_ks_slot,
-            ),
-            (
-                v_scale_ptr + kv_head_i64 * stride_vs_head,
-                stride_vs_block,
-                stride_vs_slot,
-            ),
+            (k_scale_ptr + kv_head_i64 * stride_ks_head, stride_ks_block, stride_ks_slot),
+            (v_scale_ptr + kv_head_i64 * stride_vs_head, stride_vs_block, stride_vs_slot),
         )
 
     if TMA:
