@@ -91,10 +91,13 @@ def _tile_block_ids(
         # masked-only and rare, and the repeated entries' registers, live across the other
         # loops, made FP8-MMA spill at block 520.)
         NUM_BLOCKS: tl.constexpr = BLOCK_N // PIECE_SIZE
-        blocks = n_start // PIECE_SIZE + tl.arange(0, NUM_BLOCKS)
-        entries = table_row + blocks * stride_table_col
-        # (Block indices against the last one: no multiply per entry.)
-        per_block = tl.load(entries, mask=blocks < tl.cdiv(positions_end, PIECE_SIZE), other=0)
+        # A scalar first entry and loop-invariant offsets from it: per entry, one add.
+        first = n_start // PIECE_SIZE
+        blocks = tl.arange(0, NUM_BLOCKS)
+        entries = (table_row + first * stride_table_col) + blocks * stride_table_col
+        per_block = tl.load(
+            entries, mask=blocks < tl.cdiv(positions_end, PIECE_SIZE) - first, other=0
+        )
         ids = tl.reshape(tl.broadcast_to(per_block[:, None], (NUM_BLOCKS, PIECE_SIZE)), (BLOCK_N,))
         return 0, 0, ids
     else:

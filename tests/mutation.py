@@ -1221,8 +1221,8 @@ MUTANTS = [
     _m(
         "block-tiles-piece-entries-ignore-table-stride",
         "kernels/_attention_jit.py",
-        "        entries = table_row + blocks * stride_table_col",
-        "        entries = table_row + blocks",
+        "        entries = (table_row + first * stride_table_col) + blocks * stride_table_col",
+        "        entries = (table_row + first * stride_table_col) + blocks",
         "tests/kernels/test_strided_index.py::test_block_tiles_read_a_strided_block_table"
         "[cm-block_tiles-B24-N64]",
     ),
