@@ -410,11 +410,14 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ),
         time_limit_s=args.time_limit,
     )
+    wrong = None
     try:
         result = run_sweep(config, args.out / "sweep.csv", progress=not args.no_progress)
     except WrongResultError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        if error.result is None:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        result, wrong = error.result, error
     print(format_table(result.rows))
     skipped = [{**vars(skip), "skipped": skip.reason} for skip in result.skipped]
     for line in skip_lines(skipped):
@@ -425,6 +428,10 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.no_plot:
         for path in plot_rows(result.rows, args.out):
             print(f"wrote {path}")
+    if wrong is not None:
+        # Last, so a GPU log's tail shows it: the figures above never include a wrong run.
+        print(f"error: {wrong}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,8 +1,10 @@
 """The sweep: every (geometry, block size, kernel, provider, tile) is checked, then timed.
 
-A result that disagrees with the oracle is never timed: this project's kernel (or the oracle)
-raises ``WrongResultError``, so a wrong kernel never produces a figure; a baseline is skipped
-with the error in its reason (a wrong baseline must not stop a GPU run's other figures).
+A result that disagrees with the oracle is never timed. A wrong result of this project's kernel
+(or the oracle) gets a skipped row naming the error, the other runs go on (a GPU window is too
+short to lose its other figures), and the sweep then raises ``WrongResultError`` naming every
+wrong run, so a wrong kernel never produces a figure nor a passing run; a baseline is skipped
+with the error in its reason.
 "Disagrees" is anchored on torch's own error: an attention result may be off the float64 oracle
 by at most twice what torch's SDPA is off in the same dtype, plus a small floor
 (``accuracy_limit``).
@@ -84,8 +86,17 @@ ERROR_FLOOR = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 4e-3}
 FP8_MMA_ALLOWANCE = 0.125
 
 
+# The skip reason of a run of ours whose result disagreed with the oracle.
+WRONG_RESULT = "WRONG RESULT"
+
+
 class WrongResultError(AssertionError):
-    """A provider's result disagrees with the oracle: it must not be timed."""
+    """A provider's result disagrees with the oracle: it must not be timed. ``result``: the
+    sweep's rows when it ran to its end (the wrong runs among its skipped ones)."""
+
+    def __init__(self, message: str, result: SweepResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -409,7 +420,8 @@ def run_sweep(
     progress: bool = True,
 ) -> SweepResult:
     """Run the sweep, writing the long-format CSV to ``csv_path`` as rows are measured; when
-    it ends, the CSV is rewritten with the noise verdict in every row."""
+    it ends, the CSV is rewritten with the noise verdict in every row. Raises
+    ``WrongResultError`` (carrying the result) at the end when a run of ours was wrong."""
     started = time.monotonic()
     device = torch.device(config.device)
     shared = provenance(device, figures_kind(device))
@@ -419,6 +431,7 @@ def run_sweep(
     result = SweepResult(rows=[], skipped=[], csv_path=csv_path)
     dtypes = list(dict.fromkeys(g.dtype for g in config.geometries))
     written: list[Row] = []
+    wrong: list[str] = []
     with open(csv_path, "w", newline="") as stream:
         writer = CsvWriter(stream)
 
@@ -455,9 +468,13 @@ def run_sweep(
                             f"not run: the sweep's time limit ({config.time_limit_s:g} s) ran out"
                         )
                     if reason is None:
-                        outcome = _check_then_time(
-                            provider, tile, workload, oracles, device, config.timing
-                        )
+                        try:
+                            outcome = _check_then_time(
+                                provider, tile, workload, oracles, device, config.timing
+                            )
+                        except WrongResultError as error:
+                            wrong.append(str(error))
+                            outcome = f"{WRONG_RESULT}: {error}"
                         if isinstance(outcome, str):
                             reason = outcome
                         else:
@@ -482,4 +499,6 @@ def run_sweep(
     for row in written:
         row["noise"] = verdict
     write_rows(csv_path, written)
+    if wrong:
+        raise WrongResultError("; ".join(wrong), result)
     return result

@@ -145,6 +145,8 @@ class LayerInputs(NamedTuple):
 
 
 MUTATED_ARGS = (*PoolTensors._fields, "stage_tags")
+# Pool tensors that are CPU flags read on the host, whatever device the pools are on.
+CPU_FLAGS = ("k_means_chosen", "equalizers_chosen")
 # Schema types of the fields' annotations, as torch's own schema inference spells them.
 _SCHEMA_TYPES = {
     Tensor: "Tensor",
@@ -567,7 +569,9 @@ def write_attend(
     named = {**dict(zip(KV_ARGS, kv, strict=True)), **pools._asdict()}
     for name, tensor in named.items():
         _checks.check_tensor(name, tensor)
-    # Here, not only in the op: a meta tensor among real ones would dispatch to the fake.
-    _checks.check_same_device(**named)
+    # Here, not only in the op: a meta tensor among real ones would dispatch to the fake. The
+    # per-layer "chosen" flags live on the CPU by design (checked in the op) and stay out of it.
+    on_device = {k: t for k, t in named.items() if k not in CPU_FLAGS}
+    _checks.check_same_device(**on_device)
     out, lse = write_attend_op(*kv, *pools, *inputs)
     return (out, lse) if inputs.return_lse else out

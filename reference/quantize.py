@@ -62,7 +62,7 @@ def quantize_best_scale(
     qmax = _qmax(dtype)
     x64 = _prepare(x, smooth, factor)
     amax_scale = x64.abs().amax(dim=-1) / qmax
-    best_error = torch.full(amax_scale.shape, float("inf"), dtype=torch.float64)
+    best_error = torch.full_like(amax_scale, float("inf"))
     best_scale = amax_scale.to(torch.float32)
     for t in torch.linspace(0.5, 1.0, BEST_SCALE_STEPS).tolist():
         scale = (amax_scale * t).to(torch.float32)

@@ -118,14 +118,21 @@ def _wrong_write(workload, tile):
     ],
     ids=lambda p: p.kernel,
 )
-def test_a_wrong_provider_raises_and_writes_no_row(tmp_path, wrong):
+def test_a_wrong_provider_is_never_timed_the_rest_runs_and_the_sweep_raises(tmp_path, wrong):
     csv_path = tmp_path / "sweep.csv"
-    config = tiny_config(kernels=(wrong.kernel,), block_sizes=(8,))
-    with pytest.raises(WrongResultError, match=f"{wrong.kernel}/wrong"):
-        run_sweep(config, csv_path, providers=[*PROVIDERS, wrong], progress=False)
-    rows = read_rows(csv_path)
-    assert not [r for r in rows if r["provider"] == "wrong"]
-    assert [r for r in rows if r["provider"] == "triton"]  # the right ones before it were kept
+    config = tiny_config(kernels=(wrong.kernel,), block_sizes=(8, 5))
+    with pytest.raises(WrongResultError, match=f"{wrong.kernel}/wrong") as raised:
+        run_sweep(config, csv_path, providers=[wrong, *PROVIDERS], progress=False)
+    rows = read_rows(csv_path, skipped=True)
+    wrong_rows = [r for r in rows if r["provider"] == "wrong"]
+    # One skipped row per block size, naming the error; never a figure.
+    assert [r["block_size"] for r in wrong_rows] == [8, 5]
+    assert all(r["skipped"].startswith("WRONG RESULT") and r["p50_ms"] is None for r in wrong_rows)
+    # The right runs after it (at both block sizes) and the end ceilings were still measured.
+    timed = {r["block_size"] for r in rows if r["provider"] == "triton" and r["p50_ms"]}
+    assert timed == {8, 5}
+    assert [r for r in rows if r["kernel"] == "ceiling" and r["phase"] == "end"]
+    assert raised.value.result is not None and raised.value.result.csv_path == csv_path
 
 
 def test_a_wrong_baseline_is_skipped_with_its_error_and_not_timed(tmp_path):

@@ -1,0 +1,210 @@
+"""A GPU probe of launch settings the launch table does not offer: this project's attention at
+the shipped geometry under a forced tile, warp count and stage count, each run checked against
+the sweep's oracle before it is timed (a wrong one is reported, never timed).
+
+    python -m paged_video.bench.launch_probe --block-sizes 64,1560 \\
+        --providers triton,triton-e4m3 --configs 128x64w8s3,64x64w4s2 --out DIR
+
+A config ``MxNwWsS`` is a ``M x N`` tile, ``W`` warps, ``S`` stages; ``default`` is the
+launcher's own choice. It answers "would another launch be faster" inside a GPU window; a
+winner becomes a launch-table row or a default only through ``bench sweep`` and ``bench
+choose``. Rows go to ``DIR/probe.csv`` (long format, with the device, versions and commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import re
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paged_video.bench.cli import PRESETS
+from paged_video.bench.providers import PROVIDERS, Provider
+from paged_video.bench.results import provenance
+from paged_video.bench.sweep import WrongResultError, _check_then_time, _Oracles
+from paged_video.bench.timing import TimingSettings, figures_kind
+from paged_video.bench.workload import Geometry, make_workload
+
+_CONFIG = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)$")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A forced launch; all None: the launcher's own."""
+
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __str__(self) -> str:
+        if self.block_m is None:
+            return "default"
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+
+def parse_launch(text: str) -> Launch:
+    """``MxNwWsS`` or ``default``; raises ``ValueError`` naming the text otherwise."""
+    if text == "default":
+        return Launch()
+    match = _CONFIG.match(text)
+    if match is None:
+        raise ValueError(f"a config is MxNwWsS (e.g. 128x64w8s3) or 'default', got {text!r}")
+    return Launch(*map(int, match.groups()))
+
+
+@contextlib.contextmanager
+def forced(launch: Launch) -> Iterator[None]:
+    """``paged_attention`` launches with ``launch``'s warps and stages (and its tile), its key
+    path and variant chosen for that tile as usual."""
+    module = sys.modules["paged_video.kernels.paged_attention"]
+    original = module.choose_tiles
+    if launch.block_m is None:
+        yield
+        return
+
+    def choose(**kwargs: object) -> dict:
+        kwargs.update(block_m=launch.block_m, block_n=launch.block_n)
+        tiles = original(**kwargs)
+        tiles.update(num_warps=launch.num_warps, num_stages=launch.num_stages)
+        return tiles
+
+    module.choose_tiles = choose
+    try:
+        yield
+    finally:
+        module.choose_tiles = original
+
+
+def attention_provider(name: str) -> Provider:
+    """The sweep's ``paged_attention`` provider ``name`` (ours: bf16 or a quantized pool)."""
+    for provider in PROVIDERS:
+        if provider.kernel == "paged_attention" and provider.name == name:
+            return provider
+    raise ValueError(f"no paged_attention provider {name!r}")
+
+
+def shipped_geometry() -> Geometry:
+    preset = PRESETS["shipped"]
+    return Geometry(
+        preset["chunk_sizes"][0],
+        preset["frames"],
+        preset["sink_chunks"][0],
+        preset["window_chunks"][0],
+        preset["heads"][0],
+        preset["heads"][0] // preset["gqa_groups"][0],
+        preset["head_dims"][0],
+        preset["dtypes"][0],
+        preset["batch"],
+    )
+
+
+COLUMNS = (
+    "provider", "block_size", "launch", "ms", "tflops", "max_error", "error_limit", "outcome",
+    "device", "torch", "triton", "commit", "timestamp",
+)  # fmt: skip
+
+
+def probe(
+    providers: Sequence[str],
+    block_sizes: Sequence[int],
+    launches: Sequence[Launch],
+    out: Path,
+    *,
+    time_limit_s: float | None = None,
+    geometry: Geometry | None = None,
+    device: str = "cuda",
+) -> list[dict]:
+    """Check then time every (block size, provider, launch), writing ``out/probe.csv``;
+    ``geometry`` defaults to the shipped one (a test passes a tiny one and the CPU)."""
+    device = torch.device(device)
+    shared = provenance(device, figures_kind(device))
+    geometry = geometry or shipped_geometry()
+    oracles, settings = _Oracles(), TimingSettings()
+    chosen = [attention_provider(name) for name in providers]
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    started = time.monotonic()
+    with open(out / "probe.csv", "w", newline="") as stream:
+        writer = csv.DictWriter(stream, COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for block_size in block_sizes:
+            workload = make_workload(geometry, block_size, device=device)
+            for provider in chosen:
+                for launch in launches:
+                    row = {"provider": provider.name, "block_size": block_size, **shared}
+                    row["launch"] = str(launch)
+                    if time_limit_s and time.monotonic() - started > time_limit_s:
+                        row["outcome"] = "not run: time limit"
+                    else:
+                        row.update(_run_one(provider, launch, workload, oracles, settings))
+                    writer.writerow(row)
+                    stream.flush()
+                    rows.append(row)
+                    print(_line(row), flush=True)
+            del workload
+    return rows
+
+
+def _run_one(provider, launch, workload, oracles, settings) -> dict:
+    try:
+        with forced(launch):
+            checked = _check_then_time(
+                provider, None, workload, oracles, workload.q.device, settings
+            )
+    except WrongResultError as error:
+        return {"outcome": f"WRONG: {str(error)[-160:]}"}
+    except Exception as error:  # a launch that cannot run (shared memory, registers): say why
+        return {"outcome": f"failed: {type(error).__name__}: {str(error)[:160]}"}
+    if isinstance(checked, str):
+        return {"outcome": checked}
+    ms = checked.timing.p50_ms
+    return {
+        "ms": round(ms, 4),
+        "tflops": round(workload.geometry.attention_flops() / ms / 1e9, 1),
+        "max_error": checked.error,
+        "error_limit": checked.limit,
+        "outcome": "ok",
+    }
+
+
+def _line(row: dict) -> str:
+    figures = f"{row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s" if "ms" in row else ""
+    return (
+        f"{row['provider']:<18} B{row['block_size']:<5} {row['launch']:<14} {figures:<24}"
+        f" {row.get('outcome', '')}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--providers", default="triton")
+    parser.add_argument("--block-sizes", default="64")
+    parser.add_argument("--configs", default="default")
+    parser.add_argument("--time-limit", type=float, default=None)
+    parser.add_argument("--out", type=Path, default=Path("out/probe"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("launch_probe: no CUDA device", file=sys.stderr)
+        return 2
+    try:
+        launches = [parse_launch(text) for text in args.configs.split(",")]
+        providers = args.providers.split(",")
+        for name in providers:
+            attention_provider(name)
+    except ValueError as error:
+        parser.error(str(error))
+    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    probe(providers, block_sizes, launches, args.out, time_limit_s=args.time_limit)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
