@@ -42,6 +42,17 @@ def launch_of(row: Row) -> dict[str, object]:
     return launch
 
 
+def _requested_launch(name: str, rows: Sequence[Row]) -> dict[str, object]:
+    """The launch provider ``name``'s own variant and key tile, with the warps and stages of a
+    row that ran that variant (at some block sizes of a class the launcher falls back to the
+    pointer loop, e.g. a 128-key TMA tile over 24-slot blocks: the table must still name the
+    variant that won where it applies)."""
+    requested = LAUNCH_PROVIDERS[name]
+    launches = [launch_of(row) for row in rows]
+    ran = [launch for launch in launches if launch["variant"] == requested["variant"]]
+    return {**(ran or launches)[0], **requested}
+
+
 def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -90,7 +101,7 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
                 "head_dim": dim_class,
                 "kv_path": path,
                 "mode": "same",
-                **launch_of(first),
+                **_requested_launch(winner, [by_case[case][winner] for case in cases]),
                 "source": "gpu run",
                 "date": str(first.get("timestamp") or "")[:10],
                 "device": str(first.get("device") or ""),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check: one command for a lent GPU (sized for an H200), inside 7.5 minutes, with the
-# machine's own torch and Triton (nothing installed, nothing downloaded).
+# The GPU check: one command for a lent GPU (sized for an H200), inside 9 minutes (the first
+# H200 run took 4), with the machine's own torch and Triton (nothing installed, nothing
+# downloaded).
 #
 #   bench/gpu_check.sh [OUT_DIR]          OUT_DIR defaults to $OUT, else out/gpu_check
 #
@@ -15,7 +16,7 @@
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
 # 3. the launch candidates: this project's kernel at each variant and key tile the launch table
 #    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, and
-#    triton-ws, the warp-specialized kernel) over
+#    triton-ws and triton-ws-n128, the warp-specialized kernel) over
 #    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds), then
 #    `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
 #    quantized pools' speedup at every block size the sweep reached) and rewrites
@@ -86,7 +87,7 @@ echo "== launch candidates (runs start until ${launch_budget}s, limit ${launch_t
 start=$SECONDS
 timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped \
     --block-sizes 64,256,1560,16,24,520 --kernels paged_attention \
-    --providers triton-cp_async,triton-tma,triton-cp_async-n128,triton-tma-n128,triton-ws \
+    --providers triton-cp_async,triton-tma,triton-cp_async-n128,triton-tma-n128,triton-ws,triton-ws-n128 \
     --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
     >"$out_dir/launches.log" 2>&1
 launch_rc=$?
@@ -123,12 +124,12 @@ echo "== compile report: exit $compile_rc after $((SECONDS - start))s"
 
 workers=()
 if "$python" -c "import xdist" 2>/dev/null; then
-    workers=(-n "${TEST_WORKERS:-8}")
+    workers=(-n "${TEST_WORKERS:-12}")
 fi
-echo "== kernel tests (limit ${TEST_TIMEOUT:-100}s)"
+echo "== kernel tests (limit ${TEST_TIMEOUT:-150}s)"
 start=$SECONDS
-timeout "${TEST_TIMEOUT:-100}" "$python" -m pytest tests/kernels -x -q -p no:cacheprovider \
-    ${workers[@]+"${workers[@]}"} 2>&1 | tee "$out_dir/tests.log" | tail -n 15
+timeout "${TEST_TIMEOUT:-150}" "$python" -m pytest tests/kernels -q -rfE -p no:cacheprovider \
+    ${workers[@]+"${workers[@]}"} 2>&1 | tee "$out_dir/tests.log" | tail -n 40
 tests_rc=${PIPESTATUS[0]}
 echo "== kernel tests: exit $tests_rc after $((SECONDS - start))s"
 

@@ -218,6 +218,7 @@ LAUNCH_PROVIDERS: dict[str, dict[str, object]] = {
     "triton-cp_async-n128": {"variant": "cp_async", "block_n": 128},
     "triton-tma-n128": {"variant": "tma", "block_n": 128},
     "triton-ws": {"variant": "ws", "block_n": 64},
+    "triton-ws-n128": {"variant": "ws", "block_n": 128},
 }
 
 

@@ -123,7 +123,7 @@ def _warp_specialized(
         BLOCK_SIZE=block_size,
         # Triton specializes 4-warp consumers (at 8 warps it builds a plain loop).
         num_warps=4,
-        num_stages=tiles["num_stages"],
+        num_stages=min(tiles["num_stages"], WS_MAX_STAGES),
     )
     whole = (seq_lens_k // block_n * block_n).to(torch.int32)
     key_gap = torch.stack([torch.zeros_like(whole), whole], dim=-1)
@@ -188,6 +188,15 @@ def block_split(block_size: int, block_n: int) -> int:
     return head if rest & (rest - 1) == 0 else block_size
 
 
+# The warp-specialized kernel's most stages: on an H200 with Triton 3.6 (2026-12-04), this
+# kernel and the Triton tutorial's warp-specialized loop both wrote NaN at 3 stages and were
+# right at 2 (bench/RESULTS.md).
+WS_MAX_STAGES = 2
+
+# The fewest keys per tile of the FP8-MMA mode (the K dimension of its P V MMA).
+FP8_MIN_KEYS = 32
+
+
 def choose_tiles(
     *,
     block_size: int,
@@ -250,6 +259,12 @@ def choose_tiles(
         stages += dequantize
     tile_m = block_m or default_m
     tile_n = block_n or default_n
+    if fp8_mma and tile_n < FP8_MIN_KEYS:
+        # The FP8 P V MMA reduces over the tile's keys; Hopper's FP8 wgmma takes 32 at least
+        # (a 16-key tile fails to compile on a GPU, though the interpreter runs it).
+        if block_n is not None:
+            raise ValueError(f"block_n must be >= {FP8_MIN_KEYS} with fp8_mma, got {block_n}")
+        tile_n = FP8_MIN_KEYS
     path = kv_path(block_size, tile_n)
     variant = variant or chosen
     # Descriptor loads are for tiles inside one block (block_tiles: the whole-tile piece, when

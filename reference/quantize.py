@@ -146,5 +146,7 @@ def _code_step(codes: Tensor, dtype: torch.dtype) -> Tensor:
     """The spacing of codes around ``codes`` (1 for int8; e4m3's 3-bit mantissa ulp)."""
     if dtype == torch.int8:
         return torch.ones_like(codes)
-    exponent = torch.floor(torch.log2(codes.abs().clamp_min(2.0**-6)))
-    return torch.exp2(exponent - 3)
+    # frexp, not floor(log2): CUDA's float64 log2 of a power of two can fall just below the
+    # integer (log2(64) -> 5.999...), which would halve the step of every code 2**k.
+    _, exponent = torch.frexp(codes.abs().clamp_min(2.0**-6))
+    return torch.exp2((exponent - 1 - 3).to(codes.dtype))

@@ -73,6 +73,30 @@ def test_winners_per_class() -> None:
     assert f"{1.1 / 0.7:.2f}x" in line_256  # the e4m3 pool over sdpa-best
 
 
+def test_the_table_names_the_winning_variant_where_a_block_fell_back() -> None:
+    # block_tiles class: at block 24 a 128-key TMA tile straddles blocks, so the launcher ran
+    # the pointer loop (its backend says cp_async); at 520/1560 it ran TMA and won. The row
+    # written must say tma, else blocks 520/1560 would lose the launch that won there.
+    rows = list(STEADY_CEILINGS)
+    for block, ran in ((24, "cp_async"), (520, "tma"), (1560, "tma")):
+        for name, variant, ms in (
+            ("triton-cp_async", "cp_async", 1.0),
+            ("triton-tma-n128", ran, 0.8),
+        ):
+            settings = {
+                "variant": variant,
+                "tile": f"128x{LAUNCH_PROVIDERS[name]['block_n']}",
+                "num_warps": 8,
+                "num_stages": 3,
+                "tma": "on" if variant == "tma" else "off",
+            }
+            backend = launch_backend(settings)
+            rows.append(measured("paged_attention", name, block, ms, role="ours", backend=backend))
+    [choice] = choose.choose(rows)[0]
+    assert (choice["kv_path"], choice["variant"], choice["block_n"]) == ("block_tiles", "tma", 128)
+    assert (choice["num_warps"], choice["num_stages"]) == (8, 3)
+
+
 def test_cpu_figures_choose_nothing() -> None:
     with pytest.raises(ValueError, match="GPU run only"):
         choose.choose(_rows(figures="cpu"))

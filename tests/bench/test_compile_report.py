@@ -4,7 +4,9 @@ tutorial's warp-specialized TMA loop), on a CPU (skipped where Triton's wheel ha
 cuobjdump).
 
 One session compiles everything once: bf16 at head_dim 64/128 and block sizes 16..1560 (the
-launch table's defaults), the masked features at block 1560, the quantized modes at blocks
+launch table's defaults; at head_dim 128 also the 64-key TMA launch, ``GOAL_LAUNCH``, on which
+the compile goals are checked: the table's head_dim 128 rows now hold a GPU run's 128-key choice,
+checked on its own), the masked features at block 1560, the quantized modes at blocks
 16/24/64/520/1560, one launch option (``block_n=32``) and the key-loop variants forced at blocks
 64/256/1560, with Triton 3.9 (this interpreter) and, where a Triton 3.6 virtual environment
 exists (``TRITON36_VENV``, default ``/work/venvs/triton36``; CI has none), the shipped bf16
@@ -29,6 +31,7 @@ from filelock import FileLock
 
 from paged_video.bench import compile_report, sass
 from paged_video.bench.cli import main
+from paged_video.kernels import launch_table
 
 TRITON36_VENV = Path(os.environ.get("TRITON36_VENV", "/work/venvs/triton36"))
 BLOCK_SIZES = compile_report.SHIPPED_BLOCK_SIZES
@@ -36,6 +39,12 @@ HEAD_DIMS = (64, 128)
 QUANTIZED_BLOCKS = (16, 24, 64, 520, 1560)
 QUANTIZED_MODES = ("fp8", "int8", "fp8_mma", "int8_mma")
 CONTIGUOUS_BLOCK = 256  # contiguous at 64- and 128-key tiles
+# The head_dim 128 launch the compile goals are judged on: 64-key tiles through descriptors
+# where a tile lies inside a block (the launcher keeps the pointer loop elsewhere). The launch
+# table's own head_dim 128 rows are a GPU run's choice (128-key tiles, 2026-12-04), faster on
+# the H200 though they spill a little at Triton's flags (test_gpu_chosen_launches_compile).
+GOAL_LAUNCH = {"variant": "tma", "block_n": 64}
+GOAL_VARIANT = compile_report.variant_label(tuple(GOAL_LAUNCH.items()))
 
 
 def _triton36() -> str | None:
@@ -49,10 +58,13 @@ def _configs_39() -> list[compile_report.Config]:
     configs = compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS
     )
+    configs += _goal_configs()
     one = dict(kernels=("paged_attention",), block_sizes=(1560,))
     # The exact window's gap, and causal with per-row limits, at the shipped frame block.
-    configs += compile_report.configs_for(**one, gaps=1)
-    configs += compile_report.configs_for(**one, causal=True, key_limits=True)
+    configs += compile_report.configs_for(**one, gaps=1, launches=(GOAL_LAUNCH,))
+    configs += compile_report.configs_for(
+        **one, causal=True, key_limits=True, launches=(GOAL_LAUNCH,)
+    )
     configs += compile_report.configs_for(**one, launches=({"block_n": 32}, {"block_n": 48}))
     # A launch that spills at Triton's own flags (the report must read it from the cubin).
     configs += compile_report.configs_for(
@@ -66,9 +78,18 @@ def _configs_39() -> list[compile_report.Config]:
 
 
 # The key-loop variants forced at the contiguous blocks and at the frame block (block_tiles:
-# TMA for the blocks' whole tiles; ws takes contiguous blocks only and falls back to tma).
-VARIANT_LAUNCHES = ({"variant": "cp_async"}, {"variant": "tma"}, {"variant": "ws"})
+# TMA for the blocks' whole tiles; ws takes contiguous blocks only and falls back to tma), at
+# 64-key tiles (the TMA one is GOAL_LAUNCH, compiled at every block).
+VARIANT_LAUNCHES = ({"variant": "cp_async", "block_n": 64}, {"variant": "ws", "block_n": 64})
 VARIANT_BLOCKS = (64, 256, 1560)
+CP_ASYNC = "cp_async+block_n=64"
+WS = "ws+block_n=64"
+
+
+def _goal_configs() -> list[compile_report.Config]:
+    return compile_report.configs_for(
+        kernels=("paged_attention",), block_sizes=BLOCK_SIZES, launches=(GOAL_LAUNCH,)
+    )
 
 
 def _variant_configs() -> list[compile_report.Config]:
@@ -79,6 +100,7 @@ def _variant_configs() -> list[compile_report.Config]:
 
 def _configs_36() -> list[compile_report.Config]:
     configs = compile_report.configs_for(kernels=("paged_attention",), block_sizes=BLOCK_SIZES)
+    configs += _goal_configs()
     configs += _variant_configs()
     configs += compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=QUANTIZED_BLOCKS, kv_modes=QUANTIZED_MODES
@@ -115,8 +137,12 @@ class Report:
         head_dim=128,
         kv="same",
         features="plain",
-        variant="default",
+        variant=None,
     ) -> dict:
+        """A paged_attention row; ``variant`` None: the goal launch for 16-bit K/V at head_dim
+        128, the launcher's own choice otherwise."""
+        if variant is None:
+            variant = GOAL_VARIANT if (head_dim, kv) == (128, "same") else "default"
         [row] = [
             r
             for r in self.rows
@@ -344,8 +370,8 @@ def test_tma_variant_loads_whole_tiles_through_descriptors(
     report: Report, minor: str, block: int
 ) -> None:
     triton = report.version(minor)
-    tma = report.paged(triton, block, variant="tma")
-    pointers = report.paged(triton, block, variant="cp_async")
+    tma = report.paged(triton, block, variant=GOAL_VARIANT)
+    pointers = report.paged(triton, block, variant=CP_ASYNC)
     assert tma["path"] == pointers["path"] == "contiguous"
     # K and V by TMA; the loop's only global loads are the next tile's table entry.
     assert tma["tma_loads"] > 0 and pointers["tma_loads"] == 0, (tma, pointers)
@@ -365,7 +391,7 @@ WS_KERNEL = "paged_attention/_paged_attention_ws_kernel"
 @pytest.mark.parametrize("block", [64, 256])
 def test_ws_variant_is_warp_specialized_over_tma(report: Report, minor: str, block: int) -> None:
     triton = report.version(minor)
-    rows = [r for r in report.rows if r["triton"] == triton and r["variant"] == "ws"]
+    rows = [r for r in report.rows if r["triton"] == triton and r["variant"] == WS]
     [ws] = [r for r in rows if r["kernel"] == WS_KERNEL and r["block_size"] == block]
     # The whole tiles: a producer warp issuing the TMA loads, two 4-warp consumer warpgroups.
     assert ws["error"] == "" and ws["num_warps"] == 4, ws
@@ -373,7 +399,8 @@ def test_ws_variant_is_warp_specialized_over_tma(report: Report, minor: str, blo
     assert ws["partition_roles"].startswith("load,"), ws
     assert ws["tma_loads"] > 0 and ws["mbarriers"] > 0, ws
     assert "+" in ws["setmaxnreg"] and "-" in ws["setmaxnreg"], ws
-    assert (ws["spill_stores"], ws["kv_buffers"], ws["loop_global_loads"]) == (0, 3, 0), ws
+    # Two K/V buffers: the launcher's stage cap (3 stages wrote NaN on an H200, Triton 3.6).
+    assert (ws["spill_stores"], ws["kv_buffers"], ws["loop_global_loads"]) == (0, 2, 0), ws
     assert ws["producer_loop_instructions"] < 100, ws
     # 2026-12-03: consumer loops of 325 instructions on Triton 3.9, 303 on 3.6 (the anchor with
     # as many MMA warps: 348 and 325).
@@ -391,8 +418,8 @@ def test_block_tiles_load_whole_tiles_through_descriptors(report: Report, minor:
     # gathered into masked pointer-loaded tiles (2026-12-04: 355 on Triton 3.9, 338 on 3.6,
     # 1.02x and 1.04x the plain loop; the tiles straddling blocks took 391 and 366).
     triton = report.version(minor)
-    tma = report.paged(triton, 1560, variant="tma")
-    pointers = report.paged(triton, 1560, variant="cp_async")
+    tma = report.paged(triton, 1560, variant=GOAL_VARIANT)
+    pointers = report.paged(triton, 1560, variant=CP_ASYNC)
     assert tma["path"] == pointers["path"] == "block_tiles"
     assert tma["tma_loads"] > 0 and pointers["tma_loads"] == 0, (tma, pointers)
     assert tma["loop_instructions"] < pointers["loop_instructions"], (tma, pointers)
@@ -400,8 +427,26 @@ def test_block_tiles_load_whole_tiles_through_descriptors(report: Report, minor:
     _assert_pipelined_like(tma, report.yardstick("anchor", tma))
     assert tma["vs_anchor"] <= 1.10, tma
     # ws takes contiguous blocks only: here it is the tma kernel.
-    ws = report.paged(triton, 1560, variant="ws")
+    ws = report.paged(triton, 1560, variant=WS)
     assert ws["loop_instructions"] == tma["loop_instructions"] and ws["partitions"] == 1, ws
+
+
+# The launch table's head_dim 128 rows, chosen by the H200 run of 2026-12-04 (bench/RESULTS.md):
+# 128-key tiles, TMA where a tile lies inside a block. Measured 4.91-5.07 ms against 5.38-5.57
+# for the 64-key TMA loop at blocks 256/520/1560; at Triton's flags they spill a little, kept
+# here as figures (bytes per launch, 2026-12-04: 0-36 on Triton 3.9).
+GPU_CHOSEN_MOST_SPILL_BYTES = 64
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+def test_gpu_chosen_launches_compile(report: Report, minor: str, block: int) -> None:
+    row = report.paged(report.version(minor), block, variant="default")
+    chosen = launch_table.lookup(128, "contiguous", "same")
+    assert chosen["source"] == "gpu run" and row["tile"] == f"128x{chosen['block_n']}", row
+    assert (row["mma"], row["loop_divisions"]) == ("HGMMA", 0), row
+    assert row["spill_stores"] <= GPU_CHOSEN_MOST_SPILL_BYTES, row
+    assert row["spill_loads"] <= GPU_CHOSEN_MOST_SPILL_BYTES, row
 
 
 @pytest.mark.parametrize("mode", QUANTIZED_MODES)

@@ -169,6 +169,32 @@ def test_warp_specialized_refuses_gqa_and_falls_back_when_chosen(monkeypatch) ->
     run_and_compare(case, causal=True, key_limits=key_limits, block_m=16, block_n=16)
 
 
+def test_warp_specialized_kernel_runs_two_stages_at_most(monkeypatch) -> None:
+    # At 3 stages the warp-specialized loop wrote NaN on an H200 with Triton 3.6 (this kernel
+    # and Triton's tutorial both; bench/RESULTS.md): whatever the table says, it gets 2.
+    launches = []
+    real_kernel = launcher._paged_attention_ws_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["num_stages"])
+                return real_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(launcher, "_paged_attention_ws_kernel", Spy())
+    real_choose = launcher.choose_tiles
+    monkeypatch.setattr(
+        launcher, "choose_tiles", lambda **kw: {**real_choose(**kw), "num_stages": 4}
+    )
+    case = make_paged_case(
+        q_lens=[8], k_lens=[40], block_size=16, num_kv_heads=4, dtype=WS_DTYPE, device=DEVICE
+    )
+    run_and_compare(case, block_m=16, block_n=16, variant="ws")
+    assert launches == [launcher.WS_MAX_STAGES] and launcher.WS_MAX_STAGES == 2
+
+
 def test_warp_specialized_refuses_float32_on_a_gpu(monkeypatch) -> None:
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     q = torch.zeros(4, 2, 64)

@@ -168,7 +168,7 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
         v_equalizer=v_factor,
         out=nan_like(case.q),
         block_m=16,
-        block_n=16,
+        block_n=32,
         return_lse=True,
     )
     # The LSE is of the scores the kernel used: q times K's factors (exact: powers of two),
@@ -186,7 +186,7 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
         plain = emulate(args, scales, "dequant", k_factor=k_factor, v_factor=v_factor)
         limit = 2 * (emulated - plain).abs().max().item()
     assert error <= limit, f"{error:.3e} > {limit:.3e}"
-    unfolded = kernels.paged_attention(*args, **scales, **modes, block_m=16, block_n=16)
+    unfolded = kernels.paged_attention(*args, **scales, **modes, block_m=16, block_n=32)
     assert (unfolded.double().cpu() - emulated).abs().max().item() > 10 * limit
 
 
@@ -195,7 +195,7 @@ def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
     # the next (an accumulator kept in the latest tile's unit overflows to inf): the output is
     # finite and as close to the oracle as the FP8-MMA mode gets on tame scales (relative to
     # the output's magnitude, which the 1e30 tiles set).
-    block_n = 16
+    block_n = 32
     case = make_paged_case(
         q_lens=[6, 5], k_lens=[6 * block_n, 3 * block_n + 4], block_size=16, device=DEVICE
     )
@@ -259,6 +259,27 @@ def test_int8_mma_tiles(monkeypatch) -> None:
     assert choose_tiles(**shipped, dequantize=True)["num_stages"] == plain + 1
 
 
+def test_fp8_mma_tiles_take_32_keys_at_least(monkeypatch) -> None:
+    # The FP8 P V MMA reduces over the tile's keys: Hopper's FP8 wgmma needs 32 (a 16-key tile
+    # compiled on an H200 fails; the interpreter would run it). Asked for: refused; by default:
+    # at least 32 everywhere.
+    small = dict(block_size=16, head_dim=16, max_seqlen_q=64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_n must be >= 32 with fp8_mma, got 16"):
+        choose_tiles(**small, fp8_mma=True, block_n=16)
+    assert choose_tiles(**small, block_n=16)["BLOCK_N"] == 16  # the other modes keep 16
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    for head_dim in (64, 80, 128, 256):
+        for max_seqlen_q in (1, 4680):
+            tiles = choose_tiles(
+                block_size=16,
+                head_dim=head_dim,
+                max_seqlen_q=max_seqlen_q,
+                dtype=torch.bfloat16,
+                fp8_mma=True,
+            )
+            assert tiles["BLOCK_N"] >= 32, (head_dim, max_seqlen_q)
+
+
 def _bad_calls():
     e4m3 = torch.float8_e4m3fn
     return [
@@ -296,7 +317,7 @@ def test_rejects_and_writes_nothing(dtype, extra, error, words) -> None:
     else:
         args, scales = quantized_args(case, dtype)
     sentinel = torch.full_like(case.q, 7.0)
-    extra = {k: v.to(DEVICE) if isinstance(v, Tensor) else v for k, v in extra.items()}
+    extra = {k: v.to(case.q.device) if isinstance(v, Tensor) else v for k, v in extra.items()}
     with pytest.raises(error, match=words):
         kernels.paged_attention(*args, **scales, **extra, out=sentinel)
     assert torch.equal(sentinel, torch.full_like(sentinel, 7.0)), "a rejected call wrote out"

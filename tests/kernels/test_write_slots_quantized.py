@@ -302,7 +302,7 @@ def test_zero_tiny_huge_and_one_hot_rows(dtype, where) -> None:
     value[2, 2] = 0.0
     value[2, 2, 7] = -3e37  # one value: one code -QMAX, the rest 0
     value[3, 1] = torch.linspace(-1, 1, dim)  # every binade of e4m3 down to its subnormals
-    value[3, 1, :40] *= torch.logspace(0, -4, 40)
+    value[3, 1, :40] *= torch.logspace(0, -4, 40, device=value.device)
     value[4] = 6e4  # a constant row: every code QMAX
     slots = torch.tensor([5, 0, 3, 1, 2, 4], device=DEVICE)
     pools = poisoned_pools(6, heads, dim, dtype)

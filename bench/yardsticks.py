@@ -1,0 +1,156 @@
+"""GPU yardsticks for the paged kernel: dense attention at the shipped geometry without any
+paging, so a sweep's figures can be read against what a flash loop on this GPU does at all.
+
+    python -m paged_video.bench.yardsticks [--keys 28032] [--out DIR]
+
+Times (``triton.testing.do_bench``, median) torch SDPA's cuDNN and flash backends, the plain
+table-free loop ``bench.reference_loop.anchor_attention_kernel`` and the Triton tutorial's
+warp-specialized loop ``tutorial_attention_kernel`` at several tiles, warps and stages, on
+contiguous ``(tokens, 40, 128)`` bf16 q/K/V (keys a multiple of 128, as the two loops need).
+Every output is checked against a float32 reference first; a wrong one is printed as WRONG
+and not timed (the tutorial's loop wrote NaN at 3 stages on Triton 3.6, bench/RESULTS.md).
+Prints one line per run and writes ``DIR/yardsticks.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from paged_video.bench.reference_loop import anchor_attention_kernel, tutorial_attention_kernel
+from paged_video.bench.results import provenance
+from paged_video.bench.timing import figures_kind
+
+HEADS, HEAD_DIM, QUERIES = 40, 128, 4680
+LOG2E = 1.4426950408889634
+# (BLOCK_M, BLOCK_N, warps, stages) of each loop's runs.
+ANCHOR_LAUNCHES = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))
+TUTORIAL_LAUNCHES = ((128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 2))
+# bf16 inputs against a float32 reference: far below what a wrong loop is off by.
+LIMIT = 2e-2
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Float32 attention of ``(tokens, heads, dim)`` tensors, one head at a time."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for head in range(q.shape[1]):
+        scores = (q[:, head].float() @ k[:, head].float().T) / math.sqrt(q.shape[2])
+        out[:, head] = torch.softmax(scores, dim=-1) @ v[:, head].float()
+    return out
+
+
+def _anchor(q: Tensor, k: Tensor, v: Tensor, launch: tuple[int, ...]) -> Callable[[], Tensor]:
+    block_m, block_n, warps, stages = launch
+    out = torch.empty_like(q)
+    grid = (math.ceil(q.shape[0] / block_m), q.shape[1])
+
+    def run() -> Tensor:
+        anchor_attention_kernel[grid](
+            q, k, v, out, LOG2E / math.sqrt(HEAD_DIM), q.shape[0], k.shape[0],
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+def _tutorial(q: Tensor, k: Tensor, v: Tensor, launch: tuple[int, ...]) -> Callable[[], Tensor]:
+    block_m, block_n, warps, stages = launch
+    out = torch.empty_like(q)
+    grid = (math.ceil(q.shape[0] / block_m), q.shape[1])
+
+    def run() -> Tensor:
+        tutorial_attention_kernel[grid](
+            q, k, v, out, LOG2E / math.sqrt(HEAD_DIM), q.shape[0], k.shape[0], q.shape[1],
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, backend: str) -> Callable[[], Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads_first = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+
+    def run() -> Tensor:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            out = torch.nn.functional.scaled_dot_product_attention(*heads_first)
+        return out[0].transpose(0, 1)
+
+    return run
+
+
+def runs(q: Tensor, k: Tensor, v: Tensor) -> list[tuple[str, str, Callable[[], Tensor]]]:
+    """(name, launch, closure) of every yardstick; set-up stays out of the closures."""
+    listed = [("sdpa", b, _sdpa(q, k, v, b)) for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]
+    listed += [("anchor", _name(a), _anchor(q, k, v, a)) for a in ANCHOR_LAUNCHES]
+    listed += [("tutorial_ws", _name(a), _tutorial(q, k, v, a)) for a in TUTORIAL_LAUNCHES]
+    return listed
+
+
+def _name(launch: tuple[int, ...]) -> str:
+    return "{}x{}w{}s{}".format(*launch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=int, default=28032, help="a multiple of 128")
+    parser.add_argument("--out", type=Path, default=Path("out/yardsticks"))
+    args = parser.parse_args(argv)
+    if args.keys <= 0 or args.keys % 128:
+        parser.error(f"--keys must be a positive multiple of 128, got {args.keys}")
+    if not torch.cuda.is_available():
+        print("yardsticks: no CUDA device", file=sys.stderr)
+        return 2
+    from triton.testing import do_bench
+
+    from paged_video.kernels.paged_attention import _ensure_allocator
+
+    _ensure_allocator()  # the tutorial loop makes its descriptors on the device
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(n, HEADS, HEAD_DIM, generator=gen, device=device, dtype=torch.bfloat16)
+        for n in (QUERIES, args.keys, args.keys)
+    )
+    expected = reference(q, k, v)
+    flops = 4 * HEADS * QUERIES * args.keys * HEAD_DIM
+    shared = provenance(device, figures_kind(device))
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "yardsticks.csv", "w", newline="") as stream:
+        columns = ["loop", "launch", "keys", "ms", "tflops", "max_error", "outcome", *shared]
+        writer = csv.DictWriter(stream, columns)
+        writer.writeheader()
+        for loop, launch, run in runs(q, k, v):
+            row = {"loop": loop, "launch": launch, "keys": args.keys, **shared}
+            try:
+                error = (run().float() - expected).abs().max().item()
+            except Exception as failure:  # a launch this Triton cannot build: say why
+                row["outcome"] = f"failed: {type(failure).__name__}: {str(failure)[:120]}"
+            else:
+                row["max_error"] = error
+                if not error <= LIMIT:  # NaN included
+                    row["outcome"] = f"WRONG: max error {error:.3g}; not timed"
+                else:
+                    ms = do_bench(run, warmup=25, rep=100)
+                    row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9), outcome="ok")
+            writer.writerow(row)
+            figures = f"{row['ms']:7.3f} ms {row['tflops']:4d} TFLOP/s" if "ms" in row else ""
+            print(f"{loop:<12} {launch:<16} {figures:<26} {row['outcome']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

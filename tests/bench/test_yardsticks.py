@@ -1,0 +1,26 @@
+"""bench.yardsticks: its loops are wired to their kernels right (under the interpreter, small)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_video.bench import yardsticks
+
+
+@pytest.mark.parametrize("loop", ["anchor", "tutorial_ws"])
+def test_the_dense_loops_match_the_reference(loop: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 2, yardsticks.HEAD_DIM, generator=gen) for n in (40, 128, 128))
+    build = yardsticks._anchor if loop == "anchor" else yardsticks._tutorial
+    got = build(q, k, v, (32, 64, 4, 1))()
+    torch.testing.assert_close(got, yardsticks.reference(q, k, v), atol=1e-4, rtol=1e-4)
+    # A wrong launch (keys cut to one tile) is caught by the same comparison.
+    cut = build(q, k[:64], v[:64], (32, 64, 4, 1))()
+    assert (cut - yardsticks.reference(q, k, v)).abs().max() > yardsticks.LIMIT
+
+
+def test_keys_must_fill_whole_tiles(capsys) -> None:
+    with pytest.raises(SystemExit):
+        yardsticks.main(["--keys", "28080"])
+    assert "multiple of 128" in capsys.readouterr().err
