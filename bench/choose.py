@@ -6,7 +6,9 @@ variant and key tile each) times every launch at every block size. Per (head_dim
 path at the built-in tile) the winner is the launch with the smallest geometric mean, over the
 block sizes measured for that class, of its time over the fastest launch's at the same block
 size (a launch missing at one of them does not compete, and a class where every launch misses
-one, as in a run cut short, keeps its row; ties go to the first in ``LAUNCH_PROVIDERS``). The
+one, as in a run cut short, keeps its row; ties go to the first in ``LAUNCH_PROVIDERS``), and
+its row names the winner's own variant and key tile (a block where the launcher fell back to
+the pointer loop does not decide the variant). The
 winner table prints every block size: each launch's time, the winner, ``sdpa-best`` and the
 winner's speedup over it, and the quantized providers' speedup over ``sdpa-best``. ``--write``
 replaces the table's rows of the classes measured (source ``gpu run``, with the run's date,

@@ -913,7 +913,7 @@ MUTANTS = [
     _m(
         "fused-devices-unchecked",
         "kernels/fused.py",
-        "    _checks.check_same_device(**named)\n",
+        "    _checks.check_same_device(**on_device)\n",
         "",
         f"{REFUSALS}[float-attend-query-device]",
     ),
@@ -1225,6 +1225,29 @@ MUTANTS = [
         "        entries = (table_row + first * stride_table_col) + blocks",
         "tests/kernels/test_strided_index.py::test_block_tiles_read_a_strided_block_table"
         "[cm-block_tiles-B24-N64]",
+    ),
+    # -- what the first H200 run taught ---------------------------------------------------------
+    _m(
+        "ws-stages-uncapped",
+        "kernels/paged_attention.py",
+        '        num_stages=min(tiles["num_stages"], WS_MAX_STAGES),',
+        '        num_stages=tiles["num_stages"],',
+        "tests/kernels/test_launch_variants.py::test_warp_specialized_kernel_runs_two_stages_at_most",
+    ),
+    _m(
+        "fp8-mma-16-key-tiles-allowed",
+        "kernels/paged_attention.py",
+        "    if fp8_mma and tile_n < FP8_MIN_KEYS:",
+        "    if False:",
+        "tests/kernels/test_quantized_modes.py::test_fp8_mma_tiles_take_32_keys_at_least",
+    ),
+    _m(
+        "choose-takes-the-first-blocks-launch",
+        "bench/choose.py",
+        "    return {**(ran or launches)[0], **requested}",
+        "    return launches[0]",
+        "tests/bench/test_choose.py::"
+        "test_the_table_names_the_winning_variant_where_a_block_fell_back",
     ),
 ]
 
