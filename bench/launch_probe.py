@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from paged_video.bench.cli import PRESETS
+from paged_video.bench.cli import PRESETS, _geometries
 from paged_video.bench.providers import PROVIDERS, Provider
 from paged_video.bench.results import provenance
 from paged_video.bench.sweep import WrongResultError, _check_then_time, _Oracles
@@ -92,18 +92,9 @@ def attention_provider(name: str) -> Provider:
 
 
 def shipped_geometry() -> Geometry:
-    preset = PRESETS["shipped"]
-    return Geometry(
-        preset["chunk_sizes"][0],
-        preset["frames"],
-        preset["sink_chunks"][0],
-        preset["window_chunks"][0],
-        preset["heads"][0],
-        preset["heads"][0] // preset["gqa_groups"][0],
-        preset["head_dims"][0],
-        preset["dtypes"][0],
-        preset["batch"],
-    )
+    """The sweep's ``--preset shipped`` geometry (it has one)."""
+    [geometry] = _geometries(argparse.ArgumentParser(), PRESETS["shipped"])
+    return geometry
 
 
 COLUMNS = (

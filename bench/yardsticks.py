@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from paged_video.bench.providers import forced_sdpa
 from paged_video.bench.reference_loop import anchor_attention_kernel, tutorial_attention_kernel
 from paged_video.bench.results import provenance
 from paged_video.bench.timing import figures_kind
@@ -79,22 +80,16 @@ def _tutorial(q: Tensor, k: Tensor, v: Tensor, launch: tuple[int, ...]) -> Calla
     return run
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, backend: str) -> Callable[[], Tensor]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, name: str) -> Callable[[], Tensor]:
+    """The sweep's forced SDPA backend ``name`` on heads-first views of the same tensors."""
+    sdpa = forced_sdpa(name)
     heads_first = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-
-    def run() -> Tensor:
-        with sdpa_kernel(getattr(SDPBackend, backend)):
-            out = torch.nn.functional.scaled_dot_product_attention(*heads_first)
-        return out[0].transpose(0, 1)
-
-    return run
+    return lambda: sdpa(*heads_first)[0].transpose(0, 1)
 
 
 def runs(q: Tensor, k: Tensor, v: Tensor) -> list[tuple[str, str, Callable[[], Tensor]]]:
     """(name, launch, closure) of every yardstick; set-up stays out of the closures."""
-    listed = [("sdpa", b, _sdpa(q, k, v, b)) for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]
+    listed = [("sdpa", n, _sdpa(q, k, v, n)) for n in ("sdpa-cudnn", "sdpa-flash")]
     listed += [("anchor", _name(a), _anchor(q, k, v, a)) for a in ANCHOR_LAUNCHES]
     listed += [("tutorial_ws", _name(a), _tutorial(q, k, v, a)) for a in TUTORIAL_LAUNCHES]
     return listed

@@ -145,8 +145,16 @@ class LayerInputs(NamedTuple):
 
 
 MUTATED_ARGS = (*PoolTensors._fields, "stage_tags")
-# Pool tensors that are CPU flags read on the host, whatever device the pools are on.
+# Pool tensors that are flags read on the host (as the tags are): they live on the CPU,
+# whatever device the pools are on.
 CPU_FLAGS = ("k_means_chosen", "equalizers_chosen")
+
+
+def _on_device(pools: PoolTensors) -> dict[str, Tensor]:
+    """The pool tensors that live on the pools' device: all but ``CPU_FLAGS``."""
+    return {name: t for name, t in pools._asdict().items() if name not in CPU_FLAGS}
+
+
 # Schema types of the fields' annotations, as torch's own schema inference spells them.
 _SCHEMA_TYPES = {
     Tensor: "Tensor",
@@ -362,8 +370,7 @@ def _check_inputs(
         raise ValueError(f"int8_mma needs int8 pools, got {k_pools.dtype}")
     _checks.check_same_device(
         **dict(zip(KV_ARGS, kv, strict=True)),
-        # The flags are read on the host (as the tags are), so they live on the CPU.
-        **pools._replace(k_means_chosen=None, equalizers_chosen=None)._asdict(),
+        **_on_device(pools),
         video_slots=inputs.video_slots,
         action_slots=inputs.action_slots,
         block_table=inputs.block_table,
@@ -569,9 +576,7 @@ def write_attend(
     named = {**dict(zip(KV_ARGS, kv, strict=True)), **pools._asdict()}
     for name, tensor in named.items():
         _checks.check_tensor(name, tensor)
-    # Here, not only in the op: a meta tensor among real ones would dispatch to the fake. The
-    # per-layer "chosen" flags live on the CPU by design (checked in the op) and stay out of it.
-    on_device = {k: t for k, t in named.items() if k not in CPU_FLAGS}
-    _checks.check_same_device(**on_device)
+    # Here, not only in the op: a meta tensor among real ones would dispatch to the fake.
+    _checks.check_same_device(**dict(zip(KV_ARGS, kv, strict=True)), **_on_device(pools))
     out, lse = write_attend_op(*kv, *pools, *inputs)
     return (out, lse) if inputs.return_lse else out

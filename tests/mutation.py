@@ -913,7 +913,8 @@ MUTANTS = [
     _m(
         "fused-devices-unchecked",
         "kernels/fused.py",
-        "    _checks.check_same_device(**on_device)\n",
+        "    _checks.check_same_device(**dict(zip(KV_ARGS, kv, strict=True)), "
+        "**_on_device(pools))\n",
         "",
         f"{REFUSALS}[float-attend-query-device]",
     ),

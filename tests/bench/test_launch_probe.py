@@ -20,6 +20,8 @@ def test_configs_parse_and_bad_ones_are_named() -> None:
     assert str(launch_probe.parse_launch("default")) == "default"
     with pytest.raises(ValueError, match="'128x64w8'"):
         launch_probe.parse_launch("128x64w8")
+    shipped = launch_probe.shipped_geometry()  # the sweep's --preset shipped
+    assert (shipped.q_tokens, shipped.kv_tokens, shipped.heads) == (4680, 28080, 40)
 
 
 def test_the_forced_launch_is_what_the_launcher_uses_and_is_undone() -> None:

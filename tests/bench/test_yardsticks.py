@@ -24,3 +24,11 @@ def test_keys_must_fill_whole_tiles(capsys) -> None:
     with pytest.raises(SystemExit):
         yardsticks.main(["--keys", "28080"])
     assert "multiple of 128" in capsys.readouterr().err
+
+
+def test_the_sdpa_yardstick_is_the_sweeps_forced_backend_on_the_same_layout() -> None:
+    # SDPA's flash backend runs on a CPU too: the heads-first views give the packed layout back.
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, 2, yardsticks.HEAD_DIM, generator=gen) for n in (24, 40, 40))
+    got = yardsticks._sdpa(q, k, v, "sdpa-flash")()
+    torch.testing.assert_close(got, yardsticks.reference(q, k, v), atol=1e-4, rtol=1e-4)
