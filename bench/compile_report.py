@@ -49,9 +49,10 @@ from paged_video.bench import sass
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``), or int8
-# codes with an int8 Q K^T MMA (``int8_mma=True``).
-KV_MODES = ("same", "fp8", "int8", "fp8_mma", "int8_mma")
+# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``; over a
+# keys-major V pool, ``kernels.keys_major``: ``fp8_mma_keys``), or int8 codes with an int8
+# Q K^T MMA (``int8_mma=True``).
+KV_MODES = ("same", "fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma")
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
 SHIPPED_BLOCK_SIZES = (16, 24, 64, 256, 520, 1560)
@@ -103,6 +104,8 @@ MEASURE_COLUMNS = (
     "loop_global_loads",
     "loop_mbarrier_ops",
     "loop_divisions",
+    "loop_barriers",
+    "loop_shared_stores",
     "sass_instructions",
     "vs_anchor",
     "vs_tutorial",
@@ -513,6 +516,7 @@ def _paged_launches(config: Config) -> list[_Launch]:
 
     from paged_video import kernels
     from paged_video.bench.workload import DTYPES
+    from paged_video.kernels import pool_layout
 
     dtype = DTYPES[config.dtype]
     d, bs = config.head_dim, config.block_size
@@ -524,9 +528,12 @@ def _paged_launches(config: Config) -> list[_Launch]:
         scales = {
             "k_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
             "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
-            "fp8_mma": config.kv_mode == "fp8_mma",
+            "fp8_mma": config.kv_mode.startswith("fp8_mma"),
             "int8_mma": config.kv_mode == "int8_mma",
         }
+    v_cache = empty(2, bs, config.kv_heads, d, dt=kv_dtype)
+    if config.kv_mode == "fp8_mma_keys":
+        v_cache = pool_layout.empty_keys_major(2, bs, config.kv_heads, d, dtype=kv_dtype)
     # The warp-specialized variant merges two partial attentions: its merge is recorded too
     # (and left out of the report: it is no attention kernel).
     with (
@@ -536,7 +543,7 @@ def _paged_launches(config: Config) -> list[_Launch]:
         kernels.paged_attention(
             empty(config.max_seqlen_q, config.heads, d),
             empty(2, bs, config.kv_heads, d, dt=kv_dtype),
-            empty(2, bs, config.kv_heads, d, dt=kv_dtype),
+            v_cache,
             torch.zeros(1, 2, dtype=torch.int32),
             torch.tensor([0, config.max_seqlen_q], dtype=torch.int32),
             torch.tensor([2 * bs], dtype=torch.int32),
@@ -883,6 +890,8 @@ SHORT_COLUMNS = (
     ("int64", "loop_int64_ops"),
     ("ldg", "loop_global_loads"),
     ("div", "loop_divisions"),
+    ("bar", "loop_barriers"),
+    ("sts", "loop_shared_stores"),
     ("/anchor", "vs_anchor"),
     ("/tutorial", "vs_tutorial"),
 )
@@ -947,6 +956,7 @@ def format_summary(rows: Sequence[Row]) -> str:
             f"path / tile {version}",
             f"regs/spill {version}",
             f"loop (masked) {version}",
+            f"bar/sts {version}",
             f"int64 {version}",
             f"/anchor {version}",
             f"/tutorial {version}",
@@ -958,12 +968,13 @@ def format_summary(rows: Sequence[Row]) -> str:
         for version in versions:
             row = by_version.get(version)
             if row is None or row.get("error"):
-                cells += ["not compiled" if row else "-"] + ["-"] * 5
+                cells += ["not compiled" if row else "-"] + ["-"] * 6
                 continue
             cells += [
                 f"{row['path']} {row['tile']}",
                 f"{row['registers']}/{row['spill_stores']}",
                 f"{row['loop_instructions']} ({row['masked_loop_instructions']})",
+                f"{row['loop_barriers']}/{row['loop_shared_stores']}",
                 str(row["loop_int64_ops"]),
                 _cell(row, "", "vs_anchor"),
                 _cell(row, "", "vs_tutorial"),
@@ -1020,7 +1031,7 @@ def add_parser(
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
         "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
-        "Q K^T MMA (int8_mma)",
+        "Q K^T MMA (int8_mma); fp8_mma_keys: fp8_mma over a keys-major V pool",
     )
     parser.add_argument(
         "--launch",

@@ -9,8 +9,9 @@
 # 2. the shipped-geometry sweep (40 heads, head_dim 128, bf16, q 4680, kv 28080): the shipped
 #    block sizes first (16, 1560, then 24, 64, 256, 520, 32, 128), this project's kernels, the
 #    forced SDPA backends (sdpa-best) and the other baselines over every block size before
-#    compiled FlexAttention; our attention over e4m3 (dequant, fp8-mma) and int8 (dequant,
-#    int8-mma) pools beside the bf16 pool at every block size; every provider checked against
+#    compiled FlexAttention; our attention over e4m3 (dequant, fp8-mma over slot-major and over
+#    keys-major V) and int8 (dequant, int8-mma) pools beside the bf16 pool at every block size;
+#    every provider checked against
 #    the oracle (quantized ones against the dequantizing oracle) before it is timed.
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
@@ -21,6 +22,8 @@
 #    `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
 #    quantized pools' speedup at every block size the sweep reached) and rewrites
 #    kernels/launch_choices.json, copied to OUT_DIR: recording the run is committing that file;
+# 3b. the quantized loops' scale reads: `bench.launch_probe` times the quantized modes at block
+#    64 with the default plain scale loads and with `+wide` (OUT_DIR/probe/probe.csv);
 # 4. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,
 #    K smoothing on (the default), every data kind, format, mode (the INT8-MMA one too) with
 #    and without channel equalization, each beside its float64 floor (OUT_DIR/accuracy.csv, log
@@ -30,8 +33,8 @@
 # 6. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
 # 7. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
 #    over the bf16 pool and their goals), printed last.
-# Each stage has a time limit (SWEEP_TIMEOUT, LAUNCH_TIMEOUT, ACCURACY_TIMEOUT, COMPILE_TIMEOUT,
-# TEST_TIMEOUT seconds); a sweep cut short still leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS
+# Each stage has a time limit (SWEEP_TIMEOUT, LAUNCH_TIMEOUT, PROBE_TIMEOUT, ACCURACY_TIMEOUT,
+# COMPILE_TIMEOUT, TEST_TIMEOUT seconds); a sweep cut short still leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS
 # (comma lists) narrow the sweep. PYTHON picks the interpreter (default python3).
 # Exit status: 0 when the sweeps, the choice, the accuracy report and the tests passed, 1
 # otherwise, 2 without a GPU.
@@ -102,6 +105,15 @@ if [ -s "$out_dir/launches/sweep.csv" ]; then
     cp kernels/launch_choices.json "$out_dir/launch_choices.json"
 fi
 
+# Plain scale loads (the default) against the wide ones: fewer barriers against fewer copies
+# (kernels/_attention_jit._load_scales); informative, not part of the exit status.
+echo "== quantized scale loads, plain and wide (limit ${PROBE_TIMEOUT:-60}s)"
+start=$SECONDS
+timeout "${PROBE_TIMEOUT:-60}" "$python" -m paged_video.bench.launch_probe --block-sizes 64 \
+    --providers triton-e4m3,triton-int8-mma,triton-e4m3-mma-keys --configs default,default+wide \
+    --time-limit 45 --out "$out_dir/probe" 2>&1 | tail -n 8
+echo "== scale loads: exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
+
 # About 17 kernel compiles (attention per mode, with and without equalization; the writes)
 # take most of the time.
 echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-90}s)"
@@ -114,9 +126,9 @@ echo "== accuracy: exit $accuracy_rc after $((SECONDS - start))s"
 
 # The compile report with this machine's own Triton and ptxas: ties the timings above to the
 # machine code the CPU-side report describes (the launch table's defaults, blocks 16 and 1560).
-echo "== compile report (limit ${COMPILE_TIMEOUT:-60}s)"
+echo "== compile report (limit ${COMPILE_TIMEOUT:-45}s)"
 start=$SECONDS
-timeout "${COMPILE_TIMEOUT:-60}" "$python" -m paged_video.bench compile --kernels paged_attention \
+timeout "${COMPILE_TIMEOUT:-45}" "$python" -m paged_video.bench compile --kernels paged_attention \
     --block-sizes 16,1560 --out "$out_dir" >"$out_dir/compile.log" 2>&1
 compile_rc=$?
 tail -n 6 "$out_dir/compile.log"
@@ -126,9 +138,9 @@ workers=()
 if "$python" -c "import xdist" 2>/dev/null; then
     workers=(-n "${TEST_WORKERS:-12}")
 fi
-echo "== kernel tests (limit ${TEST_TIMEOUT:-150}s)"
+echo "== kernel tests (limit ${TEST_TIMEOUT:-135}s)"
 start=$SECONDS
-timeout "${TEST_TIMEOUT:-150}" "$python" -m pytest tests/kernels -q -rfE -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-135}" "$python" -m pytest tests/kernels -q -rfE -p no:cacheprovider \
     ${workers[@]+"${workers[@]}"} 2>&1 | tee "$out_dir/tests.log" | tail -n 40
 tests_rc=${PIPESTATUS[0]}
 echo "== kernel tests: exit $tests_rc after $((SECONDS - start))s"

@@ -6,9 +6,12 @@ the sweep's oracle before it is timed (a wrong one is reported, never timed).
         --providers triton,triton-e4m3 --configs 128x64w8s3,64x64w4s2 --out DIR
 
 A config ``MxNwWsS`` is a ``M x N`` tile, ``W`` warps, ``S`` stages; ``default`` is the
-launcher's own choice. It answers "would another launch be faster" inside a GPU window; a
-winner becomes a launch-table row or a default only through ``bench sweep`` and ``bench
-choose``. Rows go to ``DIR/probe.csv`` (long format, with the device, versions and commit).
+launcher's own choice. A ``+wide`` suffix (``default+wide``, ``128x64w8s3+wide``) makes the
+quantized modes read their scale columns the wide way (``kernels/_attention_jit._load_scales``:
+fewer instructions and copies, more barriers) instead of as plain prefetched loads. It answers
+"would another launch be faster" inside a GPU window; a winner becomes a launch-table row or a
+default only through ``bench sweep`` and ``bench choose``. Rows go to ``DIR/probe.csv`` (long
+format, with the device, versions and commit).
 """
 
 from __future__ import annotations
@@ -32,48 +35,57 @@ from paged_video.bench.sweep import WrongResultError, _check_then_time, _Oracles
 from paged_video.bench.timing import TimingSettings, figures_kind
 from paged_video.bench.workload import Geometry, make_workload
 
-_CONFIG = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)$")
+_CONFIG = re.compile(r"^(?:(\d+)x(\d+)w(\d+)s(\d+)|default)(\+wide)?$")
 
 
 @dataclass(frozen=True)
 class Launch:
-    """A forced launch; all None: the launcher's own."""
+    """A forced launch; tile, warps and stages None: the launcher's own."""
 
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    wide_scales: bool = False
 
     def __str__(self) -> str:
         if self.block_m is None:
-            return "default"
-        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+            text = "default"
+        else:
+            text = f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+        return text + ("+wide" if self.wide_scales else "")
 
 
 def parse_launch(text: str) -> Launch:
-    """``MxNwWsS`` or ``default``; raises ``ValueError`` naming the text otherwise."""
-    if text == "default":
-        return Launch()
+    """``MxNwWsS`` or ``default``, optionally ``+wide``; raises ``ValueError`` naming the text
+    otherwise."""
     match = _CONFIG.match(text)
     if match is None:
-        raise ValueError(f"a config is MxNwWsS (e.g. 128x64w8s3) or 'default', got {text!r}")
-    return Launch(*map(int, match.groups()))
+        raise ValueError(
+            f"a config is MxNwWsS (e.g. 128x64w8s3) or 'default', optionally +wide, got {text!r}"
+        )
+    *sizes, wide = match.groups()
+    numbers = [int(n) for n in sizes] if sizes[0] is not None else [None] * 4
+    return Launch(*numbers, wide_scales=wide is not None)
 
 
 @contextlib.contextmanager
 def forced(launch: Launch) -> Iterator[None]:
     """``paged_attention`` launches with ``launch``'s warps and stages (and its tile), its key
-    path and variant chosen for that tile as usual."""
+    path and variant chosen for that tile as usual, and its way of reading scales."""
     module = sys.modules["paged_video.kernels.paged_attention"]
     original = module.choose_tiles
-    if launch.block_m is None:
+    if launch == Launch():
         yield
         return
 
     def choose(**kwargs: object) -> dict:
-        kwargs.update(block_m=launch.block_m, block_n=launch.block_n)
+        if launch.block_m is not None:
+            kwargs.update(block_m=launch.block_m, block_n=launch.block_n)
         tiles = original(**kwargs)
-        tiles.update(num_warps=launch.num_warps, num_stages=launch.num_stages)
+        if launch.block_m is not None:
+            tiles.update(num_warps=launch.num_warps, num_stages=launch.num_stages)
+        tiles["WIDE_SCALES"] = launch.wide_scales
         return tiles
 
     module.choose_tiles = choose

@@ -69,11 +69,13 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 @dataclass(frozen=True)
 class Quant:
     """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
-    neither: dequantizing)."""
+    neither: dequantizing); ``v_keys_major``: V's codes stored keys-major (``kernels.keys_major``),
+    the layout the FP8 P V MMA reads without a transpose."""
 
     dtype: torch.dtype
     fp8_mma: bool = False
     int8_mma: bool = False
+    v_keys_major: bool = False
 
     @property
     def mode(self) -> str:
@@ -83,7 +85,8 @@ class Quant:
         return DEQUANT
 
     def __str__(self) -> str:
-        return f"{dtype_name(self.dtype)} {self.mode}"
+        layout = ", keys-major V" if self.v_keys_major else ""
+        return f"{dtype_name(self.dtype)} {self.mode}{layout}"
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,7 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
     def build(workload: Workload, tile: Tile | None) -> Bench:
         w = workload
         pools = quantized_pools(w, quant.dtype)
+        v_cache = kernels.keys_major(pools.v_cache) if quant.v_keys_major else pools.v_cache
         out = torch.empty_like(w.q)
         tiles = _tile_arguments(tile)
 
@@ -324,7 +328,7 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
             return kernels.paged_attention(
                 w.q,
                 pools.k_cache,
-                pools.v_cache,
+                v_cache,
                 w.block_table,
                 w.cu_seqlens_q,
                 w.seq_lens_k,
@@ -707,6 +711,7 @@ def _chunk_bytes(workload: Workload) -> int:
 QUANTIZED_PROVIDERS = {
     "triton-e4m3": Quant(torch.float8_e4m3fn),
     "triton-e4m3-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
+    "triton-e4m3-mma-keys": Quant(torch.float8_e4m3fn, fp8_mma=True, v_keys_major=True),
     "triton-int8": Quant(torch.int8),
     "triton-int8-mma": Quant(torch.int8, int8_mma=True),
 }

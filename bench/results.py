@@ -41,6 +41,7 @@ ROLES = ("ours", "baseline", "best-of", "bound", "oracle", "quantized")
 QUANTIZED_GOALS = {
     "triton-e4m3": 1.3,
     "triton-e4m3-mma": 1.8,
+    "triton-e4m3-mma-keys": 1.8,
     "triton-int8": 1.3,
     "triton-int8-mma": 1.3,
 }

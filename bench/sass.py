@@ -9,7 +9,10 @@ in the loop's instructions, since an iteration runs it only when the wait fails.
 A key loop is an innermost loop holding MMA instructions (no inner loop holding MMAs). It is
 *masked* when it selects ``-inf`` into scores (the per-key mask of a partial or causal tile);
 the *hot* loop is the unmasked one, which runs the whole tiles. A *producer* loop issues loads
-and no MMAs: the load partition of a warp-specialized kernel.
+and no MMAs: the load partition of a warp-specialized kernel. Per hot-loop iteration it also
+counts barriers (``BAR``: every warp of the block waits at each, so the two warpgroups of a
+tile cannot overlap one's softmax with the other's MMAs) and shared-memory stores (``STS``: a
+tile converted or transposed in registers goes back through shared memory before an MMA).
 """
 
 from __future__ import annotations
@@ -342,6 +345,8 @@ def analyse(text: str) -> dict[str, object]:
             loop_global_loads=None,
             loop_mbarrier_ops=None,
             loop_divisions=None,
+            loop_barriers=None,
+            loop_shared_stores=None,
             wait_depth=None,
         )
     else:
@@ -351,6 +356,8 @@ def analyse(text: str) -> dict[str, object]:
             loop_global_loads=hot.loads,
             loop_mbarrier_ops=hot.count("SYNCS"),
             loop_divisions=sum(bool(_DIVISION.match(i.opcode)) for i in hot.instructions),
+            loop_barriers=hot.count("BAR."),
+            loop_shared_stores=hot.count("STS"),
             wait_depth=wait_depth(hot),
         )
     return row

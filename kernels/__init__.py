@@ -21,6 +21,7 @@ else:
         merge_stacked_attention_states,
     )
     from paged_video.kernels.paged_attention import choose_tiles, paged_attention
+    from paged_video.kernels.pool_layout import keys_major
     from paged_video.kernels.write_slots import write_slots
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "choose_tiles",
     "gather_blocks",
     "key_limits_from_spans",
+    "keys_major",
     "merge_attention_states",
     "merge_stacked_attention_states",
     "mixed_mask_attention",

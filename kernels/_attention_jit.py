@@ -119,6 +119,7 @@ def _tile_rows(
     OFFSETS_32: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
+    KEYS_ALIGNED: tl.constexpr,
 ):
     """Element offsets of the tile's key rows in one cache (from its head pointer), from its
     block ids: int32 when every offset into the pool fits (``OFFSETS_32``, checked by the
@@ -128,6 +129,12 @@ def _tile_rows(
     ``cache`` is ``(head pointer, block stride, slot stride, ...)``. Tiles start at multiples of
     ``BLOCK_N`` piece positions; the per-row parts are loop-invariant where they can be, so a
     tile costs a scalar base plus, for ``two_blocks``, one select per row.
+
+    ``KEYS_ALIGNED``: the pool is keys-major with every (block, head, channel) row of keys
+    starting 16-element aligned (the launcher checked it). Triton is then told that each run of
+    16 keys starting at a multiple of 16 is contiguous and aligned: its alignment analysis
+    loses that through the key loop, and Triton 3.6 then read a keys-major tile a byte at a
+    time, synchronously, instead of prefetching it 16 bytes at a time.
     """
     offset_type = tl.int32 if OFFSETS_32 else tl.int64
     stride_block = cache[1]
@@ -145,31 +152,53 @@ def _tile_rows(
     elif PIECE_SIZE % BLOCK_N == 0:
         first_slot = PIECE_OFFSET + n_start % PIECE_SIZE
         base = id0.to(offset_type) * stride_block + first_slot.to(offset_type) * stride_slot
+        if KEYS_ALIGNED and PIECE_OFFSET % 16 == 0:
+            # Tiles start at multiples of BLOCK_N (>= 16) piece positions.
+            base = tl.multiple_of(base, 16)
         rows = base + offs_n.to(offset_type) * stride_slot
     else:
         # When the piece divides the tile, every tile's slots are the same (loop-invariant).
         shift = 0 if BLOCK_N % PIECE_SIZE == 0 else n_start
         slot = PIECE_OFFSET + (shift + offs_n) % PIECE_SIZE
         rows = ids.to(offset_type) * stride_block + slot.to(offset_type) * stride_slot
+        # Each piece's keys in the tile are runs of RUN keys starting at multiples of RUN (the
+        # largest power of two dividing the piece, 16 at most: one 16-byte copy of codes).
+        RUN: tl.constexpr = min(16, PIECE_SIZE & -PIECE_SIZE)
+        if KEYS_ALIGNED and RUN >= 4 and PIECE_OFFSET % RUN == 0 and BLOCK_N % PIECE_SIZE == 0:
+            rows = tl.max_contiguous(tl.multiple_of(rows, RUN), RUN)
     return rows
 
 
 @triton.jit
-def _load_scales(scales, rows, n_mask, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_scales(
+    scales, rows, n_mask, MASKED: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """The key tile's scales (float32, one per row): ``scales + rows``, hidden rows 0.
 
-    They are read as ``BLOCK_N x SPREAD`` equal values (at least 256, a thread each at 8 warps)
-    and reduced. Triton recomputes a load of fewer elements than threads in the layout its
-    consumer wants, here the score MMA's, where each thread holds a quarter of the tile's
-    columns: the address arithmetic, and on the ``rows`` path every block id read, division
-    and modulo, then ran once per column per thread (block 24: 1157 SASS instructions per
-    iteration and spills, where this wide load takes 624 and none). A load this wide keeps its
-    own layout; the scales then move to the MMA's through shared memory once.
+    Unmasked, a plain load by default: Triton prefetches it with the K/V tiles (``cp.async``)
+    and reads it from shared memory in the score MMA's column layout, so the scales add no
+    barrier (per iteration at block 64: Triton 3.9, 4 barriers against 6-10 wide, bf16 3; Triton
+    3.6, 2 against 10-12 wide, bf16 2). Triton 3.6 pays for it in copies: each thread copies
+    its own columns' scales (32 4-byte copies per iteration, ~100 more instructions), where 3.9
+    copies each scale once. ``WIDE`` (a launch option, so that a GPU run can time both) reads
+    them the masked way below.
+
+    Masked (and ``WIDE``), they are read as ``BLOCK_N x SPREAD`` equal values (at least 256, a
+    thread each at 8 warps) and reduced: a load this wide keeps its own layout, and the scales
+    move to the MMA's through shared memory once (behind barriers). A masked load of fewer
+    elements than threads is recomputed in the layout its consumer wants, where each thread
+    holds a quarter of the tile's columns: the address arithmetic and the mask (on the ``rows``
+    path every block id read, division and modulo) then ran once per column per thread (blocks
+    16 and 24, dequantizing: about 240 more instructions per masked iteration, and spills).
     """
-    SPREAD: tl.constexpr = 256 // BLOCK_N if BLOCK_N < 256 else 1
-    wide = scales + rows[:, None] + tl.zeros([1, SPREAD], dtype=rows.dtype)
-    wide = tl.load(wide, mask=n_mask[:, None], other=0.0) if MASKED else tl.load(wide)
-    return tl.max(wide, axis=1)
+    if MASKED or WIDE:
+        SPREAD: tl.constexpr = 256 // BLOCK_N if BLOCK_N < 256 else 1
+        wide = scales + rows[:, None] + tl.zeros([1, SPREAD], dtype=rows.dtype)
+        wide = tl.load(wide, mask=n_mask[:, None], other=0.0) if MASKED else tl.load(wide)
+        column = tl.max(wide, axis=1)
+    else:
+        column = tl.load(scales + rows)
+    return column
 
 
 @triton.jit
@@ -214,6 +243,8 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    V_KEYS_MAJOR: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
@@ -259,11 +290,12 @@ def _attend_tiles(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
-    if FP8_MMA:
-        # V's e4m3 codes as bytes, reinterpreted before the MMA: the 8-bit MMA takes V only
-        # transposed (its rows are the reduction axis), and Triton does not prefetch a load
-        # feeding it directly (it read V synchronously in the loop); as bytes V is prefetched
-        # into shared memory like K.
+    # The 8-bit MMA reads V with its reduction axis (keys) contiguous in shared memory. A
+    # keys-major V pool (``V_KEYS_MAJOR``) is laid out so: its e4m3 tile is prefetched into
+    # shared memory and feeds the MMA as loaded. A slot-major one is read as bytes, prefetched
+    # like K, and transposed through shared memory every tile (Triton does not prefetch an e4m3
+    # load that needs the transpose: it read V synchronously in the loop).
+    if FP8_MMA and not V_KEYS_MAJOR:
         v_dims = v_cache[0].to(tl.pointer_type(tl.uint8)) + offs_d[None, :] * v_cache[3]
     else:
         v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
@@ -317,6 +349,7 @@ def _attend_tiles(
             OFFSETS_32,
             PIECE_OFFSET,
             PIECE_SIZE,
+            False,
         )
         if share_rows:
             v_rows = k_rows
@@ -333,6 +366,7 @@ def _attend_tiles(
                 OFFSETS_32,
                 PIECE_OFFSET,
                 PIECE_SIZE,
+                V_KEYS_MAJOR,
             )
         if QUANTIZED:
             ks_rows = _tile_rows(
@@ -347,6 +381,7 @@ def _attend_tiles(
                 OFFSETS_32,
                 PIECE_OFFSET,
                 PIECE_SIZE,
+                False,
             )
             if share_rows:
                 vs_rows = ks_rows
@@ -363,6 +398,7 @@ def _attend_tiles(
                     OFFSETS_32,
                     PIECE_OFFSET,
                     PIECE_SIZE,
+                    False,
                 )
         if MASKED:
             if PIECE_SIZE == BLOCK_SIZE:
@@ -375,8 +411,8 @@ def _attend_tiles(
             k = tl.load(k_dims + k_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             if QUANTIZED:
-                k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, BLOCK_N)
-                v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, BLOCK_N)
+                k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, False, BLOCK_N)
+                v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, False, BLOCK_N)
         elif DESCRIPTOR_LOADS:
             tile_row = id0 * BLOCK_SIZE + PIECE_OFFSET + n_start % PIECE_SIZE
             k = descs[0].load([tile_row, descs[2]])
@@ -389,8 +425,8 @@ def _attend_tiles(
                 k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
                 v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
             if QUANTIZED:
-                k_col = _load_scales(k_scales[0], ks_rows, 0, False, BLOCK_N)
-                v_col = _load_scales(v_scales[0], vs_rows, 0, False, BLOCK_N)
+                k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
+                v_col = _load_scales(v_scales[0], vs_rows, 0, False, WIDE_SCALES, BLOCK_N)
         if FP8_MMA:
             qk = tl.dot(q, tl.trans(k))
         elif INT8_MMA:
@@ -431,7 +467,8 @@ def _attend_tiles(
             # ratio <= 1 (at worst a far smaller tile's contributions underflow, not acc).
             unit = tl.maximum(acc_scale, tl.max(v_col, axis=0) / 448.0)
             p_codes = _to_e4m3(probs * (v_col * (1.0 / unit))[None, :], EXPLICIT_ROUNDING)
-            v = v.to(tl.float8e4nv, bitcast=True)
+            if not V_KEYS_MAJOR:
+                v = v.to(tl.float8e4nv, bitcast=True)
             acc = acc * (rescale * (acc_scale / unit))[:, None] + tl.dot(p_codes, v)
             acc_scale = unit
         else:
@@ -481,6 +518,8 @@ def _attend_piece(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    V_KEYS_MAJOR: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
@@ -547,6 +586,8 @@ def _attend_piece(
             DOT_PRECISION,
             QUANTIZED,
             FP8_MMA,
+            V_KEYS_MAJOR,
+            WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
             EXPLICIT_ROUNDING,
@@ -581,6 +622,8 @@ def _attend_run(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    V_KEYS_MAJOR: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
@@ -624,6 +667,8 @@ def _attend_run(
             DOT_PRECISION,
             QUANTIZED,
             FP8_MMA,
+            V_KEYS_MAJOR,
+            WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
             EXPLICIT_ROUNDING,
@@ -710,6 +755,8 @@ def _paged_attention_kernel(
     GAPS: tl.constexpr,
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    V_KEYS_MAJOR: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     EXPLICIT_ROUNDING: tl.constexpr,
@@ -857,6 +904,8 @@ def _paged_attention_kernel(
                 DOT_PRECISION,
                 QUANTIZED,
                 FP8_MMA,
+                V_KEYS_MAJOR,
+                WIDE_SCALES,
                 INT8_MMA,
                 PV_DTYPE,
                 EXPLICIT_ROUNDING,
@@ -891,6 +940,8 @@ def _paged_attention_kernel(
             DOT_PRECISION,
             QUANTIZED,
             FP8_MMA,
+            V_KEYS_MAJOR,
+            WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
             EXPLICIT_ROUNDING,

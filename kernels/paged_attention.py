@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import _checks, launch_table, torch_path
+from paged_video.kernels import _checks, launch_table, pool_layout, torch_path
 from paged_video.kernels._attention_checks import check_arguments
 from paged_video.kernels._attention_jit import _paged_attention_kernel
 from paged_video.kernels._attention_ws_jit import _paged_attention_ws_kernel
@@ -282,6 +282,7 @@ def choose_tiles(
         "BLOCK_SPLIT": block_split(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
         "VARIANT": variant,
+        "WIDE_SCALES": False,
         "num_warps": warps,
         "num_stages": stages,
     }
@@ -501,6 +502,7 @@ def paged_attention(
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         FP8_MMA=fp8_mma,
+        V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),
         INT8_MMA=int8_mma,
         PV_DTYPE=tl.float32 if upcast else _TRITON_DTYPES[q.dtype],
         EXPLICIT_ROUNDING=interpreter_active(),

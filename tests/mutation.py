@@ -48,6 +48,10 @@ RAW_DRIVER = (
 )
 FUSED_QUANTIZED = "tests/kernels/test_fused_quantized.py"
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
+KEYS_MAJOR_FLAG = (
+    "tests/kernels/test_paged_attention_quantized.py::"
+    "test_fp8_mma_reads_v_as_stored_only_from_aligned_keys_major_pools"
+)
 
 
 class Mutant(NamedTuple):
@@ -1249,6 +1253,46 @@ MUTANTS = [
         "    return launches[0]",
         "tests/bench/test_choose.py::"
         "test_the_table_names_the_winning_variant_where_a_block_fell_back",
+    ),
+    # -- keys-major V and the scale loads ------------------------------------------------------
+    _m(
+        "keys-major-v-flag-without-fp8-mma",
+        "kernels/paged_attention.py",
+        "        V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),",
+        "        V_KEYS_MAJOR=pool_layout.keys_aligned(v_cache),",
+        f"{KEYS_MAJOR_FLAG}[dequantizing-padded]",
+    ),
+    _m(
+        "keys-aligned-ignores-alignment",
+        "kernels/pool_layout.py",
+        "    return aligned_start and all(stride % KEY_ALIGNMENT == 0 for stride in strides)",
+        "    return True",
+        f"{KEYS_MAJOR_FLAG}[fp8-mma-unpadded]",
+        "tests/kernels/test_pool_layout.py::test_unpadded_or_offset_keys_major_views_are_not_aligned",
+    ),
+    _m(
+        "keys-major-rows-unpadded",
+        "kernels/pool_layout.py",
+        "    row = -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT",
+        "    row = block_size",
+        "tests/kernels/test_pool_layout.py::"
+        "test_keys_major_keeps_shape_and_values_with_aligned_rows[e4m3-24]",
+    ),
+    _m(
+        "keys-major-v-read-as-bytes",
+        "kernels/_attention_jit.py",
+        "            if not V_KEYS_MAJOR:\n                v = v.to(tl.float8e4nv, bitcast=True)",
+        "            if not V_KEYS_MAJOR:\n                v = v.to(tl.float8e4nv, bitcast=True)\n"
+        "            else:\n                v = v.to(tl.uint8, bitcast=True).to(tl.float8e4nv)",
+        "tests/kernels/test_paged_attention_quantized.py::"
+        "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
+    ),
+    _m(
+        "scales-wide-by-default",
+        "kernels/paged_attention.py",
+        '        "WIDE_SCALES": False,',
+        '        "WIDE_SCALES": True,',
+        "tests/bench/test_launch_probe.py::test_wide_scales_alone_keep_the_launchers_tile",
     ),
 ]
 

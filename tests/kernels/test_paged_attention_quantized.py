@@ -9,6 +9,8 @@ NaN scale, so a kernel that reads one slot too many, or one scale too many, fail
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import triton
@@ -16,13 +18,15 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_video import kernels, reference
-from paged_video.kernels import _runtime
+from paged_video.kernels import _runtime, pool_layout
 from paged_video.kernels._attention_jit import _to_e4m3
 from paged_video.kernels.paged_attention import kv_path
 from paged_video.reference.quantize import quantize
 from paged_video.reference.quantized_attention import paged_quantized_attention
-from tests.helpers import DEVICE, nan_like
+from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
+
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
 
 FORMATS = [
     pytest.param(torch.float8_e4m3fn, id="e4m3"),
@@ -457,3 +461,157 @@ def test_offsets_past_int32(dtype: torch.dtype) -> None:
     got = kernels.paged_attention(*args, **quantized)
     want = oracle(args, quantized)
     assert (got.double() - want).abs().max().item() < FP32_ATOL * want.abs().max().item() + 1e-6
+
+
+# ---------------------------------------------------------------- keys-major V pools
+
+
+def poisoned_keys_major(pool: Tensor) -> Tensor:
+    """``kernels.keys_major(pool)``'s layout, its padding poisoned like an unwritten slot (NaN
+    e4m3 code, int8 -128): a kernel that reads past a block's keys into the padding fails."""
+    blocks, block_size, heads, head_dim = pool.shape
+    row = -(-block_size // pool_layout.KEY_ALIGNMENT) * pool_layout.KEY_ALIGNMENT
+    storage = torch.empty(blocks, heads, head_dim, row, dtype=pool.dtype, device=pool.device)
+    storage.view(torch.int8).fill_(0x7F if pool.dtype == torch.float8_e4m3fn else -128)
+    view = storage[..., :block_size].permute(0, 3, 1, 2)
+    view.copy_(pool)
+    assert view.stride() == kernels.keys_major(pool).stride()
+    return view
+
+
+KV_MODES = [
+    pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
+    pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, id="fp8-mma"),
+    pytest.param(torch.int8, {}, id="int8"),
+    pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
+]
+
+
+@pytest.mark.parametrize("dtype, mode", KV_MODES)
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [
+        pytest.param(32, 32, id="contiguous-B32-N32"),
+        pytest.param(16, 64, id="rows-B16-N64"),  # runs of 16 keys per block
+        pytest.param(24, 64, id="block_tiles-B24-N64"),  # pieces of 16 and 8 keys
+        pytest.param(7, 32, id="rows-B7-N32"),  # runs too short for the 16-byte copies
+        pytest.param(1, 32, id="rows-B1-N32"),  # one key per block: not keys-major
+        pytest.param(520, 64, id="block_tiles-B520-N64"),
+    ],
+)
+def test_keys_major_v_pool_attends_as_the_slot_major_one(
+    dtype: torch.dtype, mode: dict, block_size: int, block_n: int
+) -> None:
+    # Same codes and scales, V stored keys-major (padded, padding poisoned): the same output,
+    # through the masked tiles (limits, gaps, causal) and the unmasked ones.
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 5 * block_n + 9
+    case = make_paged_case(
+        q_lens=[12, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=80,
+        device=DEVICE,
+    )
+    key_limits = torch.arange(15, dtype=torch.int32) % 7 + k_len - 6
+    key_gap = torch.tensor([[(block_n + 3, 3 * block_n + 1)], [(1, 2)]], dtype=torch.int32)
+    kwargs = dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
+    args, scales = quantized_args(case, dtype, spread=0.5)
+    keys_major_args = (*args[:2], poisoned_keys_major(args[2]), *args[3:])
+    launch = dict(**scales, **kwargs, **mode, block_m=16, block_n=block_n, return_lse=True)
+    want, want_lse = kernels.paged_attention(*args, out=nan_like(case.q), **launch)
+    got, lse = kernels.paged_attention(*keys_major_args, out=nan_like(case.q), **launch)
+    assert not torch.isnan(got).any(), "a hidden key, or the padding, was read"
+    if ON_GPU:  # the MMAs read V from another shared-memory layout: float32 apart
+        torch.testing.assert_close(got, want, atol=FP32_ATOL * want.abs().max().item(), rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=LSE_RTOL)
+    else:  # the interpreter does the same arithmetic on the same values
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    # And the slot-major output is the oracle's (the dequantizing modes to float32 accuracy).
+    if not mode:
+        error = (want.double() - oracle(args, scales, **kwargs)).abs().max().item()
+        assert error <= FP32_ATOL * max(1.0, want.abs().max().item())
+
+
+def _spy_kernel_flags(monkeypatch) -> list[dict]:
+    """The constexpr keywords of every ``paged_attention`` kernel launch, recorded."""
+    launches: list[dict] = []
+    real_kernel = launcher._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return real_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(launcher, "_paged_attention_kernel", Spy())
+    return launches
+
+
+@pytest.mark.parametrize(
+    "layout, mode, keys_major",
+    [
+        pytest.param("padded", {"fp8_mma": True}, True, id="fp8-mma-padded"),
+        # Rows of 24 keys start only 8-byte aligned: the byte loop, still right.
+        pytest.param("unpadded", {"fp8_mma": True}, False, id="fp8-mma-unpadded"),
+        pytest.param("slots", {"fp8_mma": True}, False, id="fp8-mma-slot-major"),
+        pytest.param("padded", {}, False, id="dequantizing-padded"),
+    ],
+)
+def test_fp8_mma_reads_v_as_stored_only_from_aligned_keys_major_pools(
+    monkeypatch, layout: str, mode: dict, keys_major: bool
+) -> None:
+    launches = _spy_kernel_flags(monkeypatch)
+    case = make_paged_case(q_lens=[5], k_lens=[70], block_size=24, head_dim=64, device=DEVICE)
+    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
+    v = args[2]
+    if layout == "padded":
+        v = kernels.keys_major(v)
+    elif layout == "unpadded":
+        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert pool_layout.is_keys_major(v) == (layout != "slots")
+    got = kernels.paged_attention(*args[:2], v, *args[3:], **scales, **mode, block_n=32)
+    assert [launch["V_KEYS_MAJOR"] for launch in launches] == [keys_major]
+    want = kernels.paged_attention(*args, **scales, **mode, block_n=32)
+    torch.testing.assert_close(got, want, atol=FP32_ATOL * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("dtype, mode", KV_MODES)
+@pytest.mark.parametrize("block_size", [16, 24], ids=lambda b: f"B{b}")
+def test_wide_scale_loads_give_the_plain_loads_output(
+    monkeypatch, dtype: torch.dtype, mode: dict, block_size: int
+) -> None:
+    # The launch option a GPU run times against the default: the same columns, read another way.
+    case = make_paged_case(
+        q_lens=[9, 4], k_lens=[5 * 32 + 7, 70], block_size=block_size, head_dim=80, device=DEVICE
+    )
+    args, scales = quantized_args(case, dtype, spread=0.5)
+    launch = dict(**scales, **mode, block_m=16, block_n=32, out=nan_like(case.q))
+    plain = kernels.paged_attention(*args, **launch).clone()
+    real_choose = launcher.choose_tiles
+    monkeypatch.setattr(
+        launcher, "choose_tiles", lambda **kw: {**real_choose(**kw), "WIDE_SCALES": True}
+    )
+    flags = _spy_kernel_flags(monkeypatch)
+    wide = kernels.paged_attention(*args, **launch)
+    assert [f["WIDE_SCALES"] for f in flags] == [True]
+    assert not torch.isnan(wide).any()
+    if ON_GPU:
+        torch.testing.assert_close(wide, plain, atol=FP32_ATOL * plain.abs().max().item(), rtol=0)
+    else:
+        assert torch.equal(wide, plain)
+
+
+@pytest.mark.parametrize("dtype, mode", KV_MODES)
+def test_torch_path_reads_keys_major_v(no_interpreter, dtype: torch.dtype, mode: dict) -> None:
+    # The CPU path without the interpreter gathers through the same strides.
+    case = make_paged_case(q_lens=[5, 12], k_lens=[30, 12], block_size=7, head_dim=80)
+    key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
+    args, scales = quantized_args(case, dtype)
+    launch = dict(**scales, **mode, key_gap=key_gap)
+    want = kernels.paged_attention(*args, **launch)
+    got = kernels.paged_attention(*args[:2], poisoned_keys_major(args[2]), *args[3:], **launch)
+    assert torch.equal(got, want)

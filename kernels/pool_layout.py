@@ -1,0 +1,74 @@
+"""How a pool's ``(block, slot, KV head, channel)`` elements lie in memory.
+
+Every kernel takes pools by their strides, so the layout is the caller's choice:
+
+* **slot-major** (``torch.empty(blocks, block_size, kv_heads, head_dim)``): a slot's heads and
+  channels are contiguous. What the cache allocates, and what the TMA loops' descriptors read.
+* **keys-major** (``keys_major(pool)``: memory ordered ``(block, KV head, channel, slot)``): the
+  keys of a block are contiguous for each head and channel, as vLLM lays out its V cache. The
+  8-bit MMA reads ``P V`` with the keys (its reduction axis) contiguous, so over a keys-major
+  e4m3 V pool the FP8-MMA mode feeds V's tile to the MMA as it was prefetched, where a
+  slot-major one is transposed through shared memory every tile.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Keys per padded row of a keys-major pool: 16 one-byte codes, one ``cp.async`` vector.
+KEY_ALIGNMENT = 16
+
+
+def keys_major(pool: Tensor) -> Tensor:
+    """A copy of the 4-D ``pool`` (blocks, block_size, KV heads, head_dim), same shape and
+    values, stored keys-major.
+
+    Each (block, head, channel) row of keys is padded to a multiple of ``KEY_ALIGNMENT``
+    elements, so that every row starts 16-byte aligned for 8-bit codes: ``cp.async`` copies 16
+    bytes at a time only from such addresses, and Triton loads a tile whose rows it cannot
+    prove aligned synchronously (blocks 24, 520, 1560 unpadded: 33-36 plain loads per
+    iteration of the FP8-MMA hot loop, against none padded). The padding is never read."""
+    if not isinstance(pool, Tensor):
+        raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dim() != 4:
+        raise ValueError(
+            f"pool must be 4-D (blocks, block_size, kv_heads, head_dim), got shape "
+            f"{tuple(pool.shape)}"
+        )
+    view = empty_keys_major(*pool.shape, dtype=pool.dtype, device=pool.device)
+    view.copy_(pool)
+    return view
+
+
+def empty_keys_major(
+    blocks: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """An uninitialized keys-major pool of shape (blocks, block_size, heads, head_dim), laid
+    out as ``keys_major`` lays out its copies."""
+    row = -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT
+    storage = torch.empty(blocks, heads, head_dim, row, dtype=dtype, device=device)
+    return storage[..., :block_size].permute(0, 3, 1, 2)
+
+
+def keys_aligned(pool: Tensor) -> bool:
+    """True when ``pool`` is keys-major and every (block, head, channel) row of keys starts
+    ``KEY_ALIGNMENT`` elements aligned (as ``keys_major`` makes it): what the FP8-MMA loop
+    needs to prefetch V 16 bytes at a time."""
+    if not is_keys_major(pool):
+        return False
+    strides = (pool.stride(0), pool.stride(2), pool.stride(3))
+    aligned_start = pool.data_ptr() % (KEY_ALIGNMENT * pool.element_size()) == 0
+    return aligned_start and all(stride % KEY_ALIGNMENT == 0 for stride in strides)
+
+
+def is_keys_major(pool: Tensor) -> bool:
+    """True when each block's keys are contiguous for every KV head and channel (a block of one
+    slot counts as slot-major: its one key has no neighbour)."""
+    return pool.dim() == 4 and pool.shape[1] > 1 and pool.stride(1) == 1
