@@ -54,6 +54,9 @@ KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # Q K^T MMA (``int8_mma=True``).
 KV_MODES = ("same", "fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma")
 YARDSTICKS = ("anchor", "tutorial_ws")
+# The K/V modes weighed against the FP8 anchor (``fp8_anchor_attention_kernel``, an ``anchor``
+# row whose ``kv_mode`` says ``fp8_mma``) rather than the 16-bit one.
+FP8_ANCHOR_MODES = ("fp8_mma", "fp8_mma_keys")
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
 SHIPPED_BLOCK_SIZES = (16, 24, 64, 256, 520, 1560)
 SHIPPED = {
@@ -414,13 +417,15 @@ def _yardstick_loop(row: Row) -> float | None:
 def add_ratios(rows: Sequence[Row]) -> None:
     """``vs_anchor`` / ``vs_tutorial``: a row's hot-loop instructions per key over the
     yardstick's, of the same Triton (the anchor at the same tile, warps and stages, the
-    tutorial at its own settings: a 128-key loop is weighed against twice a 64-key loop)."""
+    tutorial at its own settings: a 128-key loop is weighed against twice a 64-key loop). The
+    FP8-MMA launches' anchor is the FP8 one (``FP8_ANCHOR_MODES``)."""
     # Warp-specialized launches are weighed against an anchor with as many warps doing MMAs.
     settings = ("head_dim", "dtype", "tile", "consumer_warps", "num_stages")
     anchors, tutorials = {}, {}
     for row in rows:
         if row["kernel"] == "anchor":
-            anchors[(row["triton"], *(row[c] for c in settings))] = _yardstick_loop(row)
+            key = (row["triton"], row.get("kv_mode") or "", *(row[c] for c in settings))
+            anchors[key] = _yardstick_loop(row)
         elif row["kernel"] == "tutorial_ws":
             tutorials[(row["triton"], row["head_dim"], row["dtype"])] = _yardstick_loop(row)
     for row in rows:
@@ -429,7 +434,8 @@ def add_ratios(rows: Sequence[Row]) -> None:
             continue
         loop, keys = row.get("loop_instructions"), _keys_per_iteration(row)
         per_key = loop / keys if loop and keys else None
-        anchor = anchors.get((row["triton"], *(row[c] for c in settings)))
+        fp8 = "fp8_mma" if row.get("kv_mode") in FP8_ANCHOR_MODES else ""
+        anchor = anchors.get((row["triton"], fp8, *(row[c] for c in settings)))
         tutorial = tutorials.get((row["triton"], row["head_dim"], row["dtype"]))
         row["vs_anchor"] = round(per_key / anchor, 3) if per_key and anchor else None
         row["vs_tutorial"] = round(per_key / tutorial, 3) if per_key and tutorial else None
@@ -566,6 +572,8 @@ def _paged_launches(config: Config) -> list[_Launch]:
     first = calls[0][2]
     if {"BLOCK_M", "BLOCK_N"} <= first.keys() and {"BLOCK_D", "HEAD_DIM"} & first.keys():
         launches.append(_anchor_launch(config, first))
+        if config.kv_mode in FP8_ANCHOR_MODES:
+            launches.append(_fp8_anchor_launch(config, first))
     if d & (d - 1) == 0 and d >= 16 and config.dtype in ("bf16", "fp16"):
         launches.append(_tutorial_launch(config))
     return launches
@@ -587,6 +595,24 @@ def _anchor_launch(config: Config, paged_kwargs: dict) -> _Launch:
     block_d = paged_kwargs.get("BLOCK_D", paged_kwargs.get("HEAD_DIM"))
     kwargs = dict(settings, HEAD_DIM=d, BLOCK_D=block_d)
     return _Launch("anchor", anchor_attention_kernel, args, kwargs, {"path": "contiguous"})
+
+
+def _fp8_anchor_launch(config: Config, paged_kwargs: dict) -> _Launch:
+    import torch
+
+    from paged_video.bench.reference_loop import fp8_anchor_attention_kernel
+
+    d, h = config.head_dim, config.heads
+    settings = {k: paged_kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+    keys = 64 * settings["BLOCK_N"]
+    codes = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)
+    q_len = config.max_seqlen_q
+    out = torch.empty(q_len, h, d, dtype=torch.bfloat16)
+    args = (codes(q_len, h, d), codes(keys, h, d), codes(h, d, keys), out, 1.0, q_len, keys)
+    args += (h * d, d, h * d, d, d * keys, keys, h * d, d)
+    kwargs = dict(settings, HEAD_DIM=d, BLOCK_D=paged_kwargs["BLOCK_D"])
+    labels = {"path": "contiguous", "kv_mode": "fp8_mma"}
+    return _Launch("anchor", fp8_anchor_attention_kernel, args, kwargs, labels)
 
 
 def _tutorial_launch(config: Config) -> _Launch:
@@ -792,7 +818,7 @@ def _labels(config: Config, launch: _Launch) -> Row:
         "path": path,
         "variant": variant_label(config.launch) if attention else "",
         "features": features_label(config) if attention else "",
-        "kv_mode": config.kv_mode if attention else "",
+        "kv_mode": config.kv_mode if attention else launch.labels.get("kv_mode", ""),
         "block_size": "" if yardstick else config.block_size,
         "tile": tile,
         "num_warps": kwargs.get("num_warps", 4),
@@ -981,7 +1007,8 @@ def format_summary(rows: Sequence[Row]) -> str:
             ]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [
-        f"{r['kernel']} (triton {r['triton']}, {r['tile']}, {r['num_warps']}/{r['num_stages']}): "
+        f"{r['kernel']}{' ' + r['kv_mode'] if r.get('kv_mode') else ''} (triton {r['triton']}, "
+        f"{r['tile']}, {r['num_warps']}/{r['num_stages']}): "
         f"key loops {r['key_loops']}, int64 {r['loop_int64_ops']}"
         + (
             f", producer loop {r['producer_loop_instructions']}, partitions "

@@ -1288,6 +1288,14 @@ MUTANTS = [
         "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
     ),
     _m(
+        "ws-row-names-the-tiles-stages",
+        "bench/providers.py",
+        '            "num_stages": min(tiles["num_stages"], WS_MAX_STAGES) if ws else '
+        'tiles["num_stages"],',
+        '            "num_stages": tiles["num_stages"],',
+        "tests/bench/test_choose.py::test_a_warp_specialized_row_names_the_stages_that_ran",
+    ),
+    _m(
         "scales-wide-by-default",
         "kernels/paged_attention.py",
         '        "WIDE_SCALES": False,',

@@ -191,3 +191,21 @@ def test_launch_providers_run_when_named_only(tmp_path) -> None:
     assert "variant=cp_async" in rows[("triton-cp_async", 64)]["backend"]
     skipped = [s for s in result.skipped if s.provider == "triton-ws"]
     assert len(skipped) == 2 and all("one query head per KV head" in s.reason for s in skipped)
+
+
+def test_a_warp_specialized_row_names_the_stages_that_ran(monkeypatch) -> None:
+    # The launcher caps the ws kernel at WS_MAX_STAGES whatever the tiles say; the row's backend
+    # (which `choose` writes into the table) must say what ran, not the tiles' stage count.
+    from paged_video import kernels
+    from paged_video.bench.providers import PROVIDERS
+    from paged_video.bench.workload import Geometry, make_workload
+    from paged_video.kernels.paged_attention import WS_MAX_STAGES
+
+    real = kernels.choose_tiles
+    monkeypatch.setattr(kernels, "choose_tiles", lambda **kw: {**real(**kw), "num_stages": 4})
+    [ws] = [p for p in PROVIDERS if p.kernel == "paged_attention" and p.name == "triton-ws"]
+    workload = make_workload(Geometry(64, 1, 1, 1, 2, 2, 64, "fp16", 1), 64, device="cpu")
+    backend = ws.build(workload, None).backend
+    assert "variant=ws" in backend and f"stages={WS_MAX_STAGES} " in backend, backend
+    [tma] = [p for p in PROVIDERS if p.kernel == "paged_attention" and p.name == "triton-tma"]
+    assert "stages=4 " in tma.build(workload, None).backend
