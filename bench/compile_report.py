@@ -49,9 +49,9 @@ from paged_video.bench import sass
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``; over a
-# keys-major V pool, ``kernels.keys_major``: ``fp8_mma_keys``), or int8 codes with an int8
-# Q K^T MMA (``int8_mma=True``).
+# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``; over
+# keys-major V and scale pools, ``kernels.keys_major``: ``fp8_mma_keys``), or int8 codes with
+# an int8 Q K^T MMA (``int8_mma=True``).
 KV_MODES = ("same", "fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma")
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The K/V modes weighed against the FP8 anchor (``fp8_anchor_attention_kernel``, an ``anchor``
@@ -538,8 +538,10 @@ def _paged_launches(config: Config) -> list[_Launch]:
             "int8_mma": config.kv_mode == "int8_mma",
         }
     v_cache = empty(2, bs, config.kv_heads, d, dt=kv_dtype)
-    if config.kv_mode == "fp8_mma_keys":
+    if config.kv_mode == "fp8_mma_keys":  # V's codes and both scale pools keys-major
         v_cache = pool_layout.empty_keys_major(2, bs, config.kv_heads, d, dtype=kv_dtype)
+        for name in ("k_scale", "v_scale"):
+            scales[name] = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
     # The warp-specialized variant merges two partial attentions: its merge is recorded too
     # (and left out of the report: it is no attention kernel).
     with (
@@ -1058,7 +1060,7 @@ def add_parser(
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
         "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
-        "Q K^T MMA (int8_mma); fp8_mma_keys: fp8_mma over a keys-major V pool",
+        "Q K^T MMA (int8_mma); fp8_mma_keys: fp8_mma over keys-major V and scale pools",
     )
     parser.add_argument(
         "--launch",

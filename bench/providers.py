@@ -70,13 +70,13 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 @dataclass(frozen=True)
 class Quant:
     """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
-    neither: dequantizing); ``v_keys_major``: V's codes stored keys-major (``kernels.keys_major``),
-    the layout the FP8 P V MMA reads without a transpose."""
+    neither: dequantizing); ``keys_major``: V's codes and both scale pools stored keys-major
+    (``kernels.keys_major``), the layout the FP8 P V MMA reads without a transpose."""
 
     dtype: torch.dtype
     fp8_mma: bool = False
     int8_mma: bool = False
-    v_keys_major: bool = False
+    keys_major: bool = False
 
     @property
     def mode(self) -> str:
@@ -86,7 +86,7 @@ class Quant:
         return DEQUANT
 
     def __str__(self) -> str:
-        layout = ", keys-major V" if self.v_keys_major else ""
+        layout = ", keys-major" if self.keys_major else ""
         return f"{dtype_name(self.dtype)} {self.mode}{layout}"
 
 
@@ -323,7 +323,9 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
     def build(workload: Workload, tile: Tile | None) -> Bench:
         w = workload
         pools = quantized_pools(w, quant.dtype)
-        v_cache = kernels.keys_major(pools.v_cache) if quant.v_keys_major else pools.v_cache
+        v_cache, k_scale, v_scale = pools.v_cache, pools.k_scale, pools.v_scale
+        if quant.keys_major:
+            v_cache, k_scale, v_scale = map(kernels.keys_major, (v_cache, k_scale, v_scale))
         out = torch.empty_like(w.q)
         tiles = _tile_arguments(tile)
 
@@ -337,8 +339,8 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
                 w.seq_lens_k,
                 max_seqlen_q=w.geometry.q_tokens,
                 out=out,
-                k_scale=pools.k_scale,
-                v_scale=pools.v_scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
                 fp8_mma=quant.fp8_mma,
                 int8_mma=quant.int8_mma,
                 check_values=False,
@@ -714,7 +716,7 @@ def _chunk_bytes(workload: Workload) -> int:
 QUANTIZED_PROVIDERS = {
     "triton-e4m3": Quant(torch.float8_e4m3fn),
     "triton-e4m3-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
-    "triton-e4m3-mma-keys": Quant(torch.float8_e4m3fn, fp8_mma=True, v_keys_major=True),
+    "triton-e4m3-mma-keys": Quant(torch.float8_e4m3fn, fp8_mma=True, keys_major=True),
     "triton-int8": Quant(torch.int8),
     "triton-int8-mma": Quant(torch.int8, int8_mma=True),
 }

@@ -130,11 +130,12 @@ def _tile_rows(
     ``BLOCK_N`` piece positions; the per-row parts are loop-invariant where they can be, so a
     tile costs a scalar base plus, for ``two_blocks``, one select per row.
 
-    ``KEYS_ALIGNED``: the pool is keys-major with every (block, head, channel) row of keys
-    starting 16-element aligned (the launcher checked it). Triton is then told that each run of
-    16 keys starting at a multiple of 16 is contiguous and aligned: its alignment analysis
-    loses that through the key loop, and Triton 3.6 then read a keys-major tile a byte at a
-    time, synchronously, instead of prefetching it 16 bytes at a time.
+    ``KEYS_ALIGNED``: the pool is keys-major with every (block, head[, channel]) row of keys
+    starting 16-element aligned (the launcher checked it, ``kernels.pool_layout``). Triton is
+    then told that each run of 16 keys starting at a multiple of 16 is contiguous and aligned:
+    its alignment analysis loses that through the key loop, and Triton 3.6 then read a
+    keys-major V tile a byte at a time, synchronously, instead of prefetching it 16 bytes at a
+    time (and copied a keys-major scale tile one scale at a time instead of two).
     """
     offset_type = tl.int32 if OFFSETS_32 else tl.int64
     stride_block = cache[1]
@@ -244,6 +245,7 @@ def _attend_tiles(
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
+    SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
@@ -381,7 +383,7 @@ def _attend_tiles(
                 OFFSETS_32,
                 PIECE_OFFSET,
                 PIECE_SIZE,
-                False,
+                SCALES_KEYS_MAJOR,
             )
             if share_rows:
                 vs_rows = ks_rows
@@ -398,7 +400,7 @@ def _attend_tiles(
                     OFFSETS_32,
                     PIECE_OFFSET,
                     PIECE_SIZE,
-                    False,
+                    SCALES_KEYS_MAJOR,
                 )
         if MASKED:
             if PIECE_SIZE == BLOCK_SIZE:
@@ -519,6 +521,7 @@ def _attend_piece(
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
+    SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
@@ -587,6 +590,7 @@ def _attend_piece(
             QUANTIZED,
             FP8_MMA,
             V_KEYS_MAJOR,
+            SCALES_KEYS_MAJOR,
             WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
@@ -623,6 +627,7 @@ def _attend_run(
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
+    SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
@@ -668,6 +673,7 @@ def _attend_run(
             QUANTIZED,
             FP8_MMA,
             V_KEYS_MAJOR,
+            SCALES_KEYS_MAJOR,
             WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
@@ -756,6 +762,7 @@ def _paged_attention_kernel(
     QUANTIZED: tl.constexpr,
     FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
+    SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
@@ -905,6 +912,7 @@ def _paged_attention_kernel(
                 QUANTIZED,
                 FP8_MMA,
                 V_KEYS_MAJOR,
+                SCALES_KEYS_MAJOR,
                 WIDE_SCALES,
                 INT8_MMA,
                 PV_DTYPE,
@@ -941,6 +949,7 @@ def _paged_attention_kernel(
             QUANTIZED,
             FP8_MMA,
             V_KEYS_MAJOR,
+            SCALES_KEYS_MAJOR,
             WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,

@@ -330,7 +330,9 @@ def paged_attention(
     convert exactly to q's compute dtype, the K scale multiplies the score columns and the V
     scale the probability columns before the PV product.
     ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities to
-    e4m3 and runs both products as FP8 MMAs with float32 accumulation.
+    e4m3 and runs both products as FP8 MMAs with float32 accumulation. Pools may have any
+    strides; ``kernels.keys_major`` copies of V (and of the scale pools) are read faster on a
+    GPU (docs/kernels.md).
     ``int8_mma=True`` (int8 caches only) rounds each query row to int8 codes (scale
     ``amax / 127``) and runs ``Q K^T`` as an int8 MMA (int32 sums: exact), then ``P V`` as the
     dequantizing mode. ``k_equalizer``/``v_equalizer`` (quantized caches, float32
@@ -503,6 +505,7 @@ def paged_attention(
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         FP8_MMA=fp8_mma,
         V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),
+        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale) and pool_layout.keys_aligned(v_scale),
         INT8_MMA=int8_mma,
         PV_DTYPE=tl.float32 if upcast else _TRITON_DTYPES[q.dtype],
         EXPLICIT_ROUNDING=interpreter_active(),

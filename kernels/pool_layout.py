@@ -1,14 +1,17 @@
-"""How a pool's ``(block, slot, KV head, channel)`` elements lie in memory.
+"""How a pool's elements lie in memory: code pools ``(block, slot, KV head, channel)`` and scale
+pools ``(block, slot, KV head)``.
 
 Every kernel takes pools by their strides, so the layout is the caller's choice:
 
-* **slot-major** (``torch.empty(blocks, block_size, kv_heads, head_dim)``): a slot's heads and
-  channels are contiguous. What the cache allocates, and what the TMA loops' descriptors read.
-* **keys-major** (``keys_major(pool)``: memory ordered ``(block, KV head, channel, slot)``): the
-  keys of a block are contiguous for each head and channel, as vLLM lays out its V cache. The
-  8-bit MMA reads ``P V`` with the keys (its reduction axis) contiguous, so over a keys-major
-  e4m3 V pool the FP8-MMA mode feeds V's tile to the MMA as it was prefetched, where a
-  slot-major one is transposed through shared memory every tile.
+* **slot-major** (``torch.empty(blocks, block_size, kv_heads[, head_dim])``): a slot's heads
+  (and channels) are contiguous. What the cache allocates, and what the TMA loops' descriptors
+  read.
+* **keys-major** (``keys_major(pool)``: memory ordered ``(block, KV head[, channel], slot)``):
+  the keys of a block are contiguous for each head (and channel), as vLLM lays out its V cache.
+  The 8-bit MMA reads ``P V`` with the keys (its reduction axis) contiguous, so over a
+  keys-major e4m3 V pool the FP8-MMA mode feeds V's tile to the MMA as it was prefetched, where
+  a slot-major one is transposed through shared memory every tile. Keys-major scale pools let
+  Triton 3.6 prefetch a tile's scales two at a time (it copies each thread's own columns).
 """
 
 from __future__ import annotations
@@ -21,20 +24,20 @@ KEY_ALIGNMENT = 16
 
 
 def keys_major(pool: Tensor) -> Tensor:
-    """A copy of the 4-D ``pool`` (blocks, block_size, KV heads, head_dim), same shape and
-    values, stored keys-major.
+    """A copy of ``pool`` (4-D codes ``(blocks, block_size, kv_heads, head_dim)`` or 3-D scales
+    ``(blocks, block_size, kv_heads)``), same shape and values, stored keys-major.
 
-    Each (block, head, channel) row of keys is padded to a multiple of ``KEY_ALIGNMENT``
-    elements, so that every row starts 16-byte aligned for 8-bit codes: ``cp.async`` copies 16
-    bytes at a time only from such addresses, and Triton loads a tile whose rows it cannot
-    prove aligned synchronously (blocks 24, 520, 1560 unpadded: 33-36 plain loads per
-    iteration of the FP8-MMA hot loop, against none padded). The padding is never read."""
+    Each row of a block's keys is padded to a multiple of ``KEY_ALIGNMENT`` elements, so that
+    every row starts aligned: ``cp.async`` copies 16 bytes at a time only from 16-byte aligned
+    addresses, and Triton loads a tile whose rows it cannot prove aligned synchronously (blocks
+    24, 520, 1560 unpadded: 33-36 plain loads per iteration of the FP8-MMA hot loop, against
+    none padded). The padding is never read."""
     if not isinstance(pool, Tensor):
         raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
-    if pool.dim() != 4:
+    if pool.dim() not in (3, 4):
         raise ValueError(
-            f"pool must be 4-D (blocks, block_size, kv_heads, head_dim), got shape "
-            f"{tuple(pool.shape)}"
+            "pool must be 4-D (blocks, block_size, kv_heads, head_dim) or 3-D (blocks, "
+            f"block_size, kv_heads), got shape {tuple(pool.shape)}"
         )
     view = empty_keys_major(*pool.shape, dtype=pool.dtype, device=pool.device)
     view.copy_(pool)
@@ -44,31 +47,30 @@ def keys_major(pool: Tensor) -> Tensor:
 def empty_keys_major(
     blocks: int,
     block_size: int,
-    heads: int,
-    head_dim: int,
-    *,
+    *rest: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """An uninitialized keys-major pool of shape (blocks, block_size, heads, head_dim), laid
-    out as ``keys_major`` lays out its copies."""
+    """An uninitialized keys-major pool of shape ``(blocks, block_size, *rest)`` (``rest``:
+    KV heads, and head_dim for codes), laid out as ``keys_major`` lays out its copies."""
     row = -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT
-    storage = torch.empty(blocks, heads, head_dim, row, dtype=dtype, device=device)
-    return storage[..., :block_size].permute(0, 3, 1, 2)
+    storage = torch.empty(blocks, *rest, row, dtype=dtype, device=device)
+    last = len(rest) + 1
+    return storage[..., :block_size].permute(0, last, *range(1, last))
 
 
-def keys_aligned(pool: Tensor) -> bool:
-    """True when ``pool`` is keys-major and every (block, head, channel) row of keys starts
-    ``KEY_ALIGNMENT`` elements aligned (as ``keys_major`` makes it): what the FP8-MMA loop
-    needs to prefetch V 16 bytes at a time."""
-    if not is_keys_major(pool):
+def keys_aligned(pool: Tensor | None) -> bool:
+    """True when ``pool`` is keys-major and every row of a block's keys starts
+    ``KEY_ALIGNMENT`` elements aligned (as ``keys_major`` makes it): what the kernels need to
+    prefetch such rows 16 bytes at a time, and what they then tell Triton."""
+    if pool is None or not is_keys_major(pool):
         return False
-    strides = (pool.stride(0), pool.stride(2), pool.stride(3))
+    strides = [stride for dim, stride in enumerate(pool.stride()) if dim != 1]
     aligned_start = pool.data_ptr() % (KEY_ALIGNMENT * pool.element_size()) == 0
     return aligned_start and all(stride % KEY_ALIGNMENT == 0 for stride in strides)
 
 
 def is_keys_major(pool: Tensor) -> bool:
-    """True when each block's keys are contiguous for every KV head and channel (a block of one
-    slot counts as slot-major: its one key has no neighbour)."""
-    return pool.dim() == 4 and pool.shape[1] > 1 and pool.stride(1) == 1
+    """True when each block's keys are contiguous for every KV head (and channel); a block of
+    one slot counts as slot-major: its one key has no neighbour."""
+    return pool.dim() in (3, 4) and pool.shape[1] > 1 and pool.stride(1) == 1

@@ -50,7 +50,7 @@ FUSED_QUANTIZED = "tests/kernels/test_fused_quantized.py"
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
-    "test_fp8_mma_reads_v_as_stored_only_from_aligned_keys_major_pools"
+    "test_keys_major_pools_are_read_as_stored_only_when_aligned"
 )
 
 
@@ -1261,6 +1261,14 @@ MUTANTS = [
         "        V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),",
         "        V_KEYS_MAJOR=pool_layout.keys_aligned(v_cache),",
         f"{KEYS_MAJOR_FLAG}[dequantizing-padded]",
+    ),
+    _m(
+        "scales-keys-major-flag-ignores-v-scales",
+        "kernels/paged_attention.py",
+        "        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale) and "
+        "pool_layout.keys_aligned(v_scale),",
+        "        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale),",
+        f"{KEYS_MAJOR_FLAG}[k-scales-only]",
     ),
     _m(
         "keys-aligned-ignores-alignment",

@@ -69,7 +69,7 @@ def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
     assert rows["triton-int8-mma"]["max_error"] < 1e-5
     assert rows["triton-int8-mma"]["backend"] == "triton paged_attention int8 int8-mma"
     keys = rows["triton-e4m3-mma-keys"]
-    assert keys["backend"] == "triton paged_attention e4m3 fp8-mma, keys-major V"
+    assert keys["backend"] == "triton paged_attention e4m3 fp8-mma, keys-major"
     # The same codes in another layout: the FP8-MMA mode's result, to float32 rounding.
     assert abs(keys["max_error"] - rows["triton-e4m3-mma"]["max_error"]) < 1e-6
 

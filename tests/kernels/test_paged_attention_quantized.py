@@ -467,13 +467,17 @@ def test_offsets_past_int32(dtype: torch.dtype) -> None:
 
 
 def poisoned_keys_major(pool: Tensor) -> Tensor:
-    """``kernels.keys_major(pool)``'s layout, its padding poisoned like an unwritten slot (NaN
-    e4m3 code, int8 -128): a kernel that reads past a block's keys into the padding fails."""
-    blocks, block_size, heads, head_dim = pool.shape
+    """``kernels.keys_major(pool)``'s layout (codes or scales), its padding poisoned like an
+    unwritten slot (NaN e4m3 code, int8 -128, NaN scale): a kernel that reads past a block's
+    keys into the padding fails."""
+    blocks, block_size, *rest = pool.shape
     row = -(-block_size // pool_layout.KEY_ALIGNMENT) * pool_layout.KEY_ALIGNMENT
-    storage = torch.empty(blocks, heads, head_dim, row, dtype=pool.dtype, device=pool.device)
-    storage.view(torch.int8).fill_(0x7F if pool.dtype == torch.float8_e4m3fn else -128)
-    view = storage[..., :block_size].permute(0, 3, 1, 2)
+    storage = torch.empty(blocks, *rest, row, dtype=pool.dtype, device=pool.device)
+    if pool.dtype == torch.float32:
+        storage.fill_(float("nan"))
+    else:
+        storage.view(torch.int8).fill_(0x7F if pool.dtype == torch.float8_e4m3fn else -128)
+    view = storage[..., :block_size].permute(0, len(rest) + 1, *range(1, len(rest) + 1))
     view.copy_(pool)
     assert view.stride() == kernels.keys_major(pool).stride()
     return view
@@ -502,8 +506,8 @@ KV_MODES = [
 def test_keys_major_v_pool_attends_as_the_slot_major_one(
     dtype: torch.dtype, mode: dict, block_size: int, block_n: int
 ) -> None:
-    # Same codes and scales, V stored keys-major (padded, padding poisoned): the same output,
-    # through the masked tiles (limits, gaps, causal) and the unmasked ones.
+    # Same codes and scales, V and the scales stored keys-major (padded, padding poisoned): the
+    # same output, through the masked tiles (limits, gaps, causal) and the unmasked ones.
     k_len = block_size + 2 * block_n + 9 if block_size > 64 else 5 * block_n + 9
     case = make_paged_case(
         q_lens=[12, 3],
@@ -519,9 +523,12 @@ def test_keys_major_v_pool_attends_as_the_slot_major_one(
     kwargs = dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
     args, scales = quantized_args(case, dtype, spread=0.5)
     keys_major_args = (*args[:2], poisoned_keys_major(args[2]), *args[3:])
-    launch = dict(**scales, **kwargs, **mode, block_m=16, block_n=block_n, return_lse=True)
-    want, want_lse = kernels.paged_attention(*args, out=nan_like(case.q), **launch)
-    got, lse = kernels.paged_attention(*keys_major_args, out=nan_like(case.q), **launch)
+    keys_major_scales = {name: poisoned_keys_major(scales[name]) for name in ("k_scale", "v_scale")}
+    launch = dict(**kwargs, **mode, block_m=16, block_n=block_n, return_lse=True)
+    want, want_lse = kernels.paged_attention(*args, out=nan_like(case.q), **scales, **launch)
+    got, lse = kernels.paged_attention(
+        *keys_major_args, out=nan_like(case.q), **{**scales, **keys_major_scales}, **launch
+    )
     assert not torch.isnan(got).any(), "a hidden key, or the padding, was read"
     if ON_GPU:  # the MMAs read V from another shared-memory layout: float32 apart
         torch.testing.assert_close(got, want, atol=FP32_ATOL * want.abs().max().item(), rtol=0)
@@ -551,30 +558,47 @@ def _spy_kernel_flags(monkeypatch) -> list[dict]:
     return launches
 
 
+def _layout(pool: Tensor, layout: str) -> Tensor:
+    if layout == "padded":
+        return kernels.keys_major(pool)
+    if layout == "unpadded":  # rows of 24 keys: only 8-element aligned
+        order = (0, *range(2, pool.dim()), 1)
+        back = (0, pool.dim() - 1, *range(1, pool.dim() - 1))
+        return pool.permute(*order).contiguous().permute(*back)
+    return pool
+
+
 @pytest.mark.parametrize(
-    "layout, mode, keys_major",
+    "layout, scales_layout, mode, flags",
     [
-        pytest.param("padded", {"fp8_mma": True}, True, id="fp8-mma-padded"),
-        # Rows of 24 keys start only 8-byte aligned: the byte loop, still right.
-        pytest.param("unpadded", {"fp8_mma": True}, False, id="fp8-mma-unpadded"),
-        pytest.param("slots", {"fp8_mma": True}, False, id="fp8-mma-slot-major"),
-        pytest.param("padded", {}, False, id="dequantizing-padded"),
+        pytest.param("padded", "padded", {"fp8_mma": True}, (True, True), id="fp8-mma-padded"),
+        # Unaligned rows: the general loop, still right.
+        pytest.param(
+            "unpadded", "unpadded", {"fp8_mma": True}, (False, False), id="fp8-mma-unpadded"
+        ),
+        pytest.param("slots", "slots", {"fp8_mma": True}, (False, False), id="fp8-mma-slot-major"),
+        pytest.param("slots", "padded", {"fp8_mma": True}, (False, True), id="fp8-mma-scales-only"),
+        pytest.param("padded", "padded", {}, (False, True), id="dequantizing-padded"),
+        # One scale pool keys-major is not enough: one flag tells Triton of both.
+        pytest.param("padded", "k-only", {"fp8_mma": True}, (True, False), id="k-scales-only"),
     ],
 )
-def test_fp8_mma_reads_v_as_stored_only_from_aligned_keys_major_pools(
-    monkeypatch, layout: str, mode: dict, keys_major: bool
+def test_keys_major_pools_are_read_as_stored_only_when_aligned(
+    monkeypatch, layout: str, scales_layout: str, mode: dict, flags: tuple
 ) -> None:
     launches = _spy_kernel_flags(monkeypatch)
     case = make_paged_case(q_lens=[5], k_lens=[70], block_size=24, head_dim=64, device=DEVICE)
     args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
-    v = args[2]
-    if layout == "padded":
-        v = kernels.keys_major(v)
-    elif layout == "unpadded":
-        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    v = _layout(args[2], layout)
+    laid_out = {
+        **scales,
+        "k_scale": _layout(scales["k_scale"], scales_layout.replace("k-only", "padded")),
+    }
+    laid_out["v_scale"] = _layout(scales["v_scale"], scales_layout.replace("k-only", "slots"))
     assert pool_layout.is_keys_major(v) == (layout != "slots")
-    got = kernels.paged_attention(*args[:2], v, *args[3:], **scales, **mode, block_n=32)
-    assert [launch["V_KEYS_MAJOR"] for launch in launches] == [keys_major]
+    got = kernels.paged_attention(*args[:2], v, *args[3:], **laid_out, **mode, block_n=32)
+    seen = [(launch["V_KEYS_MAJOR"], launch["SCALES_KEYS_MAJOR"]) for launch in launches]
+    assert seen == [flags]
     want = kernels.paged_attention(*args, **scales, **mode, block_n=32)
     torch.testing.assert_close(got, want, atol=FP32_ATOL * want.abs().max().item(), rtol=0)
 

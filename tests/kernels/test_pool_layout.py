@@ -29,6 +29,17 @@ def test_keys_major_keeps_shape_and_values_with_aligned_rows(
     assert not pool_layout.is_keys_major(pool) and not pool_layout.keys_aligned(pool)
 
 
+@pytest.mark.parametrize("block_size", [7, 24, 1560])
+def test_keys_major_scale_pools(block_size: int) -> None:
+    scales = torch.rand(3, block_size, 5)
+    copy = kernels.keys_major(scales)
+    row = -(-block_size // pool_layout.KEY_ALIGNMENT) * pool_layout.KEY_ALIGNMENT
+    assert copy.shape == scales.shape and torch.equal(copy, scales)
+    assert copy.stride() == (5 * row, 1, row)
+    assert pool_layout.keys_aligned(copy) and not pool_layout.keys_aligned(scales)
+    assert not pool_layout.keys_aligned(None)
+
+
 def test_unpadded_or_offset_keys_major_views_are_not_aligned() -> None:
     pool = torch.zeros(4, 24, 2, 64, dtype=torch.int8)
     unpadded = pool.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
@@ -45,4 +56,4 @@ def test_keys_major_rejects_bad_pools() -> None:
     with pytest.raises(TypeError, match="pool"):
         kernels.keys_major([[1.0]])
     with pytest.raises(ValueError, match="pool must be 4-D"):
-        kernels.keys_major(torch.zeros(16, 2, 64))
+        kernels.keys_major(torch.zeros(16, 2))
