@@ -49,10 +49,10 @@ from paged_video.bench import sass
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``; over
-# keys-major V and scale pools, ``kernels.keys_major``: ``fp8_mma_keys``), or int8 codes with
-# an int8 Q K^T MMA (``int8_mma=True``).
-KV_MODES = ("same", "fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma")
+# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``), or int8
+# codes with an int8 Q K^T MMA (``int8_mma=True``). ``_keys``: the MMA mode over keys-major
+# pools (``kernels.keys_major``): the scale pools, and for FP8-MMA V as well.
+KV_MODES = ("same", "fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma", "int8_mma_keys")
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The K/V modes weighed against the FP8 anchor (``fp8_anchor_attention_kernel``, an ``anchor``
 # row whose ``kv_mode`` says ``fp8_mma``) rather than the 16-bit one.
@@ -527,7 +527,7 @@ def _paged_launches(config: Config) -> list[_Launch]:
     dtype = DTYPES[config.dtype]
     d, bs = config.head_dim, config.block_size
     empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt)  # touches no memory
-    kv_int8 = {"int8": torch.int8, "int8_mma": torch.int8}
+    kv_int8 = {"int8": torch.int8, "int8_mma": torch.int8, "int8_mma_keys": torch.int8}
     kv_dtype = {"same": dtype, **kv_int8}.get(config.kv_mode, torch.float8_e4m3fn)
     scales = {}
     if config.kv_mode != "same":
@@ -535,13 +535,14 @@ def _paged_launches(config: Config) -> list[_Launch]:
             "k_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
             "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
             "fp8_mma": config.kv_mode.startswith("fp8_mma"),
-            "int8_mma": config.kv_mode == "int8_mma",
+            "int8_mma": config.kv_mode.startswith("int8_mma"),
         }
     v_cache = empty(2, bs, config.kv_heads, d, dt=kv_dtype)
-    if config.kv_mode == "fp8_mma_keys":  # V's codes and both scale pools keys-major
-        v_cache = pool_layout.empty_keys_major(2, bs, config.kv_heads, d, dtype=kv_dtype)
+    if config.kv_mode.endswith("_keys"):
         for name in ("k_scale", "v_scale"):
             scales[name] = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
+        if scales["fp8_mma"]:
+            v_cache = pool_layout.empty_keys_major(2, bs, config.kv_heads, d, dtype=kv_dtype)
     # The warp-specialized variant merges two partial attentions: its merge is recorded too
     # (and left out of the report: it is no attention kernel).
     with (
@@ -1060,7 +1061,8 @@ def add_parser(
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
         "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
-        "Q K^T MMA (int8_mma); fp8_mma_keys: fp8_mma over keys-major V and scale pools",
+        "Q K^T MMA (int8_mma); fp8_mma_keys, int8_mma_keys: the MMA modes over keys-major pools "
+        "(the scales; fp8_mma's V too)",
     )
     parser.add_argument(
         "--launch",

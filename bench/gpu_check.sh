@@ -9,8 +9,9 @@
 # 2. the shipped-geometry sweep (40 heads, head_dim 128, bf16, q 4680, kv 28080): the shipped
 #    block sizes first (16, 1560, then 24, 64, 256, 520, 32, 128), this project's kernels, the
 #    forced SDPA backends (sdpa-best) and the other baselines over every block size before
-#    compiled FlexAttention; our attention over e4m3 (dequant, fp8-mma over slot-major and over
-#    keys-major V) and int8 (dequant, int8-mma) pools beside the bf16 pool at every block size;
+#    compiled FlexAttention; our attention over e4m3 (dequant, fp8-mma) and int8 (dequant,
+#    int8-mma) pools, the MMA modes also over keys-major pools, beside the bf16 pool at every
+#    block size;
 #    every provider checked against
 #    the oracle (quantized ones against the dequantizing oracle) before it is timed.
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings

@@ -70,8 +70,9 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 @dataclass(frozen=True)
 class Quant:
     """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
-    neither: dequantizing); ``keys_major``: V's codes and both scale pools stored keys-major
-    (``kernels.keys_major``), the layout the FP8 P V MMA reads without a transpose."""
+    neither: dequantizing); ``keys_major``: both scale pools stored keys-major
+    (``kernels.keys_major``), and in the FP8-MMA mode V's codes too, the layout its P V MMA
+    reads without a transpose."""
 
     dtype: torch.dtype
     fp8_mma: bool = False
@@ -325,7 +326,9 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
         pools = quantized_pools(w, quant.dtype)
         v_cache, k_scale, v_scale = pools.v_cache, pools.k_scale, pools.v_scale
         if quant.keys_major:
-            v_cache, k_scale, v_scale = map(kernels.keys_major, (v_cache, k_scale, v_scale))
+            k_scale, v_scale = kernels.keys_major(k_scale), kernels.keys_major(v_scale)
+            if quant.fp8_mma:
+                v_cache = kernels.keys_major(v_cache)
         out = torch.empty_like(w.q)
         tiles = _tile_arguments(tile)
 
@@ -719,6 +722,7 @@ QUANTIZED_PROVIDERS = {
     "triton-e4m3-mma-keys": Quant(torch.float8_e4m3fn, fp8_mma=True, keys_major=True),
     "triton-int8": Quant(torch.int8),
     "triton-int8-mma": Quant(torch.int8, int8_mma=True),
+    "triton-int8-mma-keys": Quant(torch.int8, int8_mma=True, keys_major=True),
 }
 assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)
 BASELINE = "baseline"

@@ -68,10 +68,11 @@ def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
     assert rows["triton-int8-mma"]["error_limit"] == rows["triton"]["error_limit"]
     assert rows["triton-int8-mma"]["max_error"] < 1e-5
     assert rows["triton-int8-mma"]["backend"] == "triton paged_attention int8 int8-mma"
-    keys = rows["triton-e4m3-mma-keys"]
-    assert keys["backend"] == "triton paged_attention e4m3 fp8-mma, keys-major"
-    # The same codes in another layout: the FP8-MMA mode's result, to float32 rounding.
-    assert abs(keys["max_error"] - rows["triton-e4m3-mma"]["max_error"]) < 1e-6
+    # The same codes and scales in another layout: the MMA modes' results, to float32 rounding.
+    for name, mode in (("triton-e4m3-mma", "e4m3 fp8-mma"), ("triton-int8-mma", "int8 int8-mma")):
+        keys = rows[f"{name}-keys"]
+        assert keys["backend"] == f"triton paged_attention {mode}, keys-major"
+        assert abs(keys["max_error"] - rows[name]["max_error"]) < 1e-6
 
 
 def test_the_int8_mma_oracle_rounds_the_queries():
