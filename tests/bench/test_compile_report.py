@@ -324,7 +324,7 @@ _ANCHOR_GOAL_MISSES: dict = {}
 _PATH_RATIO_MISSES: dict = {}
 # Spill stores/loads in bytes, with Triton's own ptxas flags (255 registers).
 # Values live across the key loops, stored once before them and loaded after, none inside
-# (2026-12-04, after the plain scale loads: 4-36 bytes; before them only FP8-MMA at block 24
+# (2026-12-04, after the plain scale loads: 4-44 bytes; before them only FP8-MMA at block 24
 # spilled, 40/52).
 _QUANTIZED_SPILLS = {
     ("fp8_mma", 24): "32/32 bytes",
