@@ -54,7 +54,7 @@ KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # pools (``kernels.keys_major``): the scale pools, and for FP8-MMA V as well.
 KV_MODES = ("same", "fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma", "int8_mma_keys")
 YARDSTICKS = ("anchor", "tutorial_ws")
-# The K/V modes weighed against the FP8 anchor (``fp8_anchor_attention_kernel``, an ``anchor``
+# The K/V modes weighed against the FP8 anchor (the anchor kernel on e4m3 codes, an ``anchor``
 # row whose ``kv_mode`` says ``fp8_mma``) rather than the 16-bit one.
 FP8_ANCHOR_MODES = ("fp8_mma", "fp8_mma_keys")
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
@@ -576,13 +576,15 @@ def _paged_launches(config: Config) -> list[_Launch]:
     if {"BLOCK_M", "BLOCK_N"} <= first.keys() and {"BLOCK_D", "HEAD_DIM"} & first.keys():
         launches.append(_anchor_launch(config, first))
         if config.kv_mode in FP8_ANCHOR_MODES:
-            launches.append(_fp8_anchor_launch(config, first))
+            launches.append(_anchor_launch(config, first, fp8=True))
     if d & (d - 1) == 0 and d >= 16 and config.dtype in ("bf16", "fp16"):
         launches.append(_tutorial_launch(config))
     return launches
 
 
-def _anchor_launch(config: Config, paged_kwargs: dict) -> _Launch:
+def _anchor_launch(config: Config, paged_kwargs: dict, *, fp8: bool = False) -> _Launch:
+    """The anchor at the launch's tiles; ``fp8``: the FP8 anchor (e4m3 q/K, keys-major e4m3 V,
+    bf16 output), labelled with the ``fp8_mma`` mode it weighs."""
     import torch
 
     from paged_video.bench.reference_loop import anchor_attention_kernel
@@ -591,31 +593,20 @@ def _anchor_launch(config: Config, paged_kwargs: dict) -> _Launch:
     dtype, d, h = DTYPES[config.dtype], config.head_dim, config.heads
     settings = {k: paged_kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
     keys = 64 * settings["BLOCK_N"]
-    tokens = lambda n: torch.empty(n, h, d, dtype=dtype)
+    operand = torch.float8_e4m3fn if fp8 else dtype
+    tokens = lambda n, dt=operand: torch.empty(n, h, d, dtype=dt)
     q_len = config.max_seqlen_q
-    args = (tokens(q_len), tokens(keys), tokens(keys), tokens(q_len), 1.0, q_len, keys)
-    args += (h * d, d) * 4
+    v = torch.empty(h, d, keys, dtype=operand).permute(2, 0, 1) if fp8 else tokens(keys)
+    out = tokens(q_len, torch.bfloat16 if fp8 else dtype)
+    args = (tokens(q_len), tokens(keys), v, out, 1.0, q_len, keys)
+    args += (h * d, d, h * d, d, *v.stride(), h * d, d)
     block_d = paged_kwargs.get("BLOCK_D", paged_kwargs.get("HEAD_DIM"))
     kwargs = dict(settings, HEAD_DIM=d, BLOCK_D=block_d)
-    return _Launch("anchor", anchor_attention_kernel, args, kwargs, {"path": "contiguous"})
-
-
-def _fp8_anchor_launch(config: Config, paged_kwargs: dict) -> _Launch:
-    import torch
-
-    from paged_video.bench.reference_loop import fp8_anchor_attention_kernel
-
-    d, h = config.head_dim, config.heads
-    settings = {k: paged_kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
-    keys = 64 * settings["BLOCK_N"]
-    codes = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)
-    q_len = config.max_seqlen_q
-    out = torch.empty(q_len, h, d, dtype=torch.bfloat16)
-    args = (codes(q_len, h, d), codes(keys, h, d), codes(h, d, keys), out, 1.0, q_len, keys)
-    args += (h * d, d, h * d, d, d * keys, keys, h * d, d)
-    kwargs = dict(settings, HEAD_DIM=d, BLOCK_D=paged_kwargs["BLOCK_D"])
-    labels = {"path": "contiguous", "kv_mode": "fp8_mma"}
-    return _Launch("anchor", fp8_anchor_attention_kernel, args, kwargs, labels)
+    labels = {"path": "contiguous"}
+    if fp8:
+        kwargs["P_UNIT"] = 448.0
+        labels["kv_mode"] = "fp8_mma"
+    return _Launch("anchor", anchor_attention_kernel, args, kwargs, labels)
 
 
 def _tutorial_launch(config: Config) -> _Launch:

@@ -6,9 +6,10 @@ int32 and the head's base is the one 64-bit address, so the loop spends on addre
 what any flash loop must. The report builds it with the tiles, warps and stages of each
 ``paged_attention`` launch and divides the two key loops.
 
-``fp8_anchor_attention_kernel``: the anchor with e4m3 operands, both products FP8 MMAs, V stored
-keys-major (the layout the 8-bit MMA reads) and one scale for everything: what an FP8 flash loop
-costs before any per-key scale. The report weighs the FP8-MMA launches against it.
+The same kernel on e4m3 codes is the FP8 anchor: both products FP8 MMAs, V stored keys-major
+(the layout the 8-bit MMA reads, through ``stride_v_dim``) and one scale for everything (the
+probabilities in units of ``1 / P_UNIT``): what an FP8 flash loop costs before any per-key
+scale. The report weighs the FP8-MMA launches against it.
 
 ``tutorial_attention_kernel``: the shape of Triton's fused-attention tutorial on Hopper: Q, K,
 V and the output through tensor descriptors (TMA), the key loop warp-specialized (a producer
@@ -41,16 +42,21 @@ def anchor_attention_kernel(
     stride_k_head,
     stride_v_tok,
     stride_v_head,
+    stride_v_dim,
     stride_o_tok,
     stride_o_head,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    P_UNIT: tl.constexpr = 1.0,
 ):
     """One (query tile, head) per program; ``k_len`` is a multiple of ``BLOCK_N`` and every
     offset within a head fits in int32. ``BLOCK_D``: ``HEAD_DIM`` rounded up to a power of two
-    (dimensions past ``HEAD_DIM`` are masked); ``scale_log2 >= 0``."""
+    (dimensions past ``HEAD_DIM`` are masked); ``scale_log2 >= 0``. ``stride_v_dim`` is 1 for
+    16-bit V (specialized away), the key count for keys-major e4m3 V; ``P_UNIT``: the
+    probabilities go to the ``P V`` MMA times it (448 for e4m3, one multiply each, as a
+    per-tensor V scale would cost)."""
     tile_m = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,7 +76,7 @@ def anchor_attention_kernel(
     )
     # The tile's pointers are loop-invariant; a tile adds one int32 row offset to them.
     k_tile = k_head + offs_n[:, None] * stride_k_tok + offs_d[None, :]
-    v_tile = v_head + offs_n[:, None] * stride_v_tok + offs_d[None, :]
+    v_tile = v_head + offs_n[:, None] * stride_v_tok + offs_d[None, :] * stride_v_dim
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -87,75 +93,13 @@ def anchor_attention_kernel(
         probs = tl.math.exp2(scores * scale_log2 - new_max[:, None])
         rescale = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        if P_UNIT != 1.0:
+            probs = probs * P_UNIT
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
         row_max = new_max
+    if P_UNIT != 1.0:
+        row_sum = row_sum * P_UNIT
     out = acc / row_sum[:, None]
-    tl.store(
-        o_head + offs_m[:, None] * stride_o_tok + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=m_mask & d_mask,
-    )
-
-
-@triton.jit
-def fp8_anchor_attention_kernel(
-    q_ptr,
-    k_ptr,
-    vt_ptr,
-    out_ptr,
-    scale_log2,
-    q_len,
-    k_len,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_tok,
-    stride_k_head,
-    stride_vt_head,
-    stride_vt_dim,
-    stride_o_tok,
-    stride_o_head,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """``anchor_attention_kernel`` on e4m3 codes: q and K as ``(tokens, heads, HEAD_DIM)``, V as
-    ``vt`` ``(heads, HEAD_DIM, tokens)`` (keys contiguous); the probabilities go to the MMA as
-    e4m3 in units of 1/448 (one multiply each, as a per-tensor V scale would cost)."""
-    tile_m = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < HEAD_DIM
-    m_mask = offs_m[:, None] < q_len
-    q_head = q_ptr + head * stride_q_head
-    k_head = k_ptr + head * stride_k_head
-    vt_head = vt_ptr + head * stride_vt_head
-    o_head = out_ptr + head * stride_o_head
-    q = tl.load(
-        q_head + offs_m[:, None] * stride_q_tok + offs_d[None, :], mask=m_mask & d_mask, other=0.0
-    )
-    k_tile = k_head + offs_n[:, None] * stride_k_tok + offs_d[None, :]
-    v_tile = vt_head + offs_n[:, None] + offs_d[None, :] * stride_vt_dim
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n_start in range(0, k_len, BLOCK_N):
-        if HEAD_DIM == BLOCK_D:
-            k = tl.load(k_tile + n_start * stride_k_tok)
-            v = tl.load(v_tile + n_start)
-        else:
-            k = tl.load(k_tile + n_start * stride_k_tok, mask=d_mask, other=0.0)
-            v = tl.load(v_tile + n_start, mask=d_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2)
-        probs = tl.math.exp2(scores * scale_log2 - new_max[:, None])
-        rescale = tl.math.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot((probs * 448.0).to(tl.float8e4nv), v)
-        row_max = new_max
-    out = acc / (448.0 * row_sum[:, None])
     tl.store(
         o_head + offs_m[:, None] * stride_o_tok + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),

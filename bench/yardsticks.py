@@ -7,8 +7,8 @@ Times (``triton.testing.do_bench``, median) torch SDPA's cuDNN and flash backend
 table-free loop ``bench.reference_loop.anchor_attention_kernel`` and the Triton tutorial's
 warp-specialized loop ``tutorial_attention_kernel`` at several tiles, warps and stages, on
 contiguous ``(tokens, 40, 128)`` bf16 q/K/V (keys a multiple of 128, as the loops need); and
-the plain loop on e4m3 codes of the same tensors (``fp8_anchor_attention_kernel``, V stored
-keys-major): what an FP8 flash loop does on this GPU at all, the bound on the FP8-MMA mode.
+the plain loop on e4m3 codes of the same tensors (the FP8 anchor, V stored keys-major): what
+an FP8 flash loop does on this GPU at all, the bound on the FP8-MMA mode.
 Every output is checked against a float32 reference first (the FP8 loop's against attention
 over its codes, allowing for its e4m3 probabilities); a wrong one is printed as WRONG and not
 timed (the tutorial's loop wrote NaN at 3 stages on Triton 3.6, bench/RESULTS.md).
@@ -28,11 +28,7 @@ import torch
 from torch import Tensor
 
 from paged_video.bench.providers import forced_sdpa
-from paged_video.bench.reference_loop import (
-    anchor_attention_kernel,
-    fp8_anchor_attention_kernel,
-    tutorial_attention_kernel,
-)
+from paged_video.bench.reference_loop import anchor_attention_kernel, tutorial_attention_kernel
 from paged_video.bench.results import provenance
 from paged_video.bench.timing import figures_kind
 
@@ -59,16 +55,21 @@ def reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def _anchor(q: Tensor, k: Tensor, v: Tensor, launch: tuple[int, ...]) -> Callable[[], Tensor]:
+    """The plain loop; on e4m3 codes (all ``(tokens, heads, dim)``) the FP8 anchor: V copied
+    keys-major here, outside the timed closure, probabilities in units of 1/448, bf16 output."""
     block_m, block_n, warps, stages = launch
-    out = torch.empty_like(q)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8:
+        v = v.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    out = torch.empty(q.shape, dtype=torch.bfloat16 if fp8 else q.dtype, device=q.device)
     grid = (math.ceil(q.shape[0] / block_m), q.shape[1])
 
     def run() -> Tensor:
         anchor_attention_kernel[grid](
             q, k, v, out, LOG2E / math.sqrt(HEAD_DIM), q.shape[0], k.shape[0],
-            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
+            *q.stride()[:2], *k.stride()[:2], *v.stride(), *out.stride()[:2],
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
-            num_warps=warps, num_stages=stages,
+            P_UNIT=448.0 if fp8 else 1.0, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
 
@@ -84,26 +85,6 @@ def _tutorial(q: Tensor, k: Tensor, v: Tensor, launch: tuple[int, ...]) -> Calla
         tutorial_attention_kernel[grid](
             q, k, v, out, LOG2E / math.sqrt(HEAD_DIM), q.shape[0], k.shape[0], q.shape[1],
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM,
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        return out
-
-    return run
-
-
-def _fp8_anchor(q: Tensor, k: Tensor, v: Tensor, launch: tuple[int, ...]) -> Callable[[], Tensor]:
-    """The FP8 plain loop over e4m3 codes ``q``, ``k``, ``v`` (all ``(tokens, heads, dim)``; V
-    is restored keys-major here, outside the timed closure), bf16 output."""
-    block_m, block_n, warps, stages = launch
-    vt = v.permute(1, 2, 0).contiguous()
-    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    grid = (math.ceil(q.shape[0] / block_m), q.shape[1])
-
-    def run() -> Tensor:
-        fp8_anchor_attention_kernel[grid](
-            q, k, vt, out, LOG2E / math.sqrt(HEAD_DIM), q.shape[0], k.shape[0],
-            *q.stride()[:2], *k.stride()[:2], *vt.stride()[:2], *out.stride()[:2],
-            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
@@ -136,7 +117,7 @@ def runs(
     codes = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
     expected_fp8 = reference(*(c.float() for c in codes))
     checked += [
-        ("anchor_fp8", _name(a), _fp8_anchor(*codes, a), expected_fp8, fp8_limit(expected_fp8))
+        ("anchor_fp8", _name(a), _anchor(*codes, a), expected_fp8, fp8_limit(expected_fp8))
         for a in FP8_ANCHOR_LAUNCHES
     ]
     return checked

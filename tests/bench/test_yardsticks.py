@@ -39,9 +39,9 @@ def test_the_fp8_loop_matches_attention_over_its_codes() -> None:
     q, k, v = (torch.randn(n, 2, yardsticks.HEAD_DIM, generator=gen) for n in (40, 128, 128))
     codes = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
     expected = yardsticks.reference(*(c.float() for c in codes))
-    got = yardsticks._fp8_anchor(*codes, (32, 64, 4, 1))()
+    got = yardsticks._anchor(*codes, (32, 64, 4, 1))()
     assert got.dtype == torch.bfloat16
     assert (got.float() - expected).abs().max() <= yardsticks.fp8_limit(expected)
     # Keys cut to one tile: far outside the allowance.
-    cut = yardsticks._fp8_anchor(codes[0], codes[1][:64], codes[2][:64], (32, 64, 4, 1))()
+    cut = yardsticks._anchor(codes[0], codes[1][:64], codes[2][:64], (32, 64, 4, 1))()
     assert (cut.float() - expected).abs().max() > 4 * yardsticks.fp8_limit(expected)

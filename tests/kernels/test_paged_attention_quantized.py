@@ -335,6 +335,26 @@ def lse_oracle(args: tuple, scales: dict, *, fp8_mma: bool, **kwargs) -> Tensor:
     return oracle((q, *args[1:]), scales, return_lse=True, **kwargs)[1]
 
 
+def masked_case(block_size: int, block_n: int) -> tuple[PagedCase, dict]:
+    """Two sequences (GQA, head_dim 80) over several key tiles (a large block and two tiles
+    past it), the queries at the keys' end, with causal, per-row limits and a wide gap: whole
+    tiles before, between and after masked ones. Returns the case and the masks' keywords."""
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
+    case = make_paged_case(
+        q_lens=[12, 3],
+        k_lens=[k_len, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=80,
+        device=DEVICE,
+    )
+    key_limits = torch.arange(15, dtype=torch.int32) % 7 + k_len - 6
+    wide = (block_n + 3, max(3 * block_n + 1, k_len - 4 * block_n))
+    key_gap = torch.tensor([[wide], [(1, 2)]], dtype=torch.int32)
+    return case, dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
+
+
 # The FP8 mode cannot match the oracle to float32 accuracy: e4m3 keeps 3 mantissa bits, so each
 # query element and each (V-scaled) probability carries up to 2**-4 relative rounding error. Its
 # tolerance is the error of the float64 emulation of those two roundings against the oracle,
@@ -353,20 +373,7 @@ FP8_MMA_MARGIN = 2.0
     ],
 )
 def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
-    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
-    case = make_paged_case(
-        q_lens=[12, 3],
-        k_lens=[k_len, 2 * block_n + 5],
-        block_size=block_size,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=80,
-        device=DEVICE,
-    )
-    key_limits = torch.arange(15, dtype=torch.int32) % 7 + k_len - 6
-    wide = (block_n + 3, max(3 * block_n + 1, k_len - 4 * block_n))
-    key_gap = torch.tensor([[wide], [(1, 2)]], dtype=torch.int32)
-    kwargs = dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
+    case, kwargs = masked_case(block_size, block_n)
     # Scales spread over one octave: logits of order 1, as in a model (wider spreads make the
     # softmax so sharp that e4m3's rounding of q moves whole probabilities).
     args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
@@ -508,19 +515,7 @@ def test_keys_major_v_pool_attends_as_the_slot_major_one(
 ) -> None:
     # Same codes and scales, V and the scales stored keys-major (padded, padding poisoned): the
     # same output, through the masked tiles (limits, gaps, causal) and the unmasked ones.
-    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 5 * block_n + 9
-    case = make_paged_case(
-        q_lens=[12, 3],
-        k_lens=[k_len, 2 * block_n + 5],
-        block_size=block_size,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=80,
-        device=DEVICE,
-    )
-    key_limits = torch.arange(15, dtype=torch.int32) % 7 + k_len - 6
-    key_gap = torch.tensor([[(block_n + 3, 3 * block_n + 1)], [(1, 2)]], dtype=torch.int32)
-    kwargs = dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
+    case, kwargs = masked_case(block_size, block_n)
     args, scales = quantized_args(case, dtype, spread=0.5)
     keys_major_args = (*args[:2], poisoned_keys_major(args[2]), *args[3:])
     keys_major_scales = {name: poisoned_keys_major(scales[name]) for name in ("k_scale", "v_scale")}
