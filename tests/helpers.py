@@ -14,6 +14,24 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
+def record_launches(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[dict]:
+    """The keyword arguments (constexprs, warps, stages) of every ``kernel[grid](...)`` launch
+    of the Triton kernel ``module.name``, recorded; each launch still runs."""
+    launches: list[dict] = []
+    real_kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return real_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, name, Spy())
+    return launches
+
+
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     """A fresh tensor shaped like ``t`` and filled with NaN, so unwritten outputs cannot pass."""
     return torch.full_like(t, float("nan"))

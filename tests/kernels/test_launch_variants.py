@@ -19,7 +19,7 @@ import torch
 
 from paged_video import kernels
 from paged_video.kernels import launch_table
-from tests.helpers import DEVICE, ON_GPU, nan_like
+from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
 from tests.kernels.paged_case import make_paged_case
 from tests.kernels.test_paged_attention import run_and_compare
 
@@ -172,18 +172,7 @@ def test_warp_specialized_refuses_gqa_and_falls_back_when_chosen(monkeypatch) ->
 def test_warp_specialized_kernel_runs_two_stages_at_most(monkeypatch) -> None:
     # At 3 stages the warp-specialized loop wrote NaN on an H200 with Triton 3.6 (this kernel
     # and Triton's tutorial both; bench/RESULTS.md): whatever the table says, it gets 2.
-    launches = []
-    real_kernel = launcher._paged_attention_ws_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs["num_stages"])
-                return real_kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(launcher, "_paged_attention_ws_kernel", Spy())
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_ws_kernel")
     real_choose = launcher.choose_tiles
     monkeypatch.setattr(
         launcher, "choose_tiles", lambda **kw: {**real_choose(**kw), "num_stages": 4}
@@ -192,7 +181,8 @@ def test_warp_specialized_kernel_runs_two_stages_at_most(monkeypatch) -> None:
         q_lens=[8], k_lens=[40], block_size=16, num_kv_heads=4, dtype=WS_DTYPE, device=DEVICE
     )
     run_and_compare(case, block_m=16, block_n=16, variant="ws")
-    assert launches == [launcher.WS_MAX_STAGES] and launcher.WS_MAX_STAGES == 2
+    stages = [launch["num_stages"] for launch in launches]
+    assert stages == [launcher.WS_MAX_STAGES] and launcher.WS_MAX_STAGES == 2
 
 
 def test_warp_specialized_refuses_float32_on_a_gpu(monkeypatch) -> None:

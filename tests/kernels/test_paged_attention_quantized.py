@@ -23,7 +23,7 @@ from paged_video.kernels._attention_jit import _to_e4m3
 from paged_video.kernels.paged_attention import kv_path
 from paged_video.reference.quantize import quantize
 from paged_video.reference.quantized_attention import paged_quantized_attention
-from tests.helpers import DEVICE, ON_GPU, nan_like
+from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
@@ -536,23 +536,6 @@ def test_keys_major_v_pool_attends_as_the_slot_major_one(
         assert error <= FP32_ATOL * max(1.0, want.abs().max().item())
 
 
-def _spy_kernel_flags(monkeypatch) -> list[dict]:
-    """The constexpr keywords of every ``paged_attention`` kernel launch, recorded."""
-    launches: list[dict] = []
-    real_kernel = launcher._paged_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs)
-                return real_kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(launcher, "_paged_attention_kernel", Spy())
-    return launches
-
-
 def _layout(pool: Tensor, layout: str) -> Tensor:
     if layout == "padded":
         return kernels.keys_major(pool)
@@ -581,7 +564,7 @@ def _layout(pool: Tensor, layout: str) -> Tensor:
 def test_keys_major_pools_are_read_as_stored_only_when_aligned(
     monkeypatch, layout: str, scales_layout: str, mode: dict, flags: tuple
 ) -> None:
-    launches = _spy_kernel_flags(monkeypatch)
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
     case = make_paged_case(q_lens=[5], k_lens=[70], block_size=24, head_dim=64, device=DEVICE)
     args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
     v = _layout(args[2], layout)
@@ -614,7 +597,7 @@ def test_wide_scale_loads_give_the_plain_loads_output(
     monkeypatch.setattr(
         launcher, "choose_tiles", lambda **kw: {**real_choose(**kw), "WIDE_SCALES": True}
     )
-    flags = _spy_kernel_flags(monkeypatch)
+    flags = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
     wide = kernels.paged_attention(*args, **launch)
     assert [f["WIDE_SCALES"] for f in flags] == [True]
     assert not torch.isnan(wide).any()
