@@ -969,10 +969,14 @@ def _paged_attention_kernel(
             other=1.0,
         )
         out = out * v_factor[None, :]
+    # The output's rows from the sequence's scalar start and the rows' own offsets, not from
+    # q_rows: a per-row sum live across the key loops pushed the quantized kernels' registers
+    # over the limit (Triton 3.6 spilled 4-16 bytes a launch at blocks 24, 520 and 1560).
+    out_rows = query.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(
         out_ptr
-        + q_rows[:, None] * stride_o_tok
-        + head[:, None].to(tl.int64) * stride_o_head
+        + q_start.to(tl.int64) * stride_o_tok
+        + out_rows[:, None]
         + offs_d[None, :] * stride_o_dim,
         out.to(out_ptr.dtype.element_ty),
         mask=io_mask,
@@ -983,8 +987,9 @@ def _paged_attention_kernel(
         # A row that saw no key kept row_max -inf (and sum 0, read as 1 here so that no log of
         # 0 is taken): its LSE is -inf, its output zeros.
         lse = (row_max + tl.math.log2(tl.where(row_sum > 0.0, row_sum, 1.0))) * LN2
+        lse_rows = query.to(tl.int64) * stride_lse_tok + head.to(tl.int64) * stride_lse_head
         tl.store(
-            lse_ptr + q_rows * stride_lse_tok + head.to(tl.int64) * stride_lse_head,
+            lse_ptr + q_start.to(tl.int64) * stride_lse_tok + lse_rows,
             lse,
             mask=m_mask,
         )

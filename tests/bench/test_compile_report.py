@@ -323,27 +323,21 @@ _ANCHOR_GOAL_MISSES: dict = {}
 # 64 at 128).
 _PATH_RATIO_MISSES: dict = {}
 # Spill stores/loads in bytes, with Triton's own ptxas flags (255 registers).
-# Values live across the key loops, stored once before them and loaded after, none inside
-# (2026-12-04, after the plain scale loads: 4-44 bytes; before them only FP8-MMA at block 24
-# spilled, 40/52).
+# Values live across the key loops, stored once before them and loaded after, none inside: the
+# per-thread query rows the output store needs (2026-12-04, after the output's rows were taken
+# from the sequence's scalar start; before, 20-44 bytes at the same launches).
 _QUANTIZED_SPILLS = {
-    ("fp8_mma", 24): "32/32 bytes",
-    ("fp8_mma", 520): "20/20 bytes",
-    ("fp8_mma", 1560): "28/28 bytes",
-    ("fp8_mma_keys", 16): "20/20 bytes",
-    ("fp8_mma_keys", 24): "44/44 bytes",
+    ("fp8_mma", 24): "16/16 bytes",
+    ("fp8_mma", 520): "24/24 bytes",
+    ("fp8_mma", 1560): "16/16 bytes",
+    ("fp8_mma_keys", 16): "16/16 bytes",
+    ("fp8_mma_keys", 24): "52/68 bytes",
     ("fp8_mma_keys", 1560): "16/16 bytes",
 }
-# The same on Triton 3.6, whose plain scale loads hold every thread's columns (2026-12-04);
-# none over keys-major V and scale pools, whose scales it copies two at a time.
+# The same on Triton 3.6 (the GPU image's). Before the output's rows were taken from the
+# sequence's scalar start, fp8/int8 at 520/1560 and FP8-MMA at 24/520/1560 spilled 4-24 bytes.
 _TRITON36_QUANTIZED_SPILLS = {
-    ("fp8", 520): "8 bytes",
-    ("fp8", 1560): "16 bytes",
-    ("int8", 520): "8 bytes",
-    ("int8", 1560): "16 bytes",
-    ("fp8_mma", 24): "24 bytes",
-    ("fp8_mma", 520): "4 bytes",
-    ("fp8_mma", 1560): "8 bytes",
+    ("fp8_mma", 16): "20 bytes",
 }
 
 
