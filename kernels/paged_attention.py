@@ -222,8 +222,9 @@ def choose_tiles(
     ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
     the table's stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
     Every quantized mode takes the table's 64-key tiles, on Triton 3.9 as on 3.6: at hd 128,
-    bf16, blocks 16/24/64/1560 they compile without spills (but FP8-MMA at block 1560 on 3.9,
-    12/16 bytes outside the key loops) at 8.3-9.8 SASS instructions per key; 3.6 once took
+    bf16, blocks 16..1560 they compile without spills in the key loops (outside them, FP8-MMA
+    spills 16-52 bytes at some blocks on 3.9, 20 at block 16 on 3.6) at 7.8-10.9 SASS
+    instructions per key (docs/kernels.md); 3.6 once took
     32-key tiles (13.4-20.3 per key), when its 64-key ones spilled 250-480 bytes; 128-key
     tiles spill on 3.6. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D``
     is at least 32.
