@@ -23,9 +23,9 @@
 #    `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
 #    quantized pools' speedup at every block size the sweep reached) and rewrites
 #    kernels/launch_choices.json, copied to OUT_DIR: recording the run is committing that file;
-# 3b. the quantized loops' scale reads and tiles: `bench.launch_probe` times the quantized modes
-#    at block 64 with the default plain scale loads, with `+wide`, and at 128-key tiles
-#    (OUT_DIR/probe/probe.csv);
+# 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
+#    pools at block 1560 (a frame a block), the pointer loop and the TMA loop (codes and scales
+#    by descriptor), at 64- and 128-key tiles (OUT_DIR/probe/probe.csv);
 # 4. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,
 #    K smoothing on (the default), every data kind, format, mode (the INT8-MMA one too) with
 #    and without channel equalization, each beside its float64 floor (OUT_DIR/accuracy.csv, log
@@ -107,18 +107,18 @@ if [ -s "$out_dir/launches/sweep.csv" ]; then
     cp kernels/launch_choices.json "$out_dir/launch_choices.json"
 fi
 
-# Plain scale loads (the default) against the wide ones: fewer barriers against fewer copies
-# (kernels/_attention_jit._load_scales); and 128-key tiles, 18% fewer instructions per key for
-# FP8-MMA over keys-major pools on Triton 3.9 (12% on 3.6) though they spill inside the loop on
-# 3.6 (bench/RESULTS.md). The likeliest winner first: the time limit cuts the last runs.
-# Informative, not part of the exit status.
-echo "== quantized scale loads and tiles (limit ${PROBE_TIMEOUT:-60}s)"
+# The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6): FP8-MMA
+# over keys-major pools by TMA at 128-key tiles, 419 instructions per 64 keys against the
+# default's 570 (the FP8 plain loop: 361); at 64-key tiles, 554; INT8-MMA by TMA 562 against
+# 585. The likeliest winner first: the time limit cuts the last runs. Informative, not part
+# of the exit status.
+echo "== quantized loop candidates (limit ${PROBE_TIMEOUT:-60}s)"
 start=$SECONDS
-timeout "${PROBE_TIMEOUT:-60}" "$python" -m paged_video.bench.launch_probe --block-sizes 64 \
-    --providers triton-e4m3-mma-keys,triton-int8-mma,triton-e4m3 \
-    --configs default,128x128w8s3,default+wide \
-    --time-limit 45 --out "$out_dir/probe" 2>&1 | tail -n 10
-echo "== scale loads: exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
+timeout "${PROBE_TIMEOUT:-60}" "$python" -m paged_video.bench.launch_probe --block-sizes 1560 \
+    --providers triton-e4m3-mma-keys-tma,triton-e4m3-mma-keys,triton-int8-mma-keys-tma \
+    --configs 128x128w8s3,default \
+    --time-limit 45 --out "$out_dir/probe" 2>&1 | tail -n 8
+echo "== quantized candidates: exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
 
 # About 17 kernel compiles (attention per mode, with and without equalization; the writes)
 # take most of the time.

@@ -24,7 +24,9 @@ The next tile's block ids are read one iteration ahead (loop-carried), so the so
 keeps K/V loads as many tiles ahead as in a table-free loop. With ``TMA`` the unmasked loop of
 the contiguous and ``block_tiles`` paths loads each K/V tile with one tensor-descriptor load
 (descriptors made on the device over the pool seen as (block * slot) rows of (KV head *
-channel) columns); masked tiles keep pointer loads, which skip hidden keys. Key tiles every
+channel) columns; a keys-major V as (block * KV head * channel) rows of slots), the 16-bit and
+the quantized caches alike (their scales stay pointer loads); masked tiles keep pointer loads,
+which skip hidden keys. Key tiles every
 query row of the program sees whole run in an unmasked loop; only tiles touching
 ``seq_lens_k``, a row's ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked,
 and tiles inside a gap are skipped. Query heads sharing a KV head are packed into the M
@@ -260,8 +262,9 @@ def _attend_tiles(
 
     ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated; ``caches`` the K and
     V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
-    block stride, slot stride[, dim stride])``; ``descs`` (``TMA``) the K and V descriptors and
-    the KV head's first column in them; ``table`` the sequence's ``(block table row, column
+    block stride, slot stride[, dim stride])``; ``descs`` (``TMA``) the K and V descriptors, the
+    KV head's first column in them (a keys-major V's first row in a block) and the columns of
+    all KV heads (a keys-major V's rows per block); ``table`` the sequence's ``(block table row, column
     stride)``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
@@ -415,18 +418,26 @@ def _attend_tiles(
             if QUANTIZED:
                 k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, False, BLOCK_N)
                 v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, False, BLOCK_N)
-        elif DESCRIPTOR_LOADS:
-            tile_row = id0 * BLOCK_SIZE + PIECE_OFFSET + n_start % PIECE_SIZE
-            k = descs[0].load([tile_row, descs[2]])
-            v = descs[1].load([tile_row, descs[2]])
         else:
-            if HEAD_DIM == BLOCK_D:
+            if DESCRIPTOR_LOADS:
+                slot = PIECE_OFFSET + n_start % PIECE_SIZE
+                k = descs[0].load([id0 * BLOCK_SIZE + slot, descs[2]])
+                if V_KEYS_MAJOR:
+                    # Rows of (block, KV head, channel), columns of slots: the tile arrives
+                    # keys-contiguous, as the FP8 P V MMA reads it (the transpose is a view).
+                    v = tl.trans(descs[1].load([id0 * descs[3] + descs[2], slot]))
+                else:
+                    v = descs[1].load([id0 * BLOCK_SIZE + slot, descs[2]])
+            elif HEAD_DIM == BLOCK_D:
                 k = tl.load(k_dims + k_rows[:, None])
                 v = tl.load(v_dims + v_rows[:, None])
             else:
                 k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
                 v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
-            if QUANTIZED:
+            if QUANTIZED and DESCRIPTOR_LOADS:
+                k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])
+                v_col = descs[5].load([id0 * v_scales[1] + descs[7] + slot])
+            elif QUANTIZED:
                 k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
                 v_col = _load_scales(v_scales[0], vs_rows, 0, False, WIDE_SCALES, BLOCK_N)
         if FP8_MMA:
@@ -859,19 +870,40 @@ def _paged_attention_kernel(
 
     if TMA:
         # Each pool as a 2-D tensor of (block, slot) rows and (KV head, channel) columns: a key
-        # tile inside one block is one descriptor load (the launcher checked the layout).
+        # tile inside one block is one descriptor load (the launcher checked the layout). A
+        # keys-major V pool (FP8-MMA) reads as (block, KV head, channel) rows of slots instead.
         row = tl.num_programs(2) * HEAD_DIM
-        descs = (
-            tl.make_tensor_descriptor(
-                k_ptr, [pool_rows, row], [stride_k_slot, 1], [BLOCK_N, BLOCK_D]
-            ),
-            tl.make_tensor_descriptor(
-                v_ptr, [pool_rows, row], [stride_v_slot, 1], [BLOCK_N, BLOCK_D]
-            ),
-            kv_head * HEAD_DIM,
+        k_desc = tl.make_tensor_descriptor(
+            k_ptr, [pool_rows, row], [stride_k_slot, 1], [BLOCK_N, BLOCK_D]
         )
+        if V_KEYS_MAJOR:
+            v_desc = tl.make_tensor_descriptor(
+                v_ptr,
+                [pool_rows // BLOCK_SIZE * row, BLOCK_SIZE],
+                [stride_v_dim, 1],
+                [BLOCK_D, BLOCK_N],
+            )
+        else:
+            v_desc = tl.make_tensor_descriptor(
+                v_ptr, [pool_rows, row], [stride_v_slot, 1], [BLOCK_N, BLOCK_D]
+            )
+        descs = (k_desc, v_desc, kv_head * HEAD_DIM, row)
+        if QUANTIZED:
+            # The keys-major scale pools (the launcher checked) as one run of (block, KV head,
+            # slot) scales: a tile's scales are one descriptor load of BLOCK_N contiguous ones.
+            scales_end = pool_rows // BLOCK_SIZE
+            descs += (
+                tl.make_tensor_descriptor(
+                    k_scale_ptr, [scales_end * stride_ks_block], [1], [BLOCK_N]
+                ),
+                tl.make_tensor_descriptor(
+                    v_scale_ptr, [scales_end * stride_vs_block], [1], [BLOCK_N]
+                ),
+                kv_head * stride_ks_head,
+                kv_head * stride_vs_head,
+            )
     else:
-        descs = (0, 0, 0)
+        descs = (0, 0, 0, 0)
 
     if HAS_KEY_GAP:
         # Up to GAPS hidden ranges [lo, hi) per row, in any order, possibly overlapping; missing

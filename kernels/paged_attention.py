@@ -45,12 +45,24 @@ def _largest_offset(pool: Tensor) -> int:
     return sum((size - 1) * stride for size, stride in zip(pool.shape, pool.stride(), strict=True))
 
 
-def _descriptor_layout(k_cache: Tensor, v_cache: Tensor, block_d: int, head_dim: int) -> bool:
-    """True when each pool reads as the 2-D tensor of (block, slot) rows and (KV head, channel)
-    columns that the TMA loop's descriptors describe, within TMA's limits."""
+def _descriptor_layout(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_d: int,
+    head_dim: int,
+    scales: tuple[Tensor, Tensor] | None = None,
+    fp8_mma: bool = False,
+) -> bool:
+    """True when each pool reads as the tensor the TMA loop's descriptors describe, within TMA's
+    limits: codes as (block, slot) rows of (KV head, channel) columns; quantized ``scales`` (K's
+    and V's) keys-major and aligned (``kernels.keys_major``), each a run of (block, KV head,
+    slot) scales (slot-major, a tile's scales of one head are 4 bytes apart: too narrow for a
+    descriptor's rows); with ``fp8_mma`` V keys-major too, read as (block, KV head, channel)
+    rows of slots (its P V MMA reads V keys-contiguous, a transpose no descriptor gives)."""
     if block_d != head_dim:
         return False  # a tile's columns would run into the next head's
-    for pool in (k_cache, v_cache):
+    pools = (k_cache,) if fp8_mma else (k_cache, v_cache)
+    for pool in pools:
         blocks, block_size, heads, _ = pool.shape
         stride_block, stride_slot, stride_head, stride_dim = pool.stride()
         size = pool.element_size()
@@ -60,7 +72,22 @@ def _descriptor_layout(k_cache: Tensor, v_cache: Tensor, block_d: int, head_dim:
             return False
         if pool.data_ptr() % 16 or stride_slot * size % 16:
             return False
-    return True
+    if scales is not None and not all(map(_keys_major_rows, scales)):
+        return False
+    return not fp8_mma or _keys_major_rows(v_cache)
+
+
+def _keys_major_rows(pool: Tensor) -> bool:
+    """True when ``pool`` (codes or scales) is keys-major and aligned, its blocks' rows of keys
+    following each other in (block, KV head[, channel]) order, fewer than 2**31 elements in
+    all."""
+    if not pool_layout.keys_aligned(pool):
+        return False
+    blocks, _, heads = pool.shape[:3]
+    stride_block, _, stride_head = pool.stride()[:3]
+    if pool.dim() == 4 and stride_head != pool.shape[3] * pool.stride(3):
+        return False
+    return stride_block == heads * stride_head and blocks * stride_block < 2**31
 
 
 def _warp_specialized_refusal(
@@ -237,8 +264,8 @@ def choose_tiles(
         raise ValueError(
             f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
         )
-    if variant in ("tma", "ws") and quantized:
-        raise ValueError(f"variant {variant!r} loads unquantized caches only; use 'cp_async'")
+    if variant == "ws" and quantized:
+        raise ValueError("variant 'ws' loads unquantized caches only; use 'tma' or 'cp_async'")
     chosen = "cp_async"
     rows = max(1, max_seqlen_q) * max(1, heads_per_kv_head)
     short_q = max(16, triton.next_power_of_2(rows))
@@ -399,12 +426,16 @@ def paged_attention(
         variant=variant,
     )
     chosen_variant = tiles.pop("VARIANT")
-    if tiles["TMA"] and not _descriptor_layout(k_cache, v_cache, tiles["BLOCK_D"], head_dim):
+    scales = (k_scale, v_scale) if k_scale is not None else None
+    if tiles["TMA"] and not _descriptor_layout(
+        k_cache, v_cache, tiles["BLOCK_D"], head_dim, scales, fp8_mma
+    ):
         if variant is not None:
             raise ValueError(
                 f"variant {variant!r} needs caches a tensor descriptor can read (16-byte aligned "
                 "pointer and strides, unit channel stride, blocks of contiguous slots, "
-                "head_dim a power of two, fewer than 2**31 slots); use 'cp_async'"
+                "head_dim a power of two, fewer than 2**31 slots; quantized caches: both scale "
+                "pools, and with fp8_mma V, stored by kernels.keys_major); use 'cp_async'"
             )
         tiles["TMA"], chosen_variant = False, "cp_async"
     if chosen_variant == "ws":

@@ -48,6 +48,10 @@ RAW_DRIVER = (
 )
 FUSED_QUANTIZED = "tests/kernels/test_fused_quantized.py"
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
+TMA_QUANTIZED = (
+    "tests/kernels/test_paged_attention_quantized.py::"
+    "test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output"
+)
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -1294,6 +1298,36 @@ MUTANTS = [
         "            else:\n                v = v.to(tl.uint8, bitcast=True).to(tl.float8e4nv)",
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
+    ),
+    # -- the TMA loop over quantized pools ------------------------------------------------------
+    _m(
+        "tma-scales-without-the-heads-offset",
+        "kernels/_attention_jit.py",
+        "                k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])",
+        "                k_col = descs[4].load([id0 * k_scales[1] + slot])",
+        f"{TMA_QUANTIZED}[contiguous-B32-N32-e4m3]",
+    ),
+    _m(
+        "tma-keys-major-v-without-the-heads-rows",
+        "kernels/_attention_jit.py",
+        "                    v = tl.trans(descs[1].load([id0 * descs[3] + descs[2], slot]))",
+        "                    v = tl.trans(descs[1].load([id0 * descs[3], slot]))",
+        f"{TMA_QUANTIZED}[contiguous-B128-N32-fp8-mma]",
+    ),
+    _m(
+        "tma-takes-slot-major-scales",
+        "kernels/paged_attention.py",
+        "    if scales is not None and not all(map(_keys_major_rows, scales)):",
+        "    if False:",
+        "tests/kernels/test_paged_attention_quantized.py::"
+        "test_tma_refuses_quantized_pools_its_descriptors_cannot_read[slot-major-scales]",
+    ),
+    _m(
+        "tma-checks-fp8-mma-v-as-slot-major",
+        "kernels/paged_attention.py",
+        "    pools = (k_cache,) if fp8_mma else (k_cache, v_cache)",
+        "    pools = (k_cache, v_cache)",
+        f"{TMA_QUANTIZED}[block_tiles-B80-N32-fp8-mma]",
     ),
     _m(
         "ws-row-names-the-tiles-stages",

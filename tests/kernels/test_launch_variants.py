@@ -200,18 +200,6 @@ def test_variant_names_are_checked() -> None:
     assert torch.isnan(out).all()
 
 
-def test_tma_refuses_quantized_caches() -> None:
-    with pytest.raises(ValueError, match="variant 'tma' loads unquantized"):
-        kernels.choose_tiles(
-            block_size=64,
-            head_dim=64,
-            max_seqlen_q=8,
-            dtype=torch.float16,
-            dequantize=True,
-            variant="tma",
-        )
-
-
 def test_tma_refuses_a_layout_descriptors_cannot_read() -> None:
     # head_dim 80 pads to 128 columns, which would run into the next head: refused, nothing
     # written. Without the check the tile's extra columns read the next head (NaN-poisoned).

@@ -335,8 +335,8 @@ def lse_oracle(args: tuple, scales: dict, *, fp8_mma: bool, **kwargs) -> Tensor:
     return oracle((q, *args[1:]), scales, return_lse=True, **kwargs)[1]
 
 
-def masked_case(block_size: int, block_n: int) -> tuple[PagedCase, dict]:
-    """Two sequences (GQA, head_dim 80) over several key tiles (a large block and two tiles
+def masked_case(block_size: int, block_n: int, head_dim: int = 80) -> tuple[PagedCase, dict]:
+    """Two sequences (GQA, head_dim 80 unless told) over several key tiles (a large block and two tiles
     past it), the queries at the keys' end, with causal, per-row limits and a wide gap: whole
     tiles before, between and after masked ones. Returns the case and the masks' keywords."""
     k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
@@ -346,7 +346,7 @@ def masked_case(block_size: int, block_n: int) -> tuple[PagedCase, dict]:
         block_size=block_size,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=80,
+        head_dim=head_dim,
         device=DEVICE,
     )
     key_limits = torch.arange(15, dtype=torch.int32) % 7 + k_len - 6
@@ -605,6 +605,83 @@ def test_wide_scale_loads_give_the_plain_loads_output(
         torch.testing.assert_close(wide, plain, atol=FP32_ATOL * plain.abs().max().item(), rtol=0)
     else:
         assert torch.equal(wide, plain)
+
+
+# ---------------------------------------------------------------- the TMA loop
+
+
+@pytest.mark.parametrize("dtype, mode", KV_MODES)
+@pytest.mark.parametrize(
+    "block_size, block_n, descriptors",
+    [
+        pytest.param(32, 32, True, id="contiguous-B32-N32"),
+        pytest.param(128, 32, True, id="contiguous-B128-N32"),  # four tiles a block
+        pytest.param(80, 32, True, id="block_tiles-B80-N32"),  # 64 keys by descriptor + 16
+        pytest.param(160, 128, True, id="block_tiles-B160-N128"),  # the probe's 128-key tiles
+        pytest.param(24, 32, False, id="block_tiles-B24-N32"),  # no tile inside a block
+    ],
+)
+def test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output(
+    monkeypatch, dtype: torch.dtype, mode: dict, block_size: int, block_n: int, descriptors: bool
+) -> None:
+    # Codes and scales by descriptor (the unmasked whole tiles; masked ones by pointer), the
+    # scale pools keys-major, FP8-MMA's V keys-major, every padding poisoned: the pointer
+    # loop's output, through causal, limits and a gap.
+    case, kwargs = masked_case(block_size, block_n, head_dim=64)
+    args, scales = quantized_args(case, dtype, spread=0.5)
+    if mode.get("fp8_mma"):
+        args = (*args[:2], poisoned_keys_major(args[2]), *args[3:])
+    scales = {**scales, **{n: poisoned_keys_major(scales[n]) for n in ("k_scale", "v_scale")}}
+    launch = dict(**kwargs, **mode, **scales, block_m=16, block_n=block_n, return_lse=True)
+    want, want_lse = kernels.paged_attention(
+        *args, out=nan_like(case.q), variant="cp_async", **launch
+    )
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
+    got, lse = kernels.paged_attention(*args, out=nan_like(case.q), variant="tma", **launch)
+    assert [flags["TMA"] for flags in launches] == [descriptors]
+    assert not torch.isnan(got).any(), "a hidden key, or the padding, was read"
+    if ON_GPU:  # other shared-memory layouts: float32 apart
+        torch.testing.assert_close(got, want, atol=FP32_ATOL * want.abs().max().item(), rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=LSE_RTOL)
+    else:  # the interpreter does the same arithmetic on the same values
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize(
+    "v_layout, scales_layout, mode, block_size",
+    [
+        pytest.param("slots", "slots", {}, 32, id="slot-major-scales"),
+        pytest.param("slots", "k-only", {"int8_mma": True}, 32, id="one-scale-pool-keys-major"),
+        # Rows of 40 keys unpadded: 8-element aligned (block_tiles, 32 keys by descriptor).
+        pytest.param("slots", "unpadded", {}, 40, id="unaligned-scales"),
+        pytest.param("slots", "padded", {"fp8_mma": True}, 32, id="fp8-mma-slot-major-v"),
+    ],
+)
+def test_tma_refuses_quantized_pools_its_descriptors_cannot_read(
+    v_layout: str, scales_layout: str, mode: dict, block_size: int
+) -> None:
+    # A slot-major scale pool holds a head's scales 4 bytes apart, too narrow for a descriptor's
+    # rows; FP8-MMA reads V keys-contiguous. Refused by name, nothing written.
+    dtype = torch.int8 if mode.get("int8_mma") else torch.float8_e4m3fn
+    case = make_paged_case(
+        q_lens=[5], k_lens=[70], block_size=block_size, head_dim=64, device=DEVICE
+    )
+    args, scales = quantized_args(case, dtype, spread=0.5)
+    laid_out = {
+        **scales,
+        "k_scale": _layout(scales["k_scale"], scales_layout.replace("k-only", "padded")),
+        "v_scale": _layout(scales["v_scale"], scales_layout.replace("k-only", "slots")),
+    }
+    v = _layout(args[2], v_layout)
+    out = nan_like(case.q)
+    with pytest.raises(ValueError, match="variant 'tma' needs caches.*kernels.keys_major"):
+        kernels.paged_attention(
+            *args[:2], v, *args[3:], **laid_out, **mode, out=out, block_n=32, variant="tma"
+        )
+    assert torch.isnan(out).all()
+    # The warp-specialized kernel takes no quantized pool at all.
+    with pytest.raises(ValueError, match="variant 'ws' loads unquantized"):
+        kernels.paged_attention(*args, **scales, **mode, block_n=32, variant="ws")
 
 
 @pytest.mark.parametrize("dtype, mode", KV_MODES)
