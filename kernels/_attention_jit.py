@@ -264,8 +264,9 @@ def _attend_tiles(
     V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
     block stride, slot stride[, dim stride])``; ``descs`` (``TMA``) the K and V descriptors, the
     KV head's first column in them (a keys-major V's first row in a block) and the columns of
-    all KV heads (a keys-major V's rows per block); ``table`` the sequence's ``(block table row, column
-    stride)``.
+    all KV heads (a keys-major V's rows per block), then (quantized) the K and V scale
+    descriptors and the KV head's offsets in them; ``table`` the sequence's ``(block table
+    row, column stride)``.
 
     ``MASKED``: only keys in ``[keys_lo, keys_hi)`` are loaded and a row sees keys below its
     ``key_limit``. Tile starts are positions in the blocks' piece ``[PIECE_OFFSET, PIECE_OFFSET +

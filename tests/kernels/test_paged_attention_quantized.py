@@ -336,9 +336,10 @@ def lse_oracle(args: tuple, scales: dict, *, fp8_mma: bool, **kwargs) -> Tensor:
 
 
 def masked_case(block_size: int, block_n: int, head_dim: int = 80) -> tuple[PagedCase, dict]:
-    """Two sequences (GQA, head_dim 80 unless told) over several key tiles (a large block and two tiles
-    past it), the queries at the keys' end, with causal, per-row limits and a wide gap: whole
-    tiles before, between and after masked ones. Returns the case and the masks' keywords."""
+    """Two sequences (GQA, head_dim 80 unless told) over several key tiles (a large block and
+    two tiles past it), the queries at the keys' end, with causal, per-row limits and a wide
+    gap: whole tiles before, between and after masked ones. Returns the case and the masks'
+    keywords."""
     k_len = block_size + 2 * block_n + 9 if block_size > 64 else 6 * block_n + 9
     case = make_paged_case(
         q_lens=[12, 3],
@@ -674,7 +675,7 @@ def test_tma_refuses_quantized_pools_its_descriptors_cannot_read(
     }
     v = _layout(args[2], v_layout)
     out = nan_like(case.q)
-    with pytest.raises(ValueError, match="variant 'tma' needs caches.*kernels.keys_major"):
+    with pytest.raises(ValueError, match=r"variant 'tma' needs caches.*kernels\.keys_major"):
         kernels.paged_attention(
             *args[:2], v, *args[3:], **laid_out, **mode, out=out, block_n=32, variant="tma"
         )
