@@ -1305,7 +1305,7 @@ MUTANTS = [
         "kernels/_attention_jit.py",
         "                k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])",
         "                k_col = descs[4].load([id0 * k_scales[1] + slot])",
-        f"{TMA_QUANTIZED}[contiguous-B32-N32-e4m3]",
+        f"{TMA_QUANTIZED}[contiguous-B128-N32-e4m3]",
     ),
     _m(
         "tma-keys-major-v-without-the-heads-rows",

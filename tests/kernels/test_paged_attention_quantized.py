@@ -615,7 +615,6 @@ def test_wide_scale_loads_give_the_plain_loads_output(
 @pytest.mark.parametrize(
     "block_size, block_n, descriptors",
     [
-        pytest.param(32, 32, True, id="contiguous-B32-N32"),
         pytest.param(128, 32, True, id="contiguous-B128-N32"),  # four tiles a block
         pytest.param(80, 32, True, id="block_tiles-B80-N32"),  # 64 keys by descriptor + 16
         pytest.param(160, 128, True, id="block_tiles-B160-N128"),  # the probe's 128-key tiles
