@@ -24,8 +24,8 @@
 #    quantized pools' speedup at every block size the sweep reached) and rewrites
 #    kernels/launch_choices.json, copied to OUT_DIR: recording the run is committing that file;
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
-#    pools at block 1560 (a frame a block), the pointer loop and the TMA loop (codes and scales
-#    by descriptor), at 64- and 128-key tiles (OUT_DIR/probe/probe.csv);
+#    pools at block 1560 (a frame a block): the pointer loop and the TMA loop (codes and scales
+#    by descriptor) at 64- and 128-key tiles (OUT_DIR/probe/probe.csv);
 # 4. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,
 #    K smoothing on (the default), every data kind, format, mode (the INT8-MMA one too) with
 #    and without channel equalization, each beside its float64 floor (OUT_DIR/accuracy.csv, log
@@ -107,16 +107,18 @@ if [ -s "$out_dir/launches/sweep.csv" ]; then
     cp kernels/launch_choices.json "$out_dir/launch_choices.json"
 fi
 
-# The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6): FP8-MMA
-# over keys-major pools by TMA at 128-key tiles, 419 instructions per 64 keys against the
-# default's 570 (the FP8 plain loop: 361); at 64-key tiles, 554; INT8-MMA by TMA 562 against
-# 585. The likeliest winner first: the time limit cuts the last runs. Informative, not part
-# of the exit status.
+# The quantized loops a launch could take, at the frame block (bench/RESULTS.md, compile
+# figures, Triton 3.6): FP8-MMA over keys-major pools now defaults to 128-key TMA tiles there
+# (419 instructions per 64 keys), against the 64-key pointer loop it defaulted to before (570)
+# and the 64-key TMA loop (554); INT8-MMA by TMA at 64 and 128 keys (562, 468 with spills)
+# against its pointer loop (585; the sweep times it). The likeliest winner first: the time limit
+# cuts the last runs. Informative, not part of the exit status.
 echo "== quantized loop candidates (limit ${PROBE_TIMEOUT:-60}s)"
 start=$SECONDS
+fp8=triton-e4m3-mma-keys
+int8=triton-int8-mma-keys
 timeout "${PROBE_TIMEOUT:-60}" "$python" -m paged_video.bench.launch_probe --block-sizes 1560 \
-    --providers triton-e4m3-mma-keys-tma,triton-e4m3-mma-keys,triton-int8-mma-keys-tma \
-    --configs 128x128w8s3,default \
+    --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma,$int8@128x64w8s3+tma,$int8@128x128w8s3+tma" \
     --time-limit 45 --out "$out_dir/probe" 2>&1 | tail -n 8
 echo "== quantized candidates: exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
 

@@ -6,12 +6,15 @@ the sweep's oracle before it is timed (a wrong one is reported, never timed).
         --providers triton,triton-e4m3 --configs 128x64w8s3,64x64w4s2 --out DIR
 
 A config ``MxNwWsS`` is a ``M x N`` tile, ``W`` warps, ``S`` stages; ``default`` is the
-launcher's own choice. A ``+wide`` suffix (``default+wide``, ``128x64w8s3+wide``) makes the
+launcher's own choice. Suffixes: ``+wide`` (``default+wide``, ``128x64w8s3+wide``) makes the
 quantized modes read their scale columns the wide way (``kernels/_attention_jit._load_scales``:
-fewer instructions and copies, more barriers) instead of as plain prefetched loads. It answers
-"would another launch be faster" inside a GPU window; a winner becomes a launch-table row or a
-default only through ``bench sweep`` and ``bench choose``. Rows go to ``DIR/probe.csv`` (long
-format, with the device, versions and commit).
+fewer instructions and copies, more barriers) instead of as plain prefetched loads; ``+tma`` or
+``+cp_async`` forces the key loop (``+tma`` where the tile lies inside a block; a run whose
+path has no such tiles is reported, not timed). ``--runs PROVIDER@CONFIG,...`` names the runs
+one by one, in order, instead of every provider with every config. It answers "would another
+launch be faster" inside a GPU window; a winner becomes a launch-table row or a default only
+through ``bench sweep`` and ``bench choose`` (or a change to the built-in settings). Rows go to
+``DIR/probe.csv`` (long format, with the device, versions and commit).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from paged_video.bench.sweep import WrongResultError, _check_then_time, _Oracles
 from paged_video.bench.timing import TimingSettings, figures_kind
 from paged_video.bench.workload import Geometry, make_workload
 
-_CONFIG = re.compile(r"^(?:(\d+)x(\d+)w(\d+)s(\d+)|default)(\+wide)?$")
+_CONFIG = re.compile(r"^(?:(\d+)x(\d+)w(\d+)s(\d+)|default)(\+wide)?(\+tma|\+cp_async)?$")
 
 
 @dataclass(frozen=True)
@@ -47,26 +50,42 @@ class Launch:
     num_warps: int | None = None
     num_stages: int | None = None
     wide_scales: bool = False
+    variant: str | None = None
 
     def __str__(self) -> str:
         if self.block_m is None:
             text = "default"
         else:
             text = f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
-        return text + ("+wide" if self.wide_scales else "")
+        text += "+wide" if self.wide_scales else ""
+        return text + (f"+{self.variant}" if self.variant else "")
 
 
 def parse_launch(text: str) -> Launch:
-    """``MxNwWsS`` or ``default``, optionally ``+wide``; raises ``ValueError`` naming the text
-    otherwise."""
+    """``MxNwWsS`` or ``default``, optionally ``+wide``, then optionally ``+tma`` or
+    ``+cp_async``; raises ``ValueError`` naming the text otherwise."""
     match = _CONFIG.match(text)
     if match is None:
         raise ValueError(
-            f"a config is MxNwWsS (e.g. 128x64w8s3) or 'default', optionally +wide, got {text!r}"
+            "a config is MxNwWsS (e.g. 128x64w8s3) or 'default', optionally +wide, then "
+            f"optionally +tma or +cp_async, got {text!r}"
         )
-    *sizes, wide = match.groups()
+    *sizes, wide, variant = match.groups()
     numbers = [int(n) for n in sizes] if sizes[0] is not None else [None] * 4
-    return Launch(*numbers, wide_scales=wide is not None)
+    return Launch(*numbers, wide_scales=wide is not None, variant=variant[1:] if variant else None)
+
+
+def parse_runs(text: str) -> list[tuple[str, Launch]]:
+    """``PROVIDER@CONFIG,...`` as (provider, launch) pairs; raises ``ValueError`` naming a bad
+    pair."""
+    runs = []
+    for pair in text.split(","):
+        provider, at, config = pair.partition("@")
+        if not at or not provider:
+            raise ValueError(f"a run is PROVIDER@CONFIG (e.g. triton@default), got {pair!r}")
+        attention_provider(provider)
+        runs.append((provider, parse_launch(config)))
+    return runs
 
 
 @contextlib.contextmanager
@@ -82,7 +101,11 @@ def forced(launch: Launch) -> Iterator[None]:
     def choose(**kwargs: object) -> dict:
         if launch.block_m is not None:
             kwargs.update(block_m=launch.block_m, block_n=launch.block_n)
+        if launch.variant is not None:
+            kwargs.update(variant=launch.variant)
         tiles = original(**kwargs)
+        if launch.variant == "tma" and not tiles["TMA"]:
+            raise ValueError(f"{launch}: no tile of this key path lies inside one block")
         if launch.block_m is not None:
             tiles.update(num_warps=launch.num_warps, num_stages=launch.num_stages)
         tiles["WIDE_SCALES"] = launch.wide_scales
@@ -115,23 +138,28 @@ COLUMNS = (
 )  # fmt: skip
 
 
+def every_pair(providers: Sequence[str], launches: Sequence[Launch]) -> list[tuple[str, Launch]]:
+    """Every provider with every launch, provider by provider."""
+    return [(provider, launch) for provider in providers for launch in launches]
+
+
 def probe(
-    providers: Sequence[str],
+    runs: Sequence[tuple[str, Launch]],
     block_sizes: Sequence[int],
-    launches: Sequence[Launch],
     out: Path,
     *,
     time_limit_s: float | None = None,
     geometry: Geometry | None = None,
     device: str = "cuda",
 ) -> list[dict]:
-    """Check then time every (block size, provider, launch), writing ``out/probe.csv``;
-    ``geometry`` defaults to the shipped one (a test passes a tiny one and the CPU)."""
+    """Check then time every (provider, launch) of ``runs`` at every block size, in order,
+    writing ``out/probe.csv``; ``geometry`` defaults to the shipped one (a test passes a tiny
+    one and the CPU)."""
     device = torch.device(device)
     shared = provenance(device, figures_kind(device))
     geometry = geometry or shipped_geometry()
     oracles, settings = _Oracles(), TimingSettings()
-    chosen = [attention_provider(name) for name in providers]
+    chosen = [(attention_provider(name), launch) for name, launch in runs]
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     started = time.monotonic()
@@ -140,18 +168,17 @@ def probe(
         writer.writeheader()
         for block_size in block_sizes:
             workload = make_workload(geometry, block_size, device=device)
-            for provider in chosen:
-                for launch in launches:
-                    row = {"provider": provider.name, "block_size": block_size, **shared}
-                    row["launch"] = str(launch)
-                    if time_limit_s and time.monotonic() - started > time_limit_s:
-                        row["outcome"] = "not run: time limit"
-                    else:
-                        row.update(_run_one(provider, launch, workload, oracles, settings))
-                    writer.writerow(row)
-                    stream.flush()
-                    rows.append(row)
-                    print(_line(row), flush=True)
+            for provider, launch in chosen:
+                row = {"provider": provider.name, "block_size": block_size, **shared}
+                row["launch"] = str(launch)
+                if time_limit_s and time.monotonic() - started > time_limit_s:
+                    row["outcome"] = "not run: time limit"
+                else:
+                    row.update(_run_one(provider, launch, workload, oracles, settings))
+                writer.writerow(row)
+                stream.flush()
+                rows.append(row)
+                print(_line(row), flush=True)
             del workload
     return rows
 
@@ -191,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--providers", default="triton")
     parser.add_argument("--block-sizes", default="64")
     parser.add_argument("--configs", default="default")
+    parser.add_argument("--runs", default=None, help="PROVIDER@CONFIG,... instead of the two above")
     parser.add_argument("--time-limit", type=float, default=None)
     parser.add_argument("--out", type=Path, default=Path("out/probe"))
     args = parser.parse_args(argv)
@@ -198,14 +226,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("launch_probe: no CUDA device", file=sys.stderr)
         return 2
     try:
-        launches = [parse_launch(text) for text in args.configs.split(",")]
-        providers = args.providers.split(",")
-        for name in providers:
-            attention_provider(name)
+        if args.runs is not None:
+            runs = parse_runs(args.runs)
+        else:
+            launches = [parse_launch(text) for text in args.configs.split(",")]
+            providers = args.providers.split(",")
+            for name in providers:
+                attention_provider(name)
+            runs = every_pair(providers, launches)
     except ValueError as error:
         parser.error(str(error))
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
-    probe(providers, block_sizes, launches, args.out, time_limit_s=args.time_limit)
+    probe(runs, block_sizes, args.out, time_limit_s=args.time_limit)
     return 0
 
 

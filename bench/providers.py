@@ -72,14 +72,13 @@ class Quant:
     """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
     neither: dequantizing); ``keys_major``: both scale pools stored keys-major
     (``kernels.keys_major``), and in the FP8-MMA mode V's codes too, the layout its P V MMA
-    reads without a transpose; ``variant``: the key loop asked of the launcher (``"tma"``:
-    codes and scales by tensor descriptor, keys-major pools only), None its default."""
+    reads without a transpose (and the TMA loop reads them: the FP8-MMA mode's default at
+    head_dim 128 takes it where a tile lies inside a block)."""
 
     dtype: torch.dtype
     fp8_mma: bool = False
     int8_mma: bool = False
     keys_major: bool = False
-    variant: str | None = None
 
     @property
     def mode(self) -> str:
@@ -90,8 +89,7 @@ class Quant:
 
     def __str__(self) -> str:
         layout = ", keys-major" if self.keys_major else ""
-        loop = f", {self.variant}" if self.variant else ""
-        return f"{dtype_name(self.dtype)} {self.mode}{layout}{loop}"
+        return f"{dtype_name(self.dtype)} {self.mode}{layout}"
 
 
 @dataclass(frozen=True)
@@ -349,7 +347,6 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
                 v_scale=v_scale,
                 fp8_mma=quant.fp8_mma,
                 int8_mma=quant.int8_mma,
-                variant=quant.variant,
                 check_values=False,
                 **tiles,
             )
@@ -366,16 +363,8 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
                 )
         return None
 
-    # A forced key loop is a launch candidate: timed when named (bench/gpu_check.sh's probe).
     return Provider(
-        "paged_attention",
-        name,
-        build,
-        unsupported,
-        "quantized",
-        tunable=True,
-        quant=quant,
-        on_request=quant.variant is not None,
+        "paged_attention", name, build, unsupported, "quantized", tunable=True, quant=quant
     )
 
 
@@ -735,10 +724,6 @@ QUANTIZED_PROVIDERS = {
     "triton-int8": Quant(torch.int8),
     "triton-int8-mma": Quant(torch.int8, int8_mma=True),
     "triton-int8-mma-keys": Quant(torch.int8, int8_mma=True, keys_major=True),
-    "triton-e4m3-mma-keys-tma": Quant(
-        torch.float8_e4m3fn, fp8_mma=True, keys_major=True, variant="tma"
-    ),
-    "triton-int8-mma-keys-tma": Quant(torch.int8, int8_mma=True, keys_major=True, variant="tma"),
 }
 assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)
 BASELINE = "baseline"

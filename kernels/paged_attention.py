@@ -188,6 +188,19 @@ def table_key(block_size: int, head_dim: int) -> tuple[int, str]:
     return dim_class, kv_path(block_size, _GPU_TILES[(dim_class, True)][1])
 
 
+def _block_d(head_dim: int, eight_bit_mma: bool) -> int:
+    """The tile's channels: ``head_dim`` rounded up to a power of two, at least 16 (32 for the
+    8-bit MMAs, which reduce over 32 channels at least)."""
+    return max(32 if eight_bit_mma else 16, triton.next_power_of_2(head_dim))
+
+
+def _tiles_inside_blocks(block_size: int, block_n: int) -> bool:
+    """True when the unmasked loop's tiles each lie inside one block (the contiguous path, and
+    the whole tiles of ``block_tiles`` blocks larger than the tile): what a descriptor loads."""
+    path = kv_path(block_size, block_n)
+    return path == "contiguous" or (path == "block_tiles" and block_size > block_n)
+
+
 def kv_path(block_size: int, block_n: int) -> str:
     """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``
     (docs/kernels.md, "How any block size stays fast")."""
@@ -223,6 +236,13 @@ WS_MAX_STAGES = 2
 # The fewest keys per tile of the FP8-MMA mode (the K dimension of its P V MMA).
 FP8_MIN_KEYS = 32
 
+# FP8-MMA over pools the TMA loop reads (keys-major V and scales) at head_dim 128: 128-key TMA
+# tiles wherever a tile lies inside a block. Compile evidence (bench/RESULTS.md, 2026-12-04,
+# Triton 3.9 / 3.6): 388 / 416-421 instructions per 64 keys at blocks 128..1560 against the
+# 64-key pointer loop's 501-511 / 560-572, 0-16 bytes of spills, 12 / 7 barriers per iteration
+# against 4. Not yet timed: bench/gpu_check.sh's probe weighs it against both 64-key loops.
+FP8_TMA_KEYS = 128
+
 
 def choose_tiles(
     *,
@@ -237,6 +257,7 @@ def choose_tiles(
     fp8_mma: bool = False,
     int8_mma: bool = False,
     variant: str | None = None,
+    tma_ready: bool = False,
 ) -> dict[str, int | str | bool]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
@@ -254,7 +275,9 @@ def choose_tiles(
     instructions per key (docs/kernels.md); 3.6 once took
     32-key tiles (13.4-20.3 per key), when its 64-key ones spilled 250-480 bytes; 128-key
     tiles spill on 3.6. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D``
-    is at least 32.
+    is at least 32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``);
+    FP8-MMA over such pools at head_dim 128 takes ``FP8_TMA_KEYS``-key TMA tiles where a tile
+    lies inside a block, unless the caller sets the tile or the variant.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -282,6 +305,9 @@ def choose_tiles(
         if row is not None and block_n in (None, row["block_n"]):
             default_n, warps, stages = row["block_n"], row["num_warps"], row["num_stages"]
             chosen = row["variant"]
+        fp8_tma = fp8_mma and tma_ready and dim_class == 128 and variant is None
+        if fp8_tma and block_n is None and _tiles_inside_blocks(block_size, FP8_TMA_KEYS):
+            default_n, chosen = FP8_TMA_KEYS, "tma"
         if short_q < default_m:
             default_m, warps = short_q, 4
         stages += dequantize
@@ -300,12 +326,11 @@ def choose_tiles(
     # the contiguous path's tiles only.
     if path == "block_tiles" and variant == "ws":
         variant = "tma"
-    whole_tiles = path == "contiguous" or (path == "block_tiles" and block_size > tile_n)
-    variant = variant if whole_tiles else "cp_async"
+    variant = variant if _tiles_inside_blocks(block_size, tile_n) else "cp_async"
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
-        "BLOCK_D": max(32 if fp8_mma or int8_mma else 16, triton.next_power_of_2(head_dim)),
+        "BLOCK_D": _block_d(head_dim, fp8_mma or int8_mma),
         "KV_PATH": path,
         "BLOCK_SPLIT": block_split(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
@@ -412,6 +437,9 @@ def paged_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
+    scales = (k_scale, v_scale) if k_scale is not None else None
+    block_d = _block_d(head_dim, fp8_mma or int8_mma)
+    tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, fp8_mma)
     tiles = choose_tiles(
         block_size=block_size,
         head_dim=head_dim,
@@ -424,12 +452,10 @@ def paged_attention(
         fp8_mma=fp8_mma,
         int8_mma=int8_mma,
         variant=variant,
+        tma_ready=tma_ready,
     )
     chosen_variant = tiles.pop("VARIANT")
-    scales = (k_scale, v_scale) if k_scale is not None else None
-    if tiles["TMA"] and not _descriptor_layout(
-        k_cache, v_cache, tiles["BLOCK_D"], head_dim, scales, fp8_mma
-    ):
+    if tiles["TMA"] and not tma_ready:
         if variant is not None:
             raise ValueError(
                 f"variant {variant!r} needs caches a tensor descriptor can read (16-byte aligned "

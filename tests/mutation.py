@@ -48,6 +48,10 @@ RAW_DRIVER = (
 )
 FUSED_QUANTIZED = "tests/kernels/test_fused_quantized.py"
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
+FP8_TMA_DEFAULT = (
+    "tests/kernels/test_launch_variants.py::"
+    "test_fp8_mma_over_tma_ready_pools_takes_128_key_tma_tiles"
+)
 TMA_QUANTIZED = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output"
@@ -1328,6 +1332,37 @@ MUTANTS = [
         "    pools = (k_cache,) if fp8_mma else (k_cache, v_cache)",
         "    pools = (k_cache, v_cache)",
         f"{TMA_QUANTIZED}[block_tiles-B80-N32-fp8-mma]",
+    ),
+    _m(
+        "fp8-tma-default-over-any-pools",
+        "kernels/paged_attention.py",
+        "        fp8_tma = fp8_mma and tma_ready and dim_class == 128 and variant is None",
+        "        fp8_tma = fp8_mma and dim_class == 128 and variant is None",
+        f"{FP8_TMA_DEFAULT}[slot-major-pools]",
+    ),
+    _m(
+        "fp8-tma-default-where-tiles-straddle-blocks",
+        "kernels/paged_attention.py",
+        "        if fp8_tma and block_n is None and "
+        "_tiles_inside_blocks(block_size, FP8_TMA_KEYS):",
+        "        if fp8_tma and block_n is None:",
+        f"{FP8_TMA_DEFAULT}[block-under-128]",
+    ),
+    _m(
+        "launcher-says-every-pool-is-tma-ready",
+        "kernels/paged_attention.py",
+        "        tma_ready=tma_ready,",
+        "        tma_ready=True,",
+        "tests/kernels/test_launch_variants.py::"
+        "test_the_launcher_tells_choose_tiles_whether_descriptors_read_the_pools[slots]",
+    ),
+    _m(
+        "probe-labels-a-pointer-loop-tma",
+        "bench/launch_probe.py",
+        '        if launch.variant == "tma" and not tiles["TMA"]:',
+        "        if False:",
+        "tests/bench/test_launch_probe.py::"
+        "test_a_forced_key_loop_reaches_the_launcher_or_says_why_not",
     ),
     _m(
         "ws-row-names-the-tiles-stages",

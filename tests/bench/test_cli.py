@@ -133,18 +133,24 @@ def test_the_gpu_check_runs_the_shipped_block_sizes_first_and_ends_with_the_rati
 def test_the_gpu_check_names_real_providers_and_configs_and_fits_one_call():
     # A typo here would cost a GPU window (one run a session): every provider the script names
     # exists, every probe config parses, and the stages' limits fit the documented wrapper.
-    from paged_video.bench.launch_probe import parse_launch
+    from paged_video.bench.launch_probe import parse_launch, parse_runs
     from paged_video.bench.providers import PROVIDERS
 
     script = (REPO / "bench" / "gpu_check.sh").read_text()
     names = {p.name for p in PROVIDERS}
     listed = re.findall(r"--providers\s+([\w,.-]+)", script)
-    assert len(listed) >= 2
+    assert listed
     for providers in listed:
         assert set(providers.split(",")) <= names, providers
     for configs in re.findall(r"--configs\s+([\w,+.-]+)", script):
         for config in configs.split(","):
             parse_launch(config)
+    # The probe's runs, with the script's own variables put in.
+    variables = dict(re.findall(r"^(\w+)=([\w.-]+)$", script, flags=re.M))
+    [runs] = re.findall(r'--runs\s+"([^"]+)"', script)
+    for name, value in variables.items():
+        runs = runs.replace(f"${name}", value)
+    assert len(parse_runs(runs)) >= 4, runs
     # Each stage's limit by name (a name may be written twice: the echo and the timeout).
     stages = {name: int(n) for name, n in re.findall(r"\$\{([A-Z]+_TIMEOUT):-(\d+)\}", script)}
     assert len(stages) == 6, stages

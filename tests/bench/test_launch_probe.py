@@ -26,6 +26,14 @@ def test_configs_parse_and_bad_ones_are_named() -> None:
         launch_probe.parse_launch("default+wid")
     with pytest.raises(ValueError, match="'128x64w8'"):
         launch_probe.parse_launch("128x64w8")
+    tma = launch_probe.parse_launch("128x128w8s3+tma")
+    assert tma == launch_probe.Launch(128, 128, 8, 3, variant="tma")
+    assert str(tma) == "128x128w8s3+tma"
+    both = launch_probe.parse_launch("default+wide+cp_async")
+    assert both == launch_probe.Launch(wide_scales=True, variant="cp_async")
+    assert str(both) == "default+wide+cp_async"
+    with pytest.raises(ValueError, match=r"'default\+ws'"):
+        launch_probe.parse_launch("default+ws")  # the warp-specialized kernel is a sweep's
     shipped = launch_probe.shipped_geometry()  # the sweep's --preset shipped
     assert (shipped.q_tokens, shipped.kv_tokens, shipped.heads) == (4680, 28080, 40)
 
@@ -51,11 +59,33 @@ def test_wide_scales_alone_keep_the_launchers_tile() -> None:
     assert tiles == {**own, "WIDE_SCALES": True} and own["WIDE_SCALES"] is False
 
 
+def test_runs_name_provider_and_config_pairs_in_order() -> None:
+    runs = launch_probe.parse_runs("triton-int8@default+tma,triton@16x16w4s1")
+    assert runs == [
+        ("triton-int8", launch_probe.Launch(variant="tma")),
+        ("triton", launch_probe.Launch(16, 16, 4, 1)),
+    ]
+    with pytest.raises(ValueError, match=r"PROVIDER@CONFIG.*'triton'"):
+        launch_probe.parse_runs("triton")
+    with pytest.raises(ValueError, match="no paged_attention provider 'tritn'"):
+        launch_probe.parse_runs("tritn@default")
+
+
+def test_a_forced_key_loop_reaches_the_launcher_or_says_why_not() -> None:
+    kwargs = dict(block_size=64, head_dim=32, max_seqlen_q=64, dtype=torch.float32)
+    with launch_probe.forced(launch_probe.parse_launch("16x32w4s2+tma")):
+        tiles = launcher.choose_tiles(**kwargs)
+    assert tiles["TMA"] and tiles["BLOCK_N"] == 32
+    # A 128-key tile straddles blocks of 64: no descriptor load, so no run labelled +tma.
+    straddling = launch_probe.parse_launch("16x128w4s2+tma")
+    with launch_probe.forced(straddling), pytest.raises(ValueError, match=r"\+tma: no tile"):
+        launcher.choose_tiles(**kwargs)
+
+
 def test_a_probe_on_the_cpu_checks_every_run(tmp_path) -> None:
     launches = [launch_probe.Launch(), launch_probe.parse_launch("16x16w4s1+wide")]
-    rows = launch_probe.probe(
-        ["triton", "triton-int8"], [8], launches, tmp_path, geometry=TINY, device="cpu"
-    )
+    runs = launch_probe.every_pair(["triton", "triton-int8"], launches)
+    rows = launch_probe.probe(runs, [8], tmp_path, geometry=TINY, device="cpu")
     assert [(r["provider"], r["launch"], r["outcome"]) for r in rows] == [
         ("triton", "default", "ok"),
         ("triton", "16x16w4s1+wide", "ok"),

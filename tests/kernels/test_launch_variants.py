@@ -287,6 +287,51 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     assert (tiles["BLOCK_N"], tiles["TMA"]) == (64, False)
 
 
+@pytest.mark.parametrize(
+    "block_size, changes, wanted",
+    [
+        pytest.param(1560, {}, (128, True), id="frame-block"),
+        pytest.param(256, {}, (128, True), id="contiguous"),
+        pytest.param(64, {}, (64, False), id="block-under-128"),  # a 128-key tile would straddle
+        pytest.param(1560, {"tma_ready": False}, (64, False), id="slot-major-pools"),
+        pytest.param(1560, {"block_n": 64}, (64, False), id="caller-tile"),
+        pytest.param(1560, {"variant": "tma"}, (64, True), id="caller-variant"),
+        pytest.param(1560, {"head_dim": 64}, (64, False), id="head-dim-64"),
+        pytest.param(1560, {"fp8_mma": False, "int8_mma": True}, (64, False), id="int8-mma"),
+    ],
+)
+def test_fp8_mma_over_tma_ready_pools_takes_128_key_tma_tiles(
+    monkeypatch, block_size: int, changes: dict, wanted: tuple
+) -> None:
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    call = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16, fp8_mma=True)
+    call.update({"tma_ready": True, **changes})
+    tiles = kernels.choose_tiles(block_size=block_size, **call)
+    assert (tiles["BLOCK_N"], tiles["TMA"]) == wanted, tiles
+
+
+@pytest.mark.parametrize(
+    "layout, ready", [("keys-major", True), ("slot-major", False)], ids=["keys-major", "slots"]
+)
+def test_the_launcher_tells_choose_tiles_whether_descriptors_read_the_pools(
+    monkeypatch, layout: str, ready: bool
+) -> None:
+    seen = []
+    real = launcher.choose_tiles
+    monkeypatch.setattr(launcher, "choose_tiles", lambda **kw: seen.append(kw) or real(**kw))
+    case = make_paged_case(q_lens=[5], k_lens=[70], block_size=32, head_dim=64, device=DEVICE)
+    codes = case.v_cache.to(torch.float8_e4m3fn)
+    scales = torch.ones(case.v_cache.shape[:3], device=DEVICE)
+    v, k_scale, v_scale = codes, scales, scales
+    if layout == "keys-major":
+        v, k_scale, v_scale = (kernels.keys_major(t) for t in (codes, scales, scales))
+    args = (case.q, case.k_cache.to(torch.float8_e4m3fn), v, *case.args()[3:])
+    kernels.paged_attention(
+        *args, max_seqlen_q=5, k_scale=k_scale, v_scale=v_scale, fp8_mma=True, block_n=32
+    )
+    assert [kw["tma_ready"] for kw in seen] == [ready]
+
+
 def test_shipped_launch_table_is_complete() -> None:
     table = launch_table.read_table()
     keys = {(r["head_dim"], r["kv_path"], r["mode"]) for r in table["choices"]}
