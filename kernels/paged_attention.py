@@ -269,15 +269,16 @@ def choose_tiles(
     stage keeps as many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
     ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
     the table's stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
-    Every quantized mode takes the table's 64-key tiles, on Triton 3.9 as on 3.6: at hd 128,
+    The quantized modes take the built-in 64-key tiles, on Triton 3.9 as on 3.6: at hd 128,
     bf16, blocks 16..1560 they compile without spills in the key loops (outside them, FP8-MMA
     spills 16-52 bytes at some blocks on 3.9, 20 at block 16 on 3.6) at 7.8-10.9 SASS
-    instructions per key (docs/kernels.md); 3.6 once took
-    32-key tiles (13.4-20.3 per key), when its 64-key ones spilled 250-480 bytes; 128-key
-    tiles spill on 3.6. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D``
-    is at least 32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``);
-    FP8-MMA over such pools at head_dim 128 takes ``FP8_TMA_KEYS``-key TMA tiles where a tile
-    lies inside a block, unless the caller sets the tile or the variant.
+    instructions per key (docs/kernels.md); 3.6 once took 32-key tiles (13.4-20.3 per key),
+    when its 64-key ones spilled 250-480 bytes; the pointer loop's 128-key tiles spill 96-120
+    bytes. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least
+    32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``); FP8-MMA
+    over such pools at head_dim 128 takes ``FP8_TMA_KEYS``-key TMA tiles where a tile lies
+    inside a block (6.1-6.6 instructions per key), unless the caller sets the tile or the
+    variant.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
