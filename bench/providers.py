@@ -98,7 +98,8 @@ class Provider:
 
     ``unsupported`` returns why a workload cannot run (or None). ``role`` (see
     ``bench.results.ROLES``): a ``baseline`` or ``bound`` that fails to build or run is reported
-    and skipped; this project's kernels and the oracle raise. A ``bound`` is timed but not
+    and skipped; one of this project's kernels (or the oracle) that fails gets a ``FAILED`` row
+    and fails the sweep at its end (``bench.sweep``). A ``bound`` is timed but not
     checked (it computes something else with the same bytes). ``tunable`` providers take the
     sweep's tile overrides; ``late`` ones (long compiles) run after every other provider of the
     sweep, so a run cut short has measured the rest. ``quant``: the pool format of a

@@ -1,10 +1,10 @@
 """The sweep: every (geometry, block size, kernel, provider, tile) is checked, then timed.
 
 A result that disagrees with the oracle is never timed. A wrong result of this project's kernel
-(or the oracle) gets a skipped row naming the error, the other runs go on (a GPU window is too
-short to lose its other figures), and the sweep then raises ``WrongResultError`` naming every
-wrong run, so a wrong kernel never produces a figure nor a passing run; a baseline is skipped
-with the error in its reason.
+(or the oracle), or an error it raises, gets a skipped row naming it, the other runs go on (a
+GPU window is too short to lose its other figures), and the sweep then raises
+``WrongResultError`` naming every such run, so a wrong or failing kernel never produces a figure
+nor a passing run; a baseline is skipped with the error in its reason.
 "Disagrees" is anchored on torch's own error: an attention result may be off the float64 oracle
 by at most twice what torch's SDPA is off in the same dtype, plus a small floor
 (``accuracy_limit``).
@@ -88,6 +88,7 @@ FP8_MMA_ALLOWANCE = 0.125
 
 # The skip reason of a run of ours whose result disagreed with the oracle.
 WRONG_RESULT = "WRONG RESULT"
+RUN_FAILED = "FAILED"
 
 
 class WrongResultError(AssertionError):
@@ -304,6 +305,16 @@ def _check_then_time(
     return Checked(measure(bench.run, device, settings), backend, error, torch_error, limit)
 
 
+def _failure(provider: Provider, workload: Workload, error: Exception) -> str:
+    """One line naming a run of ours that raised, and what it raised."""
+    lines = str(error).strip().splitlines()
+    message = lines[0][:300] if lines else ""
+    return (
+        f"{provider.kernel}/{provider.name} (block_size={workload.block_size}) raised "
+        f"{type(error).__name__}: {message}"
+    )
+
+
 def _ceiling_row(ceiling: Ceiling, phase: str, shared: Row) -> Row:
     return {
         "kernel": "ceiling",
@@ -421,7 +432,8 @@ def run_sweep(
 ) -> SweepResult:
     """Run the sweep, writing the long-format CSV to ``csv_path`` as rows are measured; when
     it ends, the CSV is rewritten with the noise verdict in every row. Raises
-    ``WrongResultError`` (carrying the result) at the end when a run of ours was wrong."""
+    ``WrongResultError`` (carrying the result) at the end when a run of ours was wrong or
+    raised."""
     started = time.monotonic()
     device = torch.device(config.device)
     shared = provenance(device, figures_kind(device))
@@ -475,6 +487,10 @@ def run_sweep(
                         except WrongResultError as error:
                             wrong.append(str(error))
                             outcome = f"{WRONG_RESULT}: {error}"
+                        except Exception as error:  # ours failed to build or run
+                            failed = _failure(provider, workload, error)
+                            wrong.append(failed)
+                            outcome = f"{RUN_FAILED}: {failed}"
                         if isinstance(outcome, str):
                             reason = outcome
                         else:

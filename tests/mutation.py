@@ -1365,6 +1365,14 @@ MUTANTS = [
         "test_a_forced_key_loop_reaches_the_launcher_or_says_why_not",
     ),
     _m(
+        "sweep-passes-with-a-failed-kernel",
+        "bench/sweep.py",
+        "                            wrong.append(failed)\n",
+        "",
+        "tests/bench/test_sweep.py::"
+        "test_a_failing_baseline_is_skipped_and_a_failing_kernel_fails_the_sweep_at_its_end",
+    ),
+    _m(
         "ws-row-names-the-tiles-stages",
         "bench/providers.py",
         '            "num_stages": min(tiles["num_stages"], WS_MAX_STAGES) if ws else '

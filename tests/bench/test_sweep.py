@@ -148,7 +148,7 @@ def test_a_wrong_baseline_is_skipped_with_its_error_and_not_timed(tmp_path):
     assert [r for r in result.rows if r["provider"] == "triton"]
 
 
-def test_a_failing_baseline_is_skipped_but_a_failing_kernel_raises(tmp_path):
+def test_a_failing_baseline_is_skipped_and_a_failing_kernel_fails_the_sweep_at_its_end(tmp_path):
     def broken(workload, tile):
         raise RuntimeError("no such backend")
 
@@ -163,9 +163,20 @@ def test_a_failing_baseline_is_skipped_but_a_failing_kernel_raises(tmp_path):
         ("ceiling", "end"),
     ]
 
+    # Ours: a skipped row naming the error, the other runs and the end ceilings still measured,
+    # and the sweep fails at its end.
     ours = Provider("gather_blocks", "broken", broken)
-    with pytest.raises(RuntimeError, match="no such backend"):
-        run_sweep(config, tmp_path / "b.csv", providers=[ours], progress=False)
+    config = tiny_config(kernels=("gather_blocks",), block_sizes=(8, 5))
+    csv_path = tmp_path / "b.csv"
+    with pytest.raises(WrongResultError, match=r"gather_blocks/broken .*RuntimeError: no such"):
+        run_sweep(config, csv_path, providers=[ours, *PROVIDERS], progress=False)
+    rows = read_rows(csv_path, skipped=True)
+    failed = [r for r in rows if r["provider"] == "broken"]
+    assert [r["block_size"] for r in failed] == [8, 5]
+    assert all(r["skipped"].startswith("FAILED") and r["p50_ms"] is None for r in failed)
+    timed = {r["block_size"] for r in rows if r["provider"] == "triton" and r["p50_ms"]}
+    assert timed == {8, 5}
+    assert [r for r in rows if r["kernel"] == "ceiling" and r["phase"] == "end"]
 
 
 def test_provider_filter_keeps_only_the_named_providers(tmp_path):
