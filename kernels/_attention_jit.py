@@ -24,9 +24,9 @@ The next tile's block ids are read one iteration ahead (loop-carried), so the so
 keeps K/V loads as many tiles ahead as in a table-free loop. With ``TMA`` the unmasked loop of
 the contiguous and ``block_tiles`` paths loads each K/V tile with one tensor-descriptor load
 (descriptors made on the device over the pool seen as (block * slot) rows of (KV head *
-channel) columns; a keys-major V as (block * KV head * channel) rows of slots), the 16-bit and
-the quantized caches alike (their scales stay pointer loads); masked tiles keep pointer loads,
-which skip hidden keys. Key tiles every
+channel) columns; a keys-major V as (block * KV head * channel) rows of slots; keys-major
+scale pools as one run of scales, a tile's scales one load), the 16-bit and the quantized
+caches alike; masked tiles keep pointer loads, which skip hidden keys. Key tiles every
 query row of the program sees whole run in an unmasked loop; only tiles touching
 ``seq_lens_k``, a row's ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked,
 and tiles inside a gap are skipped. Query heads sharing a KV head are packed into the M
@@ -1004,7 +1004,7 @@ def _paged_attention_kernel(
         out = out * v_factor[None, :]
     # The output's rows from the sequence's scalar start and the rows' own offsets, not from
     # q_rows: a per-row sum live across the key loops pushed the quantized kernels' registers
-    # over the limit (Triton 3.6 spilled 4-16 bytes a launch at blocks 24, 520 and 1560).
+    # over the limit (Triton 3.6 spilled 4-24 bytes a launch at blocks 24, 520 and 1560).
     out_rows = query.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(
         out_ptr
