@@ -9,12 +9,13 @@ A config ``MxNwWsS`` is a ``M x N`` tile, ``W`` warps, ``S`` stages; ``default``
 launcher's own choice. Suffixes: ``+wide`` (``default+wide``, ``128x64w8s3+wide``) makes the
 quantized modes read their scale columns the wide way (``kernels/_attention_jit._load_scales``:
 fewer instructions and copies, more barriers) instead of as plain prefetched loads; ``+tma`` or
-``+cp_async`` forces the key loop (``+tma`` where the tile lies inside a block; a run whose
-path has no such tiles is reported, not timed). ``--runs PROVIDER@CONFIG,...`` names the runs
-one by one, in order, instead of every provider with every config. It answers "would another
-launch be faster" inside a GPU window; a winner becomes a launch-table row or a default only
-through ``bench sweep`` and ``bench choose`` (or a change to the built-in settings). Rows go to
-``DIR/probe.csv`` (long format, with the device, versions and commit).
+``+cp_async`` forces the key loop (``+tma`` where the tile lies inside a block and the pools
+are ones a descriptor reads; any other run is reported, not timed). ``--runs
+PROVIDER@CONFIG,...`` names the runs one by one, in order, instead of every provider with every
+config. It answers "would another launch be faster" inside a GPU window; a winner becomes a
+launch-table row or a default only through ``bench sweep`` and ``bench choose`` (or a change to
+the built-in settings). Rows go to ``DIR/probe.csv`` (long format, with the device, versions
+and commit).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def forced(launch: Launch) -> Iterator[None]:
         tiles = original(**kwargs)
         if launch.variant == "tma" and not tiles["TMA"]:
             raise ValueError(f"{launch}: no tile of this key path lies inside one block")
+        if launch.variant == "tma" and not kwargs.get("tma_ready", True):
+            # The launcher would quietly run the pointer loop.
+            raise ValueError(f"{launch}: no descriptor reads these pools (kernels.keys_major)")
         if launch.block_m is not None:
             tiles.update(num_warps=launch.num_warps, num_stages=launch.num_stages)
         tiles["WIDE_SCALES"] = launch.wide_scales

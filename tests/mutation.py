@@ -1373,6 +1373,14 @@ MUTANTS = [
         "test_a_failing_baseline_is_skipped_and_a_failing_kernel_fails_the_sweep_at_its_end",
     ),
     _m(
+        "probe-labels-pointers-over-slot-major-pools-tma",
+        "bench/launch_probe.py",
+        '        if launch.variant == "tma" and not kwargs.get("tma_ready", True):',
+        "        if False:",
+        "tests/bench/test_launch_probe.py::"
+        "test_a_forced_key_loop_reaches_the_launcher_or_says_why_not",
+    ),
+    _m(
         "ws-row-names-the-tiles-stages",
         "bench/providers.py",
         '            "num_stages": min(tiles["num_stages"], WS_MAX_STAGES) if ws else '

@@ -80,6 +80,10 @@ def test_a_forced_key_loop_reaches_the_launcher_or_says_why_not() -> None:
     straddling = launch_probe.parse_launch("16x128w4s2+tma")
     with launch_probe.forced(straddling), pytest.raises(ValueError, match=r"\+tma: no tile"):
         launcher.choose_tiles(**kwargs)
+    # Pools no descriptor reads (slot-major quantized ones): the launcher would run pointers.
+    tma = launch_probe.parse_launch("16x32w4s2+tma")
+    with launch_probe.forced(tma), pytest.raises(ValueError, match="no descriptor reads"):
+        launcher.choose_tiles(**kwargs, tma_ready=False)
 
 
 def test_a_probe_on_the_cpu_checks_every_run(tmp_path) -> None:
