@@ -284,8 +284,7 @@ def _check_then_time(
     except Exception as error:
         if not provider.skippable:
             raise
-        message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        return f"failed: {type(error).__name__}: {message}"
+        return f"failed: {type(error).__name__}: {_first_line(error)}"
     backend = bench.backend or provider.name
     if provider.role == "bound":
         return Checked(measure(bench.run, device, settings), backend, None, None, None)
@@ -305,13 +304,17 @@ def _check_then_time(
     return Checked(measure(bench.run, device, settings), backend, error, torch_error, limit)
 
 
+def _first_line(error: Exception) -> str:
+    """The first line of an error's message (300 characters at most)."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
 def _failure(provider: Provider, workload: Workload, error: Exception) -> str:
     """One line naming a run of ours that raised, and what it raised."""
-    lines = str(error).strip().splitlines()
-    message = lines[0][:300] if lines else ""
     return (
         f"{provider.kernel}/{provider.name} (block_size={workload.block_size}) raised "
-        f"{type(error).__name__}: {message}"
+        f"{type(error).__name__}: {_first_line(error)}"
     )
 
 

@@ -104,14 +104,14 @@ def _variant_configs() -> list[compile_report.Config]:
 # a tile lies inside a block (blocks 520 and 1560 here).
 QUANTIZED_TMA_MODES = ("fp8_mma_keys", "int8_mma_keys")
 QUANTIZED_TMA_BLOCKS = (64, 520, 1560)
-TMA_64, CP_ASYNC_64 = "tma", "cp_async"
+FORCED_TMA, FORCED_CP_ASYNC = "tma", "cp_async"
 FP8_TMA_DEFAULTS = {("fp8_mma_keys", 520), ("fp8_mma_keys", 1560)}
 
 
 def _pointer_variant(mode: str, block: int) -> str:
     """The row of a quantized mode's 64-key pointer loop: its default, or where the default is
     FP8-MMA's 128-key TMA loop, the forced one."""
-    return CP_ASYNC_64 if (mode, block) in FP8_TMA_DEFAULTS else "default"
+    return FORCED_CP_ASYNC if (mode, block) in FP8_TMA_DEFAULTS else "default"
 
 
 def _quantized_tma_configs() -> list[compile_report.Config]:
@@ -119,7 +119,7 @@ def _quantized_tma_configs() -> list[compile_report.Config]:
         kernels=("paged_attention",),
         block_sizes=QUANTIZED_TMA_BLOCKS,
         kv_modes=QUANTIZED_TMA_MODES,
-        launches=({"variant": TMA_64}, {"variant": CP_ASYNC_64}),
+        launches=({"variant": FORCED_TMA}, {"variant": FORCED_CP_ASYNC}),
     )
 
 
@@ -617,8 +617,8 @@ def test_quantized_tma_loop_loads_codes_and_scales_through_descriptors(
     report: Report, minor: str, mode: str, block: int
 ) -> None:
     triton = report.version(minor)
-    tma = report.paged(triton, block, kv=mode, variant=TMA_64)
-    pointers = report.paged(triton, block, kv=mode, variant=CP_ASYNC_64)
+    tma = report.paged(triton, block, kv=mode, variant=FORCED_TMA)
+    pointers = report.paged(triton, block, kv=mode, variant=FORCED_CP_ASYNC)
     # K, V and both scale tiles by descriptor: no per-thread copies left in the loop.
     assert tma["tma_loads"] > 0 and pointers["tma_loads"] == 0, (tma, pointers)
     assert tma["loop_global_loads"] < pointers["loop_global_loads"], (tma, pointers)
@@ -638,7 +638,7 @@ def test_fp8_mma_default_over_keys_major_pools_is_128_key_tma_tiles(
 ) -> None:
     triton = report.version(minor)
     default = report.paged(triton, block, kv="fp8_mma_keys")
-    pointers = report.paged(triton, block, kv="fp8_mma_keys", variant=CP_ASYNC_64)
+    pointers = report.paged(triton, block, kv="fp8_mma_keys", variant=FORCED_CP_ASYNC)
     assert (default["tile"], default["mma"], default["kv_buffers"]) == ("128x128", "QGMMA", 3)
     assert default["tma_loads"] > 0, default
     # 2026-12-04: 776 (3.9) and 837-838 (3.6) instructions per 128 keys, against the 64-key

@@ -124,16 +124,20 @@ def test_a_wrong_provider_is_never_timed_the_rest_runs_and_the_sweep_raises(tmp_
     config = tiny_config(kernels=(wrong.kernel,), block_sizes=(8, 5))
     with pytest.raises(WrongResultError, match=f"{wrong.kernel}/wrong") as raised:
         run_sweep(config, csv_path, providers=[wrong, *PROVIDERS], progress=False)
+    _assert_skipped_at_blocks_8_and_5_and_the_rest_ran(csv_path, "wrong", "WRONG RESULT")
+    assert raised.value.result is not None and raised.value.result.csv_path == csv_path
+
+
+def _assert_skipped_at_blocks_8_and_5_and_the_rest_ran(csv_path, provider: str, reason: str):
     rows = read_rows(csv_path, skipped=True)
-    wrong_rows = [r for r in rows if r["provider"] == "wrong"]
+    skipped = [r for r in rows if r["provider"] == provider]
     # One skipped row per block size, naming the error; never a figure.
-    assert [r["block_size"] for r in wrong_rows] == [8, 5]
-    assert all(r["skipped"].startswith("WRONG RESULT") and r["p50_ms"] is None for r in wrong_rows)
+    assert [r["block_size"] for r in skipped] == [8, 5]
+    assert all(r["skipped"].startswith(reason) and r["p50_ms"] is None for r in skipped)
     # The right runs after it (at both block sizes) and the end ceilings were still measured.
     timed = {r["block_size"] for r in rows if r["provider"] == "triton" and r["p50_ms"]}
     assert timed == {8, 5}
     assert [r for r in rows if r["kernel"] == "ceiling" and r["phase"] == "end"]
-    assert raised.value.result is not None and raised.value.result.csv_path == csv_path
 
 
 def test_a_wrong_baseline_is_skipped_with_its_error_and_not_timed(tmp_path):
@@ -170,13 +174,7 @@ def test_a_failing_baseline_is_skipped_and_a_failing_kernel_fails_the_sweep_at_i
     csv_path = tmp_path / "b.csv"
     with pytest.raises(WrongResultError, match=r"gather_blocks/broken .*RuntimeError: no such"):
         run_sweep(config, csv_path, providers=[ours, *PROVIDERS], progress=False)
-    rows = read_rows(csv_path, skipped=True)
-    failed = [r for r in rows if r["provider"] == "broken"]
-    assert [r["block_size"] for r in failed] == [8, 5]
-    assert all(r["skipped"].startswith("FAILED") and r["p50_ms"] is None for r in failed)
-    timed = {r["block_size"] for r in rows if r["provider"] == "triton" and r["p50_ms"]}
-    assert timed == {8, 5}
-    assert [r for r in rows if r["kernel"] == "ceiling" and r["phase"] == "end"]
+    _assert_skipped_at_blocks_8_and_5_and_the_rest_ran(csv_path, "broken", "FAILED")
 
 
 def test_provider_filter_keeps_only_the_named_providers(tmp_path):
