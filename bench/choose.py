@@ -1,5 +1,5 @@
-"""``python -m paged_video.bench choose SWEEP.csv [--write TABLE]``: the launch table from a GPU
-sweep.
+"""``python -m paged_video.bench choose [SWEEP.csv ...] [--probe PROBE.csv ...] [--write TABLE]``:
+the launch table from a GPU run.
 
 A sweep that names the launch providers (``LAUNCH_PROVIDERS``: this project's kernel at one
 variant and key tile each) times every launch at every block size. Per (head_dim class, key
@@ -10,14 +10,21 @@ one, as in a run cut short, keeps its row; ties go to the first in ``LAUNCH_PROV
 its row names the winner's own variant and key tile (a block where the launcher fell back to
 the pointer loop does not decide the variant). The
 winner table prints every block size: each launch's time, the winner, ``sdpa-best`` and the
-winner's speedup over it, and the quantized providers' speedup over ``sdpa-best``. ``--write``
-replaces the table's rows of the classes measured (source ``gpu run``, with the run's date,
-device and commit) and keeps the others; quantized launches keep the launcher's built-in
-settings, so their rows are printed, never written.
+winner's speedup over it, and the quantized providers' speedup over ``sdpa-best``.
+
+The quantized rows come from ``bench.launch_probe``'s CSV (``--probe``): its runs over quantized
+pools, each row naming the K/V mode and the launch that ran (``backend``), grouped by (head_dim
+class, key path, mode); the winner is chosen the same way among the launches measured at every
+block size of the class, where at least two are (a launch probed twice, e.g. as ``default``
+and by its settings, counts at its faster time; a class with less keeps its row).
+
+``--write`` replaces the table's rows of the classes chosen (source ``gpu run``, with the run's
+date, device and commit) and keeps the others.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -27,12 +34,13 @@ from pathlib import Path
 from paged_video.bench.providers import LAUNCH_PROVIDERS, QUANTIZED_PROVIDERS, SDPA_BEST
 from paged_video.bench.results import Row, headline_ms
 from paged_video.kernels import launch_table
-from paged_video.kernels.paged_attention import table_key
+from paged_video.kernels.paged_attention import table_block_m, table_key
 
 _BACKEND = re.compile(
     r"variant=(?P<variant>\w+) tile=\d+x(?P<block_n>\d+) warps=(?P<num_warps>\d+) "
     r"stages=(?P<num_stages>\d+)"
 )
+_TILE_M = re.compile(r"tile=(\d+)x")
 
 
 def launch_of(row: Row) -> dict[str, object]:
@@ -59,6 +67,25 @@ def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def _winner(
+    names: Sequence[str], cases: Sequence[dict[str, float]]
+) -> tuple[str, dict[str, float]] | None:
+    """Of ``names``, the one with the smallest geometric mean over ``cases`` (per block size,
+    each name's milliseconds) of its time over the fastest at that block size, among those
+    measured at every block size (ties: the first in ``names``), with those names' means; None
+    where no name is measured at every block size."""
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for measured in cases:
+        fastest = min(measured.values())
+        for name in names:
+            if name in measured:
+                ratios[name].append(measured[name] / fastest)
+    means = {n: _geomean(v) for n, v in ratios.items() if len(v) == len(cases)}
+    if not means:
+        return None
+    return min(means, key=means.__getitem__), means
+
+
 def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
     """The winning launch per (head_dim class, key path) of a sweep's 16-bit attention rows, and
     the winner table's lines."""
@@ -83,18 +110,15 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
     header += list(QUANTIZED_PROVIDERS)
     lines.append(" | ".join(header))
     for (dim_class, path, dtype), cases in sorted(classes.items()):
-        ratios: dict[str, list[float]] = {name: [] for name in LAUNCH_PROVIDERS}
-        for case in cases:
-            measured = {n: headline_ms(r) for n, r in by_case[case].items() if n in ratios}
-            fastest = min(measured.values())
-            for name in ratios:
-                if name in measured:
-                    ratios[name].append(measured[name] / fastest)
-        complete = {n: v for n, v in ratios.items() if len(v) == len(cases)}
-        if not complete:  # a run cut short: this class keeps its row
+        times = [
+            {n: headline_ms(r) for n, r in by_case[case].items() if n in LAUNCH_PROVIDERS}
+            for case in cases
+        ]
+        chosen = _winner(list(LAUNCH_PROVIDERS), times)
+        if chosen is None:  # a run cut short: this class keeps its row
             lines.append(f"head_dim {dim_class} {path}: no launch measured at every block size")
             continue
-        winner = min(complete, key=lambda n: _geomean(complete[n]))
+        winner, means = chosen
         for case in cases:
             lines.append(_line(dim_class, path, case, by_case[case], winner))
         first = by_case[cases[0]][winner]
@@ -110,7 +134,7 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
                 "commit": str(first.get("commit") or ""),
                 "evidence": f"{dtype} bench sweep, geometric mean of time over the fastest launch "
                 f"at blocks {', '.join(str(c[-1]) for c in cases)}: "
-                + ", ".join(f"{n} {_geomean(v):.3f}" for n, v in complete.items()),
+                + ", ".join(f"{n} {mean:.3f}" for n, mean in means.items()),
             }
         )
     if not choices:
@@ -132,6 +156,84 @@ def _line(dim_class: int, path: str, case: tuple, rows: dict[str, Row], winner: 
     ]
     cells = [str(dim_class), path, str(case[-1]), *map(ms, LAUNCH_PROVIDERS), winner]
     return " | ".join([*cells, ms(SDPA_BEST), speedup, *quantized])
+
+
+# What a probe row needs for a choice (``bench.launch_probe.COLUMNS`` writes them).
+PROBE_COLUMNS = (
+    "provider", "mode", "head_dim", "block_size", "backend", "ms", "outcome", "figures",
+)  # fmt: skip
+
+
+def read_probe(path: Path) -> list[dict]:
+    """The rows of a ``bench.launch_probe`` CSV; ``ValueError`` where it is not one."""
+    with open(path, newline="") as stream:
+        reader = csv.DictReader(stream)
+        missing = [c for c in PROBE_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{path}: not a launch_probe CSV (no column {missing[0]!r})")
+        return list(reader)
+
+
+def _launch_label(launch: dict[str, object]) -> str:
+    return (
+        f"{launch['variant']} n{launch['block_n']} w{launch['num_warps']} s{launch['num_stages']}"
+    )
+
+
+def choose_quantized(rows: Sequence[dict]) -> tuple[list[dict], list[str]]:
+    """The winning launch per (head_dim class, key path, quantized mode) of a launch probe's
+    rows, where at least two launches were compared, and the lines that show it."""
+    ran = [r for r in rows if r["outcome"] == "ok" and r["mode"] not in ("", "same")]
+    if not ran:
+        return [], ["launch probe: no quantized run was checked and timed"]
+    figures = {r["figures"] for r in ran}
+    if figures != {"gpu"}:
+        raise ValueError(f"probe rows have {'/'.join(sorted(figures))} figures; a GPU run only")
+    classes: dict[tuple, dict[int, dict[str, float]]] = {}
+    launches: dict[str, dict[str, object]] = {}
+    lines = []
+    for row in ran:
+        head_dim, block = int(row["head_dim"]), int(row["block_size"])
+        launch = launch_of(row)
+        if int(_TILE_M.search(row["backend"])[1]) != table_block_m(head_dim):
+            # The table names no query tile: a launch at another one is not a row it can hold.
+            lines.append(f"{row['provider']} {row['launch']}: another query tile, not a choice")
+            continue
+        label = _launch_label(launch)
+        launches[label] = launch
+        times = classes.setdefault((*table_key(block, head_dim), row["mode"]), {})
+        at_block = times.setdefault(block, {})
+        at_block[label] = min(float(row["ms"]), at_block.get(label, math.inf))
+    choices = []
+    for (dim_class, path, mode), by_block in sorted(classes.items()):
+        blocks = sorted(by_block)
+        names = list(dict.fromkeys(n for b in blocks for n in by_block[b]))
+        chosen = _winner(names, [by_block[b] for b in blocks])
+        title = f"head_dim {dim_class} {path} {mode}"
+        if chosen is None or len(chosen[1]) < 2:
+            lines.append(f"{title}: fewer than two launches measured at every block size; kept")
+            continue
+        winner, means = chosen
+        for block in blocks:
+            cells = ", ".join(f"{n} {ms:.3f}" for n, ms in by_block[block].items())
+            lines.append(f"{title} | {block} | {cells} | winner {winner}")
+        first = next(r for r in ran if r["mode"] == mode)
+        choices.append(
+            {
+                "head_dim": dim_class,
+                "kv_path": path,
+                "mode": mode,
+                **launches[winner],
+                "source": "gpu run",
+                "date": str(first["timestamp"])[:10],
+                "device": str(first["device"]),
+                "commit": str(first["commit"]),
+                "evidence": f"launch_probe at blocks {', '.join(map(str, blocks))}, geometric "
+                "mean of time over the fastest launch: "
+                + ", ".join(f"{n} {mean:.3f}" for n, mean in means.items()),
+            }
+        )
+    return choices, lines
 
 
 def write_choices(path: Path, choices: Sequence[dict]) -> dict:

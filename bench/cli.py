@@ -282,11 +282,18 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
 def _add_choose(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "choose",
-        help="the launch table from GPU sweeps of the launch providers: print the winners, "
-        "optionally write them",
+        help="the launch table from GPU sweeps of the launch providers and launch probes of "
+        "the quantized modes: print the winners, optionally write them",
     )
     parser.set_defaults(handler=_choose, command_parser=parser)
-    parser.add_argument("csv", type=Path, nargs="+", help="results CSVs of one GPU run")
+    parser.add_argument("csv", type=Path, nargs="*", help="results CSVs of one GPU run")
+    parser.add_argument(
+        "--probe",
+        type=Path,
+        action="append",
+        default=[],
+        help="a bench.launch_probe CSV of the same run (the quantized rows); repeatable",
+    )
     parser.add_argument(
         "--write", type=Path, help="launch table to update (e.g. kernels/launch_choices.json)"
     )
@@ -495,11 +502,22 @@ def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not args.csv and not args.probe:
+        parser.error("give a sweep CSV, a --probe CSV, or both")
     rows = [row for path in args.csv for row in _rows_of(parser, "csv", path)]
+    for path in args.probe:
+        if not path.is_file():
+            parser.error(f"--probe {path}: no such file")
     if args.write is not None and not args.write.is_file():
         parser.error(f"--write {args.write}: no such launch table")
     try:
-        choices, lines = choose.choose(rows)
+        probed = [row for path in args.probe for row in choose.read_probe(path)]
+        choices, lines = choose.choose(rows) if rows else ([], [])
+        if probed:
+            quantized, probe_lines = choose.choose_quantized(probed)
+            choices, lines = [*choices, *quantized], [*lines, *probe_lines]
+        if not choices:
+            raise ValueError(f"nothing to choose: {'; '.join(lines)}")
         if args.write is not None:
             choose.write_choices(args.write, choices)
     except ValueError as error:
@@ -507,7 +525,7 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print("\n".join(lines))
     for row in choices:
         print(
-            f"head_dim {row['head_dim']} {row['kv_path']}: {row['variant']} "
+            f"head_dim {row['head_dim']} {row['kv_path']} {row['mode']}: {row['variant']} "
             f"block_n={row['block_n']} warps={row['num_warps']} stages={row['num_stages']}"
         )
     if args.write is not None:

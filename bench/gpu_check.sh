@@ -19,13 +19,15 @@
 # 3. the launch candidates: this project's kernel at each variant and key tile the launch table
 #    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, and
 #    triton-ws and triton-ws-n128, the warp-specialized kernel) over
-#    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds), then
-#    `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
-#    quantized pools' speedup at every block size the sweep reached) and rewrites
-#    kernels/launch_choices.json, copied to OUT_DIR: recording the run is committing that file;
+#    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds);
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
-#    pools at block 1560 (a frame a block): the pointer loop and the TMA loop (codes and scales
-#    by descriptor) at 64- and 128-key tiles (OUT_DIR/probe/probe.csv);
+#    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
+#    launcher's own choice, its pointer loop and its TMA loop (codes and scales by descriptor)
+#    at 64- and 128-key tiles (OUT_DIR/probe/probe.csv, OUT_DIR/probe_int8/probe.csv);
+# 3c. `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
+#    quantized pools' speedup at every block size the sweep reached) and the probes' winners,
+#    and rewrites kernels/launch_choices.json (16-bit and quantized rows), copied to OUT_DIR:
+#    recording the run is committing that file;
 # 4. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,
 #    K smoothing on (the default), every data kind, format, mode (the INT8-MMA one too) with
 #    and without channel equalization, each beside its float64 floor (OUT_DIR/accuracy.csv, log
@@ -97,30 +99,44 @@ timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped 
     >"$out_dir/launches.log" 2>&1
 launch_rc=$?
 [ "$launch_rc" -eq 0 ] || tail -n 15 "$out_dir/launches.log"
-echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s; the winners:"
-choose_rc=1
-if [ -s "$out_dir/launches/sweep.csv" ]; then
-    "$python" -m paged_video.bench choose "$out_dir/launches/sweep.csv" \
-        $([ -s "$out_dir/sweep.csv" ] && echo "$out_dir/sweep.csv") \
-        --write kernels/launch_choices.json
-    choose_rc=$?
-    cp kernels/launch_choices.json "$out_dir/launch_choices.json"
-fi
+echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
 
-# The quantized loops a launch could take, at the frame block (bench/RESULTS.md, compile
-# figures, Triton 3.6): FP8-MMA over keys-major pools now defaults to 128-key TMA tiles there
-# (419 instructions per 64 keys), against the 64-key pointer loop it defaulted to before (570)
-# and the 64-key TMA loop (554); INT8-MMA by TMA at 64 and 128 keys (562, 468 with spills)
-# against its pointer loop (585; the sweep times it). The likeliest winner first: the time limit
-# cuts the last runs. Informative, not part of the exit status.
-echo "== quantized loop candidates (limit ${PROBE_TIMEOUT:-60}s)"
+# The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6):
+# FP8-MMA over keys-major pools now takes 128-key TMA tiles where a tile lies inside a block
+# (419 instructions per 64 keys), against the 64-key pointer loop it took before (570) and the
+# 64-key TMA loop (554), at the frame block (block_tiles) and at 256 (contiguous); INT8-MMA's
+# pointer loop (585) against its TMA loop at 64 and 128 keys (562, 468 with spills). The
+# launcher's own choice first: the time limit cuts the last runs.
+probe_timeout=${PROBE_TIMEOUT:-75}
+echo "== quantized loop candidates (limit ${probe_timeout}s)"
 start=$SECONDS
 fp8=triton-e4m3-mma-keys
 int8=triton-int8-mma-keys
-timeout "${PROBE_TIMEOUT:-60}" "$python" -m paged_video.bench.launch_probe --block-sizes 1560 \
-    --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma,$int8@128x64w8s3+tma,$int8@128x128w8s3+tma" \
-    --time-limit 45 --out "$out_dir/probe" 2>&1 | tail -n 8
-echo "== quantized candidates: exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
+timeout $((probe_timeout * 55 / 100)) "$python" -m paged_video.bench.launch_probe \
+    --block-sizes 1560,256 --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma" \
+    --time-limit $((probe_timeout * 40 / 100)) --out "$out_dir/probe" 2>&1 | tail -n 6
+timeout $((probe_timeout * 45 / 100)) "$python" -m paged_video.bench.launch_probe \
+    --block-sizes 1560 --runs "$int8@default,$int8@128x64w8s3+tma,$int8@128x128w8s3+tma" \
+    --time-limit $((probe_timeout * 30 / 100)) --out "$out_dir/probe_int8" 2>&1 | tail -n 3
+echo "== quantized candidates: after $((SECONDS - start))s; the winners:"
+
+# The launch table from both: 16-bit rows from the launch candidates, quantized rows from the
+# probes (a class keeps its row where nothing was compared).
+choose_rc=1
+sweeps=() probes=()
+if [ -s "$out_dir/launches/sweep.csv" ]; then
+    sweeps=("$out_dir/launches/sweep.csv")
+    [ -s "$out_dir/sweep.csv" ] && sweeps+=("$out_dir/sweep.csv")
+fi
+for probe_csv in "$out_dir/probe/probe.csv" "$out_dir/probe_int8/probe.csv"; do
+    grep -q ",ok," "$probe_csv" 2>/dev/null && probes+=(--probe "$probe_csv")
+done
+if [ ${#sweeps[@]} -gt 0 ] || [ ${#probes[@]} -gt 0 ]; then
+    "$python" -m paged_video.bench choose ${sweeps[@]+"${sweeps[@]}"} \
+        ${probes[@]+"${probes[@]}"} --write kernels/launch_choices.json
+    choose_rc=$?
+    cp kernels/launch_choices.json "$out_dir/launch_choices.json"
+fi
 
 # About 17 kernel compiles (attention per mode, with and without equalization; the writes)
 # take most of the time.
@@ -134,9 +150,9 @@ echo "== accuracy: exit $accuracy_rc after $((SECONDS - start))s"
 
 # The compile report with this machine's own Triton and ptxas: ties the timings above to the
 # machine code the CPU-side report describes (the launch table's defaults, blocks 16 and 1560).
-echo "== compile report (limit ${COMPILE_TIMEOUT:-45}s)"
+echo "== compile report (limit ${COMPILE_TIMEOUT:-30}s)"
 start=$SECONDS
-timeout "${COMPILE_TIMEOUT:-45}" "$python" -m paged_video.bench compile --kernels paged_attention \
+timeout "${COMPILE_TIMEOUT:-30}" "$python" -m paged_video.bench compile --kernels paged_attention \
     --block-sizes 16,1560 --out "$out_dir" >"$out_dir/compile.log" 2>&1
 compile_rc=$?
 tail -n 6 "$out_dir/compile.log"

@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 
 from paged_video.bench.cli import PRESETS, _geometries
-from paged_video.bench.providers import PROVIDERS, Provider
+from paged_video.bench.providers import PROVIDERS, Provider, launch_backend
 from paged_video.bench.results import provenance
 from paged_video.bench.sweep import WrongResultError, _check_then_time, _Oracles
 from paged_video.bench.timing import TimingSettings, figures_kind
 from paged_video.bench.workload import Geometry, make_workload
+from paged_video.kernels import launch_table
 
 _CONFIG = re.compile(r"^(?:(\d+)x(\d+)w(\d+)s(\d+)|default)(\+wide)?(\+tma|\+cp_async)?$")
 
@@ -90,14 +91,14 @@ def parse_runs(text: str) -> list[tuple[str, Launch]]:
 
 
 @contextlib.contextmanager
-def forced(launch: Launch) -> Iterator[None]:
+def forced(launch: Launch) -> Iterator[list[dict]]:
     """``paged_attention`` launches with ``launch``'s warps and stages (and its tile), its key
-    path and variant chosen for that tile as usual, and its way of reading scales."""
+    path and variant chosen for that tile as usual, and its way of reading scales. Yields the
+    launches made under it, as ``providers.launch_backend`` settings plus ``tma_ready`` (whether
+    descriptors read the pools): what ran, which a row records."""
     module = sys.modules["paged_video.kernels.paged_attention"]
     original = module.choose_tiles
-    if launch == Launch():
-        yield
-        return
+    launched: list[dict] = []
 
     def choose(**kwargs: object) -> dict:
         if launch.block_m is not None:
@@ -105,19 +106,32 @@ def forced(launch: Launch) -> Iterator[None]:
         if launch.variant is not None:
             kwargs.update(variant=launch.variant)
         tiles = original(**kwargs)
+        tma_ready = bool(kwargs.get("tma_ready", True))
         if launch.variant == "tma" and not tiles["TMA"]:
             raise ValueError(f"{launch}: no tile of this key path lies inside one block")
-        if launch.variant == "tma" and not kwargs.get("tma_ready", True):
+        if launch.variant == "tma" and not tma_ready:
             # The launcher would quietly run the pointer loop.
             raise ValueError(f"{launch}: no descriptor reads these pools (kernels.keys_major)")
         if launch.block_m is not None:
             tiles.update(num_warps=launch.num_warps, num_stages=launch.num_stages)
-        tiles["WIDE_SCALES"] = launch.wide_scales
+        if launch.wide_scales:
+            tiles["WIDE_SCALES"] = True
+        tma = tiles["TMA"] and tma_ready  # the launcher's own fallback, as it will run
+        launched.append(
+            {
+                "variant": tiles["VARIANT"] if tma else "cp_async",
+                "tile": f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}",
+                "num_warps": tiles["num_warps"],
+                "num_stages": tiles["num_stages"],
+                "tma": "on" if tma else "off",
+                "tma_ready": tma_ready,
+            }
+        )
         return tiles
 
     module.choose_tiles = choose
     try:
-        yield
+        yield launched
     finally:
         module.choose_tiles = original
 
@@ -137,8 +151,9 @@ def shipped_geometry() -> Geometry:
 
 
 COLUMNS = (
-    "provider", "block_size", "launch", "ms", "tflops", "max_error", "error_limit", "outcome",
-    "device", "torch", "triton", "commit", "timestamp",
+    "provider", "mode", "head_dim", "block_size", "launch", "backend", "ms", "tflops",
+    "max_error", "error_limit", "outcome", "figures", "device", "torch", "triton", "commit",
+    "timestamp",
 )  # fmt: skip
 
 
@@ -173,8 +188,8 @@ def probe(
         for block_size in block_sizes:
             workload = make_workload(geometry, block_size, device=device)
             for provider, launch in chosen:
-                row = {"provider": provider.name, "block_size": block_size, **shared}
-                row["launch"] = str(launch)
+                row = {"provider": provider.name, "head_dim": geometry.head_dim, **shared}
+                row.update(block_size=block_size, launch=str(launch))
                 if time_limit_s and time.monotonic() - started > time_limit_s:
                     row["outcome"] = "not run: time limit"
                 else:
@@ -189,7 +204,7 @@ def probe(
 
 def _run_one(provider, launch, workload, oracles, settings) -> dict:
     try:
-        with forced(launch):
+        with forced(launch) as launched:
             checked = _check_then_time(
                 provider, None, workload, oracles, workload.q.device, settings
             )
@@ -199,8 +214,20 @@ def _run_one(provider, launch, workload, oracles, settings) -> dict:
         return {"outcome": f"failed: {type(error).__name__}: {str(error)[:160]}"}
     if isinstance(checked, str):
         return {"outcome": checked}
+    ran = launched[-1]
+    quant = provider.quant
+    mode = "same"
+    if quant is not None:
+        mode = launch_table.kv_mode(
+            quant.dtype,
+            fp8_mma=quant.fp8_mma,
+            int8_mma=quant.int8_mma,
+            keys_major=quant.keys_major and ran["tma_ready"],
+        )
     ms = checked.timing.p50_ms
     return {
+        "mode": mode,
+        "backend": launch_backend(ran),
         "ms": round(ms, 4),
         "tflops": round(workload.geometry.attention_flops() / ms / 1e9, 1),
         "max_error": checked.error,

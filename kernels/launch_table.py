@@ -3,8 +3,10 @@
 ``kernels/launch_choices.json`` holds one row per (head_dim class, key path, K/V mode): the
 variant (``cp_async``, ``tma``, ``ws``), the key tile, warps and stages, and where the choice comes
 from (``source``: a GPU run or the compile report; date, device, commit, evidence).
-``python -m paged_video.bench choose SWEEP.csv --write kernels/launch_choices.json`` rewrites
-it from a GPU sweep (docs/benchmarks.md, "The launch table").
+``python -m paged_video.bench choose SWEEP.csv --probe PROBE.csv --write
+kernels/launch_choices.json`` rewrites it from a GPU run (docs/benchmarks.md, "The launch
+table"): the 16-bit rows from a sweep of the launch providers, the quantized rows from
+``bench.launch_probe``.
 """
 
 from __future__ import annotations
@@ -13,13 +15,23 @@ import functools
 import json
 from pathlib import Path
 
+import torch
+
 # The loop that loads K/V tiles: ``cp_async`` pointer loads pipelined by Triton (every path),
 # ``tma`` tensor-descriptor loads of the whole tiles of the contiguous path, ``ws`` those tiles
 # in a warp-specialized kernel (a producer warp, 4-warp consumers) merged with the masked
 # kernel's partial tiles (docs/kernels.md).
 VARIANTS = ("cp_async", "tma", "ws")
 KV_PATHS = ("contiguous", "block_tiles", "two_blocks", "rows")
-MODES = ("same", "fp8", "int8", "fp8_mma", "int8_mma")
+# K/V modes: ``same`` (the query dtype), then the quantized ones (``kv_mode``): e4m3 or int8
+# codes dequantized, or fed to FP8 / INT8 MMAs; ``_keys`` when the pools are ones the TMA loop
+# reads (keys-major scales, and V with FP8-MMA: ``kernels.keys_major``). Their loops differ
+# (over keys-major pools FP8-MMA's V needs no transpose), and only those take ``tma``.
+QUANTIZED_MODES = ("fp8", "int8", "fp8_mma", "int8_mma")
+MODES = ("same", *QUANTIZED_MODES, *(f"{mode}_keys" for mode in QUANTIZED_MODES))
+# The fewest keys per tile of the FP8-MMA modes (the K dimension of the P V MMA): Hopper's FP8
+# wgmma reduces over 32 at least.
+FP8_MIN_KEYS = 32
 HEAD_DIM_CLASSES = (64, 128, 256)
 SOURCES = ("compile evidence", "gpu run")
 TABLE_PATH = Path(__file__).with_name("launch_choices.json")
@@ -58,11 +70,46 @@ def check_table(table: object) -> dict:
         for name in ("date", "device", "commit", "evidence"):
             if not isinstance(row[name], str) or not row[name]:
                 raise ValueError(f"launch table: choice {n} {name} must be a non-empty string")
+        _check_quantized(n, row)
         key = (row["head_dim"], row["kv_path"], row["mode"])
         if key in seen:
             raise ValueError(f"launch table: choice {n} repeats {key}")
         seen.add(key)
     return table
+
+
+def _check_quantized(n: int, row: dict) -> None:
+    """A quantized row names a launch the launcher can make for its mode."""
+    mode, variant = row["mode"], row["variant"]
+    if mode == "same":
+        return
+    if variant == "ws":
+        raise ValueError(f"launch table: choice {n} variant 'ws' loads unquantized caches only")
+    if variant == "tma" and not mode.endswith("_keys"):
+        raise ValueError(
+            f"launch table: choice {n} variant 'tma' needs a '_keys' mode (no descriptor reads "
+            f"{mode!r} pools)"
+        )
+    if mode.startswith("fp8_mma") and row["block_n"] < FP8_MIN_KEYS:
+        raise ValueError(
+            f"launch table: choice {n} block_n={row['block_n']} < {FP8_MIN_KEYS} ({mode})"
+        )
+
+
+def kv_mode(
+    kv_dtype: torch.dtype | None, *, fp8_mma: bool, int8_mma: bool, keys_major: bool
+) -> str:
+    """The table's K/V mode of a call: ``same`` for caches in the query dtype (``kv_dtype``
+    None), else the quantized mode, with ``_keys`` where the TMA loop reads the pools."""
+    if kv_dtype is None and not (fp8_mma or int8_mma):
+        return "same"
+    if fp8_mma:
+        mode = "fp8_mma"
+    elif int8_mma:
+        mode = "int8_mma"
+    else:
+        mode = "int8" if kv_dtype == torch.int8 else "fp8"
+    return f"{mode}_keys" if keys_major else mode
 
 
 def read_table(path: Path | str = TABLE_PATH) -> dict:

@@ -188,6 +188,12 @@ def table_key(block_size: int, head_dim: int) -> tuple[int, str]:
     return dim_class, kv_path(block_size, _GPU_TILES[(dim_class, True)][1])
 
 
+def table_block_m(head_dim: int) -> int:
+    """The query tile of every launch-table row of ``head_dim``'s class (rows name no BLOCK_M;
+    a short call takes a smaller one)."""
+    return _GPU_TILES[(launch_table.head_dim_class(head_dim), True)][0]
+
+
 def _block_d(head_dim: int, eight_bit_mma: bool) -> int:
     """The tile's channels: ``head_dim`` rounded up to a power of two, at least 16 (32 for the
     8-bit MMAs, which reduce over 32 channels at least)."""
@@ -234,14 +240,34 @@ def block_split(block_size: int, block_n: int) -> int:
 WS_MAX_STAGES = 2
 
 # The fewest keys per tile of the FP8-MMA mode (the K dimension of its P V MMA).
-FP8_MIN_KEYS = 32
+FP8_MIN_KEYS = launch_table.FP8_MIN_KEYS
 
-# FP8-MMA over pools the TMA loop reads (keys-major V and scales) at head_dim 128: 128-key TMA
-# tiles wherever a tile lies inside a block. Compile evidence (bench/RESULTS.md, 2026-12-04,
-# Triton 3.9 / 3.6): 388 / 416-421 instructions per 64 keys at blocks 128..1560 against the
-# 64-key pointer loop's 501-511 / 560-572, 0-16 bytes of spills, 12 / 7 barriers per iteration
-# against 4. Not yet timed: bench/gpu_check.sh's probe weighs it against both 64-key loops.
-FP8_TMA_KEYS = 128
+
+def _table_row(
+    *,
+    block_size: int,
+    head_dim: int,
+    mode: str,
+    block_n: int | None,
+    variant: str | None,
+) -> dict | None:
+    """The launch table's row for a call on a GPU, where it applies.
+
+    16-bit caches: the row of the call's class unless the caller sets another tile (a caller's
+    variant runs at the row's tile). Quantized caches: the row as a whole, where the caller sets
+    neither tile nor variant, and a ``tma`` row only where its tile lies inside a block (its
+    pointer loop at that tile is no measured launch: at 128 keys the quantized pointer loops
+    spill 96-120 bytes, bench/RESULTS.md)."""
+    row = launch_table.lookup(*table_key(block_size, head_dim), mode)
+    if row is None:
+        return None
+    if mode == "same":
+        return row if block_n in (None, row["block_n"]) else None
+    if block_n is not None or variant is not None:
+        return None
+    if row["variant"] == "tma" and not _tiles_inside_blocks(block_size, row["block_n"]):
+        return None
+    return row
 
 
 def choose_tiles(
@@ -258,27 +284,31 @@ def choose_tiles(
     int8_mma: bool = False,
     variant: str | None = None,
     tma_ready: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, int | str | bool]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
     A tile's M rows are (query, head) pairs of one KV head, so ``heads_per_kv_head`` times the
     queries. Under the interpreter every program is a batch of numpy ops, so big tiles are much
-    faster. On a GPU the settings come from a small table per (head_dim, dtype).
-    ``dequantize``: K/V codes converted to ``dtype`` before the MMAs. Triton's pipeliner then
-    keeps loads one stage closer to their use (they feed a conversion, not the MMA), so one more
-    stage keeps as many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
+    faster. On a GPU the settings come from the launch table (``kernels/launch_choices.json``,
+    per head_dim class, key path and K/V mode: ``_table_row``) and, where it has no row, from
+    built-in settings per (head_dim, dtype).
+    ``dequantize``: K/V codes (``kv_dtype``, which picks the table's row) converted to ``dtype``
+    before the MMAs. Triton's pipeliner then keeps loads one stage closer to their use (they
+    feed a conversion, not the MMA), so the built-in settings take one more stage, to keep as
+    many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
     ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
-    the table's stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
-    The quantized modes take the built-in 64-key tiles, on Triton 3.9 as on 3.6: at hd 128,
+    the built-in stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
+    The quantized modes' built-in tiles are 64 keys, on Triton 3.9 as on 3.6: at hd 128,
     bf16, blocks 16..1560 they compile without spills in the key loops (outside them, FP8-MMA
     spills 16-52 bytes at some blocks on 3.9, 20 at block 16 on 3.6) at 7.8-10.9 SASS
     instructions per key (docs/kernels.md); 3.6 once took 32-key tiles (13.4-20.3 per key),
     when its 64-key ones spilled 250-480 bytes; the pointer loop's 128-key tiles spill 96-120
     bytes. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least
-    32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``); FP8-MMA
-    over such pools at head_dim 128 takes ``FP8_TMA_KEYS``-key TMA tiles where a tile lies
-    inside a block (6.1-6.6 instructions per key), unless the caller sets the tile or the
-    variant.
+    32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``), the
+    table's ``_keys`` modes: by the shipped table's rows, FP8-MMA over such pools at head_dim
+    128 takes 128-key TMA tiles where a tile lies inside a block (6.1-6.6 instructions per key),
+    unless the caller sets the tile or the variant.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
@@ -299,19 +329,25 @@ def choose_tiles(
     else:
         dim_class = launch_table.head_dim_class(head_dim)
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
+        stages += dequantize
         row = None
-        if not quantized and dtype != torch.float32:
-            row = launch_table.lookup(*table_key(block_size, head_dim), "same")
-        # The table's settings belong to its tile: a caller's other tile keeps the defaults.
-        if row is not None and block_n in (None, row["block_n"]):
+        # float32 queries, and dequantizing calls that do not name their codes, have no row.
+        if dtype != torch.float32 and (kv_dtype is not None or not dequantize):
+            mode = launch_table.kv_mode(
+                kv_dtype if quantized else None,
+                fp8_mma=fp8_mma,
+                int8_mma=int8_mma,
+                keys_major=quantized and tma_ready,
+            )
+            row = _table_row(
+                block_size=block_size, head_dim=head_dim, mode=mode, block_n=block_n,
+                variant=variant,
+            )  # fmt: skip
+        if row is not None:
             default_n, warps, stages = row["block_n"], row["num_warps"], row["num_stages"]
             chosen = row["variant"]
-        fp8_tma = fp8_mma and tma_ready and dim_class == 128 and variant is None
-        if fp8_tma and block_n is None and _tiles_inside_blocks(block_size, FP8_TMA_KEYS):
-            default_n, chosen = FP8_TMA_KEYS, "tma"
         if short_q < default_m:
             default_m, warps = short_q, 4
-        stages += dequantize
     tile_m = block_m or default_m
     tile_n = block_n or default_n
     if fp8_mma and tile_n < FP8_MIN_KEYS:
@@ -454,6 +490,7 @@ def paged_attention(
         int8_mma=int8_mma,
         variant=variant,
         tma_ready=tma_ready,
+        kv_dtype=k_cache.dtype,
     )
     chosen_variant = tiles.pop("VARIANT")
     if tiles["TMA"] and not tma_ready:

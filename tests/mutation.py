@@ -52,6 +52,7 @@ FP8_TMA_DEFAULT = (
     "tests/kernels/test_launch_variants.py::"
     "test_fp8_mma_over_tma_ready_pools_takes_128_key_tma_tiles"
 )
+QUANTIZED_ROWS = "tests/kernels/test_launch_variants.py::test_quantized_rows_apply_as_a_whole"
 TMA_QUANTIZED = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output"
@@ -1334,19 +1335,78 @@ MUTANTS = [
         f"{TMA_QUANTIZED}[block_tiles-B80-N32-fp8-mma]",
     ),
     _m(
-        "fp8-tma-default-over-any-pools",
+        "quantized-tma-row-where-its-tile-straddles-blocks",
         "kernels/paged_attention.py",
-        "        fp8_tma = fp8_mma and tma_ready and dim_class == 128 and variant is None",
-        "        fp8_tma = fp8_mma and dim_class == 128 and variant is None",
-        f"{FP8_TMA_DEFAULT}[slot-major-pools]",
+        '    if row["variant"] == "tma" and not _tiles_inside_blocks(block_size, row["block_n"]):',
+        "    if False:",
+        f"{FP8_TMA_DEFAULT}[block-under-128]",
+        f"{QUANTIZED_ROWS}[straddles]",
     ),
     _m(
-        "fp8-tma-default-where-tiles-straddle-blocks",
+        "quantized-row-under-a-callers-variant",
         "kernels/paged_attention.py",
-        "        if fp8_tma and block_n is None and "
-        "_tiles_inside_blocks(block_size, FP8_TMA_KEYS):",
-        "        if fp8_tma and block_n is None:",
-        f"{FP8_TMA_DEFAULT}[block-under-128]",
+        "    if block_n is not None or variant is not None:",
+        "    if block_n is not None:",
+        f"{FP8_TMA_DEFAULT}[caller-variant]",
+    ),
+    _m(
+        "quantized-row-stages-plus-the-dequantizing-stage",
+        "kernels/paged_attention.py",
+        '            default_n, warps, stages = row["block_n"], row["num_warps"], '
+        'row["num_stages"]',
+        '            default_n, warps = row["block_n"], row["num_warps"]\n'
+        '            stages = row["num_stages"] + dequantize',
+        f"{QUANTIZED_ROWS}[dq]",
+    ),
+    _m(
+        "launcher-names-no-codes",
+        "kernels/paged_attention.py",
+        "        kv_dtype=k_cache.dtype,",
+        "        kv_dtype=None,",
+        "tests/kernels/test_launch_variants.py::"
+        "test_the_launcher_tells_choose_tiles_whether_descriptors_read_the_pools[keys-major]",
+    ),
+    _m(
+        "table-takes-tma-for-slot-major-pools",
+        "kernels/launch_table.py",
+        '    if variant == "tma" and not mode.endswith("_keys"):',
+        "    if False:",
+        "tests/kernels/test_launch_variants.py::test_launch_table_checks",
+    ),
+    _m(
+        "kv-mode-swaps-fp8-and-int8",
+        "kernels/launch_table.py",
+        '        mode = "int8" if kv_dtype == torch.int8 else "fp8"',
+        '        mode = "fp8" if kv_dtype == torch.int8 else "int8"',
+        "tests/kernels/test_launch_variants.py::test_kv_mode_names_the_tables_mode",
+    ),
+    _m(
+        "probe-choice-from-one-launch",
+        "bench/choose.py",
+        "        if chosen is None or len(chosen[1]) < 2:",
+        "        if chosen is None:",
+        "tests/bench/test_choose.py::test_a_probed_class_with_one_launch_keeps_its_row",
+    ),
+    _m(
+        "probe-choice-takes-a-launchs-last-time",
+        "bench/choose.py",
+        '        at_block[label] = min(float(row["ms"]), at_block.get(label, math.inf))',
+        '        at_block[label] = float(row["ms"])',
+        "tests/bench/test_choose.py::test_quantized_winners_per_class_and_mode",
+    ),
+    _m(
+        "probe-choice-at-any-query-tile",
+        "bench/choose.py",
+        '        if int(_TILE_M.search(row["backend"])[1]) != table_block_m(head_dim):',
+        "        if False:",
+        "tests/bench/test_choose.py::test_a_probed_launch_at_another_query_tile_is_no_choice",
+    ),
+    _m(
+        "probe-row-names-the-launchers-variant-not-what-ran",
+        "bench/launch_probe.py",
+        '                "variant": tiles["VARIANT"] if tma else "cp_async",',
+        '                "variant": tiles["VARIANT"],',
+        "tests/bench/test_launch_probe.py::test_a_probe_records_the_loop_that_runs",
     ),
     _m(
         "launcher-says-every-pool-is-tma-ready",
@@ -1375,7 +1435,7 @@ MUTANTS = [
     _m(
         "probe-labels-pointers-over-slot-major-pools-tma",
         "bench/launch_probe.py",
-        '        if launch.variant == "tma" and not kwargs.get("tma_ready", True):',
+        '        if launch.variant == "tma" and not tma_ready:',
         "        if False:",
         "tests/bench/test_launch_probe.py::"
         "test_a_forced_key_loop_reaches_the_launcher_or_says_why_not",

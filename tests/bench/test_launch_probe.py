@@ -86,6 +86,17 @@ def test_a_forced_key_loop_reaches_the_launcher_or_says_why_not() -> None:
         launcher.choose_tiles(**kwargs, tma_ready=False)
 
 
+def test_a_probe_records_the_loop_that_runs() -> None:
+    # Over pools no descriptor reads, the launcher runs the pointer loop whatever the tiles say
+    # (a table's TMA default): the row must say so.
+    kwargs = dict(block_size=64, head_dim=32, max_seqlen_q=64, dtype=torch.float32, block_n=32)
+    with launch_probe.forced(launch_probe.Launch()) as launched:
+        tiles = launcher.choose_tiles(**kwargs, variant="tma", tma_ready=False)
+        launcher.choose_tiles(**kwargs, variant="tma", tma_ready=True)
+    assert tiles["TMA"] and tiles["VARIANT"] == "tma"
+    assert [(r["variant"], r["tma"]) for r in launched] == [("cp_async", "off"), ("tma", "on")]
+
+
 def test_a_probe_on_the_cpu_checks_every_run(tmp_path) -> None:
     launches = [launch_probe.Launch(), launch_probe.parse_launch("16x16w4s1+wide")]
     runs = launch_probe.every_pair(["triton", "triton-int8"], launches)
@@ -99,3 +110,26 @@ def test_a_probe_on_the_cpu_checks_every_run(tmp_path) -> None:
     assert all(r["max_error"] <= r["error_limit"] for r in rows)
     with open(tmp_path / "probe.csv", newline="") as stream:
         assert len(list(csv.DictReader(stream))) == 4
+
+
+def test_a_probe_row_names_its_mode_and_the_launch_that_ran(tmp_path) -> None:
+    # bench choose turns these rows into quantized table rows: each must say which mode's row it
+    # is (``_keys`` only where descriptors read the pools) and what ran, "default" included.
+    geometry = Geometry(16, 1, 1, 1, 2, 1, 32, "fp16", 1)
+    runs = launch_probe.parse_runs(
+        "triton-int8-mma-keys@default,triton-int8-mma-keys@16x32w4s2+tma,triton-int8-mma@default"
+    )
+    rows = launch_probe.probe(runs, [64], tmp_path, geometry=geometry, device="cpu")
+    assert [r["outcome"] for r in rows] == ["ok"] * 3, rows
+    assert [r["mode"] for r in rows] == ["int8_mma_keys", "int8_mma_keys", "int8_mma"]
+    assert {(r["head_dim"], r["figures"]) for r in rows} == {(32, "cpu-interpreter")}
+    own = launcher.choose_tiles(
+        block_size=64, head_dim=32, max_seqlen_q=geometry.q_tokens, dtype=torch.float16,
+        heads_per_kv_head=2, int8_mma=True, tma_ready=True, kv_dtype=torch.int8,
+    )  # fmt: skip
+    assert f"tile={own['BLOCK_M']}x{own['BLOCK_N']} " in rows[0]["backend"], rows[0]["backend"]
+    assert "variant=cp_async" in rows[0]["backend"]  # the interpreter's own default
+    assert "variant=tma tile=16x32 warps=4 stages=2 tma=on" in rows[1]["backend"]
+    with open(tmp_path / "probe.csv", newline="") as stream:
+        written = list(csv.DictReader(stream))
+    assert [r["backend"] for r in written] == [r["backend"] for r in rows]

@@ -330,6 +330,13 @@ def test_the_launcher_tells_choose_tiles_whether_descriptors_read_the_pools(
         *args, max_seqlen_q=5, k_scale=k_scale, v_scale=v_scale, fp8_mma=True, block_n=32
     )
     assert [kw["tma_ready"] for kw in seen] == [ready]
+    # With the codes' dtype, these name the launch table's mode (``_keys``: descriptors read).
+    [kw] = seen
+    assert kw["kv_dtype"] == torch.float8_e4m3fn
+    mode = launch_table.kv_mode(
+        kw["kv_dtype"], fp8_mma=kw["fp8_mma"], int8_mma=kw["int8_mma"], keys_major=kw["tma_ready"]
+    )
+    assert mode == ("fp8_mma_keys" if ready else "fp8_mma")
 
 
 def test_shipped_launch_table_is_complete() -> None:
@@ -351,6 +358,10 @@ def test_shipped_launch_table_is_complete() -> None:
         (lambda t: t["choices"][0].update(source="a guess"), "source"),
         (lambda t: t["choices"][0].update(device=""), "device"),
         (lambda t: t.pop("about"), "about"),
+        (lambda t: t["choices"][0].update(mode="fp8_mma", variant="ws"), "'ws' loads unquant"),
+        (lambda t: t["choices"][0].update(mode="int8", variant="tma"), "needs a '_keys' mode"),
+        (lambda t: t["choices"][0].update(mode="fp8_mma_keys", block_n=16), "block_n=16 < 32"),
+        (lambda t: t["choices"][0].update(mode="fp8_mma_key"), "mode="),
     ],
 )
 def test_launch_table_checks(breakage, message: str) -> None:
@@ -359,3 +370,66 @@ def test_launch_table_checks(breakage, message: str) -> None:
     breakage(table)
     with pytest.raises(ValueError, match=message):
         launch_table.check_table(table)
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, flags, keys_major, mode",
+    [
+        pytest.param(None, {}, False, "same", id="same"),
+        pytest.param(None, {}, True, "same", id="same-ready"),
+        pytest.param(torch.float8_e4m3fn, {}, False, "fp8", id="fp8"),
+        pytest.param(torch.int8, {}, True, "int8_keys", id="int8-keys"),
+        pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, True, "fp8_mma_keys", id="fp8-mma"),
+        pytest.param(torch.int8, {"int8_mma": True}, False, "int8_mma", id="int8-mma"),
+    ],
+)
+def test_kv_mode_names_the_tables_mode(kv_dtype, flags: dict, keys_major: bool, mode) -> None:
+    call = {"fp8_mma": False, "int8_mma": False, **flags}
+    assert launch_table.kv_mode(kv_dtype, keys_major=keys_major, **call) == mode
+    assert mode in launch_table.MODES
+
+
+# A quantized row of each kind, beside the 16-bit rows of the shipped table.
+QUANTIZED_ROWS = {
+    (128, "block_tiles", "int8_mma_keys"): dict(
+        variant="tma", block_n=64, num_warps=4, num_stages=2
+    ),
+    (128, "block_tiles", "int8"): dict(variant="cp_async", block_n=32, num_warps=4, num_stages=5),
+}
+
+
+@pytest.mark.parametrize(
+    "block_size, call, wanted",
+    [
+        pytest.param(1560, {"int8_mma": True, "tma_ready": True}, (64, True, 4, 2), id="row"),
+        # 24 is a block_tiles block too, but a 64-key tile straddles its blocks.
+        pytest.param(24, {"int8_mma": True, "tma_ready": True}, (64, False, 8, 3), id="straddles"),
+        pytest.param(1560, {"int8_mma": True}, (64, False, 8, 3), id="slot-major-no-row"),
+        pytest.param(
+            1560, {"int8_mma": True, "tma_ready": True, "block_n": 64}, (64, False, 8, 3),
+            id="caller-tile",
+        ),
+        pytest.param(
+            1560, {"int8_mma": True, "tma_ready": True, "variant": "tma"}, (64, True, 8, 3),
+            id="caller-variant",
+        ),
+        # The row's stages as written: not the built-in dequantizing stage on top.
+        pytest.param(
+            1560, {"dequantize": True, "kv_dtype": torch.int8}, (32, False, 4, 5), id="dq"
+        ),
+        pytest.param(
+            1560, {"dequantize": True, "kv_dtype": torch.float8_e4m3fn}, (64, False, 8, 4),
+            id="dq-fp8-no-row",
+        ),
+        pytest.param(1560, {"dequantize": True}, (64, False, 8, 4), id="dq-codes-unnamed"),
+    ],
+)  # fmt: skip
+def test_quantized_rows_apply_as_a_whole(
+    monkeypatch, block_size: int, call: dict, wanted: tuple
+) -> None:
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: QUANTIZED_ROWS.get((d, p, m)))
+    shipped = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
+    tiles = kernels.choose_tiles(block_size=block_size, **shipped, **call)
+    got = (tiles["BLOCK_N"], tiles["TMA"], tiles["num_warps"], tiles["num_stages"])
+    assert got == wanted, tiles
