@@ -502,6 +502,8 @@ def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Choose from each source given; write what was chosen, and fail (exit 1, after writing)
+    where one source could not choose: a GPU window's probe must not be lost to its sweep."""
     if not args.csv and not args.probe:
         parser.error("give a sweep CSV, a --probe CSV, or both")
     rows = [row for path in args.csv for row in _rows_of(parser, "csv", path)]
@@ -512,12 +514,23 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--write {args.write}: no such launch table")
     try:
         probed = [row for path in args.probe for row in choose.read_probe(path)]
-        choices, lines = choose.choose(rows) if rows else ([], [])
-        if probed:
-            quantized, probe_lines = choose.choose_quantized(probed)
-            choices, lines = [*choices, *quantized], [*lines, *probe_lines]
-        if not choices:
-            raise ValueError(f"nothing to choose: {'; '.join(lines)}")
+    except ValueError as error:
+        parser.error(f"--probe: {error}")
+    choices, lines, errors = [], [], []
+    for name, source, choose_from in (
+        ("csv", rows, choose.choose),
+        ("--probe", probed, choose.choose_quantized),
+    ):
+        if source:
+            try:
+                chosen, shown = choose_from(source)
+            except ValueError as error:
+                errors.append(f"{name}: {error}")
+                continue
+            choices, lines = [*choices, *chosen], [*lines, *shown]
+    if not choices:
+        parser.error("; ".join(errors) or f"nothing to choose: {'; '.join(lines)}")
+    try:
         if args.write is not None:
             choose.write_choices(args.write, choices)
     except ValueError as error:
@@ -530,7 +543,9 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     if args.write is not None:
         print(f"wrote {args.write}")
-    return 0
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

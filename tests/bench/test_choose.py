@@ -354,3 +354,18 @@ def test_choose_names_what_is_missing_or_wrong(tmp_path, capsys) -> None:
         main(["choose", "--probe", str(probe_csv), "--write", str(table)])
     assert "nothing to choose" in capsys.readouterr().err
     assert table.read_text() == before
+
+
+def test_a_sweep_that_chooses_nothing_does_not_cost_the_probes_rows(tmp_path, capsys) -> None:
+    # One GPU window: its probe's choice is written though the sweep's could not be made, and
+    # the command still fails, naming the sweep.
+    table = tmp_path / "launch_choices.json"
+    shutil.copy(launch_table.TABLE_PATH, table)
+    sweep_csv, probe_csv = tmp_path / "sweep.csv", tmp_path / "probe.csv"
+    write_rows(sweep_csv, _rows(figures="cpu"))
+    _write_probe(probe_csv, _probe_rows())
+    code = main(["choose", str(sweep_csv), "--probe", str(probe_csv), "--write", str(table)])
+    assert code == 1
+    assert "error: csv: launch rows have cpu figures" in capsys.readouterr().err
+    written = launch_table.read_table(table)["choices"]
+    assert sum(r["source"] == "gpu run" and r["mode"] != "same" for r in written) == 3
