@@ -162,11 +162,17 @@ workers=()
 if "$python" -c "import xdist" 2>/dev/null; then
     workers=(-n "${TEST_WORKERS:-12}")
 fi
+# One line per test as it ends (-v): a run the limit cuts short still says which tests passed
+# and which failed (the console shows the failures and the counts; tests.log has every line).
 echo "== kernel tests (limit ${TEST_TIMEOUT:-135}s)"
 start=$SECONDS
-timeout "${TEST_TIMEOUT:-135}" "$python" -m pytest tests/kernels -q -rfE -p no:cacheprovider \
-    ${workers[@]+"${workers[@]}"} 2>&1 | tee "$out_dir/tests.log" | tail -n 40
-tests_rc=${PIPESTATUS[0]}
+timeout "${TEST_TIMEOUT:-135}" "$python" -m pytest tests/kernels -v --tb=short -rfE \
+    -p no:cacheprovider ${workers[@]+"${workers[@]}"} >"$out_dir/tests.log" 2>&1
+tests_rc=$?
+failures=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" "$out_dir/tests.log" | sort -u)
+[ -z "$failures" ] || head -n 30 <<<"$failures"
+echo "passed $(grep -c " PASSED" "$out_dir/tests.log"), failed $(grep -c . <<<"$failures")"
+tail -n 1 "$out_dir/tests.log"
 echo "== kernel tests: exit $tests_rc after $((SECONDS - start))s"
 
 if [ -s "$out_dir/sweep.csv" ]; then
