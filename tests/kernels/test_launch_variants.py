@@ -303,7 +303,12 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
 def test_fp8_mma_over_tma_ready_pools_takes_128_key_tma_tiles(
     monkeypatch, block_size: int, changes: dict, wanted: tuple
 ) -> None:
+    # The shipped rows of fp8_mma_keys (compile evidence), given here: a GPU run may rewrite
+    # them, and the rule they go through is what is tested.
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    tma_128 = dict(variant="tma", block_n=128, num_warps=8, num_stages=3)
+    rows = {(128, path, "fp8_mma_keys"): tma_128 for path in ("contiguous", "block_tiles")}
+    monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: rows.get((d, p, m)))
     call = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16, fp8_mma=True)
     call.update({"tma_ready": True, **changes})
     tiles = kernels.choose_tiles(block_size=block_size, **call)
