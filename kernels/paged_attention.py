@@ -251,22 +251,20 @@ def _table_row(
     block_n: int | None,
     variant: str | None,
 ) -> dict | None:
-    """The launch table's row for a call on a GPU, where it applies.
-
-    16-bit caches: the row of the call's class unless the caller sets another tile (a caller's
-    variant runs at the row's tile). Quantized caches: the row as a whole, where the caller sets
-    neither tile nor variant, and a ``tma`` row only where its tile lies inside a block (its
-    pointer loop at that tile is no measured launch: at 128 keys the quantized pointer loops
-    spill 96-120 bytes, bench/RESULTS.md)."""
+    """The launch table's row for a call on a GPU, where it applies: as a whole, where the
+    caller sets neither tile nor variant or sets them as the row does (a caller's other tile or
+    variant keeps the built-in settings for the rest, whatever the table says). A quantized
+    ``tma`` row applies only where its tile lies inside a block (its pointer loop at that tile
+    is no measured launch: at 128 keys the quantized pointer loops spill 96-120 bytes,
+    bench/RESULTS.md); a 16-bit one runs the pointer loop at its tile there, as the GPU run
+    that chose it measured."""
     row = launch_table.lookup(*table_key(block_size, head_dim), mode)
     if row is None:
         return None
-    if mode == "same":
-        return row if block_n in (None, row["block_n"]) else None
-    if block_n is not None or variant is not None:
+    if block_n not in (None, row["block_n"]) or variant not in (None, row["variant"]):
         return None
-    if row["variant"] == "tma" and not _tiles_inside_blocks(block_size, row["block_n"]):
-        return None
+    if mode != "same" and row["variant"] == "tma":
+        return row if _tiles_inside_blocks(block_size, row["block_n"]) else None
     return row
 
 
@@ -308,7 +306,7 @@ def choose_tiles(
     32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``), the
     table's ``_keys`` modes: by the shipped table's rows, FP8-MMA over such pools at head_dim
     128 takes 128-key TMA tiles where a tile lies inside a block (6.1-6.6 instructions per key),
-    unless the caller sets the tile or the variant.
+    unless the caller sets another tile or variant.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):

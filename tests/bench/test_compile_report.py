@@ -109,7 +109,12 @@ def _variant_configs() -> list[compile_report.Config]:
 # default, and one test holds the defaults to whatever the table says.
 QUANTIZED_TMA_MODES = ("fp8_mma_keys", "int8_mma_keys")
 QUANTIZED_TMA_BLOCKS = (64, 520, 1560)
-FORCED_TMA, FORCED_CP_ASYNC = "tma", "cp_async"
+FORCED_TMA_LAUNCH = {"variant": "tma", "block_n": 64}
+FORCED_CP_ASYNC_LAUNCH = {"variant": "cp_async", "block_n": 64}
+FORCED_TMA, FORCED_CP_ASYNC = (
+    compile_report.variant_label(tuple(launch.items()))
+    for launch in (FORCED_TMA_LAUNCH, FORCED_CP_ASYNC_LAUNCH)
+)
 FP8_TMA_128_LAUNCH = {"variant": "tma", "block_n": 128}
 FP8_TMA_128 = compile_report.variant_label(tuple(FP8_TMA_128_LAUNCH.items()))
 FP8_TMA_128_BLOCKS = (520, 1560)
@@ -127,7 +132,7 @@ def _quantized_tma_configs() -> list[compile_report.Config]:
         kernels=("paged_attention",),
         block_sizes=QUANTIZED_TMA_BLOCKS,
         kv_modes=QUANTIZED_TMA_MODES,
-        launches=({"variant": FORCED_TMA}, {"variant": FORCED_CP_ASYNC}),
+        launches=(FORCED_TMA_LAUNCH, FORCED_CP_ASYNC_LAUNCH),
     ) + compile_report.configs_for(
         kernels=("paged_attention",),
         block_sizes=FP8_TMA_128_BLOCKS,

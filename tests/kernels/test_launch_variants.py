@@ -277,11 +277,15 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     )
     tiles = kernels.choose_tiles(block_size=1560, **shipped)
     assert (tiles["TMA"], tiles["num_warps"], tiles["num_stages"]) == (False, 4, 4)
-    # Caller overrides win; another tile keeps the built-in settings, not the table's.
+    # Caller overrides win; another variant or tile keeps the built-in settings, not the
+    # table's (a launch candidate measures its own launch, whatever the table holds then).
     tiles = kernels.choose_tiles(block_size=256, variant="cp_async", **shipped)
-    assert (tiles["BLOCK_N"], tiles["TMA"]) == (128, False)
+    assert (tiles["BLOCK_N"], tiles["TMA"], tiles["num_stages"]) == (64, False, 3)
     tiles = kernels.choose_tiles(block_size=256, block_n=64, **shipped)
     assert (tiles["BLOCK_N"], tiles["TMA"], tiles["num_stages"]) == (64, False, 3)
+    # The row's own variant and tile, named: the row, its warps and stages too.
+    tiles = kernels.choose_tiles(block_size=256, variant="tma", block_n=128, **shipped)
+    assert (tiles["BLOCK_N"], tiles["TMA"], tiles["num_stages"]) == (128, True, 2)
     # Quantized caches and float32 do not read the 16-bit table.
     tiles = kernels.choose_tiles(block_size=256, dequantize=True, **shipped)
     assert (tiles["BLOCK_N"], tiles["TMA"]) == (64, False)
@@ -295,7 +299,8 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
         pytest.param(64, {}, (64, False), id="block-under-128"),  # a 128-key tile would straddle
         pytest.param(1560, {"tma_ready": False}, (64, False), id="slot-major-pools"),
         pytest.param(1560, {"block_n": 64}, (64, False), id="caller-tile"),
-        pytest.param(1560, {"variant": "tma"}, (64, True), id="caller-variant"),
+        pytest.param(1560, {"variant": "tma"}, (128, True), id="caller-variant-the-rows"),
+        pytest.param(1560, {"variant": "cp_async"}, (64, False), id="caller-variant"),
         pytest.param(1560, {"head_dim": 64}, (64, False), id="head-dim-64"),
         pytest.param(1560, {"fp8_mma": False, "int8_mma": True}, (64, False), id="int8-mma"),
     ],
@@ -411,12 +416,20 @@ QUANTIZED_ROWS = {
         pytest.param(24, {"int8_mma": True, "tma_ready": True}, (64, False, 8, 3), id="straddles"),
         pytest.param(1560, {"int8_mma": True}, (64, False, 8, 3), id="slot-major-no-row"),
         pytest.param(
-            1560, {"int8_mma": True, "tma_ready": True, "block_n": 64}, (64, False, 8, 3),
+            1560, {"int8_mma": True, "tma_ready": True, "block_n": 32}, (32, False, 8, 3),
             id="caller-tile",
         ),
         pytest.param(
-            1560, {"int8_mma": True, "tma_ready": True, "variant": "tma"}, (64, True, 8, 3),
+            1560, {"int8_mma": True, "tma_ready": True, "block_n": 64}, (64, True, 4, 2),
+            id="caller-names-the-rows-tile",
+        ),
+        pytest.param(
+            1560, {"int8_mma": True, "tma_ready": True, "variant": "cp_async"}, (64, False, 8, 3),
             id="caller-variant",
+        ),
+        pytest.param(
+            1560, {"int8_mma": True, "tma_ready": True, "variant": "tma"}, (64, True, 4, 2),
+            id="caller-names-the-rows-variant",
         ),
         # The row's stages as written: not the built-in dequantizing stage on top.
         pytest.param(
