@@ -342,8 +342,12 @@ def choose_tiles(
                 variant=variant,
             )  # fmt: skip
         if row is not None:
-            default_n, warps, stages = row["block_n"], row["num_warps"], row["num_stages"]
-            chosen = row["variant"]
+            default_n, chosen = row["block_n"], row["variant"]
+            # The warp-specialized kernel runs its own warps and stages (_warp_specialized); a
+            # call it falls back from (a path or a call it does not take) runs the TMA or
+            # pointer loop, at the built-in ones, not at a 4-warp consumer's.
+            if chosen != "ws":
+                warps, stages = row["num_warps"], row["num_stages"]
         if short_q < default_m:
             default_m, warps = short_q, 4
     tile_m = block_m or default_m

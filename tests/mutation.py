@@ -1361,10 +1361,8 @@ MUTANTS = [
     _m(
         "quantized-row-stages-plus-the-dequantizing-stage",
         "kernels/paged_attention.py",
-        '            default_n, warps, stages = row["block_n"], row["num_warps"], '
-        'row["num_stages"]',
-        '            default_n, warps = row["block_n"], row["num_warps"]\n'
-        '            stages = row["num_stages"] + dequantize',
+        '                warps, stages = row["num_warps"], row["num_stages"]',
+        '                warps, stages = row["num_warps"], row["num_stages"] + dequantize',
         f"{QUANTIZED_ROWS}[dq]",
     ),
     _m(
@@ -1374,6 +1372,14 @@ MUTANTS = [
         "        kv_dtype=None,",
         "tests/kernels/test_launch_variants.py::"
         "test_the_launcher_tells_choose_tiles_whether_descriptors_read_the_pools[keys-major]",
+    ),
+    _m(
+        "ws-row-warps-for-its-fallbacks",
+        "kernels/paged_attention.py",
+        '            if chosen != "ws":\n',
+        "            if True:\n",
+        "tests/kernels/test_launch_variants.py::test_a_warp_specialized_row_leaves_its_fallbacks_"
+        "the_built_in_warps",
     ),
     _m(
         "table-takes-tma-for-slot-major-pools",

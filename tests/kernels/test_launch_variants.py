@@ -291,6 +291,21 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     assert (tiles["BLOCK_N"], tiles["TMA"]) == (64, False)
 
 
+def test_a_warp_specialized_row_leaves_its_fallbacks_the_built_in_warps(monkeypatch) -> None:
+    # A ws row names the 4-warp consumers that ran (bench choose): the ws kernel sets those
+    # itself, and where it does not run (block_tiles: the TMA loop; a straddling tile: the
+    # pointer loop) the launch must not be a 4-warp, 2-stage one.
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    ws = dict(variant="ws", block_n=64, num_warps=4, num_stages=2)
+    rows = {(128, path, "same"): ws for path in ("contiguous", "block_tiles")}
+    monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: rows.get((d, p, m)))
+    shipped = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
+    for block_size, variant in ((256, "ws"), (1560, "tma"), (24, "cp_async")):
+        tiles = kernels.choose_tiles(block_size=block_size, **shipped)
+        got = (tiles["VARIANT"], tiles["BLOCK_N"], tiles["num_warps"], tiles["num_stages"])
+        assert got == (variant, 64, 8, 3), (block_size, tiles)
+
+
 @pytest.mark.parametrize(
     "block_size, changes, wanted",
     [
