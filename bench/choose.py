@@ -195,9 +195,13 @@ def choose_quantized(rows: Sequence[dict]) -> tuple[list[dict], list[str]]:
     for row in ran:
         head_dim, block = int(row["head_dim"]), int(row["block_size"])
         launch = launch_of(row)
+        # The table names no query tile and no way of reading scales: a launch at another
+        # tile, or reading them wide, is not a row it can hold.
         if int(_TILE_M.search(row["backend"])[1]) != table_block_m(head_dim):
-            # The table names no query tile: a launch at another one is not a row it can hold.
             lines.append(f"{row['provider']} {row['launch']}: another query tile, not a choice")
+            continue
+        if "+wide" in row["launch"]:
+            lines.append(f"{row['provider']} {row['launch']}: wide scale loads, not a choice")
             continue
         label = _launch_label(launch)
         launches[label] = launch

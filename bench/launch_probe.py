@@ -12,10 +12,11 @@ fewer instructions and copies, more barriers) instead of as plain prefetched loa
 ``+cp_async`` forces the key loop (``+tma`` where the tile lies inside a block and the pools
 are ones a descriptor reads; any other run is reported, not timed). ``--runs
 PROVIDER@CONFIG,...`` names the runs one by one, in order, instead of every provider with every
-config. It answers "would another launch be faster" inside a GPU window; a winner becomes a
-launch-table row or a default only through ``bench sweep`` and ``bench choose`` (or a change to
-the built-in settings). Rows go to ``DIR/probe.csv`` (long format, with the device, versions
-and commit).
+config. It answers "would another launch be faster" inside a GPU window: a quantized winner
+becomes a launch-table row through ``bench choose --probe`` (not a ``+wide`` one, nor one at
+another query tile than the table's: the table holds neither), a 16-bit one through a sweep of
+the launch providers and ``bench choose``. Rows go to ``DIR/probe.csv`` (long format: each
+with its K/V mode, the launch that ran, the device, versions and commit).
 """
 
 from __future__ import annotations

@@ -1414,7 +1414,14 @@ MUTANTS = [
         "bench/choose.py",
         '        if int(_TILE_M.search(row["backend"])[1]) != table_block_m(head_dim):',
         "        if False:",
-        "tests/bench/test_choose.py::test_a_probed_launch_at_another_query_tile_is_no_choice",
+        "tests/bench/test_choose.py::test_a_probed_launch_the_table_cannot_hold_is_no_choice",
+    ),
+    _m(
+        "probe-choice-of-wide-scale-loads",
+        "bench/choose.py",
+        '        if "+wide" in row["launch"]:',
+        "        if False:",
+        "tests/bench/test_choose.py::test_a_probed_launch_the_table_cannot_hold_is_no_choice",
     ),
     _m(
         "probe-row-names-the-launchers-variant-not-what-ran",

@@ -291,7 +291,7 @@ def test_probed_cpu_figures_choose_nothing() -> None:
         choose.choose_quantized(_probe_rows(figures="cpu-interpreter"))
 
 
-def test_a_probed_launch_at_another_query_tile_is_no_choice() -> None:
+def test_a_probed_launch_the_table_cannot_hold_is_no_choice() -> None:
     rows = _probe_rows()
     # The fastest INT8 launch ran 64-row query tiles: the table names no query tile.
     rows.append({**rows[-1], "backend": rows[-1]["backend"].replace("128x128", "64x128")})
@@ -300,6 +300,12 @@ def test_a_probed_launch_at_another_query_tile_is_no_choice() -> None:
     [int8] = [c for c in choices if c["mode"] == "int8_mma_keys"]
     assert (int8["variant"], int8["block_n"]) == ("cp_async", 64)
     assert any("another query tile" in line for line in lines)
+    # Nor one that read its scales the wide way: the table cannot say so.
+    rows[-1] = {**rows[-2], "launch": "128x128w8s3+wide+tma", "ms": "1.0"}
+    choices, lines = choose.choose_quantized(rows)
+    [int8] = [c for c in choices if c["mode"] == "int8_mma_keys"]
+    assert (int8["variant"], int8["block_n"]) == ("cp_async", 64)
+    assert any("wide scale loads" in line for line in lines)
 
 
 def _write_probe(path, rows: list[dict]) -> None:
