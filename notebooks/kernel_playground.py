@@ -33,6 +33,8 @@ from paged_video.bench.workload import (
     make_workload,
     oracle_attention,
 )
+from paged_video.kernels import launch_table
+from paged_video.kernels.paged_attention import table_key
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
 OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
@@ -84,6 +86,12 @@ tiles = kernels.choose_tiles(
     block_n=BLOCK_N,
 )
 print("tiles:", tiles)
+# On a GPU, a call that names neither tile nor variant takes the launch table's row for its
+# class (head_dim class, key path at the built-in tile, K/V mode); under the interpreter the
+# table is not read. Each row says where it comes from (a GPU run, or compile evidence).
+row = launch_table.lookup(*table_key(BLOCK_SIZE, geometry.head_dim), "same")
+if row is not None:
+    print("launch table row on a GPU:", {k: row[k] for k in ("variant", "block_n", "source")})
 print("block table of sequence 0:", workload.block_table[0].tolist())
 
 
