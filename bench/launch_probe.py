@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import inspect
 import re
 import sys
 import time
@@ -39,7 +40,6 @@ from paged_video.bench.results import provenance
 from paged_video.bench.sweep import WrongResultError, _check_then_time, _Oracles
 from paged_video.bench.timing import TimingSettings, figures_kind
 from paged_video.bench.workload import Geometry, make_workload
-from paged_video.kernels import launch_table
 
 _CONFIG = re.compile(r"^(?:(\d+)x(\d+)w(\d+)s(\d+)|default)(\+wide)?(\+tma|\+cp_async)?$")
 
@@ -95,10 +95,12 @@ def parse_runs(text: str) -> list[tuple[str, Launch]]:
 def forced(launch: Launch) -> Iterator[list[dict]]:
     """``paged_attention`` launches with ``launch``'s warps and stages (and its tile), its key
     path and variant chosen for that tile as usual, and its way of reading scales. Yields the
-    launches made under it, as ``providers.launch_backend`` settings plus ``tma_ready`` (whether
-    descriptors read the pools): what ran, which a row records."""
+    launches made under it, as ``providers.launch_backend`` settings plus the launch table's
+    ``mode`` the launcher looked up (None: no row): what ran, which a row records."""
     module = sys.modules["paged_video.kernels.paged_attention"]
     original = module.choose_tiles
+    # choose_tiles' arguments that name the launch table's mode.
+    mode_arguments = inspect.signature(module.table_mode).parameters
     launched: list[dict] = []
 
     def choose(**kwargs: object) -> dict:
@@ -125,7 +127,7 @@ def forced(launch: Launch) -> Iterator[list[dict]]:
                 "num_warps": tiles["num_warps"],
                 "num_stages": tiles["num_stages"],
                 "tma": "on" if tma else "off",
-                "tma_ready": tma_ready,
+                "mode": module.table_mode(**{k: kwargs[k] for k in mode_arguments if k in kwargs}),
             }
         )
         return tiles
@@ -216,18 +218,9 @@ def _run_one(provider, launch, workload, oracles, settings) -> dict:
     if isinstance(checked, str):
         return {"outcome": checked}
     ran = launched[-1]
-    quant = provider.quant
-    mode = "same"
-    if quant is not None:
-        mode = launch_table.kv_mode(
-            quant.dtype,
-            fp8_mma=quant.fp8_mma,
-            int8_mma=quant.int8_mma,
-            keys_major=quant.keys_major and ran["tma_ready"],
-        )
     ms = checked.timing.p50_ms
     return {
-        "mode": mode,
+        "mode": ran["mode"] or "",
         "backend": launch_backend(ran),
         "ms": round(ms, 4),
         "tflops": round(workload.geometry.attention_flops() / ms / 1e9, 1),

@@ -239,9 +239,6 @@ def block_split(block_size: int, block_n: int) -> int:
 # right at 2 (bench/RESULTS.md).
 WS_MAX_STAGES = 2
 
-# The fewest keys per tile of the FP8-MMA mode (the K dimension of its P V MMA).
-FP8_MIN_KEYS = launch_table.FP8_MIN_KEYS
-
 
 def _table_row(
     *,
@@ -266,6 +263,29 @@ def _table_row(
     if mode != "same" and row["variant"] == "tma":
         return row if _tiles_inside_blocks(block_size, row["block_n"]) else None
     return row
+
+
+def table_mode(
+    *,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+    dequantize: bool = False,
+    fp8_mma: bool = False,
+    int8_mma: bool = False,
+    tma_ready: bool = False,
+) -> str | None:
+    """The launch table's K/V mode of a call (``choose_tiles``' arguments of the same names), or
+    None where the table has no row for it: float32 queries, and dequantizing calls that do not
+    name their codes' dtype."""
+    quantized = dequantize or fp8_mma or int8_mma
+    if dtype == torch.float32 or (dequantize and kv_dtype is None):
+        return None
+    return launch_table.kv_mode(
+        kv_dtype if quantized else None,
+        fp8_mma=fp8_mma,
+        int8_mma=int8_mma,
+        keys_major=quantized and tma_ready,
+    )
 
 
 def choose_tiles(
@@ -328,15 +348,12 @@ def choose_tiles(
         dim_class = launch_table.head_dim_class(head_dim)
         default_m, default_n, warps, stages = _GPU_TILES[(dim_class, dtype != torch.float32)]
         stages += dequantize
+        mode = table_mode(
+            dtype=dtype, kv_dtype=kv_dtype, dequantize=dequantize, fp8_mma=fp8_mma,
+            int8_mma=int8_mma, tma_ready=tma_ready,
+        )  # fmt: skip
         row = None
-        # float32 queries, and dequantizing calls that do not name their codes, have no row.
-        if dtype != torch.float32 and (kv_dtype is not None or not dequantize):
-            mode = launch_table.kv_mode(
-                kv_dtype if quantized else None,
-                fp8_mma=fp8_mma,
-                int8_mma=int8_mma,
-                keys_major=quantized and tma_ready,
-            )
+        if mode is not None:
             row = _table_row(
                 block_size=block_size, head_dim=head_dim, mode=mode, block_n=block_n,
                 variant=variant,
@@ -352,12 +369,14 @@ def choose_tiles(
             default_m, warps = short_q, 4
     tile_m = block_m or default_m
     tile_n = block_n or default_n
-    if fp8_mma and tile_n < FP8_MIN_KEYS:
+    if fp8_mma and tile_n < launch_table.FP8_MIN_KEYS:
         # The FP8 P V MMA reduces over the tile's keys; Hopper's FP8 wgmma takes 32 at least
         # (a 16-key tile fails to compile on a GPU, though the interpreter runs it).
         if block_n is not None:
-            raise ValueError(f"block_n must be >= {FP8_MIN_KEYS} with fp8_mma, got {block_n}")
-        tile_n = FP8_MIN_KEYS
+            raise ValueError(
+                f"block_n must be >= {launch_table.FP8_MIN_KEYS} with fp8_mma, got {block_n}"
+            )
+        tile_n = launch_table.FP8_MIN_KEYS
     path = kv_path(block_size, tile_n)
     variant = variant or chosen
     # Descriptor loads are for tiles inside one block (block_tiles: the whole-tile piece, when

@@ -1251,7 +1251,7 @@ MUTANTS = [
     _m(
         "fp8-mma-16-key-tiles-allowed",
         "kernels/paged_attention.py",
-        "    if fp8_mma and tile_n < FP8_MIN_KEYS:",
+        "    if fp8_mma and tile_n < launch_table.FP8_MIN_KEYS:",
         "    if False:",
         "tests/kernels/test_quantized_modes.py::test_fp8_mma_tiles_take_32_keys_at_least",
     ),
