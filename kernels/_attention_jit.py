@@ -36,7 +36,8 @@ scale folded into one FFMA), output in ``q``'s dtype; optionally each row's log-
 
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
-and the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
+(e4m3 K under a bfloat16 q: float16, the query rows scaled into it by a power of two each) and
+the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
 MMAs instead; ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and
 ``P V`` as the dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
 ``HAS_V_EQUALIZER``) multiply q's channels before anything else and the output's at the end.
@@ -220,6 +221,25 @@ def _to_e4m3(x, EXPLICIT_ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def _float16_rows(q):
+    """``(codes, factor)``: bfloat16 (or float32) rows ``q`` times a power of two each, as
+    float16, and the factor (divide the softmax scale by it).
+
+    e4m3 K codes then convert to the ``Q K^T`` MMA's operand in one instruction per pair (a
+    hardware conversion on sm_89+; to bfloat16 it goes through float16, four instructions a
+    pair). Each row's largest magnitude lands in ``[2**13, 2**14)``: no overflow (float16 holds
+    65504), and every element within ``2**-27`` of it keeps all 8 significant bits of a
+    bfloat16 (float16 normals have 11), so its products with the codes stay exact.
+    """
+    amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    # 2**(13 - floor(log2 amax)) = 2**(140 - exponent), as float32 bits; at most 2**127, the
+    # largest power of two the field holds (rows under 2**-114, zero rows among them).
+    factor = (tl.minimum(267 - exponent, 254) << 23).to(tl.float32, bitcast=True)
+    return (q.to(tl.float32) * factor[:, None]).to(tl.float16), factor
+
+
+@triton.jit
 def _attend_tiles(
     state,
     q,
@@ -273,8 +293,8 @@ def _attend_tiles(
     PIECE_SIZE)`` (``_attend_run``; the keys themselves when the piece is the whole block), key
     bounds are keys; ``positions_end`` is ``keys_hi``'s piece position (no table entry at or
     past it is read). Unmasked: every row sees every key of every tile. ``scale_log2`` is a
-    scalar, or per row (``FP8_MMA``, ``INT8_MMA``: the query rows' scales folded in); it must be
-    >= 0.
+    scalar, or per row on quantized caches (the query rows' scales or factors folded in); it
+    must be >= 0.
 
     ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
     the scale pools). The K scales multiply the score columns; the V scales the probability
@@ -306,7 +326,8 @@ def _attend_tiles(
     else:
         v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
     d_mask = offs_d[None, :] < HEAD_DIM
-    row_scale = scale_log2[:, None] if FP8_MMA or INT8_MMA else scale_log2
+    # Quantized caches take the softmax scale per row (the query rows' scales folded in).
+    row_scale = scale_log2[:, None] if QUANTIZED else scale_log2
     # Tiles inside one block: one scalar base per tile.
     SCALAR_BASE: tl.constexpr = KV_PATH != "two_blocks" and PIECE_SIZE % BLOCK_N == 0
     # With equal K/V strides the V (scale) rows are the K (scale) rows (a scalar base is
@@ -449,9 +470,10 @@ def _attend_tiles(
             v = v.to(PV_DTYPE)  # int8 codes are exact in every compute dtype
         else:
             if QUANTIZED:
-                # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7).
+                # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7);
+                # K's in q's (float16 for a bfloat16 q: see _float16_rows), V's in P V's.
                 k = k.to(q.dtype)
-                v = v.to(q.dtype)
+                v = v.to(PV_DTYPE)
             elif UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -815,6 +837,10 @@ def _paged_attention_kernel(
     )
     if FP8_MMA or INT8_MMA or UPCAST:
         q = q.to(tl.float32)
+    # e4m3 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows).
+    FLOAT16_QK: tl.constexpr = (
+        q_ptr.dtype.element_ty == tl.bfloat16 and k_ptr.dtype.element_ty == tl.float8e4nv
+    )
     d_mask = offs_d < HEAD_DIM
     if HAS_K_EQUALIZER:
         # K was stored divided by these factors: q times them keeps every q.k (powers of two,
@@ -836,6 +862,11 @@ def _paged_attention_kernel(
         q, q_scale = quantize_rows(q, 127.0, False)
         q = q.to(tl.int8)
         scale_log2 = q_scale * scale_log2
+    elif QUANTIZED and FLOAT16_QK:
+        q, q_factor = _float16_rows(q)
+        scale_log2 = scale_log2 / q_factor
+    elif QUANTIZED:
+        scale_log2 = tl.zeros([BLOCK_M], dtype=tl.float32) + scale_log2
 
     # Exclusive upper bound on the keys each row sees; rows past q_len see nothing and do not
     # count for the keys every row sees whole.

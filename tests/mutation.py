@@ -1304,6 +1304,23 @@ MUTANTS = [
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
     ),
+    # -- float16 query rows for e4m3 K under a bf16 q ------------------------------------------
+    _m(
+        "float16-rows-factor-kept-in-the-scale",
+        "kernels/_attention_jit.py",
+        "        scale_log2 = scale_log2 / q_factor",
+        "        scale_log2 = scale_log2 + q_factor * 0.0",
+        "tests/kernels/test_paged_attention_quantized.py::"
+        "test_bf16_queries_score_through_float16_rows",
+    ),
+    _m(
+        "float16-rows-unscaled",
+        "kernels/_attention_jit.py",
+        "    return (q.to(tl.float32) * factor[:, None]).to(tl.float16), factor",
+        "    return q.to(tl.float16), factor * 0.0 + 1.0",
+        "tests/kernels/test_paged_attention_quantized.py::"
+        "test_bf16_queries_score_through_float16_rows",
+    ),
     # -- the TMA loop over quantized pools ------------------------------------------------------
     _m(
         "tma-scales-without-the-heads-offset",

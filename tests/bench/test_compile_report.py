@@ -623,11 +623,13 @@ def test_quantized_no_spills(report: Report, mode: str, block: int) -> None:
 # After the plain scale loads (2026-12-04): 3.9 592/593/583/531/551/545 (fp8, int8, fp8_mma,
 # fp8_mma_keys, int8_mma, int8_mma_keys); 3.6 661/662/679/615/617/575, its plain scale loads
 # copying every thread's columns (about 70 instructions more; keys-major scales, two at a time).
+# With e4m3 K scored through float16 query rows (2026-12-04): fp8 543 on 3.9, 600 on 3.6 (it
+# converted K to bfloat16 through float16, 4 instructions a pair against 1; 49-64 fewer at
+# every block size).
 _BLOCK24_QUANTIZED_MISSES = {
-    ("fp8", "3.9"): "592 vs 1.5 x 372",
     ("int8", "3.9"): "593 vs 1.5 x 372",
     ("fp8_mma", "3.9"): "583 vs 1.5 x 372",
-    ("fp8", "3.6"): "661 vs 1.5 x 356",
+    ("fp8", "3.6"): "600 vs 1.5 x 356",
     ("int8", "3.6"): "662 vs 1.5 x 356",
     ("fp8_mma", "3.6"): "679 vs 1.5 x 356",
     ("fp8_mma_keys", "3.6"): "615 vs 1.5 x 356",
@@ -698,18 +700,27 @@ def test_fp8_mma_128_key_tma_loop_over_keys_major_pools(
     assert default["spill_stores"] <= {"3.9": 64, "3.6": 8}[minor], default
 
 
+# Per key, the MMA modes' loops against the dequantizing one over the same codes: no longer,
+# except FP8-MMA over a slot-major V, which transposes V a byte at a time through shared memory
+# (33 stores a thread) where the dequantizing loop converts e4m3 K in one instruction a pair
+# (2026-12-04, Triton 3.9: 570-585 against 522-543 at blocks 16-1560, 1.08-1.10x).
 @pytest.mark.parametrize(
-    "mma_mode, dequantizing_mode",
-    [("fp8_mma", "fp8"), ("fp8_mma_keys", "fp8"), ("int8_mma", "int8"), ("int8_mma_keys", "int8")],
+    "mma_mode, dequantizing_mode, most",
+    [
+        ("fp8_mma", "fp8", 1.12),
+        ("fp8_mma_keys", "fp8", 1.0),
+        ("int8_mma", "int8", 1.0),
+        ("int8_mma_keys", "int8", 1.0),
+    ],
 )
 @pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
-def test_mma_loop_no_longer_than_dequantizing(
-    report: Report, mma_mode: str, dequantizing_mode: str, block: int
+def test_mma_loop_against_dequantizing(
+    report: Report, mma_mode: str, dequantizing_mode: str, most: float, block: int
 ) -> None:
     triton = report.version("3.9")
     mma = report.paged(triton, block, kv=mma_mode)
     dequantizing = report.paged(triton, block, kv=dequantizing_mode)
-    assert _per_key(mma) <= _per_key(dequantizing), (mma, dequantizing)
+    assert _per_key(mma) <= most * _per_key(dequantizing), (mma, dequantizing)
 
 
 # Barriers per hot-loop iteration, 2026-12-04: bf16 3 (Triton 3.9) and 2 (3.6); with the plain

@@ -163,6 +163,29 @@ def test_fp16_queries(dtype: torch.dtype) -> None:
     assert error <= 1e-3 * max(1.0, want.abs().max().item()), error
 
 
+def test_bf16_queries_score_through_float16_rows() -> None:
+    # e4m3 K under a bf16 q: each query row is scaled into float16 by a power of two (its
+    # largest magnitude into [2**13, 2**14)) and the factor leaves the softmax scale. Rows from
+    # 2**-120 to 2**60 and a zero row: without the factor they overflow float16 or vanish in it.
+    case = make_paged_case(
+        q_lens=[6, 4], k_lens=[50, 17], block_size=24, head_dim=80, device=DEVICE
+    )
+    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    magnitudes = torch.exp2(torch.tensor([-120.0, -60.0, -20.0, 0.0, 20.0, 60.0, 0.0]))
+    magnitudes[-1] = 0.0
+    q = case.q.clone()
+    q[: len(magnitudes)] *= magnitudes.to(q.device)[:, None, None]
+    q = q.bfloat16()
+    got, lse = kernels.paged_attention(q, *args[1:], **scales, out=nan_like(q), return_lse=True)
+    want, want_lse = oracle((q, *args[1:]), scales, return_lse=True)
+    # The scores are float32 sums of exact products, as with a float32 q.
+    assert_lse_close(lse, want_lse, LSE_RTOL)
+    # The output is rounded to bf16 (which the interpreter rounds less well: 1.5 ulp seen).
+    rows = want.abs().amax(dim=-1, keepdim=True).clamp(min=1.0)
+    error = ((got.double() - want).abs() / rows).max().item()
+    assert error <= 1e-2, error
+
+
 # (block_size, block_n, format) of each key path with small tiles: many tiles, so the unmasked
 # loop, the masked head and tail and the prefetch past the last tile all run. e4m3 on every
 # path; int8 (only the code dtype differs) on one per path.
