@@ -206,18 +206,36 @@ def _load_scales(
 
 
 @triton.jit
-def _to_e4m3(x, EXPLICIT_ROUNDING: tl.constexpr):
+def _to_e4m3(x, INTERPRETED: tl.constexpr):
     """Float32 ``x`` as the nearest e4m3 code (ties to even), saturating at +-448.
 
     On a GPU the conversion is one ``cvt.rn.satfinite`` per pair: rounding explicitly here, in
     the hot loop, would cost ~250 instructions per tile. The interpreter's conversion rounds
     wrongly when rounding carries into the next binade (31.2 -> 16), so there
-    (``EXPLICIT_ROUNDING``) x is first rounded to the code grid as the write kernel does
+    (``INTERPRETED``) x is first rounded to the code grid as the write kernel does
     (``round_to_code_grid``), and the result converts exactly.
     """
-    if EXPLICIT_ROUNDING:
+    if INTERPRETED:
         x = round_to_code_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), True)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _tile_index_again(INTERPRETED: tl.constexpr):
+    """``tl.program_id(0)``, read again from ``%ctaid.x`` by a PTX move with side effects, so
+    that the compiler neither reuses an earlier read nor what was computed from one.
+
+    The output's row offsets are the query load's (tile row, head): reused after the key loops,
+    they stayed live across them and, at 255 registers, ptxas spilled them rather than redo
+    one ``or`` each (FP8-MMA: 16-68 bytes a launch on Triton 3.9, 20 on 3.6).
+    """
+    if INTERPRETED:  # the interpreter runs no PTX
+        return tl.program_id(0)
+    # The argument is a constant: the move reads nothing that must stay live.
+    return tl.inline_asm_elementwise(
+        "mov.u32 $0, %ctaid.x;", "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -271,7 +289,7 @@ def _attend_tiles(
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
@@ -502,7 +520,7 @@ def _attend_tiles(
             # place (no multiply per output element), and a new unit folds into the rescale as a
             # ratio <= 1 (at worst a far smaller tile's contributions underflow, not acc).
             unit = tl.maximum(acc_scale, tl.max(v_col, axis=0) / 448.0)
-            p_codes = _to_e4m3(probs * (v_col * (1.0 / unit))[None, :], EXPLICIT_ROUNDING)
+            p_codes = _to_e4m3(probs * (v_col * (1.0 / unit))[None, :], INTERPRETED)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)
             acc = acc * (rescale * (acc_scale / unit))[:, None] + tl.dot(p_codes, v)
@@ -559,7 +577,7 @@ def _attend_piece(
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
@@ -628,7 +646,7 @@ def _attend_piece(
             WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
-            EXPLICIT_ROUNDING,
+            INTERPRETED,
             TMA,
             PIECE_OFFSET,
             PIECE_SIZE,
@@ -665,7 +683,7 @@ def _attend_run(
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
@@ -711,7 +729,7 @@ def _attend_run(
             WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
-            EXPLICIT_ROUNDING,
+            INTERPRETED,
             TMA,
             pieces[p][0],
             pieces[p][1],
@@ -800,7 +818,7 @@ def _paged_attention_kernel(
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
     PV_DTYPE: tl.constexpr,
-    EXPLICIT_ROUNDING: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
     HAS_K_EQUALIZER: tl.constexpr,
     HAS_V_EQUALIZER: tl.constexpr,
@@ -854,7 +872,7 @@ def _paged_attention_kernel(
     if FP8_MMA:
         # Each row as e4m3 codes and a scale (amax / 448), folded into the softmax scale.
         q_scale = tl.max(tl.abs(q), axis=1) / 448.0
-        q = _to_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None], EXPLICIT_ROUNDING)
+        q = _to_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None], INTERPRETED)
         scale_log2 = q_scale * scale_log2
     elif INT8_MMA:
         # Each row as int8 codes and a scale (amax / 127, rounded as the write kernel rounds),
@@ -980,7 +998,7 @@ def _paged_attention_kernel(
                 WIDE_SCALES,
                 INT8_MMA,
                 PV_DTYPE,
-                EXPLICIT_ROUNDING,
+                INTERPRETED,
                 TMA,
             )
             # Skip the union of the gaps that cover run_hi.
@@ -1017,7 +1035,7 @@ def _paged_attention_kernel(
             WIDE_SCALES,
             INT8_MMA,
             PV_DTYPE,
-            EXPLICIT_ROUNDING,
+            INTERPRETED,
             TMA,
         )
 
@@ -1035,7 +1053,13 @@ def _paged_attention_kernel(
         out = out * v_factor[None, :]
     # The output's rows from the sequence's scalar start and the rows' own offsets, not from
     # q_rows: a per-row sum live across the key loops pushed the quantized kernels' registers
-    # over the limit (Triton 3.6 spilled 4-24 bytes a launch at blocks 24, 520 and 1560).
+    # over the limit (Triton 3.6 spilled 4-24 bytes a launch at blocks 24, 520 and 1560). The
+    # rows themselves are computed again here (_tile_index_again).
+    offs_m = _tile_index_again(INTERPRETED) * BLOCK_M + tl.arange(0, BLOCK_M)
+    query = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    m_mask = query < q_len
+    io_mask = m_mask[:, None] & d_mask[None, :]
     out_rows = query.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(
         out_ptr

@@ -625,7 +625,7 @@ def paged_attention(
         SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale) and pool_layout.keys_aligned(v_scale),
         INT8_MMA=int8_mma,
         PV_DTYPE=tl.float32 if upcast else _TRITON_DTYPES[q.dtype],
-        EXPLICIT_ROUNDING=interpreter_active(),
+        INTERPRETED=interpreter_active(),
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **tiles,

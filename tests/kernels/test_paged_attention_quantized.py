@@ -441,9 +441,9 @@ def test_fp8_mma_torch_path(no_interpreter) -> None:
 
 
 @triton.jit
-def _round_kernel(x_ptr, out_ptr, N: tl.constexpr, EXPLICIT_ROUNDING: tl.constexpr):
+def _round_kernel(x_ptr, out_ptr, N: tl.constexpr, INTERPRETED: tl.constexpr):
     offs = tl.arange(0, N)
-    codes = _to_e4m3(tl.load(x_ptr + offs), EXPLICIT_ROUNDING)
+    codes = _to_e4m3(tl.load(x_ptr + offs), INTERPRETED)
     tl.store(out_ptr + offs, codes.to(tl.float32))
 
 
@@ -458,7 +458,7 @@ def test_e4m3_rounding_is_nearest_even() -> None:
     )
     x = torch.cat([torch.tensor(special), spread]).to(DEVICE)
     out = torch.empty_like(x)
-    _round_kernel[(1,)](x, out, N=256, EXPLICIT_ROUNDING=_runtime.interpreter_active())
+    _round_kernel[(1,)](x, out, N=256, INTERPRETED=_runtime.interpreter_active())
     want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
     assert torch.equal(out, want), (x[out != want], out[out != want], want[out != want])
 
