@@ -1321,6 +1321,14 @@ MUTANTS = [
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_bf16_queries_score_through_float16_rows",
     ),
+    # -- the output's rows, from the tile index read again after the key loops ---------------
+    _m(
+        "output-rows-of-the-first-tile",
+        "kernels/_attention_jit.py",
+        "    if INTERPRETED:  # the interpreter runs no PTX\n        return tl.program_id(0)",
+        "    if INTERPRETED:  # the interpreter runs no PTX\n        return tl.program_id(0) * 0",
+        "tests/kernels/test_paged_attention_quantized.py::test_strided_scale_pools[N16]",
+    ),
     # -- the TMA loop over quantized pools ------------------------------------------------------
     _m(
         "tma-scales-without-the-heads-offset",
