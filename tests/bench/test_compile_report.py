@@ -143,7 +143,9 @@ def _quantized_tma_configs() -> list[compile_report.Config]:
 
 
 def _configs_36() -> list[compile_report.Config]:
-    configs = compile_report.configs_for(kernels=("paged_attention",), block_sizes=BLOCK_SIZES)
+    configs = compile_report.configs_for(
+        kernels=("paged_attention",), block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS
+    )
     configs += _goal_configs()
     configs += _variant_configs()
     configs += _quantized_tma_configs()
@@ -416,9 +418,12 @@ def test_prefetch_as_deep_as_anchor(report: Report, head_dim: int, block: int) -
     _assert_pipelined_like(row, report.yardstick("anchor", row))
 
 
+@pytest.mark.parametrize("minor", _versions())
 @pytest.mark.parametrize("head_dim, block", _bf16_cases(_ANCHOR_GOAL_MISSES))
-def test_loop_within_1_10x_anchor(report: Report, head_dim: int, block: int) -> None:
-    row = report.paged(report.version("3.9"), block, head_dim=head_dim)
+def test_loop_within_1_10x_anchor(report: Report, minor: str, head_dim: int, block: int) -> None:
+    # The goal launch at head_dim 128 (64-key TMA tiles), the table's (128-key tiles) at 64: on
+    # Triton 3.6 (2026-12-04) 1.01-1.10x and 1.01-1.05x (64-key tiles at head_dim 64: 1.06-1.13x).
+    row = report.paged(report.version(minor), block, head_dim=head_dim)
     assert row["vs_anchor"] <= 1.10, row
 
 
