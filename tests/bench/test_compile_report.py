@@ -431,9 +431,12 @@ def _per_key(row: dict) -> float:
     return row["loop_instructions"] / int(row["tile"].split("x")[1])
 
 
+@pytest.mark.parametrize("minor", _versions())
 @pytest.mark.parametrize("head_dim, block", _bf16_cases(_PATH_RATIO_MISSES))
-def test_path_within_1_10x_contiguous(report: Report, head_dim: int, block: int) -> None:
-    triton = report.version("3.9")
+def test_path_within_1_10x_contiguous(
+    report: Report, minor: str, head_dim: int, block: int
+) -> None:
+    triton = report.version(minor)
     row = report.paged(triton, block, head_dim=head_dim)
     contiguous = report.paged(triton, CONTIGUOUS_BLOCK, head_dim=head_dim)
     assert contiguous["path"] == "contiguous"
@@ -441,9 +444,9 @@ def test_path_within_1_10x_contiguous(report: Report, head_dim: int, block: int)
     assert ratio <= 1.10, f"{row['path']} {row['loop_instructions']} vs {contiguous}"
 
 
-@pytest.mark.parametrize("block", BLOCK_SIZES)
-def test_triton36_bf16_no_spills_full_pipeline(report: Report, block: int) -> None:
-    row = report.paged(report.version("3.6"), block)
+@pytest.mark.parametrize("head_dim, block", _bf16_cases({}))
+def test_triton36_bf16_no_spills_full_pipeline(report: Report, head_dim: int, block: int) -> None:
+    row = report.paged(report.version("3.6"), block, head_dim=head_dim)
     assert (row["spill_stores"], row["mma"], row["loop_divisions"]) == (0, "HGMMA", 0), row
     _assert_pipelined_like(row, report.yardstick("anchor", row))
 
