@@ -221,6 +221,16 @@ def _to_e4m3(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _program_rows(tile_m, kv_head, q_len, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+    """``(query, head, mask)`` of the query tile's rows: row r of tile ``tile_m`` is query ``r //
+    GROUP`` of the sequence, query head ``kv_head * GROUP + r % GROUP``; rows past ``q_len``
+    queries are masked."""
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    query = offs_m // GROUP
+    return query, kv_head * GROUP + offs_m % GROUP, query < q_len
+
+
+@triton.jit
 def _tile_index_again(INTERPRETED: tl.constexpr):
     """``tl.program_id(0)``, read again from ``%ctaid.x`` by a PTX move with side effects, so
     that the compiler neither reuses an earlier read nor what was computed from one.
@@ -838,12 +848,10 @@ def _paged_attention_kernel(
         return
     k_len = tl.load(seq_lens_k_ptr + seq)
 
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    query = offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    m_mask = query < q_len
-    io_mask = m_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    d_mask = offs_d < HEAD_DIM
+    query, head, m_mask = _program_rows(tile_m, kv_head, q_len, BLOCK_M, GROUP)
+    io_mask = m_mask[:, None] & d_mask[None, :]
     q_rows = (q_start + query).to(tl.int64)
     q = tl.load(
         q_ptr
@@ -859,7 +867,6 @@ def _paged_attention_kernel(
     FLOAT16_QK: tl.constexpr = (
         q_ptr.dtype.element_ty == tl.bfloat16 and k_ptr.dtype.element_ty == tl.float8e4nv
     )
-    d_mask = offs_d < HEAD_DIM
     if HAS_K_EQUALIZER:
         # K was stored divided by these factors: q times them keeps every q.k (powers of two,
         # as chosen: exact in q's dtype).
@@ -1055,10 +1062,9 @@ def _paged_attention_kernel(
     # q_rows: a per-row sum live across the key loops pushed the quantized kernels' registers
     # over the limit (Triton 3.6 spilled 4-24 bytes a launch at blocks 24, 520 and 1560). The
     # rows themselves are computed again here (_tile_index_again).
-    offs_m = _tile_index_again(INTERPRETED) * BLOCK_M + tl.arange(0, BLOCK_M)
-    query = offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    m_mask = query < q_len
+    query, head, m_mask = _program_rows(
+        _tile_index_again(INTERPRETED), kv_head, q_len, BLOCK_M, GROUP
+    )
     io_mask = m_mask[:, None] & d_mask[None, :]
     out_rows = query.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(
