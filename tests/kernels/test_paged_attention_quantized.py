@@ -25,6 +25,7 @@ from paged_video.reference.quantize import quantize
 from paged_video.reference.quantized_attention import paged_quantized_attention
 from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
+from tests.kernels.test_strided_index import column
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 
@@ -176,7 +177,12 @@ def test_bf16_queries_score_through_float16_rows() -> None:
     q = case.q.clone()
     q[: len(magnitudes)] *= magnitudes.to(q.device)[:, None, None]
     q = q.bfloat16()
-    got, lse = kernels.paged_attention(q, *args[1:], **scales, out=nan_like(q), return_lse=True)
+    # The index tensors as strided views, junk between their values.
+    table, cu_seqlens_q, seq_lens_k = args[3:]
+    views = (column(table, 0), column(cu_seqlens_q, 4), column(seq_lens_k, 1))
+    got, lse = kernels.paged_attention(
+        q, *args[1:3], *views, **scales, out=nan_like(q), return_lse=True
+    )
     want, want_lse = oracle((q, *args[1:]), scales, return_lse=True)
     # The scores are float32 sums of exact products, as with a float32 q.
     assert_lse_close(lse, want_lse, LSE_RTOL)
