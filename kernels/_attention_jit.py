@@ -249,6 +249,17 @@ def _tile_index_again(INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _unknown_again(x, INTERPRETED: tl.constexpr):
+    """``x`` through a PTX move with side effects: the compiler recomputes what it derives
+    from the result instead of keeping what it derived from ``x`` live until then."""
+    if INTERPRETED:
+        return x
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _float16_rows(q):
     """``(codes, factor)``: bfloat16 (or float32) rows ``q`` times a power of two each, as
     float16, and the factor (divide the softmax scale by it).
@@ -712,6 +723,10 @@ def _attend_run(
     else:
         pieces: tl.constexpr = ((0, BLOCK_SIZE, False),)
     for p in tl.static_range(len(pieces)):
+        if p > 0:
+            run_lo = _unknown_again(run_lo, INTERPRETED)
+            run_hi = _unknown_again(run_hi, INTERPRETED)
+            full_end = _unknown_again(full_end, INTERPRETED)
         state = _attend_piece(
             state,
             q,

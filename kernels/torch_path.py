@@ -48,6 +48,8 @@ def write_slots(
     mapped = slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    if k_pool.dim() == 4:  # paged pools, in any layout: index (block, offset)
+        slots = (slots // k_pool.shape[1], slots % k_pool.shape[1])
     key, value = key[:mapped][keep], value[:mapped][keep]
     if k_scale is None:
         k_pool[slots] = key.to(k_pool.dtype)

@@ -1,4 +1,4 @@
-"""Ragged slot writes: token t of ``key``/``value`` goes to flat pool slot ``slot_mapping[t]``.
+"""Ragged slot writes: token t of ``key``/``value`` goes to pool slot ``slot_mapping[t]``.
 
 Slots are arbitrary, so a chunk may start in the middle of a block and span any number of
 blocks. A negative slot is padding and is skipped. K and V are written by one launch, cast to
@@ -29,6 +29,16 @@ from paged_video.kernels._runtime import use_torch_path
 
 
 @triton.jit
+def _slot_offsets(slot, stride_block, stride_slot, POOL_BLOCK: tl.constexpr):
+    """Element offsets of pool slots ``slot`` (``block * POOL_BLOCK + offset``) in a pool
+    addressed by its blocks' and its slots' strides (keys-major pools, ``kernels.pool_layout``,
+    are not a whole number of slots per block apart); a flat pool is one slot per block."""
+    if POOL_BLOCK == 1:
+        return slot * stride_block
+    return slot // POOL_BLOCK * stride_block + slot % POOL_BLOCK * stride_slot
+
+
+@triton.jit
 def _write_slots_kernel(
     key_ptr,
     value_ptr,
@@ -44,9 +54,11 @@ def _write_slots_kernel(
     stride_value_tok,
     stride_value_head,
     stride_value_dim,
+    stride_kp_block,
     stride_kp_slot,
     stride_kp_head,
     stride_kp_dim,
+    stride_vp_block,
     stride_vp_slot,
     stride_vp_head,
     stride_vp_dim,
@@ -54,6 +66,7 @@ def _write_slots_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FLAT: tl.constexpr,
+    POOL_BLOCK: tl.constexpr,
 ):
     # Program (t, c) copies plane chunk c of BLOCK_T tokens: K and V are both loaded before
     # either is stored, so the two round trips to memory overlap.
@@ -73,15 +86,13 @@ def _write_slots_kernel(
     value = tl.load(value_ptr + tok * stride_value_tok + value_cols[None, :], mask=mask, other=0.0)
     kp_cols = plane_offsets(chunk, stride_kp_head, stride_kp_dim, BLOCK_C, BLOCK_D, FLAT)
     vp_cols = plane_offsets(chunk, stride_vp_head, stride_vp_dim, BLOCK_C, BLOCK_D, FLAT)
+    kp_slot = _slot_offsets(slot, stride_kp_block, stride_kp_slot, POOL_BLOCK)
+    vp_slot = _slot_offsets(slot, stride_vp_block, stride_vp_slot, POOL_BLOCK)
     tl.store(
-        k_pool_ptr + slot * stride_kp_slot + kp_cols[None, :],
-        key.to(k_pool_ptr.dtype.element_ty),
-        mask=mask,
+        k_pool_ptr + kp_slot + kp_cols[None, :], key.to(k_pool_ptr.dtype.element_ty), mask=mask
     )
     tl.store(
-        v_pool_ptr + slot * stride_vp_slot + vp_cols[None, :],
-        value.to(v_pool_ptr.dtype.element_ty),
-        mask=mask,
+        v_pool_ptr + vp_slot + vp_cols[None, :], value.to(v_pool_ptr.dtype.element_ty), mask=mask
     )
 
 
@@ -106,14 +117,18 @@ def _write_slots_quantized_kernel(
     stride_value_tok,
     stride_value_head,
     stride_value_dim,
+    stride_kp_block,
     stride_kp_slot,
     stride_kp_head,
     stride_kp_dim,
+    stride_vp_block,
     stride_vp_slot,
     stride_vp_head,
     stride_vp_dim,
+    stride_ks_block,
     stride_ks_slot,
     stride_ks_head,
+    stride_vs_block,
     stride_vs_slot,
     stride_vs_head,
     stride_sm_head,
@@ -132,6 +147,7 @@ def _write_slots_quantized_kernel(
     V_QMAX: tl.constexpr,
     K_FP8: tl.constexpr,
     V_FP8: tl.constexpr,
+    POOL_BLOCK: tl.constexpr,
 ):
     # Program (t, h) quantizes BLOCK_T tokens x BLOCK_H whole heads of K and of V. The tile is
     # 3-D [tokens, heads, BLOCK_D] rather than the copy tiles' flat plane chunk: each scale is
@@ -189,21 +205,23 @@ def _write_slots_quantized_kernel(
     k_codes, k_scale = quantize_rows(key, K_QMAX, K_FP8)
     v_codes, v_scale = quantize_rows(value, V_QMAX, V_FP8)
 
-    slot3 = slot[:, None, None]
+    kp_slot = _slot_offsets(slot, stride_kp_block, stride_kp_slot, POOL_BLOCK)[:, None, None]
+    vp_slot = _slot_offsets(slot, stride_vp_block, stride_vp_slot, POOL_BLOCK)[:, None, None]
     tl.store(
-        k_pool_ptr + slot3 * stride_kp_slot + head3 * stride_kp_head + dim3 * stride_kp_dim,
+        k_pool_ptr + kp_slot + head3 * stride_kp_head + dim3 * stride_kp_dim,
         k_codes.to(k_pool_ptr.dtype.element_ty),
         mask=mask,
     )
     tl.store(
-        v_pool_ptr + slot3 * stride_vp_slot + head3 * stride_vp_head + dim3 * stride_vp_dim,
+        v_pool_ptr + vp_slot + head3 * stride_vp_head + dim3 * stride_vp_dim,
         v_codes.to(v_pool_ptr.dtype.element_ty),
         mask=mask,
     )
-    slot2 = slot[:, None]
+    ks_slot = _slot_offsets(slot, stride_ks_block, stride_ks_slot, POOL_BLOCK)[:, None]
+    vs_slot = _slot_offsets(slot, stride_vs_block, stride_vs_slot, POOL_BLOCK)[:, None]
     head2 = head[None, :]
-    tl.store(k_scale_ptr + slot2 * stride_ks_slot + head2 * stride_ks_head, k_scale, mask=row_mask)
-    tl.store(v_scale_ptr + slot2 * stride_vs_slot + head2 * stride_vs_head, v_scale, mask=row_mask)
+    tl.store(k_scale_ptr + ks_slot + head2 * stride_ks_head, k_scale, mask=row_mask)
+    tl.store(v_scale_ptr + vs_slot + head2 * stride_vs_head, v_scale, mask=row_mask)
 
 
 def _check_arguments(
@@ -223,8 +241,13 @@ def _check_arguments(
 ) -> None:
     _checks.check_rank("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
     _checks.check_rank("value", value, 3, "(num_tokens, num_kv_heads, head_dim)")
-    _checks.check_rank("k_pool", k_pool, 3, "(num_slots, num_kv_heads, head_dim)")
-    _checks.check_rank("v_pool", v_pool, 3, "(num_slots, num_kv_heads, head_dim)")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        _checks.check_tensor(name, pool)
+        if pool.dim() not in (3, 4):
+            raise ValueError(
+                f"{name} must have rank 3 (num_slots, num_kv_heads, head_dim) or 4 (num_blocks, "
+                f"block_size, num_kv_heads, head_dim), got shape {tuple(pool.shape)}"
+            )
     _checks.check_rank("slot_mapping", slot_mapping, 1, "(n,)")
     for name, tensor in (("key", key), ("value", value)):
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
@@ -244,9 +267,9 @@ def _check_arguments(
             raise ValueError(f"k_smooth is only for quantized pools; k_pool is {k_pool.dtype}")
         _checks.check_tensor("k_smooth", k_smooth)
         _checks.check_dtype("k_smooth", k_smooth, (quantize.SCALE_DTYPE,))
-        if k_smooth.shape != k_pool.shape[1:]:
+        if k_smooth.shape != k_pool.shape[-2:]:
             raise ValueError(
-                f"k_smooth must have shape {tuple(k_pool.shape[1:])} (num_kv_heads, head_dim), "
+                f"k_smooth must have shape {tuple(k_pool.shape[-2:])} (num_kv_heads, head_dim), "
                 f"got {tuple(k_smooth.shape)}"
             )
     if k_smooth_chosen is not None:
@@ -292,9 +315,9 @@ def _check_arguments(
             f"v_pool shape {tuple(v_pool.shape)} must equal k_pool shape {tuple(k_pool.shape)}"
         )
     _checks.check_head_dim("key", key.shape[2])
-    if k_pool.shape[1:] != key.shape[1:]:
+    if k_pool.shape[-2:] != key.shape[1:]:
         raise ValueError(
-            f"k_pool heads/head_dim {tuple(k_pool.shape[1:])} must match "
+            f"k_pool heads/head_dim {tuple(k_pool.shape[-2:])} must match "
             f"key's {tuple(key.shape[1:])}"
         )
     if slot_mapping.shape[0] > key.shape[0]:
@@ -307,10 +330,10 @@ def _check_arguments(
         raise ValueError("k_scale and v_scale must be separate tensors, not the same memory")
     if check_values and slot_mapping.numel():
         slots = slot_mapping[slot_mapping >= 0]
-        if slots.numel() and int(slots.max()) >= k_pool.shape[0]:
+        num_slots = k_pool.shape[:-2].numel()
+        if slots.numel() and int(slots.max()) >= num_slots:
             raise ValueError(
-                f"slot_mapping holds slot {int(slots.max())} past the pool's "
-                f"{k_pool.shape[0]} slots"
+                f"slot_mapping holds slot {int(slots.max())} past the pool's {num_slots} slots"
             )
         if slots.unique().numel() != slots.numel():
             raise ValueError("slot_mapping writes one slot twice; the result would be ambiguous")
@@ -337,9 +360,12 @@ def write_slots(
 ) -> None:
     """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
 
-    Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches. Quantized
-    pools (``kernels.quantize.QUANT_DTYPES``) take codes, and their scales ``(num_slots,
-    num_kv_heads)`` float32 ``k_scale``/``v_scale`` are written with them; ``k_smooth``
+    Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches, or the
+    paged caches ``(num_blocks, block_size, num_kv_heads, head_dim)`` themselves, slot
+    ``block * block_size + offset``, in any layout (keys-major pools, ``kernels.keys_major``,
+    have no flat view). Quantized pools (``kernels.quantize.QUANT_DTYPES``) take codes, and
+    their float32 scales ``k_scale``/``v_scale``, shaped like the pools without head_dim, are
+    written with them; ``k_smooth``
     ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing;
     ``k_equalizer``/``v_equalizer`` (the same shape, float32, > 0) then divide each channel of
     K/V (``kernels.equalize``: attention multiplies them back in). With ``k_smooth_chosen``
@@ -406,6 +432,7 @@ def write_slots(
             v_equalizer,
         )
         return
+    (k_pool, v_pool), pool_block = _slot_views(k_pool, v_pool)
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     flat = all(plane_is_flat(t) for t in (key, value, k_pool, v_pool))
     tiles = copy_tiles(num_tokens, num_kv_heads, head_dim, flat)
@@ -424,6 +451,7 @@ def write_slots(
         *k_pool.stride(),
         *v_pool.stride(),
         **tiles.constexprs(),
+        POOL_BLOCK=pool_block,
     )
 
 
@@ -489,6 +517,17 @@ def choose_equalizers(
     v_equalizer.copy_(equalize.choose_factors(value, None, used, equalize.V_SHARE))
 
 
+def _slot_views(*pools: Tensor) -> tuple[list[Tensor], int]:
+    """``pools`` (codes and scales, all flat or all paged) as paged views the kernels address
+    by strides, and their slots per block. Flat pools, and paged ones whose blocks are a whole
+    number of slots apart (the cache's slot-major pools), become one slot per block, so they
+    share the kernels built for flat pools; others (keys-major) keep their blocks."""
+    flat = pools[0].dim() == 3
+    if not flat and any(p.stride(0) != p.shape[1] * p.stride(1) for p in pools):
+        return list(pools), pools[0].shape[1]
+    return [(p if flat else p.flatten(0, 1)).unsqueeze(1) for p in pools], 1
+
+
 def _launch_quantized(
     key: Tensor,
     value: Tensor,
@@ -502,6 +541,7 @@ def _launch_quantized(
     v_equalizer: Tensor | None,
 ) -> None:
     """One launch quantizes K and V and writes their codes and scales."""
+    (k_pool, v_pool, k_scale, v_scale), pool_block = _slot_views(k_pool, v_pool, k_scale, v_scale)
     num_tokens = slot_mapping.shape[0]
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     tiles = copy_tiles(num_tokens, num_kv_heads, head_dim, flat=False)
@@ -547,4 +587,5 @@ def _launch_quantized(
         V_QMAX=quantize.QMAX[v_pool.dtype],
         K_FP8=k_pool.dtype == torch.float8_e4m3fn,
         V_FP8=v_pool.dtype == torch.float8_e4m3fn,
+        POOL_BLOCK=pool_block,
     )

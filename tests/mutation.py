@@ -1124,6 +1124,27 @@ MUTANTS = [
         f"{WRITE_QUANTIZED}::test_the_chosen_flag_needs_the_factors_and_a_cpu_scalar",
     ),
     _m(
+        "write-keys-major-pools-flattened",
+        "kernels/write_slots.py",
+        "    if not flat and any(p.stride(0) != p.shape[1] * p.stride(1) for p in pools):",
+        "    if False:",
+        f"{WRITE_QUANTIZED}::test_paged_pools_in_either_layout[B7-keys-major-triton-int8]",
+    ),
+    _m(
+        "write-one-slot-blocks-by-the-slot-stride",
+        "kernels/write_slots.py",
+        "        return slot * stride_block",
+        "        return slot * stride_slot",
+        f"{WRITE_QUANTIZED}::test_paged_pools_in_either_layout[B1-keys-major-triton-e4m3]",
+    ),
+    _m(
+        "write-torch-paged-pools-by-block",
+        "kernels/torch_path.py",
+        "    if k_pool.dim() == 4:  # paged pools",
+        "    if False:  # paged pools",
+        f"{WRITE_QUANTIZED}::test_paged_pools_in_either_layout[B7-keys-major-torch-int8]",
+    ),
+    _m(
         "attention-int8-mma-any-caches",
         "kernels/_attention_checks.py",
         "    if int8_mma and k_cache.dtype != torch.int8:",
@@ -1164,8 +1185,8 @@ MUTANTS = [
     _m(
         "write-slot-one-past-pool",
         "kernels/write_slots.py",
-        "if slots.numel() and int(slots.max()) >= k_pool.shape[0]:",
-        "if slots.numel() and int(slots.max()) > k_pool.shape[0]:",
+        "if slots.numel() and int(slots.max()) >= num_slots:",
+        "if slots.numel() and int(slots.max()) > num_slots:",
         f"{BAD}::test_write_slots_rejects_and_changes_nothing[slot-past-pool]",
     ),
     _m(

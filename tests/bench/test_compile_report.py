@@ -373,18 +373,14 @@ _PATH_RATIO_MISSES: dict = {}
 # loops. The output's row offsets (the query load's) stayed live across the loops and spilled
 # at FP8-MMA's 255 registers (16-68 bytes at blocks 16-1560 on Triton 3.9, 20 at block 16 on
 # 3.6) until the output took its rows from the tile index read again (_tile_index_again,
-# 2026-12-04). Left: a value the 64-key pointer loop over keys-major pools keeps from the
-# block_tiles path's whole tiles to its remainders at 1560.
-_QUANTIZED_SPILLS = {
-    ("fp8_mma_keys", 1560): "8/8 bytes",
-}
-# The same on Triton 3.6 (the GPU image's): a piece bound kept from block 24's first piece to
-# its second, since the row offsets were freed. (FP8-MMA's 128-key TMA loop, the table's
-# default over keys-major pools at 520 and 1560, spills 4-8 bytes there:
+# 2026-12-04). Then a block's second piece reused the first piece's quotients by the block
+# size, kept from one piece's loops to the other's (8 bytes at 1560 on 3.9 over keys-major
+# pools, 4 at block 24 on 3.6) until the second piece divided again (_unknown_again).
+_QUANTIZED_SPILLS: dict = {}
+# The same on Triton 3.6 (the GPU image's). (FP8-MMA's 128-key TMA loop, the table's default
+# over keys-major pools at 520 and 1560, spills 4-8 bytes there:
 # test_fp8_mma_128_key_tma_loop_over_keys_major_pools.)
-_TRITON36_QUANTIZED_SPILLS = {
-    ("fp8_mma", 24): "4 bytes",
-}
+_TRITON36_QUANTIZED_SPILLS: dict = {}
 
 
 def _bf16_cases(misses: dict) -> list:
@@ -678,11 +674,32 @@ def test_quantized_tma_loop_loads_codes_and_scales_through_descriptors(
     assert tma["loop_global_loads"] < pointers["loop_global_loads"], (tma, pointers)
     assert (tma["mma"], tma["kv_buffers"]) == (pointers["mma"], 3), (tma, pointers)
     if minor == "3.6":
-        # On the GPU image's Triton, shorter than the pointer loop, without spills (2026-12-04:
-        # FP8-MMA 536-554 against 560-572 at blocks 64/520/1560, INT8-MMA 552-562 against
-        # 569-585; 3 to 4 more barriers). On 3.9 it is longer (522-537 against 501-512).
+        # On the GPU image's Triton, shorter than the pointer loop (2026-12-04: FP8-MMA 536-554
+        # against 560-572 at blocks 64/520/1560, INT8-MMA 552-562 against 569-585; 3 to 4 more
+        # barriers). On 3.9 it is longer (522-537 against 501-512).
         assert tma["loop_instructions"] < pointers["loop_instructions"], (tma, pointers)
-        assert (tma["spill_stores"], tma["spill_loads"]) == (0, 0), tma
+
+
+# Since a block's second piece divides its bounds again (_unknown_again), ptxas keeps a lane
+# quotient by 24 from the first piece's masked loop to the second's instead (it was 0 before).
+_TRITON36_TMA_SPILLS = {("fp8_mma_keys", 1560): "4/4 bytes outside the loops"}
+
+
+@pytest.mark.parametrize(
+    "mode, block",
+    [
+        pytest.param(
+            m,
+            b,
+            id=f"{m}-B{b}",
+            marks=_version_marks("3.6") + _misses(_TRITON36_TMA_SPILLS, (m, b)),
+        )
+        for m, b in itertools.product(QUANTIZED_TMA_MODES, QUANTIZED_TMA_BLOCKS)
+    ],
+)
+def test_triton36_quantized_tma_loop_without_spills(report: Report, mode: str, block: int) -> None:
+    tma = report.paged(report.version("3.6"), block, kv=mode, variant=FORCED_TMA)
+    assert (tma["spill_stores"], tma["spill_loads"]) == (0, 0), tma
 
 
 @pytest.mark.parametrize("minor", _versions())

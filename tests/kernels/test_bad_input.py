@@ -167,7 +167,20 @@ WRITE_CASES = [
     pytest.param(4, lambda t: torch.tensor([3, 3]), ValueError, "slot_mapping", id="slot-twice"),
     pytest.param(0, lambda t: t.to("meta"), ValueError, "device", id="mixed-devices"),
     pytest.param(0, lambda t: t.double(), TypeError, "key", id="key-dtype"),
+    pytest.param(2, lambda t: t[None], ValueError, "k_pool", id="pool-rank-5"),
+    pytest.param(2, lambda t: t.view(4, 8, 2, 16), ValueError, "v_pool", id="paged-and-flat"),
 ]
+
+
+@pytest.mark.parametrize("keys_major", [False, True], ids=["slot-major", "keys-major"])
+def test_write_slots_rejects_a_slot_past_paged_pools(keys_major: bool) -> None:
+    key, value, k_pool, v_pool, _ = write_args()
+    k_pool, v_pool = (t.view(4, 8, 2, 16) for t in (k_pool, v_pool))
+    if keys_major:
+        k_pool, v_pool = kernels.keys_major(k_pool), kernels.keys_major(v_pool)
+    with pytest.raises(ValueError, match="slot_mapping holds slot 32 past the pool's 32 slots"):
+        kernels.write_slots(key, value, k_pool, v_pool, torch.tensor([0, 32]))
+    assert not k_pool.any() and not v_pool.any()
 
 
 @pytest.mark.parametrize("index, change, error, word", WRITE_CASES)

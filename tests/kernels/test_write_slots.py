@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -10,6 +12,8 @@ from hypothesis import strategies as st
 from paged_video import kernels
 from paged_video.kernels import _copy_tiles
 from tests.helpers import DEVICE, copy_tiling
+
+write_module = importlib.import_module("paged_video.kernels.write_slots")
 
 
 def make_pools(num_slots: int, heads: int, dim: int, dtype=torch.float32):
@@ -91,6 +95,39 @@ def test_strided_pool_view() -> None:
     slots = torch.tensor([23, 2, 9, 10, 11], dtype=torch.int64, device=DEVICE)
     check_write(key, value, k_pool, v_pool, slots)
     assert torch.equal(base[:, :, 1::2], torch.zeros_like(base[:, :, 1::2]))
+
+
+@pytest.mark.parametrize("where", ["triton", "torch"])
+@pytest.mark.parametrize("keys_major", [False, True], ids=["slot-major", "keys-major"])
+@pytest.mark.parametrize("block_size", [1, 7, 24], ids=lambda b: f"B{b}")
+def test_paged_pools_in_either_layout(where: str, keys_major: bool, block_size: int) -> None:
+    # Paged pools (blocks, block_size, heads, head_dim): slot = block * block_size + offset.
+    # Keys-major ones (no flat view) sit in NaN storage whose rows' padding must stay NaN.
+    num_blocks, heads, dim = 4, 2, 80
+    row = -(-block_size // 16) * 16
+    storages = [
+        torch.full((num_blocks, heads, dim, row), float("nan"), device=DEVICE) for _ in "kv"
+    ]
+    if keys_major:
+        k_pool, v_pool = (t[..., :block_size].movedim(-1, 1) for t in storages)
+    else:
+        k_pool, v_pool = nan_pools(num_blocks * block_size, heads, dim)
+        k_pool, v_pool = (t.unflatten(0, (num_blocks, block_size)) for t in (k_pool, v_pool))
+    start = block_size + block_size // 2
+    tokens = min(2 * block_size + 3, num_blocks * block_size - start)
+    slots = torch.arange(start, start + tokens, device=DEVICE)
+    slots[1], slots[0] = -1, 0
+    key = torch.randn(tokens, heads, dim, device=DEVICE)
+    value = torch.randn(tokens, heads, dim, device=DEVICE)
+    k_want, v_want = expected_pools(k_pool.flatten(0, 1), v_pool.flatten(0, 1), key, value, slots)
+    with pytest.MonkeyPatch.context() as patch:
+        if where == "torch":
+            patch.setattr(write_module, "use_torch_path", lambda tensor: True)
+        kernels.write_slots(key, value, k_pool, v_pool, slots)
+    torch.testing.assert_close(k_pool.flatten(0, 1), k_want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_pool.flatten(0, 1), v_want, rtol=0, atol=0, equal_nan=True)
+    if keys_major:
+        assert all(t[..., block_size:].isnan().all() for t in storages)
 
 
 def test_slots_past_int32_offsets() -> None:

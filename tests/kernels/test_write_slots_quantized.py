@@ -430,3 +430,58 @@ def test_the_flag_makes_the_first_write_choose_the_mean_once(dtype) -> None:
     unset = torch.tensor(False)
     kernels.write_slots(key, value, *pools[:2], slots[:0], **kwargs | {"k_smooth_chosen": unset})
     assert not bool(unset) and torch.equal(mean, frozen)
+
+
+def keys_major_poisoned(num_blocks: int, block_size: int, heads: int, dim: int, dtype):
+    """Keys-major (``kernels.keys_major``'s layout) poisoned pools and the storages under them,
+    rows' padding poisoned too."""
+    row = -(-block_size // kernels.pool_layout.KEY_ALIGNMENT) * kernels.pool_layout.KEY_ALIGNMENT
+    codes = torch.full((num_blocks, heads, dim, row), POISON_CODE[dtype], dtype=torch.uint8)
+    storages = [codes.view(dtype).to(DEVICE), codes.view(dtype).clone().to(DEVICE)]
+    storages += [torch.full((num_blocks, heads, row), float("nan"), device=DEVICE) for _ in "kv"]
+    views = [s[..., :block_size].movedim(-1, 1) for s in storages]
+    return views, storages
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("where", ["triton", "gpu-tiles", "torch"])
+@pytest.mark.parametrize("keys_major", [False, True], ids=["slot-major", "keys-major"])
+@pytest.mark.parametrize("block_size", [1, 7, 24], ids=lambda b: f"B{b}")
+def test_paged_pools_in_either_layout(dtype, where, keys_major, block_size) -> None:
+    # Paged pools (blocks, block_size, heads, head_dim) take the flat pools' codes and scales
+    # slot for slot; keys-major ones have no flat view, and their rows' padding stays poison.
+    heads, dim, num_blocks = 3, 80, 5
+    num_slots = num_blocks * block_size
+    flat = poisoned_pools(num_slots, heads, dim, dtype)
+    if keys_major:
+        paged, storages = keys_major_poisoned(num_blocks, block_size, heads, dim, dtype)
+        assert kernels.pool_layout.is_keys_major(paged[0]) == (block_size > 1)
+    else:
+        paged = [
+            t.unflatten(0, (num_blocks, block_size))
+            for t in poisoned_pools(num_slots, heads, dim, dtype)
+        ]
+    start = block_size + block_size // 2  # mid-block
+    tokens = min(2 * block_size + 3, num_slots - start)
+    # In order from mid-block, one padding entry, and first the pool's first slot.
+    slots = torch.arange(start, start + tokens, device=DEVICE)
+    slots[1], slots[0] = -1, 0
+    key, value, mean = random_kv(tokens, heads, dim, seed=block_size)
+    with backend(where):
+        for k_pool, v_pool, k_scale, v_scale in (flat, paged):
+            kernels.write_slots(
+                key, value, k_pool, v_pool, slots, k_scale=k_scale, v_scale=v_scale, k_smooth=mean
+            )
+    for want, got in zip(flat, paged, strict=True):
+        got = got.flatten(0, 1)  # a copy for keys-major pools
+        if want.dtype == dtype:
+            assert torch.equal(as_bytes(got), as_bytes(want))
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    if keys_major:
+        for storage in storages:
+            padding = storage[..., block_size:]
+            if padding.dtype == dtype:
+                assert (as_bytes(padding) == POISON_CODE[dtype]).all()
+            else:
+                assert padding.isnan().all()
