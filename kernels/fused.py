@@ -444,7 +444,6 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_equalizer = pools.k_equalizers[layer_index]
             v_equalizer = pools.v_equalizers[layer_index]
             equalizers_chosen = pools.equalizers_chosen[layer_index]
-    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     # Only video keys choose the mean and the factors; action rows are written with them.
     for k, v, slots, mean_chosen, factors_chosen in (
         (key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen),
@@ -453,11 +452,11 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         write_slots(
             k,
             v,
-            k_flat,
-            v_flat,
+            k_cache,  # paged pools, in whatever layout the cache has
+            v_cache,
             slots,
-            k_scale=_apply(k_scale, Tensor.flatten, 0, 1),
-            v_scale=_apply(v_scale, Tensor.flatten, 0, 1),
+            k_scale=k_scale,
+            v_scale=v_scale,
             k_smooth=k_smooth,
             k_smooth_chosen=mean_chosen,
             k_equalizer=k_equalizer,

@@ -43,7 +43,8 @@ def _usable_device(device: object) -> torch.device:
 
 
 class LayerCache(NamedTuple):
-    """One layer's storage: 4-D pools, their flat ``(num_blocks * B, ...)`` views, staging.
+    """One layer's storage: 4-D pools, their flat ``(num_blocks * B, ...)`` views (None for
+    keys-major pools, which have none), staging.
 
     Quantized caches also give the scales ``(num_blocks, B, num_kv_heads)`` and, with
     smoothing, the layer's K mean ``(num_kv_heads, head_dim)`` and its 0-dim CPU flag
@@ -57,8 +58,8 @@ class LayerCache(NamedTuple):
 
     k: Tensor
     v: Tensor
-    k_flat: Tensor
-    v_flat: Tensor
+    k_flat: Tensor | None
+    v_flat: Tensor | None
     stage_k: Tensor | None
     stage_v: Tensor | None
     k_scale: Tensor | None = None
@@ -69,13 +70,24 @@ class LayerCache(NamedTuple):
     v_equalizer: Tensor | None = None
     equalizers_chosen: Tensor | None = None
 
+    @property
+    def write_pools(self) -> tuple[Tensor, Tensor]:
+        """The K and V pools ``write_slots`` takes with ``write_kwargs()``: the flat views, or
+        the 4-D pools of a keys-major cache (which have none)."""
+        if self.k_flat is None:
+            return self.k, self.v
+        return self.k_flat, self.v_flat
+
     def write_kwargs(self) -> dict[str, Tensor]:
-        """Keyword arguments for ``write_slots`` after ``key, value, k_flat, v_flat, slots``:
-        flat scales, the K mean, the equalization factors and their flags (none for a float
-        cache)."""
+        """Keyword arguments for ``write_slots`` after ``key, value, *write_pools, slots``: the
+        scales (shaped like ``write_pools`` without head_dim), the K mean, the equalization
+        factors and their flags (none for a float cache)."""
         if self.k_scale is None:
             return {}
-        kwargs = {"k_scale": self.k_scale.flatten(0, 1), "v_scale": self.v_scale.flatten(0, 1)}
+        k_scale, v_scale = self.k_scale, self.v_scale
+        if self.k_flat is not None:
+            k_scale, v_scale = k_scale.flatten(0, 1), v_scale.flatten(0, 1)
+        kwargs = {"k_scale": k_scale, "v_scale": v_scale}
         if self.k_mean is not None:
             kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}
         if self.k_equalizer is not None:
@@ -179,6 +191,11 @@ class PagedKVCache:
             raise ValueError(
                 f"dtype {dtype} and config.kv_dtype {config.kv_dtype} disagree; give one of them"
             )
+        if config.keys_major and (config.kv_dtype or dtype) not in KV_DTYPES:
+            raise ValueError(
+                f"config.keys_major needs quantized pools (kv_dtype float8_e4m3fn or int8), got "
+                f"{dtype} pools: the 16-bit kernels' TMA loops read slot-major pools"
+            )
         sequences = session_capacity * len(branches)
         per_sequence = window.blocks_per_sequence(config)
         if pool_blocks is None:
@@ -221,10 +238,21 @@ class PagedKVCache:
         def empty(*size: int, dtype: torch.dtype = torch.float32) -> Tensor:
             return torch.empty(size, dtype=dtype, device=device)
 
-        self.k_pools = empty(*shape, dtype=kv_dtype)
-        self.v_pools = empty(*shape, dtype=kv_dtype)
-        scale_shape = shape[:-1] if quantized else (0,)
-        self.k_scales, self.v_scales = empty(*scale_shape), empty(*scale_shape)
+        def empty_pool(*size: int, dtype: torch.dtype = torch.float32) -> Tensor:
+            if not self.config.keys_major:
+                return empty(*size, dtype=dtype)
+            # Here, not at the top: a float cache's bookkeeping never loads Triton.
+            from paged_video.kernels.pool_layout import empty_keys_major
+
+            pools = empty_keys_major(size[0] * size[1], *size[2:], dtype=dtype, device=device)
+            return pools.unflatten(0, size[:2])
+
+        self.k_pools = empty_pool(*shape, dtype=kv_dtype)
+        self.v_pools = empty_pool(*shape, dtype=kv_dtype)
+        if quantized:
+            self.k_scales, self.v_scales = empty_pool(*shape[:-1]), empty_pool(*shape[:-1])
+        else:
+            self.k_scales, self.v_scales = empty(0), empty(0)
         smoothed = quantized and self.config.smooth_keys
         self.k_means = empty(*((num_layers, num_kv_heads, head_dim) if smoothed else (0,)))
         self.k_means.zero_()
@@ -271,7 +299,8 @@ class PagedKVCache:
     @property
     def pool_bytes(self) -> int:
         """Bytes of the K/V pools, their scale pools (quantized caches), the K means and the
-        equalization factors.
+        equalization factors: what they hold in memory (keys-major pools: with their rows'
+        padding to 16 keys).
 
         Not counted: the history staging buffers and their scales (a window per layer, only
         with ``reuse_history_staging``), the per-layer flags and the host bookkeeping.
@@ -285,13 +314,14 @@ class PagedKVCache:
             self.k_equalizers,
             self.v_equalizers,
         )
-        return sum(t.numel() * t.element_size() for t in stored)
+        return sum(t.untyped_storage().nbytes() for t in stored)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over every layer: K and V slots and, quantized, their scales."""
+        """Bytes of one block over every layer: K and V slots and, quantized, their scales
+        (keys-major pools: with their rows' padding)."""
         stored = (self.k_pools, self.v_pools, self.k_scales, self.v_scales)
-        return sum(t.numel() * t.element_size() for t in stored) // self.num_blocks
+        return sum(t.untyped_storage().nbytes() for t in stored) // self.num_blocks
 
     @property
     def pool_stats(self) -> PoolStats:
@@ -346,8 +376,9 @@ class PagedKVCache:
         return LayerCache(
             k=k,
             v=v,
-            k_flat=k.flatten(0, 1),
-            v_flat=v.flatten(0, 1),
+            # A keys-major pool has no flat view (flatten would copy it).
+            k_flat=None if self.config.keys_major else k.flatten(0, 1),
+            v_flat=None if self.config.keys_major else v.flatten(0, 1),
             stage_k=self.stage_k[index] if staged else None,
             stage_v=self.stage_v[index] if staged else None,
             k_scale=self.k_scales[index] if self.quantized else None,

@@ -49,7 +49,10 @@ class PagingConfig:
     (``channel_equalization`` gives the choice). ``fp8_mma`` attends with FP8 MMAs
     (``float8_e4m3fn`` only) instead of dequantizing before bf16/fp16/fp32 MMAs; ``int8_mma``
     (``int8`` only) quantizes each query row to int8 and runs ``Q K^T`` as an int8 MMA (exact
-    int32 sums), ``P V`` as the dequantizing mode.
+    int32 sums), ``P V`` as the dequantizing mode. ``keys_major`` (quantized caches only) lays
+    the pools and their scales out keys-major (``kernels.pool_layout``): the keys of a block
+    contiguous per KV head and channel, which feeds FP8-MMA's ``P V`` as prefetched and lets
+    the scales load two at a time, at the cost of rows padded to 16 keys.
     """
 
     block_size: int
@@ -67,6 +70,7 @@ class PagingConfig:
     fp8_mma: bool = False
     int8_mma: bool = False
     equalize_channels: bool | None = None
+    keys_major: bool = False
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, minimum=1, maximum=MAX_TOKENS)
@@ -83,6 +87,7 @@ class PagingConfig:
             "smooth_keys",
             "fp8_mma",
             "int8_mma",
+            "keys_major",
         )
         for name in switches:
             require_bool(name, getattr(self, name))

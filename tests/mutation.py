@@ -1145,6 +1145,30 @@ MUTANTS = [
         f"{WRITE_QUANTIZED}::test_paged_pools_in_either_layout[B7-keys-major-torch-int8]",
     ),
     _m(
+        "fused-writes-flat-copies-of-keys-major-pools",
+        "kernels/fused.py",
+        "            k_cache,  # paged pools, in whatever layout the cache has\n"
+        "            v_cache,\n"
+        "            slots,\n"
+        "            k_scale=k_scale,\n"
+        "            v_scale=v_scale,\n",
+        "            k_cache.flatten(0, 1),\n"
+        "            v_cache.flatten(0, 1),\n"
+        "            slots,\n"
+        "            k_scale=_apply(k_scale, Tensor.flatten, 0, 1),\n"
+        "            v_scale=_apply(v_scale, Tensor.flatten, 0, 1),\n",
+        "tests/paging/test_quantized.py::"
+        "test_forwards_match_the_oracle_over_dequantized_pools[e4m3-keys-major]",
+    ),
+    _m(
+        "cache-flat-views-of-keys-major-pools",
+        "paging/cache.py",
+        "            k_flat=None if self.config.keys_major else k.flatten(0, 1),",
+        "            k_flat=k.flatten(0, 1),",
+        "tests/paging/test_quantized.py::"
+        "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache[keys-major]",
+    ),
+    _m(
         "attention-int8-mma-any-caches",
         "kernels/_attention_checks.py",
         "    if int8_mma and k_cache.dtype != torch.int8:",

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from paged_video import reference
+from paged_video import kernels, reference
 from paged_video.kernels import paged_attention, write_slots
 from paged_video.paging import PagedKVCache, PagingConfig, Session
 from paged_video.paging.forward import ForwardCall
@@ -53,11 +53,17 @@ def poisoned_cache(config: PagingConfig, **kwargs) -> PagedKVCache:
         dtype=torch.float32,
         **kwargs,
     )
+    # Whole storages: a keys-major pool's rows' padding too, which no kernel may read.
     for codes in (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v):
-        codes.view(torch.int8).fill_(POISON[cache.k_pools.dtype])
+        storage_of(codes, torch.int8).fill_(POISON[cache.k_pools.dtype])
     for scales in (cache.k_scales, cache.v_scales, cache.stage_k_scales, cache.stage_v_scales):
-        scales.fill_(float("nan"))
+        storage_of(scales, torch.float32).fill_(float("nan"))
     return cache
+
+
+def storage_of(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """All of ``tensor``'s storage as a flat tensor of ``dtype`` (padding included)."""
+    return torch.empty(0, dtype=dtype, device=tensor.device).set_(tensor.untyped_storage())
 
 
 class QuantizedRollout:
@@ -169,20 +175,27 @@ class QuantizedRollout:
 
 
 @pytest.mark.parametrize(
-    "staged, block_size",
+    "staged, block_size, keys_major",
     [
-        pytest.param(False, 4, id="paged"),
-        pytest.param(True, 4, id="staged"),
+        pytest.param(False, 4, False, id="paged"),
+        pytest.param(True, 4, False, id="staged"),
         # Chunks on block edges: committing forwards keep the staged history (and its scales).
-        pytest.param(True, 3, id="staged-kept"),
+        pytest.param(True, 3, False, id="staged-kept"),
+        # Pools and scales keys-major (written by block and offset, staged slot-major).
+        pytest.param(False, 4, True, id="keys-major"),
+        pytest.param(True, 3, True, id="keys-major-staged-kept"),
     ],
 )
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_forwards_match_the_oracle_over_dequantized_pools(
-    dtype: torch.dtype, staged: bool, block_size: int
+    dtype: torch.dtype, staged: bool, block_size: int, keys_major: bool
 ) -> None:
     config = dataclasses.replace(
-        CONFIG, block_size=block_size, kv_dtype=dtype, reuse_history_staging=staged
+        CONFIG,
+        block_size=block_size,
+        kv_dtype=dtype,
+        reuse_history_staging=staged,
+        keys_major=keys_major,
     )
     rollout = QuantizedRollout(config)
     cache = rollout.cache
@@ -315,6 +328,56 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
         assert cache.staging.k_scales is cache.stage_k_scales
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 24])
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_keys_major_cache_pools(dtype: torch.dtype, block_size: int) -> None:
+    # Codes and scales keys-major with rows padded to 16 keys; no flat views (a flatten would
+    # copy), so drivers write the 4-D pools with 3-D scales; staging stays slot-major.
+    config = dataclasses.replace(
+        CONFIG, block_size=block_size, kv_dtype=dtype, keys_major=True, reuse_history_staging=True
+    )
+    cache = PagedKVCache(config, num_layers=3, num_kv_heads=2, head_dim=8)
+    slot_major = PagedKVCache(dataclasses.replace(config, keys_major=False), num_layers=3,
+                              num_kv_heads=2, head_dim=8)  # fmt: skip
+    row = -(-block_size // 16) * 16  # keys per padded row
+    for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
+        pools, plain = getattr(cache, name), getattr(slot_major, name)
+        assert pools.shape == plain.shape and pools.dtype == plain.dtype, name
+        assert kernels.pool_layout.keys_aligned(pools[1]) == (block_size > 1), name
+        assert (
+            pools.untyped_storage().nbytes() == plain.untyped_storage().nbytes() * row // block_size
+        )
+    assert cache.stage_k.is_contiguous() and cache.stage_k_scales.is_contiguous()
+    layer = cache.layer(1)
+    assert layer.k_flat is None and layer.v_flat is None
+    assert [t.data_ptr() for t in layer.write_pools] == [layer.k.data_ptr(), layer.v.data_ptr()]
+    write = layer.write_kwargs()
+    assert write["k_scale"] is layer.k_scale and write["v_scale"] is layer.v_scale
+    flat = slot_major.layer(1)
+    assert [t.data_ptr() for t in flat.write_pools] == [
+        flat.k_flat.data_ptr(),
+        flat.v_flat.data_ptr(),
+    ]
+    assert flat.write_pools[0].shape == (slot_major.num_blocks * block_size, 2, 8)
+    padding = cache.pool_bytes - slot_major.pool_bytes
+    assert padding == sum(
+        t.numel() * t.element_size() * (row - block_size) // block_size
+        for t in (slot_major.k_pools, slot_major.v_pools, slot_major.k_scales, slot_major.v_scales)
+    )
+    assert cache.block_bytes * block_size == slot_major.block_bytes * row
+
+
+def test_keys_major_needs_quantized_pools() -> None:
+    config = dataclasses.replace(CONFIG, keys_major=True)
+    with pytest.raises(ValueError, match="keys_major needs quantized pools"):
+        PagedKVCache(config, num_layers=1, num_kv_heads=1, head_dim=8)
+    with pytest.raises(TypeError, match="keys_major"):
+        dataclasses.replace(CONFIG, keys_major=1)
+    # The cache's dtype may name the format.
+    cache = PagedKVCache(config, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.int8)
+    assert kernels.pool_layout.is_keys_major(cache.k_pools[0])
+
+
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_pool_bytes_of_quantized_pools_are_at_most_54_percent_of_bf16(dtype: torch.dtype) -> None:
     layers, heads, head_dim = 2, 3, 128
@@ -356,7 +419,8 @@ def test_quantized_pools_too_large_to_allocate_name_the_scales() -> None:
 
 
 @pytest.mark.usefixtures("plain")
-def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache() -> None:
+@pytest.mark.parametrize("keys_major", [False, True], ids=["slot-major", "keys-major"])
+def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache(keys_major) -> None:
     # The README's raw driver (plan.prepare, write_slots, paged_attention with the layer's
     # write_kwargs and attention_kwargs) over an int8 cache with smoothing and channel
     # equalization on (the defaults), then a ForwardCall: the raw driver's first write chooses
@@ -364,7 +428,12 @@ def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache() -> No
     # fused op keeps them and history and new keys are shifted and divided alike.
     c, heads, dim = 8, 2, 8
     config = PagingConfig(
-        block_size=4, chunk_size=c, sink_chunks=2, window_chunks=3, kv_dtype=torch.int8
+        block_size=4,
+        chunk_size=c,
+        sink_chunks=2,
+        window_chunks=3,
+        kv_dtype=torch.int8,
+        keys_major=keys_major,
     )
     cache = PagedKVCache(config, num_layers=LAYERS, num_kv_heads=heads, head_dim=dim)
     session = cache.open_session()
@@ -393,9 +462,7 @@ def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache() -> No
         for i in range(LAYERS):
             q, k, v = qkv()
             layer = cache.layer(i)
-            write_slots(
-                k, v, layer.k_flat, layer.v_flat, inputs.video_slots, **layer.write_kwargs()
-            )
+            write_slots(k, v, *layer.write_pools, inputs.video_slots, **layer.write_kwargs())
             kwargs = inputs.attention_kwargs() | layer.attention_kwargs()
             check(
                 i, q, k, v, paged_attention(q, layer.k, layer.v, softmax_scale=dim**-0.5, **kwargs)
@@ -418,3 +485,44 @@ def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache() -> No
     for i in range(LAYERS):
         q, k, v = qkv()
         check(i, q, k, v, call.attend(i, q, k, v))
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
+        pytest.param({"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True}, id="fp8-mma"),
+        pytest.param({"kv_dtype": torch.int8, "int8_mma": True}, id="int8-mma"),
+    ],
+)
+def test_keys_major_cache_attends_as_the_slot_major_one(mode: dict) -> None:
+    # The same forwards over both layouts (the MMA modes included, whose keys-major loops read
+    # V and the scales differently): the same codes and scales, the same outputs.
+    caches = [
+        poisoned_cache(dataclasses.replace(CONFIG, keys_major=keys_major, **mode))
+        for keys_major in (False, True)
+    ]
+    sessions = [cache.open_session() for cache in caches]
+    gen = torch.Generator().manual_seed(5)
+    n, actions = CONFIG.chunk_size, 2
+    for _ in range(4):  # the window slides from the third commit on
+        calls = [
+            ForwardCall(cache, cache.plan(s, "main", n, action_tokens=actions), softmax_scale=0.3)
+            for cache, s in zip(caches, sessions, strict=True)
+        ]
+        for layer in range(LAYERS):
+            q = torch.randn(n, HEADS, DIM, generator=gen)
+            kv = [
+                torch.randn(t, KV_HEADS, DIM, generator=gen) + 3 for t in (n, n, actions, actions)
+            ]
+            outs = [call.attend(layer, q, *kv) for call in calls]
+            assert not outs[0].isnan().any()
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+        for call in calls:
+            call.commit()
+    for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
+        slot_major, keys_major = (getattr(cache, name) for cache in caches)
+        assert torch.equal(
+            keys_major.view(torch.uint8 if slot_major.element_size() == 1 else torch.int32),
+            slot_major.view(torch.uint8 if slot_major.element_size() == 1 else torch.int32),
+        ), name
