@@ -50,9 +50,20 @@ from paged_video.bench import sass
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
 # (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``), or int8
-# codes with an int8 Q K^T MMA (``int8_mma=True``). ``_keys``: the MMA mode over keys-major
-# pools (``kernels.keys_major``): the scale pools, and for FP8-MMA V as well.
-KV_MODES = ("same", "fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma", "int8_mma_keys")
+# codes with an int8 Q K^T MMA (``int8_mma=True``). ``_keys``: the mode over keys-major pools
+# (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale pools, and for FP8-MMA
+# V as well.
+KV_MODES = (
+    "same",
+    "fp8",
+    "int8",
+    "fp8_mma",
+    "int8_mma",
+    "fp8_keys",
+    "int8_keys",
+    "fp8_mma_keys",
+    "int8_mma_keys",
+)
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The K/V modes weighed against the FP8 anchor (the anchor kernel on e4m3 codes, an ``anchor``
 # row whose ``kv_mode`` says ``fp8_mma``) rather than the 16-bit one.
@@ -527,8 +538,8 @@ def _paged_launches(config: Config) -> list[_Launch]:
     dtype = DTYPES[config.dtype]
     d, bs = config.head_dim, config.block_size
     empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt)  # touches no memory
-    kv_int8 = {"int8": torch.int8, "int8_mma": torch.int8, "int8_mma_keys": torch.int8}
-    kv_dtype = {"same": dtype, **kv_int8}.get(config.kv_mode, torch.float8_e4m3fn)
+    kv_dtype = torch.int8 if config.kv_mode.startswith("int8") else torch.float8_e4m3fn
+    kv_dtype = dtype if config.kv_mode == "same" else kv_dtype
     scales = {}
     if config.kv_mode != "same":
         scales = {
@@ -1052,8 +1063,8 @@ def add_parser(
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
         "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
-        "Q K^T MMA (int8_mma); fp8_mma_keys, int8_mma_keys: the MMA modes over keys-major pools "
-        "(the scales; fp8_mma's V too)",
+        "Q K^T MMA (int8_mma); a _keys suffix: the mode over keys-major pools, as "
+        "PagingConfig(keys_major=True) lays them out (the scales; fp8_mma's V too)",
     )
     parser.add_argument(
         "--launch",

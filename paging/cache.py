@@ -238,8 +238,8 @@ class PagedKVCache:
         def empty(*size: int, dtype: torch.dtype = torch.float32) -> Tensor:
             return torch.empty(size, dtype=dtype, device=device)
 
-        def empty_pool(*size: int, dtype: torch.dtype = torch.float32) -> Tensor:
-            if not self.config.keys_major:
+        def empty_pool(*size: int, dtype: torch.dtype = torch.float32, keys_major: bool) -> Tensor:
+            if not keys_major:
                 return empty(*size, dtype=dtype)
             # Here, not at the top: a float cache's bookkeeping never loads Triton.
             from paged_video.kernels.pool_layout import empty_keys_major
@@ -247,10 +247,16 @@ class PagedKVCache:
             pools = empty_keys_major(size[0] * size[1], *size[2:], dtype=dtype, device=device)
             return pools.unflatten(0, size[:2])
 
-        self.k_pools = empty_pool(*shape, dtype=kv_dtype)
-        self.v_pools = empty_pool(*shape, dtype=kv_dtype)
+        # Keys-major: the scales, and FP8-MMA's V codes (its P V MMA reduces over keys). K's
+        # codes stay slot-major: Q K^T reduces over channels, and the TMA loop reads K so.
+        keys_major = self.config.keys_major
+        self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=False)
+        self.v_pools = empty_pool(
+            *shape, dtype=kv_dtype, keys_major=keys_major and self.config.fp8_mma
+        )
         if quantized:
-            self.k_scales, self.v_scales = empty_pool(*shape[:-1]), empty_pool(*shape[:-1])
+            self.k_scales = empty_pool(*shape[:-1], keys_major=keys_major)
+            self.v_scales = empty_pool(*shape[:-1], keys_major=keys_major)
         else:
             self.k_scales, self.v_scales = empty(0), empty(0)
         smoothed = quantized and self.config.smooth_keys
@@ -376,7 +382,7 @@ class PagedKVCache:
         return LayerCache(
             k=k,
             v=v,
-            # A keys-major pool has no flat view (flatten would copy it).
+            # Keys-major scales (and FP8-MMA's V) have no flat view: flatten would copy them.
             k_flat=None if self.config.keys_major else k.flatten(0, 1),
             v_flat=None if self.config.keys_major else v.flatten(0, 1),
             stage_k=self.stage_k[index] if staged else None,

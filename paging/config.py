@@ -50,9 +50,9 @@ class PagingConfig:
     (``float8_e4m3fn`` only) instead of dequantizing before bf16/fp16/fp32 MMAs; ``int8_mma``
     (``int8`` only) quantizes each query row to int8 and runs ``Q K^T`` as an int8 MMA (exact
     int32 sums), ``P V`` as the dequantizing mode. ``keys_major`` (quantized caches only) lays
-    the pools and their scales out keys-major (``kernels.pool_layout``): the keys of a block
-    contiguous per KV head and channel, which feeds FP8-MMA's ``P V`` as prefetched and lets
-    the scales load two at a time, at the cost of rows padded to 16 keys.
+    the scale pools, and with ``fp8_mma`` V's codes, out keys-major (``kernels.pool_layout``):
+    a block's keys contiguous per KV head (and channel), which feeds FP8-MMA's ``P V`` as
+    prefetched and lets the scales load two at a time, at the cost of rows padded to 16 keys.
     """
 
     block_size: int

@@ -1161,6 +1161,13 @@ MUTANTS = [
         "test_forwards_match_the_oracle_over_dequantized_pools[e4m3-keys-major]",
     ),
     _m(
+        "cache-keys-major-k-codes",
+        "paging/cache.py",
+        "self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=False)",
+        "self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=keys_major)",
+        "tests/paging/test_quantized.py::test_keys_major_cache_pools[fp8-mma-4]",
+    ),
+    _m(
         "cache-flat-views-of-keys-major-pools",
         "paging/cache.py",
         "            k_flat=None if self.config.keys_major else k.flatten(0, 1),",

@@ -11,6 +11,7 @@ slot. Surviving tokens are also checked bit for bit after every commit. Pools st
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from paged_video.paging.forward import ForwardCall
 from paged_video.reference.quantize import K_SHARE, channel_factors, dequantize, nearest_code_error
 from tests.paging.rollout import geometry_of
 from tests.paging.twin import plain_torch_kernels
+
+attention_module = importlib.import_module("paged_video.kernels.paged_attention")
 
 FORMATS = [
     pytest.param(torch.float8_e4m3fn, id="e4m3"),
@@ -328,25 +331,43 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
         assert cache.staging.k_scales is cache.stage_k_scales
 
 
+MODES = [
+    pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
+    pytest.param({"kv_dtype": torch.int8}, id="int8"),
+    pytest.param({"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True}, id="fp8-mma"),
+    pytest.param({"kv_dtype": torch.int8, "int8_mma": True}, id="int8-mma"),
+]
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 24])
-@pytest.mark.parametrize("dtype", FORMATS)
-def test_keys_major_cache_pools(dtype: torch.dtype, block_size: int) -> None:
-    # Codes and scales keys-major with rows padded to 16 keys; no flat views (a flatten would
-    # copy), so drivers write the 4-D pools with 3-D scales; staging stays slot-major.
+@pytest.mark.parametrize("mode", MODES)
+def test_keys_major_cache_pools(mode: dict, block_size: int) -> None:
+    # The scales keys-major, and FP8-MMA's V codes, rows padded to 16 keys; K's codes slot-major
+    # (Q K^T reduces over channels). No flat views (a flatten would copy), so drivers write the
+    # 4-D pools with 3-D scales; staging stays slot-major. The pools are the ones the TMA loop
+    # reads.
     config = dataclasses.replace(
-        CONFIG, block_size=block_size, kv_dtype=dtype, keys_major=True, reuse_history_staging=True
+        CONFIG, block_size=block_size, keys_major=True, reuse_history_staging=True, **mode
     )
-    cache = PagedKVCache(config, num_layers=3, num_kv_heads=2, head_dim=8)
-    slot_major = PagedKVCache(dataclasses.replace(config, keys_major=False), num_layers=3,
-                              num_kv_heads=2, head_dim=8)  # fmt: skip
+    sizes = dict(num_layers=3, num_kv_heads=2, head_dim=16)
+    cache = PagedKVCache(config, **sizes)
+    slot_major = PagedKVCache(dataclasses.replace(config, keys_major=False), **sizes)
     row = -(-block_size // 16) * 16  # keys per padded row
+    keys_major = {"k_scales", "v_scales"} | ({"v_pools"} if config.fp8_mma else set())
+    padding = 0
     for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
         pools, plain = getattr(cache, name), getattr(slot_major, name)
         assert pools.shape == plain.shape and pools.dtype == plain.dtype, name
-        assert kernels.pool_layout.keys_aligned(pools[1]) == (block_size > 1), name
-        assert (
-            pools.untyped_storage().nbytes() == plain.untyped_storage().nbytes() * row // block_size
+        wanted = name in keys_major
+        assert kernels.pool_layout.keys_aligned(pools[1]) == (wanted and block_size > 1), name
+        assert pools.is_contiguous() == (not wanted or block_size == 16), name
+        stored = plain.untyped_storage().nbytes()
+        assert pools.untyped_storage().nbytes() == (
+            stored * row // block_size if wanted else stored
         )
+        padding += stored * (row - block_size) // block_size if wanted else 0
+    assert cache.pool_bytes - slot_major.pool_bytes == padding > 0
+    assert cache.block_bytes == slot_major.block_bytes + padding // cache.num_blocks
     assert cache.stage_k.is_contiguous() and cache.stage_k_scales.is_contiguous()
     layer = cache.layer(1)
     assert layer.k_flat is None and layer.v_flat is None
@@ -358,13 +379,14 @@ def test_keys_major_cache_pools(dtype: torch.dtype, block_size: int) -> None:
         flat.k_flat.data_ptr(),
         flat.v_flat.data_ptr(),
     ]
-    assert flat.write_pools[0].shape == (slot_major.num_blocks * block_size, 2, 8)
-    padding = cache.pool_bytes - slot_major.pool_bytes
-    assert padding == sum(
-        t.numel() * t.element_size() * (row - block_size) // block_size
-        for t in (slot_major.k_pools, slot_major.v_pools, slot_major.k_scales, slot_major.v_scales)
-    )
-    assert cache.block_bytes * block_size == slot_major.block_bytes * row
+    assert flat.write_pools[0].shape == (slot_major.num_blocks * block_size, 2, 16)
+    # The launcher's TMA loop reads these pools (descriptors over K, the scales, FP8-MMA's V).
+    for pools, want in ((layer, block_size > 1), (flat, False)):
+        scales = (pools.k_scale, pools.v_scale)
+        tma = attention_module._descriptor_layout(
+            pools.k, pools.v, 16, 16, scales, fp8_mma=config.fp8_mma
+        )
+        assert tma == want
 
 
 def test_keys_major_needs_quantized_pools() -> None:
@@ -375,7 +397,7 @@ def test_keys_major_needs_quantized_pools() -> None:
         dataclasses.replace(CONFIG, keys_major=1)
     # The cache's dtype may name the format.
     cache = PagedKVCache(config, num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.int8)
-    assert kernels.pool_layout.is_keys_major(cache.k_pools[0])
+    assert kernels.pool_layout.is_keys_major(cache.k_scales[0])
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
