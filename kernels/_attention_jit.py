@@ -557,6 +557,63 @@ def _attend_tiles(
 
 
 @triton.jit
+def _attend_block_pairs(
+    state,
+    q,
+    descs,
+    table,
+    first_tile,
+    num_tiles,
+    positions_end,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The unmasked loop over 16-bit key tiles of two whole blocks (``BLOCK_N == 2 *
+    BLOCK_SIZE``, tiles starting on block edges: the rows path's at block 64 and 128 keys) by
+    descriptor: each block's K and V rows are one load (a descriptor box is ``BLOCK_SIZE``
+    rows), the two halves' scores one online-softmax step, so the accumulator is rescaled once
+    per ``BLOCK_N`` keys, as a tile inside one block is (``state`` as in ``_attend_tiles``)."""
+    acc, row_max, row_sum, acc_scale = state
+    table_row, stride_table_col = table
+    id0, id1, _ = _tile_block_ids(
+        table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE,
+        "two_blocks", 0, BLOCK_SIZE,
+    )  # fmt: skip
+    for j in range(0, num_tiles):
+        # The next tile's block ids first (its loads are issued a whole iteration early).
+        next_id0, next_id1, _ = _tile_block_ids(
+            table_row, stride_table_col, first_tile + (j + 1) * BLOCK_N, positions_end,
+            BLOCK_N, BLOCK_SIZE, "two_blocks", 0, BLOCK_SIZE,
+        )  # fmt: skip
+        k0 = descs[0].load([id0 * BLOCK_SIZE, descs[2]])
+        k1 = descs[0].load([id1 * BLOCK_SIZE, descs[2]])
+        v0 = descs[1].load([id0 * BLOCK_SIZE, descs[2]])
+        v1 = descs[1].load([id1 * BLOCK_SIZE, descs[2]])
+        if UPCAST:
+            k0, k1 = k0.to(tl.float32), k1.to(tl.float32)
+            v0, v1 = v0.to(tl.float32), v1.to(tl.float32)
+        qk0 = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
+        qk1 = tl.dot(q, tl.trans(k1), input_precision=DOT_PRECISION)
+        # scale_log2 >= 0: the scaled maximum is the maximum scaled (as in _attend_tiles).
+        # One reduction over both halves (their elements paired first): one round of shuffles.
+        tile_max = tl.max(tl.maximum(qk0, qk1), axis=1)
+        new_max = tl.maximum(row_max, tile_max * scale_log2)
+        probs0 = tl.math.exp2(qk0 * scale_log2 - new_max[:, None])
+        probs1 = tl.math.exp2(qk1 * scale_log2 - new_max[:, None])
+        rescale = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs0 + probs1, axis=1)
+        acc = acc * rescale[:, None]
+        acc = tl.dot(probs0.to(v0.dtype), v0, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(probs1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
+        row_max = new_max
+        id0, id1 = next_id0, next_id1
+    return acc, row_max, row_sum, acc_scale
+
+
+@triton.jit
 def _piece_position(
     key, BLOCK_SIZE: tl.constexpr, PIECE_OFFSET: tl.constexpr, PIECE_SIZE: tl.constexpr
 ):
@@ -610,6 +667,10 @@ def _attend_piece(
     (``MASKED_ONLY``: masked, and no unmasked loop is compiled); the tile holding ``run_lo``
     and the tiles from the unmasked ones' end to ``run_hi`` run masked (``state`` as in
     ``_attend_tiles``)."""
+    # 16-bit tiles of two whole blocks take descriptor loads, a block each (_attend_block_pairs).
+    BLOCK_PAIRS: tl.constexpr = (
+        TMA and not QUANTIZED and KV_PATH == "rows" and BLOCK_N == 2 * BLOCK_SIZE
+    )
     lo = _piece_position(run_lo, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     hi = _piece_position(run_hi, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     full = lo if MASKED_ONLY else _piece_position(full_end, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
@@ -636,42 +697,48 @@ def _attend_piece(
             first_tile = full_lo
             tiles_start = full_lo + BLOCK_N
             num_tiles = (full_hi - full_lo) // BLOCK_N
-        state = _attend_tiles(
-            state,
-            q,
-            caches,
-            descs,
-            table,
-            first_tile,
-            tiles_start,
-            num_tiles,
-            run_lo,
-            run_hi,
-            hi,
-            key_limit,
-            scale_log2,
-            BLOCK_N,
-            BLOCK_D,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            KV_PATH,
-            SAME_KV_STRIDES,
-            OFFSETS_32,
-            masked == 1,
-            UPCAST,
-            DOT_PRECISION,
-            QUANTIZED,
-            FP8_MMA,
-            V_KEYS_MAJOR,
-            SCALES_KEYS_MAJOR,
-            WIDE_SCALES,
-            INT8_MMA,
-            PV_DTYPE,
-            INTERPRETED,
-            TMA,
-            PIECE_OFFSET,
-            PIECE_SIZE,
-        )
+        if not masked and BLOCK_PAIRS:
+            state = _attend_block_pairs(
+                state, q, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
+                BLOCK_SIZE, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            state = _attend_tiles(
+                state,
+                q,
+                caches,
+                descs,
+                table,
+                first_tile,
+                tiles_start,
+                num_tiles,
+                run_lo,
+                run_hi,
+                hi,
+                key_limit,
+                scale_log2,
+                BLOCK_N,
+                BLOCK_D,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                KV_PATH,
+                SAME_KV_STRIDES,
+                OFFSETS_32,
+                masked == 1,
+                UPCAST,
+                DOT_PRECISION,
+                QUANTIZED,
+                FP8_MMA,
+                V_KEYS_MAJOR,
+                SCALES_KEYS_MAJOR,
+                WIDE_SCALES,
+                INT8_MMA,
+                PV_DTYPE,
+                INTERPRETED,
+                TMA,
+                PIECE_OFFSET,
+                PIECE_SIZE,
+            )
     return state
 
 
@@ -945,8 +1012,13 @@ def _paged_attention_kernel(
         # tile inside one block is one descriptor load (the launcher checked the layout). A
         # keys-major V pool (FP8-MMA) reads as (block, KV head, channel) rows of slots instead.
         row = tl.num_programs(2) * HEAD_DIM
+        # A box of a tile's rows; of a block's, where a tile is two whole blocks.
+        BLOCK_PAIRS: tl.constexpr = (
+            TMA and not QUANTIZED and KV_PATH == "rows" and BLOCK_N == 2 * BLOCK_SIZE
+        )
+        TMA_ROWS: tl.constexpr = BLOCK_SIZE if BLOCK_PAIRS else BLOCK_N
         k_desc = tl.make_tensor_descriptor(
-            k_ptr, [pool_rows, row], [stride_k_slot, 1], [BLOCK_N, BLOCK_D]
+            k_ptr, [pool_rows, row], [stride_k_slot, 1], [TMA_ROWS, BLOCK_D]
         )
         if V_KEYS_MAJOR:
             v_desc = tl.make_tensor_descriptor(
@@ -957,7 +1029,7 @@ def _paged_attention_kernel(
             )
         else:
             v_desc = tl.make_tensor_descriptor(
-                v_ptr, [pool_rows, row], [stride_v_slot, 1], [BLOCK_N, BLOCK_D]
+                v_ptr, [pool_rows, row], [stride_v_slot, 1], [TMA_ROWS, BLOCK_D]
             )
         descs = (k_desc, v_desc, kv_head * HEAD_DIM, row)
         if QUANTIZED:

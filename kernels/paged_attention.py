@@ -200,10 +200,16 @@ def _block_d(head_dim: int, eight_bit_mma: bool) -> int:
     return max(32 if eight_bit_mma else 16, triton.next_power_of_2(head_dim))
 
 
-def _tiles_inside_blocks(block_size: int, block_n: int) -> bool:
-    """True when the unmasked loop's tiles each lie inside one block (the contiguous path, and
-    the whole tiles of ``block_tiles`` blocks larger than the tile): what a descriptor loads."""
+def _descriptor_tiles(
+    block_size: int, block_n: int, quantized: bool, block_pairs: bool = False
+) -> bool:
+    """True when the unmasked loop's tiles are what descriptors load: tiles inside one block
+    (the contiguous path, and the whole tiles of ``block_tiles`` blocks larger than the tile),
+    or, with ``block_pairs`` and 16-bit pools, tiles of two whole blocks (the rows path at
+    ``block_n == 2 * block_size``: a descriptor load per block, ``_attend_block_pairs``)."""
     path = kv_path(block_size, block_n)
+    if path == "rows":
+        return block_pairs and not quantized and block_n == 2 * block_size
     return path == "contiguous" or (path == "block_tiles" and block_size > block_n)
 
 
@@ -261,7 +267,7 @@ def _table_row(
     if block_n not in (None, row["block_n"]) or variant not in (None, row["variant"]):
         return None
     if mode != "same" and row["variant"] == "tma":
-        return row if _tiles_inside_blocks(block_size, row["block_n"]) else None
+        return row if _descriptor_tiles(block_size, row["block_n"], quantized=True) else None
     return row
 
 
@@ -378,13 +384,18 @@ def choose_tiles(
             )
         tile_n = launch_table.FP8_MIN_KEYS
     path = kv_path(block_size, tile_n)
-    variant = variant or chosen
     # Descriptor loads are for tiles inside one block (block_tiles: the whole-tile piece, when
-    # its keys fill tiles); other paths keep the pointer loop. The warp-specialized kernel takes
-    # the contiguous path's tiles only.
-    if path == "block_tiles" and variant == "ws":
+    # its keys fill tiles) and, when the caller asks for "tma", 16-bit tiles of two whole
+    # blocks (a table row applies as its GPU run measured it, and those ran the pointer loop
+    # there); other paths keep the pointer loop. The warp-specialized kernel takes the
+    # contiguous path's tiles only.
+    block_pairs = variant == "tma"
+    variant = variant or chosen
+    if path in ("block_tiles", "rows") and variant == "ws":
         variant = "tma"
-    variant = variant if _tiles_inside_blocks(block_size, tile_n) else "cp_async"
+    variant = (
+        variant if _descriptor_tiles(block_size, tile_n, quantized, block_pairs) else "cp_async"
+    )
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,

@@ -1412,9 +1412,41 @@ MUTANTS = [
         f"{TMA_QUANTIZED}[block_tiles-B80-N32-fp8-mma]",
     ),
     _m(
+        "block-pairs-second-block-read-as-the-first",
+        "kernels/_attention_jit.py",
+        "        k1 = descs[0].load([id1 * BLOCK_SIZE, descs[2]])",
+        "        k1 = descs[0].load([id0 * BLOCK_SIZE, descs[2]])",
+        "tests/kernels/test_launch_variants.py::"
+        "test_tma_variant_matches_oracle[block-pairs-B16-N32]",
+    ),
+    _m(
+        "block-pairs-accumulator-not-rescaled",
+        "kernels/_attention_jit.py",
+        "        acc = acc * rescale[:, None]\n        acc = tl.dot(probs0",
+        "        acc = acc\n        acc = tl.dot(probs0",
+        "tests/kernels/test_launch_variants.py::"
+        "test_tma_variant_matches_oracle[block-pairs-B64-N128-D32]",
+    ),
+    _m(
+        "block-pairs-from-the-table",
+        "kernels/paged_attention.py",
+        '    block_pairs = variant == "tma"\n',
+        '    block_pairs = (variant or chosen) == "tma"\n',
+        "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
+    ),
+    _m(
+        "block-pairs-for-quantized-pools",
+        "kernels/paged_attention.py",
+        "        return block_pairs and not quantized and block_n == 2 * block_size",
+        "        return block_pairs and block_n == 2 * block_size",
+        "tests/kernels/test_launch_variants.py::"
+        "test_tiles_of_two_blocks_take_descriptors_for_16_bit_pools_only[64-128-int8]",
+    ),
+    _m(
         "quantized-tma-row-where-its-tile-straddles-blocks",
         "kernels/paged_attention.py",
-        '        return row if _tiles_inside_blocks(block_size, row["block_n"]) else None',
+        '        return row if _descriptor_tiles(block_size, row["block_n"], quantized=True) else'
+        " None",
         "        return row",
         f"{FP8_TMA_DEFAULT}[block-under-128]",
         f"{QUANTIZED_ROWS}[straddles]",

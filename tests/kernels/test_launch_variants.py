@@ -38,6 +38,9 @@ WS_DTYPE = torch.float16 if ON_GPU else torch.float32
         pytest.param(1560, 64, 16, id="block_tiles-B1560-N64"),
         pytest.param(7, 16, 16, id="rows-B7-N16"),
         pytest.param(1, 16, 16, id="rows-B1-N16"),
+        # Tiles of two whole blocks: a descriptor load per block (_attend_block_pairs).
+        pytest.param(16, 32, 64, id="block-pairs-B16-N32"),
+        pytest.param(64, 128, 32, id="block-pairs-B64-N128-D32"),
     ],
 )
 def test_tma_variant_matches_oracle(block_size: int, block_n: int, head_dim: int) -> None:
@@ -61,8 +64,10 @@ def test_tma_variant_matches_oracle(block_size: int, block_n: int, head_dim: int
         block_n=block_n,
         variant="tma",
     )
-    # Descriptor loads for tiles inside one block; straddling and per-row tiles keep pointers.
-    assert tiles["TMA"] == (tiles["KV_PATH"] in ("contiguous", "block_tiles"))
+    # Descriptor loads for tiles inside one block or of two whole blocks; straddling and other
+    # per-row tiles keep pointers.
+    pairs = tiles["KV_PATH"] == "rows" and block_n == 2 * block_size
+    assert tiles["TMA"] == (tiles["KV_PATH"] in ("contiguous", "block_tiles") or pairs)
     gen = torch.Generator().manual_seed(block_size)
     key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
     key_gap = torch.tensor([[[block_n + 3, 2 * block_n + 1]], [[1, 2]]], dtype=torch.int32)
@@ -75,6 +80,29 @@ def test_tma_variant_matches_oracle(block_size: int, block_n: int, head_dim: int
         block_n=block_n,
         variant="tma",
     )
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param({}, id="bf16"),
+        pytest.param({"dequantize": True, "kv_dtype": torch.int8}, id="int8"),
+        pytest.param({"fp8_mma": True, "kv_dtype": torch.float8_e4m3fn}, id="fp8-mma"),
+    ],
+)
+@pytest.mark.parametrize("block_size, block_n", [(64, 128), (16, 32), (64, 64), (32, 128)])
+def test_tiles_of_two_blocks_take_descriptors_for_16_bit_pools_only(
+    mode: dict, block_size: int, block_n: int
+) -> None:
+    # The quantized loops load tiles by descriptor only inside one block: there the launch
+    # is their pointer loop, and says so.
+    tiles = kernels.choose_tiles(
+        block_size=block_size, head_dim=128, max_seqlen_q=64, dtype=torch.bfloat16,
+        block_n=block_n, variant="tma", tma_ready=True, **mode,
+    )  # fmt: skip
+    pairs = block_n == 2 * block_size and not mode
+    assert tiles["TMA"] == (pairs or tiles["KV_PATH"] == "contiguous"), tiles
+    assert tiles["VARIANT"] == ("tma" if tiles["TMA"] else "cp_async"), tiles
 
 
 def test_tma_variant_plain_long_run() -> None:
@@ -289,6 +317,12 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     # Quantized caches and float32 do not read the 16-bit table.
     tiles = kernels.choose_tiles(block_size=256, dequantize=True, **shipped)
     assert (tiles["BLOCK_N"], tiles["TMA"]) == (64, False)
+    # Block 64 in the row's class: its 128-key tiles are two blocks each, which the row's GPU
+    # run read by pointer; named, the tma variant reads them a block per descriptor load.
+    tiles = kernels.choose_tiles(block_size=64, **shipped)
+    assert (tiles["KV_PATH"], tiles["BLOCK_N"], tiles["TMA"]) == ("rows", 128, False)
+    tiles = kernels.choose_tiles(block_size=64, variant="tma", **shipped)
+    assert (tiles["KV_PATH"], tiles["BLOCK_N"], tiles["TMA"]) == ("rows", 128, True)
 
 
 def test_a_warp_specialized_row_leaves_its_fallbacks_the_built_in_warps(monkeypatch) -> None:
