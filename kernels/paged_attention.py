@@ -200,14 +200,16 @@ def _block_d(head_dim: int, eight_bit_mma: bool) -> int:
     return max(32 if eight_bit_mma else 16, triton.next_power_of_2(head_dim))
 
 
-def _descriptor_tiles(block_size: int, block_n: int, quantized: bool) -> bool:
+def _descriptor_tiles(
+    block_size: int, block_n: int, quantized: bool, block_pairs: bool = False
+) -> bool:
     """True when the unmasked loop's tiles are what descriptors load: tiles inside one block
     (the contiguous path, and the whole tiles of ``block_tiles`` blocks larger than the tile),
-    or, 16-bit, tiles of two whole blocks (the rows path at ``block_n == 2 * block_size``: a
-    descriptor load per block, ``_attend_block_pairs``)."""
+    or, with ``block_pairs`` and 16-bit pools, tiles of two whole blocks (the rows path at
+    ``block_n == 2 * block_size``: a descriptor load per block, ``_attend_block_pairs``)."""
     path = kv_path(block_size, block_n)
     if path == "rows":
-        return not quantized and block_n == 2 * block_size
+        return block_pairs and not quantized and block_n == 2 * block_size
     return path == "contiguous" or (path == "block_tiles" and block_size > block_n)
 
 
@@ -257,8 +259,8 @@ def _table_row(
     variant keeps the built-in settings for the rest, whatever the table says). A quantized
     ``tma`` row applies only where its tile lies inside a block (its pointer loop at that tile
     is no measured launch: at 128 keys the quantized pointer loops spill 96-120 bytes,
-    bench/RESULTS.md); a 16-bit one runs the pointer loop at its tile there (tiles of two
-    whole blocks: a descriptor load per block, ``_descriptor_tiles``)."""
+    bench/RESULTS.md); a 16-bit one runs the pointer loop at its tile there, as the GPU run
+    that chose it measured (tiles of two whole blocks too: ``_descriptor_tiles``)."""
     row = launch_table.lookup(*table_key(block_size, head_dim), mode)
     if row is None:
         return None
@@ -383,12 +385,17 @@ def choose_tiles(
         tile_n = launch_table.FP8_MIN_KEYS
     path = kv_path(block_size, tile_n)
     # Descriptor loads are for tiles inside one block (block_tiles: the whole-tile piece, when
-    # its keys fill tiles) and 16-bit tiles of two whole blocks; other paths keep the pointer
-    # loop. The warp-specialized kernel takes the contiguous path's tiles only.
+    # its keys fill tiles) and, when the caller asks for "tma", 16-bit tiles of two whole
+    # blocks (a table row applies as its GPU run measured it, and those ran the pointer loop
+    # there); other paths keep the pointer loop. The warp-specialized kernel takes the
+    # contiguous path's tiles only.
+    block_pairs = variant == "tma"
     variant = variant or chosen
     if path in ("block_tiles", "rows") and variant == "ws":
         variant = "tma"
-    variant = variant if _descriptor_tiles(block_size, tile_n, quantized) else "cp_async"
+    variant = (
+        variant if _descriptor_tiles(block_size, tile_n, quantized, block_pairs) else "cp_async"
+    )
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,

@@ -1428,17 +1428,24 @@ MUTANTS = [
         "test_tma_variant_matches_oracle[block-pairs-B64-N128-D32]",
     ),
     _m(
+        "block-pairs-from-the-table",
+        "kernels/paged_attention.py",
+        '    block_pairs = variant == "tma"\n',
+        '    block_pairs = (variant or chosen) == "tma"\n',
+        "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
+    ),
+    _m(
         "block-pairs-of-four-blocks",
         "kernels/paged_attention.py",
-        "        return not quantized and block_n == 2 * block_size",
-        "        return not quantized and block_n % block_size == 0",
+        "        return block_pairs and not quantized and block_n == 2 * block_size",
+        "        return block_pairs and not quantized and block_n % block_size == 0",
         "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
     ),
     _m(
         "block-pairs-for-quantized-pools",
         "kernels/paged_attention.py",
-        "        return not quantized and block_n == 2 * block_size",
-        "        return block_n == 2 * block_size",
+        "        return block_pairs and not quantized and block_n == 2 * block_size",
+        "        return block_pairs and block_n == 2 * block_size",
         "tests/kernels/test_launch_variants.py::"
         "test_tiles_of_two_blocks_take_descriptors_for_16_bit_pools_only[64-128-int8]",
     ),

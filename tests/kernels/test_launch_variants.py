@@ -317,10 +317,13 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     # Quantized caches and float32 do not read the 16-bit table.
     tiles = kernels.choose_tiles(block_size=256, dequantize=True, **shipped)
     assert (tiles["BLOCK_N"], tiles["TMA"]) == (64, False)
-    # Block 64 in the row's class: its 128-key tiles are two whole blocks each, a descriptor
-    # load per block; block 32's are four blocks each: the pointer loop.
+    # Block 64 in the row's class: its 128-key tiles are two blocks each, which the row's GPU
+    # run read by pointer; named, the tma variant reads them a block per descriptor load.
     tiles = kernels.choose_tiles(block_size=64, **shipped)
+    assert (tiles["KV_PATH"], tiles["BLOCK_N"], tiles["TMA"]) == ("rows", 128, False)
+    tiles = kernels.choose_tiles(block_size=64, variant="tma", **shipped)
     assert (tiles["KV_PATH"], tiles["BLOCK_N"], tiles["TMA"]) == ("rows", 128, True)
+    # Block 32's 128-key tiles are four blocks each: the pointer loop.
     tiles = kernels.choose_tiles(block_size=32, variant="tma", block_n=128, **shipped)
     assert (tiles["KV_PATH"], tiles["BLOCK_N"], tiles["TMA"]) == ("rows", 128, False)
 
