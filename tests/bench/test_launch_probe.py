@@ -76,8 +76,12 @@ def test_a_forced_key_loop_reaches_the_launcher_or_says_why_not() -> None:
     with launch_probe.forced(launch_probe.parse_launch("16x32w4s2+tma")):
         tiles = launcher.choose_tiles(**kwargs)
     assert tiles["TMA"] and tiles["BLOCK_N"] == 32
-    # A 128-key tile straddles blocks of 64: no descriptor load, so no run labelled +tma.
-    straddling = launch_probe.parse_launch("16x128w4s2+tma")
+    # A 128-key tile is two blocks of 64: a descriptor load per block (16-bit pools).
+    with launch_probe.forced(launch_probe.parse_launch("16x128w4s2+tma")):
+        tiles = launcher.choose_tiles(**kwargs)
+    assert tiles["TMA"] and tiles["KV_PATH"] == "rows"
+    # A 256-key tile is four: no descriptor load, so no run labelled +tma.
+    straddling = launch_probe.parse_launch("16x256w4s2+tma")
     with launch_probe.forced(straddling), pytest.raises(ValueError, match=r"\+tma: no tile"):
         launcher.choose_tiles(**kwargs)
     # Pools no descriptor reads (slot-major quantized ones): the launcher would run pointers.
