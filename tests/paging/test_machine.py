@@ -43,7 +43,7 @@ from tests.paging.twin import Twin, plain_torch_kernels
 
 
 @st.composite
-def setups(draw) -> tuple[PagingConfig, tuple[str, ...], int, torch.dtype | None]:
+def setups(draw) -> tuple[PagingConfig, tuple[str, ...], int, tuple[torch.dtype | None, bool]]:
     block_size = draw(st.integers(1, 64))
     window_chunks = draw(st.integers(1, 4))
     # Chunks of whole blocks are drawn often too: only they let history staging be reused.
@@ -60,15 +60,17 @@ def setups(draw) -> tuple[PagingConfig, tuple[str, ...], int, torch.dtype | None
         exact_window=draw(st.booleans()),
     )
     branches = draw(st.sampled_from([("main",), ("positive", "negative")]))
-    # The twin's pools: float, or codes and scales (the same number of examples either way).
+    # The twin's pools: float, or codes and scales (the same number of examples either way),
+    # slot-major or (quantized) keys-major: copy-on-write, deep copies and staging by strides.
     kv_dtype = draw(st.sampled_from([None, torch.float8_e4m3fn, torch.int8]))
-    return config, branches, draw(st.integers(1, 3)), kv_dtype
+    keys_major = kv_dtype is not None and draw(st.booleans())
+    return config, branches, draw(st.integers(1, 3)), (kv_dtype, keys_major)
 
 
 class PagingMachine(RuleBasedStateMachine):
     @initialize(setup=setups())
     def build(self, setup) -> None:
-        config, branches, capacity, kv_dtype = setup
+        config, branches, capacity, (kv_dtype, keys_major) = setup
         self.config, self.branches, self.capacity = config, branches, capacity
         # Attention end to end on small forwards only (one through the kernel); the slot-by-slot
         # checks run on every forward.
@@ -84,7 +86,7 @@ class PagingMachine(RuleBasedStateMachine):
             shadow_config, branches=branches, session_capacity=capacity, attention_limit=0
         )
         self.twin = Twin(
-            dataclasses.replace(config, kv_dtype=kv_dtype),
+            dataclasses.replace(config, kv_dtype=kv_dtype, keys_major=keys_major),
             branches=branches,
             session_capacity=capacity,
         )
