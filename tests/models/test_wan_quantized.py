@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from paged_video import kernels
 from paged_video.reference.wan_rollout import reference_rollout
 from tests.models.test_wan_rollout import BLOCKS, CFG, run_both
 from tests.models.tiny import ATOL, assert_close_to_quantized_oracle, rollout_inputs, tiny_wan
@@ -116,6 +117,22 @@ def test_fp8_mma_rollout_runs_and_stays_near():
     assert diff.max().item() <= 1.5e-2 and diff.mean().item() <= 2.5e-3, diff.max().item()
     # Not the dequantizing mode's result: the switch reached the kernel.
     assert (paged.latents - dense.latents).abs().max().item() > 10 * ATOL
+    # Over keys-major pools (PagingConfig(keys_major=True): the scales and V keys-major, the
+    # loops that read them): the same rollout.
+    extra = {}
+    _, _, keys_major, _ = run_both(
+        block_size=16,
+        sink=1,
+        window=4,
+        frames=2,
+        blocks=4,
+        kv_dtype=torch.float8_e4m3fn,
+        fp8_mma=True,
+        keys_major=True,
+        extra=extra,
+    )
+    assert kernels.pool_layout.keys_aligned(extra["cache"].v_pools[0])
+    torch.testing.assert_close(keys_major.latents, paged.latents, rtol=1e-5, atol=1e-5)
 
 
 def test_reference_refuses_an_unknown_kv_dtype():

@@ -40,6 +40,7 @@ def run_both(
     kv_dtype=None,
     smooth_keys=True,
     fp8_mma=False,
+    keys_major=False,
     blocks=BLOCKS,
     extra=None,
 ):
@@ -62,6 +63,7 @@ def run_both(
         kv_dtype=kv_dtype,
         smooth_keys=smooth_keys,
         fp8_mma=fp8_mma,
+        keys_major=keys_major,
     )
     common = dict(frames_per_block=frames, sigmas=sigmas, guidance_scale=GUIDANCE, actions=actions)
     with PagedWanRollout(model, config, guidance=guidance) as rollout:
