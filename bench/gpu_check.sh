@@ -19,7 +19,8 @@
 # 3. the launch candidates: this project's kernel at each variant and key tile the launch table
 #    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, and
 #    triton-ws and triton-ws-n128, the warp-specialized kernel) over
-#    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds);
+#    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds); at block 64
+#    triton-tma-n128 is the loop over tiles of two whole blocks, a descriptor load per block;
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
 #    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
 #    launcher's own choice, its pointer loop and its TMA loop (codes and scales by descriptor)
