@@ -8,7 +8,10 @@ block sizes measured for that class, of its time over the fastest launch's at th
 size (a launch missing at one of them does not compete, and a class where every launch misses
 one, as in a run cut short, keeps its row; ties go to the first in ``LAUNCH_PROVIDERS``), and
 its row names the winner's own variant and key tile (a block where the launcher fell back to
-the pointer loop does not decide the variant). The
+the pointer loop does not decide the variant). A launch is weighed as a table row would run
+it: ``triton-tma-n128`` at block 64 runs the loop over tiles of two whole blocks, which the
+launcher takes only when the caller names the variant, so there it counts at the pointer
+loop's time (``triton-cp_async-n128``'s; the table prints its own, marked ``(pairs)``). The
 winner table prints every block size: each launch's time, the winner, ``sdpa-best`` and the
 winner's speedup over it, and the quantized providers' speedup over ``sdpa-best``.
 
@@ -34,7 +37,7 @@ from pathlib import Path
 from paged_video.bench.providers import LAUNCH_PROVIDERS, QUANTIZED_PROVIDERS, SDPA_BEST
 from paged_video.bench.results import Row, headline_ms
 from paged_video.kernels import launch_table
-from paged_video.kernels.paged_attention import table_block_m, table_key
+from paged_video.kernels.paged_attention import kv_path, table_block_m, table_key
 
 _BACKEND = re.compile(
     r"variant=(?P<variant>\w+) tile=\d+x(?P<block_n>\d+) warps=(?P<num_warps>\d+) "
@@ -63,6 +66,27 @@ def _requested_launch(name: str, rows: Sequence[Row]) -> dict[str, object]:
     return {**(ran or launches)[0], **requested}
 
 
+def _pair_loop(row: Row, block: int) -> bool:
+    """Whether a launch provider's row ran the loop over tiles of two whole blocks (``tma`` on
+    the rows path), which the launcher takes only where the caller names the variant: a table
+    row reads those tiles by pointer (``paged_attention._descriptor_tiles``)."""
+    launch = launch_of(row)
+    block_n = int(launch["block_n"])
+    pairs = kv_path(block, block_n) == "rows" and block_n == 2 * block
+    return launch["variant"] == "tma" and pairs
+
+
+def _table_ms(name: str, block: int, rows: dict[str, Row]) -> float | None:
+    """The time at ``block`` of the launch a table row naming provider ``name``'s launch runs:
+    the provider's, but for the pair loop the pointer loop's at the same tile (its ``cp_async``
+    twin's; None where that did not run)."""
+    if not _pair_loop(rows[name], block):
+        return headline_ms(rows[name])
+    pointers = {"variant": "cp_async", "block_n": LAUNCH_PROVIDERS[name]["block_n"]}
+    twin = next((n for n, launch in LAUNCH_PROVIDERS.items() if launch == pointers), None)
+    return headline_ms(rows[twin]) if twin in rows else None
+
+
 def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -76,6 +100,8 @@ def _winner(
     where no name is measured at every block size."""
     ratios: dict[str, list[float]] = {name: [] for name in names}
     for measured in cases:
+        if not measured:  # nothing a table row would run was measured here
+            continue
         fastest = min(measured.values())
         for name in names:
             if name in measured:
@@ -110,8 +136,13 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
     header += list(QUANTIZED_PROVIDERS)
     lines.append(" | ".join(header))
     for (dim_class, path, dtype), cases in sorted(classes.items()):
+        # Each launch weighed as a table row would run it (the pair loop as the pointer loop).
         times = [
-            {n: headline_ms(r) for n, r in by_case[case].items() if n in LAUNCH_PROVIDERS}
+            {
+                n: ms
+                for n in by_case[case]
+                if n in LAUNCH_PROVIDERS and (ms := _table_ms(n, case[-1], by_case[case]))
+            }
             for case in cases
         ]
         chosen = _winner(list(LAUNCH_PROVIDERS), times)
@@ -144,12 +175,14 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
 
 def _line(dim_class: int, path: str, case: tuple, rows: dict[str, Row], winner: str) -> str:
     def ms(name: str) -> str:
-        return f"{headline_ms(rows[name]):.3f}" if name in rows else "-"
+        if name not in rows:
+            return "-"
+        pairs = name in LAUNCH_PROVIDERS and _pair_loop(rows[name], case[-1])
+        return f"{headline_ms(rows[name]):.3f}" + (" (pairs)" if pairs else "")
 
     best = rows.get(SDPA_BEST)
-    speedup = (
-        f"{headline_ms(best) / headline_ms(rows[winner]):.2f}x" if best and winner in rows else "-"
-    )
+    table_ms = _table_ms(winner, case[-1], rows) if winner in rows else None
+    speedup = f"{headline_ms(best) / table_ms:.2f}x" if best and table_ms else "-"
     quantized = [
         f"{headline_ms(best) / headline_ms(rows[n]):.2f}x" if best and n in rows else "-"
         for n in QUANTIZED_PROVIDERS

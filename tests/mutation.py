@@ -1412,6 +1412,14 @@ MUTANTS = [
         f"{TMA_QUANTIZED}[block_tiles-B80-N32-fp8-mma]",
     ),
     _m(
+        "choose-weighs-the-pair-loop-at-its-own-time",
+        "bench/choose.py",
+        "    if not _pair_loop(rows[name], block):",
+        "    if True:",
+        "tests/bench/test_choose.py::"
+        "test_the_pair_loop_counts_as_the_pointer_loop_a_table_row_runs",
+    ),
+    _m(
         "block-pairs-second-block-read-as-the-first",
         "kernels/_attention_jit.py",
         "        k1 = descs[0].load([id1 * BLOCK_SIZE, descs[2]])",

@@ -97,6 +97,49 @@ def test_the_table_names_the_winning_variant_where_a_block_fell_back() -> None:
     assert (choice["num_warps"], choice["num_stages"]) == (8, 3)
 
 
+def _launch_row(name: str, block: int, ms: float, variant: str | None = None) -> dict:
+    launch = LAUNCH_PROVIDERS[name]
+    settings = {
+        "variant": variant or launch["variant"],
+        "tile": f"128x{launch['block_n']}",
+        "num_warps": 8,
+        "num_stages": 3,
+        "tma": "on" if (variant or launch["variant"]) == "tma" else "off",
+    }
+    backend = launch_backend(settings)
+    return measured("paged_attention", name, block, ms, role="ours", backend=backend)
+
+
+def test_the_pair_loop_counts_as_the_pointer_loop_a_table_row_runs() -> None:
+    # Contiguous class (blocks 64, 256): at 64, triton-tma-n128 ran the loop over tiles of two
+    # whole blocks (fastest there), which a table row would read by pointer, as slowly as
+    # triton-cp_async-n128. Weighed so, the 64-key TMA loop wins the class (geometric means
+    # 1.02 against 1.14); taken at its own time, tma-n128 would have (1.00 against 1.08).
+    rows = list(STEADY_CEILINGS)
+    times = {
+        64: {"triton-tma": 1.0, "triton-tma-n128": 0.9, "triton-cp_async-n128": 1.3},
+        256: {"triton-tma": 1.0, "triton-tma-n128": 0.96, "triton-cp_async-n128": 1.2},
+    }
+    for block, by_name in times.items():
+        rows += [_launch_row(name, block, ms) for name, ms in by_name.items()]
+        rows.append(measured("paged_attention", "sdpa-best", block, 1.0, role="best-of"))
+    [choice], lines = choose.choose(rows)
+    assert (choice["kv_path"], choice["variant"], choice["block_n"]) == ("contiguous", "tma", 64)
+    [line_64] = [line for line in lines if " | 64 | " in line]
+    assert "0.900 (pairs)" in line_64 and "(pairs)" not in lines[-1]
+    # Without the pointer loop's time at 64, tma-n128 does not compete in the class.
+    rows = [r for r in rows if r["provider"] != "triton-cp_async-n128"]
+    [choice], _ = choose.choose(rows)
+    assert (choice["variant"], choice["block_n"]) == ("tma", 64)
+    # With a faster pointer loop at 64 tma-n128 wins as a table row runs it (1.00 against
+    # 1.12 and 1.14), and the winner's speedup at 64 is the pointer loop's: 1.0 / 0.8.
+    rows += [_launch_row("triton-cp_async-n128", b, ms) for b, ms in ((64, 0.8), (256, 1.2))]
+    [choice], lines = choose.choose(rows)
+    assert (choice["variant"], choice["block_n"]) == ("tma", 128)
+    [line_64] = [line for line in lines if " | 64 | " in line]
+    assert " | 1.25x" in line_64 and " | 1.11x" not in line_64
+
+
 def test_cpu_figures_choose_nothing() -> None:
     with pytest.raises(ValueError, match="GPU run only"):
         choose.choose(_rows(figures="cpu"))
