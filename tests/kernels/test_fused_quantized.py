@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+from paged_video import kernels
 from paged_video.kernels import fused
 from paged_video.reference.quantize import K_SHARE, channel_factors, nearest_code_error, quantize
 from tests.helpers import DEVICE
@@ -132,6 +133,51 @@ def test_compiles_once_across_changing_values(dtype: torch.dtype, staged: bool) 
         assert torch.equal(compiled_tags, eager_tags)
     assert compiled_state.k_means_chosen.all()
     assert counter.frame_count == 1
+
+
+def keys_major_state(state: fused.PoolTensors, fp8_mma: bool) -> fused.PoolTensors:
+    """``state`` with the layout of ``PagingConfig(keys_major=True)``: the scale pools, and with
+    ``fp8_mma`` V's codes, keys-major (copies, same values)."""
+
+    def keys_major(stacked: torch.Tensor) -> torch.Tensor:
+        return kernels.keys_major(stacked.flatten(0, 1)).unflatten(0, stacked.shape[:2])
+
+    fields = {"k_scales": keys_major(state.k_scales), "v_scales": keys_major(state.v_scales)}
+    if fp8_mma:
+        fields["v_pools"] = keys_major(state.v_pools)
+    return state._replace(**fields)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+@pytest.mark.parametrize(
+    "dtype, mode",
+    [
+        pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
+        pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, id="fp8-mma"),
+        pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
+    ],
+)
+def test_keys_major_pools_write_and_attend_as_slot_major_ones(dtype, mode, staged) -> None:
+    # Compiled (one graph for every step), over keys-major pools: the slot-major eager op's
+    # outputs and stored values, bit for bit.
+    slot_major = make_state(dtype)
+    keys_major = keys_major_state(make_state(dtype), mode.get("fp8_mma", False))
+    assert kernels.pool_layout.keys_aligned(keys_major.k_scales[0])
+    counter = CompileCounter()
+    compiled = torch.compile(fused.write_attend, fullgraph=True, backend=counter)
+    tags = [torch.full((LAYERS,), -1) for _ in range(2)]
+    for step in range(3):
+        tensors, inputs = forward(step, staged=staged, layer=step, **mode)
+        inputs = inputs._replace(
+            stage_key=torch.tensor(step), stage_from=torch.tensor(step if staged else -1)
+        )
+        want = fused.write_attend(*tensors, slot_major, inputs._replace(stage_tags=tags[0]))
+        got = compiled(*tensors, keys_major, inputs._replace(stage_tags=tags[1]))
+        assert torch.equal(got, want)
+    assert counter.frame_count == 1
+    for name in ("k_pools", "v_pools", "k_scales", "v_scales", "k_means"):
+        a, b = getattr(slot_major, name), getattr(keys_major, name)
+        assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)), name
 
 
 def test_fp8_mma_reaches_attention() -> None:
