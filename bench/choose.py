@@ -37,7 +37,7 @@ from pathlib import Path
 from paged_video.bench.providers import LAUNCH_PROVIDERS, QUANTIZED_PROVIDERS, SDPA_BEST
 from paged_video.bench.results import Row, headline_ms
 from paged_video.kernels import launch_table
-from paged_video.kernels.paged_attention import kv_path, table_block_m, table_key
+from paged_video.kernels.paged_attention import table_block_m, table_key, two_block_tiles
 
 _BACKEND = re.compile(
     r"variant=(?P<variant>\w+) tile=\d+x(?P<block_n>\d+) warps=(?P<num_warps>\d+) "
@@ -69,11 +69,9 @@ def _requested_launch(name: str, rows: Sequence[Row]) -> dict[str, object]:
 def _pair_loop(row: Row, block: int) -> bool:
     """Whether a launch provider's row ran the loop over tiles of two whole blocks (``tma`` on
     the rows path), which the launcher takes only where the caller names the variant: a table
-    row reads those tiles by pointer (``paged_attention._descriptor_tiles``)."""
+    row reads those tiles by pointer (``paged_attention.two_block_tiles``)."""
     launch = launch_of(row)
-    block_n = int(launch["block_n"])
-    pairs = kv_path(block, block_n) == "rows" and block_n == 2 * block
-    return launch["variant"] == "tma" and pairs
+    return launch["variant"] == "tma" and two_block_tiles(block, int(launch["block_n"]))
 
 
 def _table_ms(name: str, block: int, rows: dict[str, Row]) -> float | None:

@@ -209,8 +209,15 @@ def _descriptor_tiles(
     ``block_n == 2 * block_size``: a descriptor load per block, ``_attend_block_pairs``)."""
     path = kv_path(block_size, block_n)
     if path == "rows":
-        return block_pairs and not quantized and block_n == 2 * block_size
+        return block_pairs and not quantized and two_block_tiles(block_size, block_n)
     return path == "contiguous" or (path == "block_tiles" and block_size > block_n)
+
+
+def two_block_tiles(block_size: int, block_n: int) -> bool:
+    """True when each key tile is two whole blocks (a ``rows`` path tile at ``block_n == 2 *
+    block_size``): the 16-bit TMA loop reads them a block per descriptor load where the caller
+    names ``variant="tma"`` (``_attend_block_pairs``); a table row reads them by pointer."""
+    return block_n == 2 * block_size
 
 
 def kv_path(block_size: int, block_n: int) -> str:

@@ -1445,15 +1445,15 @@ MUTANTS = [
     _m(
         "block-pairs-of-four-blocks",
         "kernels/paged_attention.py",
-        "        return block_pairs and not quantized and block_n == 2 * block_size",
-        "        return block_pairs and not quantized and block_n % block_size == 0",
+        "    return block_n == 2 * block_size",
+        "    return block_n % block_size == 0",
         "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
     ),
     _m(
         "block-pairs-for-quantized-pools",
         "kernels/paged_attention.py",
-        "        return block_pairs and not quantized and block_n == 2 * block_size",
-        "        return block_pairs and block_n == 2 * block_size",
+        "        return block_pairs and not quantized and two_block_tiles(block_size, block_n)",
+        "        return block_pairs and two_block_tiles(block_size, block_n)",
         "tests/kernels/test_launch_variants.py::"
         "test_tiles_of_two_blocks_take_descriptors_for_16_bit_pools_only[64-128-int8]",
     ),

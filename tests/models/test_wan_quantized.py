@@ -100,17 +100,12 @@ def test_fp8_mma_rollout_runs_and_stays_near():
     # the dequantizing oracle does not model. So only loose, measured bounds (4 blocks, the
     # window slides at block 2): against the unquantized rollout the latents moved by at most
     # 7.7e-3, mean 1.2e-3 (the dequantizing mode: 4.9e-3, 7.7e-4), bounds at twice that.
-    extra = {}
-    _, _, paged, dense = run_both(
-        block_size=16,
-        sink=1,
-        window=4,
-        frames=2,
-        blocks=4,
-        kv_dtype=torch.float8_e4m3fn,
+    fp8_mma = dict(
+        block_size=16, sink=1, window=4, frames=2, blocks=4, kv_dtype=torch.float8_e4m3fn,
         fp8_mma=True,
-        extra=extra,
-    )
+    )  # fmt: skip
+    extra = {}
+    _, _, paged, dense = run_both(**fp8_mma, extra=extra)
     assert not torch.isnan(paged.latents).any()
     plain = extra["unquantized"].latents
     diff = (paged.latents - plain).abs()
@@ -120,17 +115,7 @@ def test_fp8_mma_rollout_runs_and_stays_near():
     # Over keys-major pools (PagingConfig(keys_major=True): the scales and V keys-major, the
     # loops that read them): the same rollout.
     extra = {}
-    _, _, keys_major, _ = run_both(
-        block_size=16,
-        sink=1,
-        window=4,
-        frames=2,
-        blocks=4,
-        kv_dtype=torch.float8_e4m3fn,
-        fp8_mma=True,
-        keys_major=True,
-        extra=extra,
-    )
+    _, _, keys_major, _ = run_both(**fp8_mma, keys_major=True, extra=extra)
     assert kernels.pool_layout.keys_aligned(extra["cache"].v_pools[0])
     torch.testing.assert_close(keys_major.latents, paged.latents, rtol=1e-5, atol=1e-5)
 
