@@ -28,9 +28,10 @@ channel) columns; a keys-major V as (block * KV head * channel) rows of slots; k
 scale pools as one run of scales, a tile's scales one load), the 16-bit and the quantized
 caches alike; masked tiles keep pointer loads, which skip hidden keys. Key tiles every
 query row of the program sees whole run in an unmasked loop; only tiles touching
-``seq_lens_k``, a row's ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked,
-and tiles inside a gap are skipped. Query heads sharing a KV head are packed into the M
-dimension, so each K/V tile is loaded once per KV head. Online softmax in float32 (exp2, the
+``seq_lens_k``, a row's ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked
+(16-bit masked tiles over 64 keys at half the tile), and tiles inside a gap are skipped.
+Query heads sharing a KV head are packed into the M dimension, so each K/V tile is loaded
+once per KV head. Online softmax in float32 (exp2, the
 scale folded into one FFMA), output in ``q``'s dtype; optionally each row's log-sum-exp
 (``HAS_LSE``).
 
@@ -286,6 +287,7 @@ def _attend_tiles(
     descs,
     table,
     first_tile,
+    head_tiles,
     tiles_start,
     num_tiles,
     keys_lo,
@@ -314,10 +316,13 @@ def _attend_tiles(
     TMA: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
+    MOST_HEAD_TILES: tl.constexpr,
 ):
     """Online softmax over ``num_tiles`` key tiles: tile 0 starts at ``first_tile``, tile j > 0
-    at ``tiles_start + (j - 1) * BLOCK_N``. The one tile body of both loops: ``MASKED`` adds the
-    masks (a compile-time flag, so the unmasked loop carries none of them).
+    at ``tiles_start + (j - 1) * BLOCK_N``; or, masked with ``MOST_HEAD_TILES`` > 1, tile j at
+    ``first_tile + j * BLOCK_N`` for j < ``head_tiles`` and at ``tiles_start + (j - head_tiles)
+    * BLOCK_N`` after (``head_tiles`` is ignored otherwise). The one tile body of both loops:
+    ``MASKED`` adds the masks (a compile-time flag, so the unmasked loop carries none of them).
 
     ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated; ``caches`` the K and
     V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
@@ -372,10 +377,17 @@ def _attend_tiles(
     # With equal K/V strides the V (scale) rows are the K (scale) rows (a scalar base is
     # cheaper computed twice).
     share_rows = SAME_KV_STRIDES and not SCALAR_BASE
+    # Two head tiles (masked tiles half the unmasked one): tiles from two bases.
+    HEAD_PAIR: tl.constexpr = MASKED and MOST_HEAD_TILES > 1
+    if HEAD_PAIR:
+        start = tl.where(head_tiles > 0, first_tile, tiles_start)
+        tail_base = tiles_start - head_tiles * BLOCK_N  # tile j of the tail's start - j * BLOCK_N
+    else:
+        start = first_tile
     id0, id1, ids = _tile_block_ids(
         table_row,
         stride_table_col,
-        first_tile,
+        start,
         positions_end,
         BLOCK_N,
         BLOCK_SIZE,
@@ -387,15 +399,21 @@ def _attend_tiles(
     # they show, so they stay pointer loads).
     DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and SCALAR_BASE
     for j in range(0, num_tiles):
-        if MASKED:
+        if HEAD_PAIR:
+            n_start = tl.where(j < head_tiles, first_tile, tail_base) + j * BLOCK_N
+            next_base = tl.where(j + 1 < head_tiles, first_tile, tail_base)
+            next_start = next_base + (j + 1) * BLOCK_N
+        elif MASKED:
             n_start = tl.where(j == 0, first_tile, tiles_start + (j - 1) * BLOCK_N)
+            next_start = tiles_start + j * BLOCK_N
         else:
             n_start = first_tile + j * BLOCK_N
+            next_start = tiles_start + j * BLOCK_N
         # The next tile's block ids first: its K/V addresses are known a whole iteration early.
         next_id0, next_id1, next_ids = _tile_block_ids(
             table_row,
             stride_table_col,
-            tiles_start + j * BLOCK_N,
+            next_start,
             positions_end,
             BLOCK_N,
             BLOCK_SIZE,
@@ -674,14 +692,28 @@ def _attend_piece(
     lo = _piece_position(run_lo, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     hi = _piece_position(run_hi, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     full = lo if MASKED_ONLY else _piece_position(full_end, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
-    head_tile = lo // BLOCK_N * BLOCK_N
-    tiles_end = tl.cdiv(hi, BLOCK_N) * BLOCK_N
     full_lo = tl.cdiv(lo, BLOCK_N) * BLOCK_N
     full_hi = tl.maximum(full_lo, tl.minimum(hi, full) // BLOCK_N * BLOCK_N)
-    # Pass 0, unmasked: the whole tiles. Pass 1, masked: the head tile when the run starts
-    # mid-tile (and it is not also the tail), then the tail from the unmasked tiles' end.
+    # 16-bit masked tiles of more than 64 keys are cut in half: the masked loop (the run's
+    # edges, a large block's remainder) holds masks and per-row addresses beside a tile's
+    # scores, and at 128 keys it set the kernel's register peak (Triton 3.9 spilled 24 bytes at
+    # block 1560). (FP8-MMA keeps its tile: on Triton 3.6 its 128-key loop then spilled more.)
+    MASKED_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N > 64 and not FP8_MMA else BLOCK_N
+    # Pass 0, unmasked: the whole tiles. Pass 1, masked: the head tiles, from the one holding
+    # run_lo to the unmasked ones' start, then the tail ones from their end to run_hi.
+    head_tiles = 0  # (unused but by half-width masked tiles)
     for masked in tl.static_range(1 if MASKED_ONLY else 0, 2):
-        if masked:
+        if masked and MASKED_N < BLOCK_N:
+            tiles_end = tl.cdiv(hi, MASKED_N) * MASKED_N
+            first_tile = lo // MASKED_N * MASKED_N
+            head_tiles = tl.maximum(tl.minimum(full_lo, tiles_end) - first_tile, 0) // MASKED_N
+            tiles_start = full_hi  # >= full_lo: the head tiles end first
+            num_tiles = head_tiles + tl.maximum(tiles_end - tiles_start, 0) // MASKED_N
+        elif masked:
+            # The head tile when the run starts mid-tile (and it is not also the tail), then
+            # the tail.
+            head_tile = lo // BLOCK_N * BLOCK_N
+            tiles_end = tl.cdiv(hi, BLOCK_N) * BLOCK_N
             has_head = (head_tile < full_lo) & (full_lo <= tiles_end)
             tail_start = tl.maximum(full_hi, tl.minimum(full_lo, tiles_end))
             tail_tiles = tl.maximum(tiles_end - tail_start, 0) // BLOCK_N
@@ -710,6 +742,7 @@ def _attend_piece(
                 descs,
                 table,
                 first_tile,
+                head_tiles,
                 tiles_start,
                 num_tiles,
                 run_lo,
@@ -717,7 +750,7 @@ def _attend_piece(
                 hi,
                 key_limit,
                 scale_log2,
-                BLOCK_N,
+                MASKED_N if masked else BLOCK_N,
                 BLOCK_D,
                 HEAD_DIM,
                 BLOCK_SIZE,
@@ -738,6 +771,7 @@ def _attend_piece(
                 TMA,
                 PIECE_OFFSET,
                 PIECE_SIZE,
+                BLOCK_N // MASKED_N,
             )
     return state
 

@@ -1292,6 +1292,21 @@ MUTANTS = [
         "tests/kernels/test_strided_index.py::test_block_tiles_read_a_strided_block_table"
         "[cm-block_tiles-B24-N64]",
     ),
+    _m(
+        "masked-half-tiles-one-head-tile",
+        "kernels/_attention_jit.py",
+        "            head_tiles = tl.maximum(tl.minimum(full_lo, tiles_end) - first_tile, 0) "
+        "// MASKED_N",
+        "            head_tiles = tl.minimum(full_lo, tiles_end) * 0 + (lo < full_lo).to(tl.int32)",
+        f"{PAGED}::test_masked_tiles_of_a_128_key_launch_are_64_keys[block_tiles-B1560]",
+    ),
+    _m(
+        "masked-half-tiles-prefetch-skips-second-head-tile",
+        "kernels/_attention_jit.py",
+        "            next_base = tl.where(j + 1 < head_tiles, first_tile, tail_base)",
+        "            next_base = tail_base",
+        f"{PAGED}::test_masked_tiles_of_a_128_key_launch_are_64_keys[rows-B16]",
+    ),
     # -- what the first H200 run taught ---------------------------------------------------------
     _m(
         "ws-stages-uncapped",

@@ -217,6 +217,46 @@ def test_key_paths_causal_limits_and_gaps(block_size: int, block_n: int, table_o
 
 
 @pytest.mark.parametrize(
+    "block_size, path",
+    [
+        pytest.param(256, "contiguous", id="contiguous-B256"),
+        pytest.param(1560, "block_tiles", id="block_tiles-B1560"),
+        pytest.param(24, "block_tiles", id="block_tiles-B24"),
+        pytest.param(200, "two_blocks", id="two_blocks-B200"),
+        pytest.param(16, "rows", id="rows-B16"),
+        pytest.param(64, "rows", id="rows-B64"),
+    ],
+)
+def test_masked_tiles_of_a_128_key_launch_are_64_keys(block_size: int, path: str) -> None:
+    # The masked loop takes half the tile (kernels/_attention_jit.py, _attend_piece): a run that
+    # starts 10 keys into a 128-key tile has two masked head tiles, and one that ends 100 keys
+    # into one, two masked tail tiles; the gap's slots hold NaN, so a head tile read from the
+    # wrong place shows. Row limits and causal rows add masked tiles between unmasked ones.
+    assert kv_path(block_size, 128) == path
+    k_len = 5 * 128 + 100
+    case = make_paged_case(
+        q_lens=[13, 4], k_lens=[k_len, 2 * 128 + 70], block_size=block_size,
+        table_order="permuted", device=DEVICE,
+    )  # fmt: skip
+    key_gap = torch.tensor([[[0, 10]], [[140, 150]]], dtype=torch.int32, device=DEVICE)
+    poisoned = PagedCase(**vars(case))
+    poisoned.k_cache, poisoned.v_cache = case.k_cache.clone(), case.v_cache.clone()
+    _poison_gaps(poisoned, key_gap)
+    key_limits = torch.tensor(
+        [k_len - 7 * i for i in range(13)] + [200, 255, 256, 326], dtype=torch.int32
+    )
+    for kwargs in ({}, {"causal": True, "key_limits": key_limits.to(DEVICE)}):
+        want = reference.paged_attention(
+            *case.args(), max_seqlen_q=case.max_seqlen_q, key_gap=key_gap, **kwargs
+        )
+        got = kernels.paged_attention(
+            *poisoned.args(), max_seqlen_q=case.max_seqlen_q, key_gap=key_gap, block_m=16,
+            block_n=128, out=nan_like(case.q), **kwargs,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want.to(got.dtype), atol=FP32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
     "num_heads, num_kv_heads", [pytest.param(8, 2, id="gqa8-2"), pytest.param(5, 1, id="gqa5-1")]
 )
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 96], ids=lambda d: f"D{d}")
