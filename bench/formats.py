@@ -4,7 +4,8 @@
 command prints the dtype it really used); ``e4m3`` (``torch.float8_e4m3fn``) and ``int8`` hold
 codes with a float32 scale per (slot, KV head). The quantized attention's providers follow the
 same names (``triton-e4m3``, ``triton-e4m3-mma``, ``triton-int8``, ``triton-int8-mma``;
-``triton-e4m3-mma-keys``, ``triton-int8-mma-keys``: the MMA modes over keys-major pools).
+``triton-e4m3-mma-keys``, ``triton-int8-mma-keys``, ``triton-e4m3-keys``, ``triton-int8-keys``:
+the modes over keys-major pools).
 
 Attention over a quantized pool has a mode: ``dequant`` (the codes converted exactly before
 16-bit MMAs) or the format's own MMA mode (``MMA_MODES``: ``fp8-mma``, FP8 MMAs for both

@@ -24,7 +24,9 @@
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
 #    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
 #    launcher's own choice, its pointer loop and its TMA loop (codes and scales by descriptor)
-#    at 64- and 128-key tiles (OUT_DIR/probe/probe.csv, OUT_DIR/probe_int8/probe.csv);
+#    at 64- and 128-key tiles; then the dequantizing modes over keys-major scales (e4m3 with
+#    FP8-MMA's blocks, int8 with INT8-MMA's), their default against their TMA loop
+#    (OUT_DIR/probe/probe.csv, OUT_DIR/probe_int8/probe.csv);
 # 3c. `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
 #    quantized pools' speedup at every block size the sweep reached) and the probes' winners,
 #    and rewrites kernels/launch_choices.json (16-bit and quantized rows), copied to OUT_DIR:
@@ -106,19 +108,25 @@ echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
 # FP8-MMA over keys-major pools now takes 128-key TMA tiles where a tile lies inside a block
 # (419 instructions per 64 keys), against the 64-key pointer loop it took before (570) and the
 # 64-key TMA loop (554), at the frame block (block_tiles) and at 256 (contiguous); INT8-MMA's
-# pointer loop (585) against its TMA loop at 64 and 128 keys (562, 468 with spills). The
+# pointer loop (585) against its TMA loop at 64 and 128 keys (562, 468 with spills). Then the
+# dequantizing modes over keys-major scales (no table row yet: the built-in pointer loop)
+# against their TMA loop (e4m3 at block 256: 572 against 541; slot-major scales, 643). The
 # launcher's own choice first: the time limit cuts the last runs.
-probe_timeout=${PROBE_TIMEOUT:-75}
+probe_timeout=${PROBE_TIMEOUT:-100}
 echo "== quantized loop candidates (limit ${probe_timeout}s)"
 start=$SECONDS
 fp8=triton-e4m3-mma-keys
 int8=triton-int8-mma-keys
+e4m3=triton-e4m3-keys
+dequant_int8=triton-int8-keys
 timeout $((probe_timeout * 55 / 100)) "$python" -m paged_video.bench.launch_probe \
-    --block-sizes 1560,256 --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma" \
-    --time-limit $((probe_timeout * 40 / 100)) --out "$out_dir/probe" 2>&1 | tail -n 6
+    --block-sizes 1560,256 \
+    --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma,$e4m3@default,$e4m3@128x64w8s4+tma" \
+    --time-limit $((probe_timeout * 42 / 100)) --out "$out_dir/probe" 2>&1 | tail -n 10
 timeout $((probe_timeout * 45 / 100)) "$python" -m paged_video.bench.launch_probe \
-    --block-sizes 1560 --runs "$int8@default,$int8@128x64w8s3+tma,$int8@128x128w8s3+tma" \
-    --time-limit $((probe_timeout * 30 / 100)) --out "$out_dir/probe_int8" 2>&1 | tail -n 3
+    --block-sizes 1560 \
+    --runs "$int8@default,$int8@128x64w8s3+tma,$int8@128x128w8s3+tma,$dequant_int8@default,$dequant_int8@128x64w8s4+tma" \
+    --time-limit $((probe_timeout * 32 / 100)) --out "$out_dir/probe_int8" 2>&1 | tail -n 5
 echo "== quantized candidates: after $((SECONDS - start))s; the winners:"
 
 # The launch table from both: 16-bit rows from the launch candidates, quantized rows from the
@@ -141,9 +149,9 @@ fi
 
 # About 17 kernel compiles (attention per mode, with and without equalization; the writes)
 # take most of the time.
-echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-90}s)"
+echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-65}s)"
 start=$SECONDS
-timeout "${ACCURACY_TIMEOUT:-90}" "$python" -m paged_video.bench accuracy --smoothing on \
+timeout "${ACCURACY_TIMEOUT:-65}" "$python" -m paged_video.bench accuracy --smoothing on \
     --out "$out_dir" >"$out_dir/accuracy.log" 2>&1
 accuracy_rc=$?
 grep -vE "^[a-z0-9-]+ .*: cosine" "$out_dir/accuracy.log" | tail -n 50

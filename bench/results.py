@@ -45,6 +45,8 @@ QUANTIZED_GOALS = {
     "triton-int8": 1.3,
     "triton-int8-mma": 1.3,
     "triton-int8-mma-keys": 1.3,
+    "triton-e4m3-keys": 1.3,
+    "triton-int8-keys": 1.3,
 }
 # Provider names of CSVs written before the formats were spelled one way everywhere (bf16, e4m3,
 # int8); reading an old CSV renames them, so ``compare`` matches its cases with new runs.

@@ -137,3 +137,17 @@ def test_a_probe_row_names_its_mode_and_the_launch_that_ran(tmp_path) -> None:
     with open(tmp_path / "probe.csv", newline="") as stream:
         written = list(csv.DictReader(stream))
     assert [r["backend"] for r in written] == [r["backend"] for r in rows]
+
+
+def test_the_dequantizing_keys_major_runs_of_the_gpu_check(tmp_path) -> None:
+    # bench/gpu_check.sh times them against their TMA loop: the rows must name the dequantizing
+    # modes' _keys rows, and the TMA launch must run as asked (not fall back).
+    geometry = Geometry(16, 1, 1, 1, 2, 1, 32, "fp16", 1)
+    runs = launch_probe.parse_runs(
+        "triton-e4m3-keys@default,triton-e4m3-keys@16x32w4s2+tma,triton-int8-keys@16x32w4s2+tma"
+    )
+    rows = launch_probe.probe(runs, [64], tmp_path, geometry=geometry, device="cpu")
+    assert [r["outcome"] for r in rows] == ["ok"] * 3, rows
+    assert [r["mode"] for r in rows] == ["fp8_keys", "fp8_keys", "int8_keys"]
+    assert all("variant=tma tile=16x32" in r["backend"] for r in rows[1:]), rows
+    assert all(r["max_error"] <= r["error_limit"] for r in rows)

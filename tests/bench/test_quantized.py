@@ -20,6 +20,7 @@ from paged_video.bench.sweep import (
     _dequantizing_oracle,
     bytes_moved,
     run_sweep,
+    selected_providers,
 )
 from paged_video.bench.table import format_ratios, quantized_cases
 from paged_video.bench.workload import (
@@ -68,8 +69,13 @@ def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
     assert rows["triton-int8-mma"]["error_limit"] == rows["triton"]["error_limit"]
     assert rows["triton-int8-mma"]["max_error"] < 1e-5
     assert rows["triton-int8-mma"]["backend"] == "triton paged_attention int8 int8-mma"
-    # The same codes and scales in another layout: the MMA modes' results, to float32 rounding.
-    for name, mode in (("triton-e4m3-mma", "e4m3 fp8-mma"), ("triton-int8-mma", "int8 int8-mma")):
+    # The same codes and scales in another layout: each mode's results, to float32 rounding.
+    for name, mode in (
+        ("triton-e4m3-mma", "e4m3 fp8-mma"),
+        ("triton-int8-mma", "int8 int8-mma"),
+        ("triton-e4m3", "e4m3 dequant"),
+        ("triton-int8", "int8 dequant"),
+    ):
         keys = rows[f"{name}-keys"]
         assert keys["backend"] == f"triton paged_attention {mode}, keys-major"
         assert abs(keys["max_error"] - rows[name]["max_error"]) < 1e-6
@@ -176,3 +182,10 @@ def test_the_speedup_plot_draws_the_quantized_pools_without_a_baseline(tmp_path)
     ]
     paths = [p.name for p in plot_rows(rows, tmp_path)]
     assert paths == ["speedup.png", "paged_attention.png"]
+
+
+def test_dequantizing_keys_major_providers_run_only_when_named():
+    # They are the GPU check's probe's to time; the default sweep keeps its cases.
+    chosen = {p.name for p in selected_providers(paged_config(), PROVIDERS)}
+    assert {"triton-e4m3", "triton-e4m3-mma-keys"} <= chosen
+    assert not chosen & {"triton-e4m3-keys", "triton-int8-keys"}
