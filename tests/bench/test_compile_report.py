@@ -518,7 +518,7 @@ def test_block_tiles_load_whole_tiles_through_descriptors(report: Report, minor:
 # 128-key tiles, TMA where a tile lies inside a block. Measured 4.91-5.07 ms against 5.38-5.57
 # for the 64-key TMA loop at blocks 256/520/1560. At Triton's flags they spilled 0-36 bytes a
 # launch on Triton 3.9 (24 at block 1560, in and around the masked loops) until masked tiles
-# took half the tile (2026-12-05): none spill now, on either Triton.
+# took half the tile (2026-12-04): none spill now, on either Triton.
 GPU_CHOSEN_MOST_SPILL_BYTES = 0
 
 
