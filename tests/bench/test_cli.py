@@ -148,7 +148,7 @@ def test_the_gpu_check_names_real_providers_and_configs_and_fits_one_call():
     # The probe's runs, with the script's own variables put in.
     variables = dict(re.findall(r"^(\w+)=([\w.-]+)$", script, flags=re.M))
     probes = re.findall(r'--runs\s+"([^"]+)"', script)
-    assert len(probes) == 2, probes  # FP8-MMA's candidates, INT8-MMA's
+    assert len(probes) == 3, probes  # FP8-MMA's candidates, the dequantizing ones, INT8-MMA's
     for runs in probes:
         for name, value in variables.items():
             runs = runs.replace(f"${name}", value)
