@@ -153,6 +153,8 @@ def test_block_split() -> None:
 @given(
     shape=st.sampled_from(
         [(17, 16), (20, 16), (40, 16), (52, 16), (100, 32), (24, 16), (28, 16), (24, 32), (12, 16)]
+        # 128-key tiles, whose masked tiles are 64 keys (two head tiles, two tail tiles)
+        + [(24, 128), (160, 128), (200, 128), (16, 128)]
     ),
     q_lens=st.lists(st.integers(0, 24), min_size=1, max_size=3),
     extra_k=st.lists(st.integers(0, 150), min_size=3, max_size=3),
@@ -164,9 +166,12 @@ def test_block_split() -> None:
 def test_property_tiles_near_block_edges(shape, q_lens, extra_k, causal, limits, gaps, seed):
     # block_tiles (remainders of 1..8 keys gathered into tiles of their own; blocks of 24 and 12
     # cut 16 + 8 and 8 + 4) and two_blocks: runs that start and end anywhere in a block's
-    # pieces, under every mask, with small tiles so that many blocks and tiles are crossed.
+    # pieces, under every mask, with small tiles so that many blocks and tiles are crossed (and
+    # 128-key ones, masked 64 keys at a time: keys and gaps stretched 4x, so that unmasked tiles
+    # sit between a run's masked head and tail).
     block_size, block_n = shape
-    k_lens = [q + extra for q, extra in zip(q_lens, extra_k, strict=False)]
+    stretch = max(1, block_n // 32)
+    k_lens = [q + extra * stretch for q, extra in zip(q_lens, extra_k, strict=False)]
     case = make_paged_case(
         q_lens=q_lens, k_lens=k_lens, block_size=block_size, head_dim=16, seed=seed, device=DEVICE
     )
@@ -180,7 +185,7 @@ def test_property_tiles_near_block_edges(shape, q_lens, extra_k, causal, limits,
             ]
         ).to(DEVICE)
     if gaps:
-        rows = [[[lo, lo + width] for lo, width in gaps] for _ in k_lens]
+        rows = [[[lo * stretch, (lo + width) * stretch] for lo, width in gaps] for _ in k_lens]
         kwargs["key_gap"] = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
     run_and_compare(case, **kwargs)
 
