@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib
 
 import pytest
@@ -13,6 +14,8 @@ from paged_video.bench.workload import Geometry
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 TINY = Geometry(16, 1, 1, 1, 2, 1, 32, "fp32", 1)
+# The same shape under a 16-bit query, as the quantized modes' probes run.
+TINY_FP16 = dataclasses.replace(TINY, dtype="fp16")
 
 
 def test_configs_parse_and_bad_ones_are_named() -> None:
@@ -119,7 +122,7 @@ def test_a_probe_on_the_cpu_checks_every_run(tmp_path) -> None:
 def test_a_probe_row_names_its_mode_and_the_launch_that_ran(tmp_path) -> None:
     # bench choose turns these rows into quantized table rows: each must say which mode's row it
     # is (``_keys`` only where descriptors read the pools) and what ran, "default" included.
-    geometry = Geometry(16, 1, 1, 1, 2, 1, 32, "fp16", 1)
+    geometry = TINY_FP16
     runs = launch_probe.parse_runs(
         "triton-int8-mma-keys@default,triton-int8-mma-keys@16x32w4s2+tma,triton-int8-mma@default"
     )
@@ -142,7 +145,7 @@ def test_a_probe_row_names_its_mode_and_the_launch_that_ran(tmp_path) -> None:
 def test_the_dequantizing_keys_major_runs_of_the_gpu_check(tmp_path) -> None:
     # bench/gpu_check.sh times them against their TMA loop: the rows must name the dequantizing
     # modes' _keys rows, and the TMA launch must run as asked (not fall back).
-    geometry = Geometry(16, 1, 1, 1, 2, 1, 32, "fp16", 1)
+    geometry = TINY_FP16
     runs = launch_probe.parse_runs(
         "triton-e4m3-keys@default,triton-e4m3-keys@16x32w4s2+tma,triton-int8-keys@16x32w4s2+tma"
     )
