@@ -11,8 +11,10 @@ A key loop is an innermost loop holding MMA instructions (no inner loop holding 
 the *hot* loop is the unmasked one, which runs the whole tiles. A *producer* loop issues loads
 and no MMAs: the load partition of a warp-specialized kernel. Per hot-loop iteration it also
 counts barriers (``BAR``: every warp of the block waits at each, so the two warpgroups of a
-tile cannot overlap one's softmax with the other's MMAs) and shared-memory stores (``STS``: a
-tile converted or transposed in registers goes back through shared memory before an MMA).
+tile cannot overlap one's softmax with the other's MMAs), shared-memory stores (``STS``: a
+tile converted or transposed in registers goes back through shared memory before an MMA) and
+warpgroup MMAs whose A operand is registers (P of ``P V``; an operand computed before the loop,
+such as rounded query rows, stays one too and is read back from shared memory every iteration).
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ def parse_sass(text: str) -> list[Instruction]:
 
 def is_mma(opcode: str) -> bool:
     return opcode.startswith(MMA_PREFIXES)
+
+
+def register_a(instruction: Instruction) -> bool:
+    """A warpgroup MMA reading its A operand from registers (``R24, R104, gdesc[UR12], ...``),
+    not from shared memory (``R24, gdesc[UR16], ...``: one descriptor pair for A and B)."""
+    if not instruction.opcode.startswith(("HGMMA", "QGMMA", "IGMMA", "BGMMA")):
+        return False
+    operands = [operand.strip() for operand in instruction.operands.split(",")]
+    return len(operands) > 1 and re.fullmatch(r"R\d+", operands[1]) is not None
 
 
 def is_64bit_integer(instruction: Instruction) -> bool:
@@ -347,6 +358,7 @@ def analyse(text: str) -> dict[str, object]:
             loop_divisions=None,
             loop_barriers=None,
             loop_shared_stores=None,
+            loop_register_a_mmas=None,
             wait_depth=None,
         )
     else:
@@ -358,6 +370,7 @@ def analyse(text: str) -> dict[str, object]:
             loop_divisions=sum(bool(_DIVISION.match(i.opcode)) for i in hot.instructions),
             loop_barriers=hot.count("BAR."),
             loop_shared_stores=hot.count("STS"),
+            loop_register_a_mmas=sum(map(register_a, hot.instructions)),
             wait_depth=wait_depth(hot),
         )
     return row

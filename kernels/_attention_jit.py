@@ -29,7 +29,7 @@ scale pools as one run of scales, a tile's scales one load), the 16-bit and the 
 caches alike; masked tiles keep pointer loads, which skip hidden keys. Key tiles every
 query row of the program sees whole run in an unmasked loop; only tiles touching
 ``seq_lens_k``, a row's ``key_limits``, the causal diagonal or a ``key_gap`` edge run masked
-(16-bit masked tiles over 64 keys at half the tile), and tiles inside a gap are skipped.
+(masked tiles over 64 keys at half the tile), and tiles inside a gap are skipped.
 Query heads sharing a KV head are packed into the M dimension, so each K/V tile is loaded
 once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA), output in
 ``q``'s dtype; optionally each row's log-sum-exp (``HAS_LSE``).
@@ -38,9 +38,12 @@ Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) 
 tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
 (e4m3 K under a bfloat16 q: float16, the query rows scaled into it by a power of two each) and
 the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
-MMAs instead; ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and
-``P V`` as the dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
-``HAS_V_EQUALIZER``) multiply q's channels before anything else and the output's at the end.
+MMAs instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds their
+codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory);
+``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
+dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
+``HAS_V_EQUALIZER``) multiply q's channels before anything else (FP8-MMA's codes have K's in)
+and the output's at the end.
 The unquantized kernel is compiled without any of it (the scale pointer's absence is a
 compile-time flag), as the kernel without ``HAS_LSE`` is without the LSE.
 """
@@ -50,7 +53,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from paged_video.kernels._quantize_jit import quantize_rows, round_to_code_grid
+from paged_video.kernels._quantize_jit import quantize_rows, to_e4m3
 
 # ln 2 for the kernel (a global a jit function reads must be a constexpr).
 LN2 = tl.constexpr(0.6931471805599453)
@@ -203,21 +206,6 @@ def _load_scales(
     else:
         column = tl.load(scales + rows)
     return column
-
-
-@triton.jit
-def _to_e4m3(x, INTERPRETED: tl.constexpr):
-    """Float32 ``x`` as the nearest e4m3 code (ties to even), saturating at +-448.
-
-    On a GPU the conversion is one ``cvt.rn.satfinite`` per pair: rounding explicitly here, in
-    the hot loop, would cost ~250 instructions per tile. The interpreter's conversion rounds
-    wrongly when rounding carries into the next binade (31.2 -> 16), so there
-    (``INTERPRETED``) x is first rounded to the code grid as the write kernel does
-    (``round_to_code_grid``), and the result converts exactly.
-    """
-    if INTERPRETED:
-        x = round_to_code_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), True)
-    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -558,7 +546,7 @@ def _attend_tiles(
             # place (no multiply per output element), and a new unit folds into the rescale as a
             # ratio <= 1 (at worst a far smaller tile's contributions underflow, not acc).
             unit = tl.maximum(acc_scale, tl.max(v_col, axis=0) / 448.0)
-            p_codes = _to_e4m3(probs * (v_col * (1.0 / unit))[None, :], INTERPRETED)
+            p_codes = to_e4m3(probs * (v_col * (1.0 / unit))[None, :], INTERPRETED)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)
             acc = acc * (rescale * (acc_scale / unit))[:, None] + tl.dot(p_codes, v)
@@ -693,11 +681,11 @@ def _attend_piece(
     full = lo if MASKED_ONLY else _piece_position(full_end, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     full_lo = tl.cdiv(lo, BLOCK_N) * BLOCK_N
     full_hi = tl.maximum(full_lo, tl.minimum(hi, full) // BLOCK_N * BLOCK_N)
-    # 16-bit masked tiles of more than 64 keys are cut in half: the masked loop (the run's
-    # edges, a large block's remainder) holds masks and per-row addresses beside a tile's
-    # scores, and at 128 keys it set the kernel's register peak (Triton 3.9 spilled 24 bytes at
-    # block 1560). (FP8-MMA keeps its tile: on Triton 3.6 its 128-key loop then spilled more.)
-    MASKED_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N > 64 and not FP8_MMA else BLOCK_N
+    # Masked tiles of more than 64 keys are cut in half: the masked loop (the run's edges, a
+    # large block's remainder) holds masks and per-row addresses beside a tile's scores, and at
+    # 128 keys it set the kernel's register peak (Triton 3.9 spilled 24 bytes at block 1560 over
+    # 16-bit caches, 40-60 under FP8-MMA).
+    MASKED_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N > 64 else BLOCK_N
     # Pass 0, unmasked: the whole tiles. Pass 1, masked: the head tiles, from the one holding
     # run_lo to the unmasked ones' start, then the tail ones from their end to run_hi.
     head_tiles = 0  # (unused but by half-width masked tiles)
@@ -890,12 +878,15 @@ def _paged_attention_kernel(
     v_scale_ptr,
     k_equalizer_ptr,
     v_equalizer_ptr,
+    q_scale_ptr,
     scale_log2,
     gaps_per_row,
     pool_rows,
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
+    stride_qs_tok,
+    stride_qs_head,
     stride_k_block,
     stride_k_slot,
     stride_k_head,
@@ -977,7 +968,7 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if FP8_MMA or INT8_MMA or UPCAST:
+    if INT8_MMA or (UPCAST and not FP8_MMA):
         q = q.to(tl.float32)
     # e4m3 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows).
     FLOAT16_QK: tl.constexpr = (
@@ -993,9 +984,11 @@ def _paged_attention_kernel(
         )
         q = (q.to(tl.float32) * k_factor[None, :]).to(q.dtype)
     if FP8_MMA:
-        # Each row as e4m3 codes and a scale (amax / 448), folded into the softmax scale.
-        q_scale = tl.max(tl.abs(q), axis=1) / 448.0
-        q = _to_e4m3(q / tl.where(q_scale > 0.0, q_scale, 1.0)[:, None], INTERPRETED)
+        # q holds the rows' e4m3 codes (query_codes.e4m3_query_rows, K's channel factors folded
+        # in); each row's scale (amax / 448) folds into the softmax scale.
+        q_scale = tl.load(
+            q_scale_ptr + q_rows * stride_qs_tok + head * stride_qs_head, mask=m_mask, other=0.0
+        )
         scale_log2 = q_scale * scale_log2
     elif INT8_MMA:
         # Each row as int8 codes and a scale (amax / 127, rounded as the write kernel rounds),

@@ -59,3 +59,18 @@ def quantize_rows(x, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
     ratio = tl.where(tl.expand_dims(positive, -1), ratio, 0.0)
     ratio = tl.minimum(tl.maximum(ratio, -QMAX), QMAX)
     return round_to_code_grid(ratio, IS_FP8), scale
+
+
+@triton.jit
+def to_e4m3(x, INTERPRETED: tl.constexpr):
+    """Float32 ``x`` as the nearest e4m3 code (ties to even), saturating at +-448.
+
+    On a GPU the conversion is one ``cvt.rn.satfinite`` per pair: rounding explicitly here, in
+    the hot loop, would cost ~250 instructions per tile. The interpreter's conversion rounds
+    wrongly when rounding carries into the next binade (31.2 -> 16), so there
+    (``INTERPRETED``) x is first rounded to the code grid as the write kernel does
+    (``round_to_code_grid``), and the result converts exactly.
+    """
+    if INTERPRETED:
+        x = round_to_code_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), True)
+    return x.to(tl.float8e4nv)

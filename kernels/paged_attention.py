@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import _checks, launch_table, pool_layout, torch_path
+from paged_video.kernels import _checks, launch_table, pool_layout, query_codes, torch_path
 from paged_video.kernels._attention_checks import check_arguments
 from paged_video.kernels._attention_jit import _paged_attention_kernel
 from paged_video.kernels._attention_ws_jit import _paged_attention_ws_kernel
@@ -599,13 +599,19 @@ def paged_attention(
     # int32 row offsets when every offset into the pools (and their scale pools) fits.
     pools = [pool for pool in (k_cache, v_cache, k_scale, v_scale) if pool is not None]
     offsets_32 = max(map(_largest_offset, pools)) < 2**31
+    # FP8-MMA: the kernel loads e4m3 query rows made beforehand (K's factors folded in), so its
+    # Q K^T MMA reads them from shared memory (kernels/query_codes.py).
+    query, query_scales = q, None
+    if fp8_mma:
+        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)
+        k_equalizer = None
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
     ]
     if tiles["TMA"] and not interpreter_active():
         _ensure_allocator()  # the kernel makes its descriptors in global scratch memory
     _paged_attention_kernel[grid](
-        q,
+        query,
         k_cache,
         v_cache,
         out,
@@ -619,10 +625,12 @@ def paged_attention(
         v_scale,
         k_equalizer,
         v_equalizer,
+        query_scales,
         scale * LOG2E,
         gaps_per_row,
         k_cache.shape[0] * block_size,
-        *q.stride(),
+        *query.stride(),
+        *(query_scales.stride() if query_scales is not None else (0, 0)),
         *k_cache.stride(),
         *v_cache.stride(),
         *out.stride(),

@@ -57,6 +57,7 @@ TMA_QUANTIZED = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output"
 )
+EQUALIZED = "tests/kernels/test_quantized_modes.py::test_equalizers_fold_into_q_and_the_output"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -1387,6 +1388,29 @@ MUTANTS = [
         "    return q.to(tl.float16), factor * 0.0 + 1.0",
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_bf16_queries_score_through_float16_rows",
+    ),
+    # -- FP8-MMA query rows, rounded before the kernel (kernels/query_codes.py) ----------------
+    _m(
+        "fp8-query-rows-take-another-kv-heads-factors",
+        "kernels/query_codes.py",
+        "            + (head // GROUP)[:, None] * stride_eq_head",
+        "            + (head % GROUP)[:, None] * stride_eq_head",
+        "tests/kernels/test_query_codes.py::test_factors_are_those_of_each_heads_kv_head",
+    ),
+    _m(
+        "fp8-query-scales-left-out-of-the-softmax-scale",
+        "kernels/_attention_jit.py",
+        "        )\n        scale_log2 = q_scale * scale_log2",
+        "        )\n        scale_log2 = scale_log2 + q_scale * 0.0",
+        f"{EQUALIZED}[e4m3-fp8-mma]",
+    ),
+    _m(
+        "fp8-query-rows-equalized-twice",
+        "kernels/paged_attention.py",
+        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n"
+        "        k_equalizer = None",
+        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)",
+        f"{EQUALIZED}[e4m3-fp8-mma]",
     ),
     # -- the output's rows, from the tile index read again after the key loops ---------------
     _m(

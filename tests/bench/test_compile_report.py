@@ -627,14 +627,15 @@ def test_quantized_no_spills(report: Report, mode: str, block: int) -> None:
 # copying every thread's columns (about 70 instructions more; keys-major scales, two at a time).
 # With e4m3 K scored through float16 query rows and the output's rows read again (2026-12-04,
 # bench/RESULTS.md): 3.9 532/590/583/527/540/539; 3.6 603/665/682/617/619/579 (fp8 converted K
-# to bfloat16 through float16, 4 instructions a pair against 1: 60 fewer on 3.9).
+# to bfloat16 through float16, 4 instructions a pair against 1: 60 fewer on 3.9). FP8-MMA's
+# query rows by descriptor (2026-12-05): 3.9 586/538, 3.6 686/616 (fp8_mma, fp8_mma_keys).
 _BLOCK24_QUANTIZED_MISSES = {
     ("int8", "3.9"): "590 vs 1.5 x 372",
-    ("fp8_mma", "3.9"): "583 vs 1.5 x 372",
+    ("fp8_mma", "3.9"): "586 vs 1.5 x 372",
     ("fp8", "3.6"): "603 vs 1.5 x 356",
     ("int8", "3.6"): "665 vs 1.5 x 356",
-    ("fp8_mma", "3.6"): "682 vs 1.5 x 356",
-    ("fp8_mma_keys", "3.6"): "617 vs 1.5 x 356",
+    ("fp8_mma", "3.6"): "686 vs 1.5 x 356",
+    ("fp8_mma_keys", "3.6"): "616 vs 1.5 x 356",
     ("int8_mma", "3.6"): "619 vs 1.5 x 356",
     ("int8_mma_keys", "3.6"): "579 vs 1.5 x 356",
 }
@@ -681,9 +682,10 @@ def test_quantized_tma_loop_loads_codes_and_scales_through_descriptors(
         assert tma["loop_instructions"] < pointers["loop_instructions"], (tma, pointers)
 
 
-# Since a block's second piece divides its bounds again (_unknown_again), ptxas keeps a lane
-# quotient by 24 from the first piece's masked loop to the second's instead (it was 0 before).
-_TRITON36_TMA_SPILLS = {("fp8_mma_keys", 1560): "4/4 bytes outside the loops"}
+# FP8-MMA over keys-major pools at block 1560 spilled 4/4 bytes outside the loops (a lane
+# quotient by 24 kept from one piece's masked loop to the other's) until its query rows were
+# loaded rather than rounded in the kernel (kernels/query_codes.py, 2026-12-05).
+_TRITON36_TMA_SPILLS: dict = {}
 
 
 @pytest.mark.parametrize(
@@ -714,24 +716,54 @@ def test_fp8_mma_128_key_tma_loop_over_keys_major_pools(
     pointers = report.paged(triton, block, kv="fp8_mma_keys", variant=FORCED_CP_ASYNC)
     assert (default["tile"], default["mma"], default["kv_buffers"]) == ("128x128", "QGMMA", 3)
     assert default["tma_loads"] > 0, default
-    # 2026-12-04: 776 (3.9) and 837-838 (3.6) instructions per 128 keys, against the 64-key
-    # pointer loop's 511-512 and 570-572 per 64 (24% and 26% fewer per key; the FP8 plain loop
-    # at the same tile: 596 and 578). Without the scales' per-thread copies the 128-key tile
-    # fits its registers: 4-8 bytes spill on 3.6 (at 1560 one reload per iteration), 0-52
-    # outside the loop on 3.9.
+    # 2026-12-05: 773-776 (3.9) and 831 (3.6) instructions per 128 keys, against the 64-key
+    # pointer loop's 516-520 and 578 per 64 (25% and 28% fewer per key). No spills: the tile's
+    # registers hold no query rows (loaded, they feed the MMA from shared memory), and masked
+    # tiles are 64 keys (before: 4-8 bytes on 3.6, 40-60 around the masked loops on 3.9).
     assert _per_key(default) <= 0.8 * _per_key(pointers), (default, pointers)
-    assert default["spill_stores"] <= {"3.9": 64, "3.6": 8}[minor], default
+    assert (default["spill_stores"], default["spill_loads"]) == (0, 0), default
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("mode", ["fp8_mma", "fp8_mma_keys"])
+@pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
+def test_fp8_mma_reads_query_rows_from_shared_memory(
+    report: Report, minor: str, mode: str, block: int
+) -> None:
+    # The launcher rounds the query rows before the kernel (kernels/query_codes.py), which loads
+    # them, so Q K^T takes them from shared memory and P is the only register operand: an MMA
+    # per 32 keys. Rounded in the kernel, they stayed a register operand read back from shared
+    # memory every tile (128 channels: 4 more register-operand MMAs, 4 ldmatrix and their
+    # addresses, which ptxas spilled at the 128-key TMA loop on Triton 3.6).
+    row = report.paged(report.version(minor), block, kv=mode)
+    keys = int(row["tile"].split("x")[1])
+    assert row["mma"] == "QGMMA" and row["loop_register_a_mmas"] == keys // 32, row
+
+
+@pytest.mark.parametrize("minor", _versions())
+def test_fp8_query_rows_pass_compiles(report: Report, minor: str) -> None:
+    # The pass that rounds FP8-MMA's query rows runs before each FP8-MMA launch, and only
+    # there: it builds without spills on both Tritons (a plain row-wise kernel, no MMA).
+    triton = report.version(minor)
+    rows = [r for r in report.rows if r["kernel"] == "query_codes" and r["triton"] == triton]
+    assert {r["kv_mode"] for r in rows} == {"fp8_mma", "fp8_mma_keys"}, rows
+    for row in rows:
+        assert row["error"] == "" and (row["spill_stores"], row["spill_loads"]) == (0, 0), row
+        assert (row["mma"], row["key_loops"]) == ("none", ""), row
 
 
 # Per key, the MMA modes' loops against the dequantizing one over the same codes: no longer,
 # except FP8-MMA over a slot-major V, which transposes V a byte at a time through shared memory
 # (33 stores a thread) where the dequantizing loop converts e4m3 K in one instruction a pair
-# (2026-12-04, Triton 3.9: 570-585 against 522-543 at blocks 16-1560, 1.08-1.10x).
+# (2026-12-04, Triton 3.9: 570-585 against 522-543 at blocks 16-1560, 1.08-1.10x). FP8-MMA's
+# query rows by descriptor cost its 64-key loops 5-10 instructions (uniform descriptor
+# arithmetic for 4 more k-steps, against 4 ldmatrix): over keys-major pools 508-538 against the
+# dequantizing loop's 521-533 (2026-12-05; 500-528 before).
 @pytest.mark.parametrize(
     "mma_mode, dequantizing_mode, most",
     [
         ("fp8_mma", "fp8", 1.12),
-        ("fp8_mma_keys", "fp8", 1.0),
+        ("fp8_mma_keys", "fp8", 1.02),
         ("int8_mma", "int8", 1.0),
         ("int8_mma_keys", "int8", 1.0),
     ],
@@ -805,7 +837,7 @@ _PLANTED = [
     (0xA0, "IADD3 R12, P2, R12, R13, RZ"),
     (0xB0, "IADD3.X R14, R15, R16, RZ, P2, !PT"),
     (0xC0, "NOP"),
-    (0xD0, "HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], R88"),
+    (0xD0, "HGMMA.64x64x16.F32.BF16 R88, R40, gdesc[UR8], R88"),
     (0xE0, "@P0 BRA 0x30"),
     (0x100, "HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], R88"),
     (0x110, "FSEL R20, R20, -INF , !P3"),
@@ -830,6 +862,8 @@ def test_planted_hot_loop_is_unmasked_not_smallest() -> None:
     assert measures["loop_global_loads"] == 1
     assert measures["loop_mbarrier_ops"] == 1
     assert measures["mma"] == "HGMMA"
+    # 0x60 reads A from shared memory (one descriptor pair), 0xd0 from registers R40..
+    assert measures["loop_register_a_mmas"] == 1
     # Without its -inf select the second loop is unmasked too: the hot loop is the longest.
     unmasked = [(a, t.replace("-INF", "RZ")) for a, t in _PLANTED]
     assert sass.analyse(_sass(unmasked))["loop_instructions"] == 12
