@@ -556,12 +556,14 @@ def _paged_launches(config: Config) -> list[_Launch]:
         if scales["fp8_mma"]:
             v_cache = pool_layout.empty_keys_major(2, bs, config.kv_heads, d, dtype=kv_dtype)
     # The warp-specialized variant merges two partial attentions (recorded, left out of the
-    # report: no attention kernel); FP8-MMA rounds the query rows first (a row of its own,
-    # ``query_codes``, so the GPU image's Triton is known to build it too).
+    # report: no attention kernel); FP8-MMA first rounds the query rows and takes its
+    # probability unit (rows of their own, ``query_codes`` and ``value_units``, so the GPU
+    # image's Triton is known to build them too).
     with (
         _recording("paged_video.kernels.paged_attention") as (real, calls),
         _recording("paged_video.kernels.merge_states"),
         _recording("paged_video.kernels.query_codes") as (codes_real, codes_calls),
+        _recording("paged_video.kernels.value_units") as (units_real, units_calls),
     ):
         kernels.paged_attention(
             empty(config.max_seqlen_q, config.heads, d),
@@ -586,8 +588,12 @@ def _paged_launches(config: Config) -> list[_Launch]:
     for name, args, kwargs in calls:
         label = "paged_attention" if len(calls) == 1 else f"paged_attention/{name}"
         launches.append(_Launch(label, real[name], args, kwargs, {}))
-    for name, args, kwargs in codes_calls:
-        launches.append(_Launch("query_codes", codes_real[name], args, kwargs, {}))
+    for label, real_kernels, recorded in (
+        ("query_codes", codes_real, codes_calls),
+        ("value_units", units_real, units_calls),
+    ):
+        for name, args, kwargs in recorded:
+            launches.append(_Launch(label, real_kernels[name], args, kwargs, {}))
     first = calls[0][2]
     if {"BLOCK_M", "BLOCK_N"} <= first.keys() and {"BLOCK_D", "HEAD_DIM"} & first.keys():
         launches.append(_anchor_launch(config, first))

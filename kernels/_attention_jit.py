@@ -39,7 +39,8 @@ tiles and scales like the 16-bit tiles; by default the codes convert exactly to 
 (e4m3 K under a bfloat16 q: float16, the query rows scaled into it by a power of two each) and
 the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
 MMAs instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds their
-codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory);
+codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), with the
+probabilities in a unit per sequence and KV head it also made (``v_unit_ptr``);
 ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
 dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
 ``HAS_V_EQUALIZER``) multiply q's channels before anything else (FP8-MMA's codes have K's in)
@@ -57,8 +58,6 @@ from paged_video.kernels._quantize_jit import quantize_rows, to_e4m3
 
 # ln 2 for the kernel (a global a jit function reads must be a constexpr).
 LN2 = tl.constexpr(0.6931471805599453)
-# The FP8-MMA accumulator's first unit: float32's smallest normal, so no ratio of units is 0/0.
-SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -311,7 +310,8 @@ def _attend_tiles(
     * BLOCK_N`` after (``head_tiles`` is ignored otherwise). The one tile body of both loops:
     ``MASKED`` adds the masks (a compile-time flag, so the unmasked loop carries none of them).
 
-    ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated; ``caches`` the K and
+    ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated (``acc_scale`` as
+    given: under ``FP8_MMA`` the unit acc holds the output in); ``caches`` the K and
     V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
     block stride, slot stride[, dim stride])``; ``descs`` (``TMA``) the K and V descriptors, the
     KV head's first column in them (a keys-major V's first row in a block) and the columns of
@@ -332,10 +332,9 @@ def _attend_tiles(
     columns before the PV product (row sums from the unscaled probabilities). Without
     ``FP8_MMA`` the codes convert exactly to q's compute dtype; with it, q is already e4m3 codes,
     both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 in units of
-    the largest V scale seen so far / 448 (``acc_scale``, which only grows: rescaling the
-    accumulator to a new unit multiplies it by at most 1, so no V scale a pool can hold makes
-    it overflow). ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V
-    converts to ``PV_DTYPE`` for the dequantizing mode's ``P V``.
+    ``acc_scale``: the largest V scale of the sequence's keys / 448 (``value_units``), so no
+    key's value exceeds 448 in it. ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32
+    sums, exact), V converts to ``PV_DTYPE`` for the dequantizing mode's ``P V``.
     """
     acc, row_max, row_sum, acc_scale = state
     k_cache = caches[0]
@@ -541,16 +540,14 @@ def _attend_tiles(
             rescale = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         if FP8_MMA:
-            # acc holds the output in units of acc_scale, the largest V scale so far / 448: the
-            # tile's V-scaled probabilities are rounded in that unit, so the MMA accumulates in
-            # place (no multiply per output element), and a new unit folds into the rescale as a
-            # ratio <= 1 (at worst a far smaller tile's contributions underflow, not acc).
-            unit = tl.maximum(acc_scale, tl.max(v_col, axis=0) / 448.0)
-            p_codes = to_e4m3(probs * (v_col * (1.0 / unit))[None, :], INTERPRETED)
+            # acc holds the output in units of acc_scale (the sequence's largest V scale / 448):
+            # the tile's V-scaled probabilities are rounded in that unit, so the MMA accumulates
+            # in place (no multiply per output element). A fixed unit takes no tile maximum of
+            # the scales: reduced across warps, it cost 2-3 barriers a tile.
+            p_codes = to_e4m3(probs * (v_col * (1.0 / acc_scale))[None, :], INTERPRETED)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)
-            acc = acc * (rescale * (acc_scale / unit))[:, None] + tl.dot(p_codes, v)
-            acc_scale = unit
+            acc = acc * rescale[:, None] + tl.dot(p_codes, v)
         else:
             if QUANTIZED:
                 probs = probs * v_col[None, :]
@@ -879,6 +876,7 @@ def _paged_attention_kernel(
     k_equalizer_ptr,
     v_equalizer_ptr,
     q_scale_ptr,
+    v_unit_ptr,
     scale_log2,
     gaps_per_row,
     pool_rows,
@@ -887,6 +885,8 @@ def _paged_attention_kernel(
     stride_q_dim,
     stride_qs_tok,
     stride_qs_head,
+    stride_vu_seq,
+    stride_vu_head,
     stride_k_block,
     stride_k_slot,
     stride_k_head,
@@ -1017,7 +1017,10 @@ def _paged_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc_scale = SMALLEST_NORMAL  # FP8_MMA: acc is the output in units of acc_scale
+    acc_scale = 1.0
+    if FP8_MMA:
+        # acc is the output in units of acc_scale (value_units.probability_units).
+        acc_scale = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)
     table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
     # Each pool of this KV head as (head pointer, block stride, slot stride[, dim stride]): K and
     # V, then the K and V scales of quantized pools.

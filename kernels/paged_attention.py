@@ -12,7 +12,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import _checks, launch_table, pool_layout, query_codes, torch_path
+from paged_video.kernels import (
+    _checks,
+    launch_table,
+    pool_layout,
+    query_codes,
+    torch_path,
+    value_units,
+)
 from paged_video.kernels._attention_checks import check_arguments
 from paged_video.kernels._attention_jit import _paged_attention_kernel
 from paged_video.kernels._attention_ws_jit import _paged_attention_ws_kernel
@@ -458,8 +465,9 @@ def paged_attention(
     as ``codes * scale`` (scales >= 0, as ``write_slots`` writes them). By default the codes
     convert exactly to q's compute dtype, the K scale multiplies the score columns and the V
     scale the probability columns before the PV product.
-    ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities to
-    e4m3 and runs both products as FP8 MMAs with float32 accumulation. Pools may have any
+    ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities
+    (in units of the sequence's largest V scale outside its gaps / 448) to e4m3 and runs both
+    products as FP8 MMAs with float32 accumulation. Pools may have any
     strides; ``kernels.keys_major`` copies of V (and of the scale pools) are read faster on a
     GPU (docs/kernels.md).
     ``int8_mma=True`` (int8 caches only) rounds each query row to int8 codes (scale
@@ -600,10 +608,12 @@ def paged_attention(
     pools = [pool for pool in (k_cache, v_cache, k_scale, v_scale) if pool is not None]
     offsets_32 = max(map(_largest_offset, pools)) < 2**31
     # FP8-MMA: the kernel loads e4m3 query rows made beforehand (K's factors folded in), so its
-    # Q K^T MMA reads them from shared memory (kernels/query_codes.py).
-    query, query_scales = q, None
+    # Q K^T MMA reads them from shared memory (kernels/query_codes.py), and the unit of its
+    # probabilities (kernels/value_units.py).
+    query, query_scales, units = q, None, None
     if fp8_mma:
         query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)
+        units = value_units.probability_units(v_scale, block_table, seq_lens_k, key_gap)
         k_equalizer = None
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
@@ -626,11 +636,13 @@ def paged_attention(
         k_equalizer,
         v_equalizer,
         query_scales,
+        units,
         scale * LOG2E,
         gaps_per_row,
         k_cache.shape[0] * block_size,
         *query.stride(),
         *(query_scales.stride() if query_scales is not None else (0, 0)),
+        *(units.stride() if units is not None else (0, 0)),
         *k_cache.stride(),
         *v_cache.stride(),
         *out.stride(),

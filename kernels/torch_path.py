@@ -111,8 +111,9 @@ def paged_attention(
 ) -> Tensor:
     """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
     scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
-    query row and the V-scaled probabilities to e4m3 codes as the kernel does, taking the whole
-    sequence as one key tile (the kernel normalises by the largest V scale so far); ``int8_mma``
+    query row and the V-scaled probabilities to e4m3 codes as the kernel does, in units of the
+    largest V scale of the sequence's keys outside its gaps / 448 (the whole sequence one key
+    tile); ``int8_mma``
     rounds each query row to int8 codes. ``k_equalizer`` multiplies q's channels first,
     ``v_equalizer`` the output's last. ``lse``
     (float32 ``(total_q, H)``) receives each row's log-sum-exp of its visible scores, -inf for
@@ -152,9 +153,11 @@ def paged_attention(
             visible &= cols <= torch.arange(hi - lo)[:, None] + (k_len - (hi - lo))
         if key_limits is not None:
             visible &= cols < key_limits[lo:hi, None].long()
+        outside_gaps = torch.ones(k_len, dtype=torch.bool)
         if key_gap is not None:
             for gap_lo, gap_hi in key_gap[row].reshape(-1, 2).tolist():
-                visible &= (cols < gap_lo) | (cols >= gap_hi)
+                outside_gaps &= (positions < gap_lo) | (positions >= gap_hi)
+            visible &= outside_gaps[None, :]
         scores = torch.einsum("qhd,khd->hqk", queries[0][lo:hi], keys) * scale
         if fp8_mma or int8_mma:
             scores = scores * queries[1][lo:hi].T[:, :, None]
@@ -171,9 +174,11 @@ def paged_attention(
         if v_scale is not None:
             col_scale = v_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
             if fp8_mma:
-                tile_max = col_scale.amax(dim=-1, keepdim=True).clamp_min(1e-38)
-                ratio = (probs * (col_scale * (448.0 / tile_max))).clamp(-448.0, 448.0)
-                probs = _to_codes(ratio, torch.float8_e4m3fn).float() * (tile_max / 448.0)
+                # The unit: the largest V scale of the keys outside the gaps / 448.
+                largest = col_scale.masked_fill(~outside_gaps, 0.0).amax(dim=-1, keepdim=True)
+                largest = largest.clamp_min(448.0 * 1.1754943508222875e-38)
+                ratio = (probs * (col_scale * (448.0 / largest))).clamp(-448.0, 448.0)
+                probs = _to_codes(ratio, torch.float8_e4m3fn).float() * (largest / 448.0)
             else:
                 probs = probs * col_scale
         out_rows = torch.einsum("hqk,khd->qhd", probs, values)

@@ -7,10 +7,10 @@ is attention over ``codes * scale * factor``. The modes:
 * ``dequant``: exact arithmetic on those values (the kernel converts codes exactly and applies
   the scales in float32): plain float64 attention.
 * ``fp8-mma``: each (query, head) row of q, times K's factors, is rounded to e4m3 codes with its
-  own scale (``amax / 448``); the probabilities times the V scales, in units of the largest V
-  scale / 448, are rounded to e4m3 (the kernel takes the largest V scale of each key tile and
-  its running row max; here the sequence's and the final one, so single roundings differ but
-  not their size).
+  own scale (``amax / 448``); the probabilities times the V scales, in units of the sequence's
+  largest V scale / 448 (over the keys outside its gaps, as the kernel's unit), are rounded to
+  e4m3 (the kernel's probabilities are after its running row max; here after the final one,
+  so single roundings differ but not their size).
 * ``int8-mma``: each q row, times K's factors, is rounded to int8 codes (``amax / 127``);
   ``Q K^T`` of two int8 code tiles is then exact (int32 accumulation); ``P V`` as ``dequant``.
 """
@@ -28,6 +28,7 @@ from paged_video.reference.quantize import dequantize, round_rows
 MODES = ("dequant", "fp8-mma", "int8-mma")
 _QUERY_DTYPE = {"fp8-mma": torch.float8_e4m3fn, "int8-mma": torch.int8}
 E4M3_MAX = 448.0
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def quantized_attention(
@@ -42,13 +43,15 @@ def quantized_attention(
     v_factor: Tensor | None = None,
     softmax_scale: float | None = None,
     mask: Tensor | None = None,
+    unit_keys: Tensor | None = None,
 ) -> Tensor:
     """Float64 ``(Lq, H, D)`` attention of ``q (Lq, H, D)`` over one sequence's codes
     ``(Lk, Hkv, D)`` and scales ``(Lk, Hkv)`` in attention mode ``mode``.
 
     ``k_factor``/``v_factor`` ``(Hkv, D)``: the equalization factors the rows were divided by
     before quantizing. ``mask`` ``(Lq, Lk)``: True where a query may attend (a query that may
-    attend nothing gets zeros).
+    attend nothing gets zeros). ``unit_keys`` ``(Lk,)``: the keys whose V scales set the
+    ``fp8-mma`` unit (default all: the paged form leaves out the gaps').
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -60,7 +63,9 @@ def quantized_attention(
         q64 = round_rows(q64, _QUERY_DTYPE[mode])
     keys = dequantize(k_codes, k_scale)
     if mode == "fp8-mma":
-        out = _fp8_probabilities_attention(q64, keys, v_codes, v_scale, softmax_scale, mask)
+        out = _fp8_probabilities_attention(
+            q64, keys, v_codes, v_scale, softmax_scale, mask, unit_keys
+        )
     else:
         values = dequantize(v_codes, v_scale)
         out = dense_attention(q64, keys, values, softmax_scale=softmax_scale, mask=mask)
@@ -76,6 +81,7 @@ def _fp8_probabilities_attention(
     v_scale: Tensor,
     softmax_scale: float | None,
     mask: Tensor | None,
+    unit_keys: Tensor | None,
 ) -> Tensor:
     """Attention whose V-scaled probabilities are rounded to e4m3 before ``P V``."""
     _, num_heads, head_dim = q64.shape
@@ -89,7 +95,10 @@ def _fp8_probabilities_attention(
         scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
     probs = torch.exp(scores - row_max)
-    unit = v_cols.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny) / E4M3_MAX
+    unit_cols = v_cols if unit_keys is None else v_cols.masked_fill(~unit_keys.cpu(), 0.0)
+    # At least float32's smallest normal, as the kernel's.
+    largest = unit_cols.amax(dim=-1, keepdim=True).clamp_min(E4M3_MAX * FLOAT32_TINY)
+    unit = largest / E4M3_MAX
     ratio = (probs * (v_cols / unit)).clamp(-E4M3_MAX, E4M3_MAX)
     rounded = ratio.to(torch.float8_e4m3fn).to(torch.float64) * unit
     row_sum = probs.sum(dim=-1, keepdim=True)
@@ -129,13 +138,18 @@ def paged_quantized_attention(
         k_codes, k_scales, v_codes, v_scales = (
             gather_sequence(t.cpu(), row, k_len) for t in (k_cache, k_scale, v_cache, v_scale)
         )
+        gaps = None if key_gap is None else key_gap[i].reshape(-1, 2).tolist()
         mask = attention_mask(
             hi - lo,
             k_len,
             causal=causal,
             key_limits=None if key_limits is None else key_limits[lo:hi].cpu(),
-            key_gap=None if key_gap is None else key_gap[i].reshape(-1, 2).tolist(),
+            key_gap=gaps,
         )
+        positions = torch.arange(k_len)
+        outside_gaps = torch.ones(k_len, dtype=torch.bool)
+        for gap_lo, gap_hi in gaps or []:
+            outside_gaps &= (positions < gap_lo) | (positions >= gap_hi)
         out[lo:hi] = quantized_attention(
             q[lo:hi],
             k_codes,
@@ -147,5 +161,6 @@ def paged_quantized_attention(
             v_factor=None if v_factor is None else v_factor.cpu(),
             softmax_scale=softmax_scale,
             mask=mask,
+            unit_keys=outside_gaps,
         )
     return out

@@ -58,6 +58,7 @@ TMA_QUANTIZED = (
     "test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output"
 )
 EQUALIZED = "tests/kernels/test_quantized_modes.py::test_equalizers_fold_into_q_and_the_output"
+UNITS = "tests/kernels/test_value_units.py::test_units_are_the_largest_scale_outside_the_gaps"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -1407,10 +1408,31 @@ MUTANTS = [
     _m(
         "fp8-query-rows-equalized-twice",
         "kernels/paged_attention.py",
-        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n"
-        "        k_equalizer = None",
-        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)",
+        "        k_equalizer = None\n",
+        "",
         f"{EQUALIZED}[e4m3-fp8-mma]",
+    ),
+    # -- FP8-MMA's probability unit per sequence (kernels/value_units.py) ----------------------
+    _m(
+        "fp8-unit-reads-gap-keys",
+        "kernels/value_units.py",
+        "            shown = shown & (tl.max(hidden.to(tl.int32), axis=1) == 0)",
+        "            shown = shown | (tl.max(hidden.to(tl.int32), axis=1) < 0)",
+        f"{UNITS}[slot-major-B7-chunks]",
+    ),
+    _m(
+        "fp8-unit-reads-past-the-length",
+        "kernels/value_units.py",
+        "        shown = keys < k_len",
+        "        shown = keys < k_len + BLOCK_SIZE",
+        f"{UNITS}[slot-major-B7-chunks]",
+    ),
+    _m(
+        "fp8-unit-not-loaded",
+        "kernels/_attention_jit.py",
+        "        acc_scale = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)",
+        "        acc_scale = 1.0 + 0.0 * tl.load(v_unit_ptr)",
+        "tests/kernels/test_quantized_modes.py::test_fp8_mma_v_scales_from_1e_30_to_1e30",
     ),
     # -- the output's rows, from the tile index read again after the key loops ---------------
     _m(

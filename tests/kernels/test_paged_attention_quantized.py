@@ -348,8 +348,9 @@ def test_fp8_mma_needs_e4m3() -> None:
 def emulate_fp8_mma(args: tuple, scales: dict, **kwargs) -> Tensor:
     """The oracle with the fp8_mma mode's two roundings, in float64
     (``reference.quantized_attention``): each query row to e4m3 codes (scale amax / 448), and
-    the probabilities times the V scales, in units of the sequence's largest V scale / 448, to
-    e4m3 (the kernel: the largest V scale so far)."""
+    the probabilities times the V scales, in units of the sequence's largest V scale (outside
+    its gaps) / 448, to e4m3, as the kernel rounds them (after the final row max, where the
+    kernel's is running)."""
     scales = {name: scales[name] for name in ("k_scale", "v_scale")}
     return paged_quantized_attention(*args, **scales, mode="fp8-mma", **kwargs)
 
@@ -402,6 +403,7 @@ FP8_MMA_MARGIN = 2.0
         pytest.param(1560, 64, id="block_tiles-B1560-N64"),
         # 128-key tiles (the launch table's over keys-major pools) mask 64 keys at a time.
         pytest.param(1560, 128, id="block_tiles-B1560-N128"),
+        pytest.param(256, 128, id="contiguous-B256-N128"),
     ],
 )
 def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
