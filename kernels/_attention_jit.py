@@ -547,6 +547,9 @@ def _attend_tiles(
             p_codes = to_e4m3(probs * (v_col * (1.0 / acc_scale))[None, :], INTERPRETED)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)
+            # The MMA sums the tile from zero and acc adds it in float32 (64 FFMA a thread at
+            # 128 x 128): Triton folds no accumulator into an FP8 MMA on sm_90, whose own sums
+            # keep about 14 bits, so the sequence's sum stays float32 (do not pass acc in).
             acc = acc * rescale[:, None] + tl.dot(p_codes, v)
         else:
             if QUANTIZED:

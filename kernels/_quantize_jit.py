@@ -19,6 +19,8 @@ ROUND_MAGIC = tl.constexpr(12582912.0)
 # float32 biased exponent of e4m3's smallest normal (2**-6): below it the code step is 2**-9.
 E4M3_MIN_NORMAL_EXP = tl.constexpr(127 - 6)
 E4M3_MANTISSA_BITS = tl.constexpr(3)
+# e4m3fn's largest finite code.
+E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -72,5 +74,5 @@ def to_e4m3(x, INTERPRETED: tl.constexpr):
     (``round_to_code_grid``), and the result converts exactly.
     """
     if INTERPRETED:
-        x = round_to_code_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), True)
+        x = round_to_code_grid(tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX), True)
     return x.to(tl.float8e4nv)

@@ -17,10 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels._quantize_jit import to_e4m3
+from paged_video.kernels._quantize_jit import E4M3_MAX, to_e4m3
 from paged_video.kernels._runtime import interpreter_active
 
-E4M3_MAX = tl.constexpr(448.0)
 ROWS_PER_PROGRAM = 64
 
 

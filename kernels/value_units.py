@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-E4M3_MAX = tl.constexpr(448.0)
+from paged_video.kernels._quantize_jit import E4M3_MAX
+
 SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 # Keys per step: a sequence's scales are read in chunks of this many (a table entry each).
 CHUNK = 1024
