@@ -45,8 +45,8 @@ def _poisoned_pool(num_blocks: int, block_size: int, kv_heads: int, seed: int) -
 @pytest.mark.parametrize(
     "block_size, lens",
     [
-        # Past one chunk of keys (1024), a sequence ending mid-block, one with no keys.
-        pytest.param(7, [1500, 40, 0], id="B7-chunks"),
+        # Past one chunk of keys (4096), a sequence ending mid-block, one with no keys.
+        pytest.param(7, [4500, 40, 0], id="B7-chunks"),
         pytest.param(1560, [3 * 1560 - 5, 1561, 1], id="B1560"),
         pytest.param(1, [33, 2, 17], id="B1"),
     ],
