@@ -281,6 +281,7 @@ def _attend_tiles(
     positions_end,
     key_limit,
     scale_log2,
+    p_unit,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -310,8 +311,7 @@ def _attend_tiles(
     * BLOCK_N`` after (``head_tiles`` is ignored otherwise). The one tile body of both loops:
     ``MASKED`` adds the masks (a compile-time flag, so the unmasked loop carries none of them).
 
-    ``state`` is ``(acc, row_max, row_sum, acc_scale)``, returned updated (``acc_scale`` as
-    given: under ``FP8_MMA`` the unit acc holds the output in); ``caches`` the K and
+    ``state`` is ``(acc, row_max, row_sum)``, returned updated; ``caches`` the K and
     V pools of the KV head (then, ``QUANTIZED``, its K and V scale pools) as ``(head pointer,
     block stride, slot stride[, dim stride])``; ``descs`` (``TMA``) the K and V descriptors, the
     KV head's first column in them (a keys-major V's first row in a block) and the columns of
@@ -332,11 +332,12 @@ def _attend_tiles(
     columns before the PV product (row sums from the unscaled probabilities). Without
     ``FP8_MMA`` the codes convert exactly to q's compute dtype; with it, q is already e4m3 codes,
     both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 in units of
-    ``acc_scale``: the largest V scale of the sequence's keys / 448 (``value_units``), so no
-    key's value exceeds 448 in it. ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32
-    sums, exact), V converts to ``PV_DTYPE`` for the dequantizing mode's ``P V``.
+    ``p_unit`` (acc then holds the output in that unit): the largest V scale of the sequence's
+    keys / 448 (``value_units``), so no key's value exceeds 448 in it; other modes ignore it.
+    ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V converts to
+    ``PV_DTYPE`` for the dequantizing mode's ``P V``.
     """
-    acc, row_max, row_sum, acc_scale = state
+    acc, row_max, row_sum = state
     k_cache = caches[0]
     v_cache = caches[1]
     if QUANTIZED:
@@ -540,11 +541,11 @@ def _attend_tiles(
             rescale = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         if FP8_MMA:
-            # acc holds the output in units of acc_scale (the sequence's largest V scale / 448):
+            # acc holds the output in units of p_unit (the sequence's largest V scale / 448):
             # the tile's V-scaled probabilities are rounded in that unit, so the MMA accumulates
             # in place (no multiply per output element). A fixed unit takes no tile maximum of
             # the scales: reduced across warps, it cost 2-3 barriers a tile.
-            p_codes = to_e4m3(probs * (v_col * (1.0 / acc_scale))[None, :], INTERPRETED)
+            p_codes = to_e4m3(probs * (v_col * (1.0 / p_unit))[None, :], INTERPRETED)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)
             # The MMA sums the tile from zero and acc adds it in float32 (64 FFMA a thread at
@@ -558,7 +559,7 @@ def _attend_tiles(
             acc = acc * rescale[:, None] + pv
         row_max = new_max
         id0, id1, ids = next_id0, next_id1, next_ids
-    return acc, row_max, row_sum, acc_scale
+    return acc, row_max, row_sum
 
 
 @triton.jit
@@ -581,7 +582,7 @@ def _attend_block_pairs(
     descriptor: each block's K and V rows are one load (a descriptor box is ``BLOCK_SIZE``
     rows), the two halves' scores one online-softmax step, so the accumulator is rescaled once
     per ``BLOCK_N`` keys, as a tile inside one block is (``state`` as in ``_attend_tiles``)."""
-    acc, row_max, row_sum, acc_scale = state
+    acc, row_max, row_sum = state
     table_row, stride_table_col = table
     id0, id1, _ = _tile_block_ids(
         table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE,
@@ -615,7 +616,7 @@ def _attend_block_pairs(
         acc = tl.dot(probs1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
         row_max = new_max
         id0, id1 = next_id0, next_id1
-    return acc, row_max, row_sum, acc_scale
+    return acc, row_max, row_sum
 
 
 @triton.jit
@@ -644,6 +645,7 @@ def _attend_piece(
     full_end,
     key_limit,
     scale_log2,
+    p_unit,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -738,6 +740,7 @@ def _attend_piece(
                 hi,
                 key_limit,
                 scale_log2,
+                p_unit,
                 MASKED_N if masked else BLOCK_N,
                 BLOCK_D,
                 HEAD_DIM,
@@ -776,6 +779,7 @@ def _attend_run(
     full_end,
     key_limit,
     scale_log2,
+    p_unit,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -827,6 +831,7 @@ def _attend_run(
             full_end,
             key_limit,
             scale_log2,
+            p_unit,
             BLOCK_N,
             BLOCK_D,
             HEAD_DIM,
@@ -1020,10 +1025,10 @@ def _paged_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc_scale = 1.0
+    p_unit = 1.0
     if FP8_MMA:
-        # acc is the output in units of acc_scale (value_units.probability_units).
-        acc_scale = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)
+        # acc is the output in units of p_unit (value_units.probability_units).
+        p_unit = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)
     table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
     # Each pool of this KV head as (head pointer, block stride, slot stride[, dim stride]): K and
     # V, then the K and V scales of quantized pools.
@@ -1097,8 +1102,8 @@ def _paged_attention_kernel(
             ahead = gap_hi > run_lo
             run_hi = tl.min(tl.where(ahead, tl.maximum(gap_lo, run_lo), keys_end), axis=0)
             run_hi = tl.minimum(run_hi, keys_end)
-            acc, row_max, row_sum, acc_scale = _attend_run(
-                (acc, row_max, row_sum, acc_scale),
+            acc, row_max, row_sum = _attend_run(
+                (acc, row_max, row_sum),
                 q,
                 caches,
                 descs,
@@ -1108,6 +1113,7 @@ def _paged_attention_kernel(
                 full_end,
                 key_limit,
                 scale_log2,
+                p_unit,
                 BLOCK_N,
                 BLOCK_D,
                 HEAD_DIM,
@@ -1134,8 +1140,8 @@ def _paged_attention_kernel(
                 run_hi = tl.max(tl.where(covering, gap_hi, run_hi), axis=0)
             run_lo = run_hi
     else:
-        acc, row_max, row_sum, acc_scale = _attend_run(
-            (acc, row_max, row_sum, acc_scale),
+        acc, row_max, row_sum = _attend_run(
+            (acc, row_max, row_sum),
             q,
             caches,
             descs,
@@ -1145,6 +1151,7 @@ def _paged_attention_kernel(
             full_end,
             key_limit,
             scale_log2,
+            p_unit,
             BLOCK_N,
             BLOCK_D,
             HEAD_DIM,
@@ -1169,7 +1176,7 @@ def _paged_attention_kernel(
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     if FP8_MMA:
-        out = out * acc_scale  # after the division: acc * acc_scale alone may overflow
+        out = out * p_unit  # after the division: acc * p_unit alone may overflow
     if HAS_V_EQUALIZER:
         # V was stored divided by these factors.
         v_factor = tl.load(

@@ -1430,8 +1430,8 @@ MUTANTS = [
     _m(
         "fp8-unit-not-loaded",
         "kernels/_attention_jit.py",
-        "        acc_scale = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)",
-        "        acc_scale = 1.0 + 0.0 * tl.load(v_unit_ptr)",
+        "        p_unit = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)",
+        "        p_unit = 1.0 + 0.0 * tl.load(v_unit_ptr)",
         "tests/kernels/test_quantized_modes.py::test_fp8_mma_v_scales_from_1e_30_to_1e30",
     ),
     # -- the output's rows, from the tile index read again after the key loops ---------------
