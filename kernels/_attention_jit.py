@@ -544,7 +544,7 @@ def _attend_tiles(
             # acc holds the output in units of p_unit (the sequence's largest V scale / 448):
             # the tile's V-scaled probabilities are rounded in that unit, so the MMA accumulates
             # in place (no multiply per output element). A fixed unit takes no tile maximum of
-            # the scales: reduced across warps, it cost 2-3 barriers a tile.
+            # the scales: reduced across warps, it cost 1-3 barriers a tile.
             p_codes = to_e4m3(probs * (v_col * (1.0 / p_unit))[None, :], INTERPRETED)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)

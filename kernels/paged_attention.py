@@ -467,9 +467,9 @@ def paged_attention(
     scale the probability columns before the PV product.
     ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities
     (in units of the sequence's largest V scale outside its gaps / 448) to e4m3 and runs both
-    products as FP8 MMAs with float32 accumulation. Pools may have any
-    strides; ``kernels.keys_major`` copies of V (and of the scale pools) are read faster on a
-    GPU (docs/kernels.md).
+    products as FP8 MMAs with float32 accumulation. Pools may have any strides;
+    ``kernels.keys_major`` copies of V (and of the scale pools) are read faster on a GPU
+    (docs/kernels.md).
     ``int8_mma=True`` (int8 caches only) rounds each query row to int8 codes (scale
     ``amax / 127``) and runs ``Q K^T`` as an int8 MMA (int32 sums: exact), then ``P V`` as the
     dequantizing mode. ``k_equalizer``/``v_equalizer`` (quantized caches, float32

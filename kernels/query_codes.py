@@ -6,8 +6,8 @@ descriptor) only when that operand is loaded. Rows the attention kernel rounded 
 register operand, read back from shared memory every key tile (four ``ldmatrix`` and their
 addresses), and at the 128-key TMA loop over keys-major pools ptxas spilled there (Triton 3.6:
 16-20 bytes at block 256, with three local loads per tile). Loaded, the codes feed the MMA as K
-does. The pass reads q once and writes a byte per element (about 1% of the attention's time at
-the shipped geometry).
+does. The pass reads q once and writes a byte per element and a scale per row (not yet timed
+on a GPU: the sweep's FP8-MMA rows time it with the attention).
 """
 
 from __future__ import annotations

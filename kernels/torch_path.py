@@ -113,11 +113,9 @@ def paged_attention(
     scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
     query row and the V-scaled probabilities to e4m3 codes as the kernel does, in units of the
     largest V scale of the sequence's keys outside its gaps / 448 (the whole sequence one key
-    tile); ``int8_mma``
-    rounds each query row to int8 codes. ``k_equalizer`` multiplies q's channels first,
-    ``v_equalizer`` the output's last. ``lse``
-    (float32 ``(total_q, H)``) receives each row's log-sum-exp of its visible scores, -inf for
-    a row that sees none."""
+    tile); ``int8_mma`` rounds each query row to int8 codes. ``k_equalizer`` multiplies q's
+    channels first, ``v_equalizer`` the output's last. ``lse`` (float32 ``(total_q, H)``)
+    receives each row's log-sum-exp of its visible scores, -inf for a row that sees none."""
     block_size = k_cache.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     group = q.shape[1] // k_cache.shape[2]
@@ -176,7 +174,7 @@ def paged_attention(
             if fp8_mma:
                 # The unit: the largest V scale of the keys outside the gaps / 448.
                 largest = col_scale.masked_fill(~outside_gaps, 0.0).amax(dim=-1, keepdim=True)
-                largest = largest.clamp_min(448.0 * 1.1754943508222875e-38)
+                largest = largest.clamp_min(448.0 * torch.finfo(torch.float32).tiny)
                 ratio = (probs * (col_scale * (448.0 / largest))).clamp(-448.0, 448.0)
                 probs = _to_codes(ratio, torch.float8_e4m3fn).float() * (largest / 448.0)
             else:

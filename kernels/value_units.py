@@ -4,8 +4,9 @@ keys outside its gaps, / 448, made before the attention kernel, which loads it.
 The kernel rounds each tile's V-scaled probabilities ``p * v_scale`` to e4m3 in this unit, so
 no attended key's value exceeds 448 and the ``P V`` MMA accumulates in place. With a fixed unit
 the key loop takes no tile maximum of the V scales: that maximum was reduced across warps
-through shared memory and moved back to the MMA layout every tile (compiled for sm_90a: 37-60
-instructions and 2-3 barriers per tile; the accumulator was rescaled to each new unit too).
+through shared memory and moved back to the MMA layout every tile (compiled for sm_90a: 34-70
+instructions per 64 keys and 1-3 barriers per tile; the accumulator was rescaled to each new
+unit too).
 Keys in a gap are left out (they may be unwritten slots holding anything), as are slots past
 ``seq_lens_k``; keys past a row's limit or the causal diagonal count (they hold written rows).
 The unit is at least float32's smallest normal, so a sequence of zero rows gets a finite one.
