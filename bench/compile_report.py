@@ -12,7 +12,8 @@ Each launch of ``paged_attention`` comes with two yardsticks from ``bench/refere
 compiled by the same Triton: the ``anchor`` (a plain int32-offset flash loop, at the launch's
 tiles, warps and stages) and ``tutorial_ws`` (the shape of Triton's fused-attention tutorial:
 tensor descriptors, a warp-specialized loop). ``vs_anchor`` / ``vs_tutorial`` divide the
-launch's hot loop by theirs.
+launch's hot loop by theirs. An FP8-MMA launch also brings the two passes that run before it
+(``query_codes``, ``value_units``), each a row of its own.
 
 The launch arguments are the launchers' own: each launcher is called on empty CPU tensors of
 the geometry with its kernels swapped for recorders, so tiles, strides and specialisations are
