@@ -38,7 +38,13 @@ def _rows(tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> torch.T
 )
 @pytest.mark.parametrize("equalized", [False, True], ids=["plain", "equalized"])
 def test_codes_and_scales_are_the_oracles(
-    tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, equalized: bool
+    nan_filled_empty,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    equalized: bool,
 ) -> None:
     q = _rows(tokens, heads, head_dim, dtype)
     group = heads // kv_heads

@@ -53,7 +53,7 @@ def _poisoned_pool(num_blocks: int, block_size: int, kv_heads: int, seed: int) -
 )
 @pytest.mark.parametrize("keys_major", [False, True], ids=["slot-major", "keys-major"])
 def test_units_are_the_largest_scale_outside_the_gaps(
-    block_size: int, lens: list[int], keys_major: bool
+    nan_filled_empty, block_size: int, lens: list[int], keys_major: bool
 ) -> None:
     kv_heads = 3
     blocks_per_seq = [-(-k_len // block_size) for k_len in lens]
