@@ -758,7 +758,7 @@ def test_fp8_mma_passes_compile(report: Report, minor: str, kernel: str) -> None
 # FP8-MMA over a slot-major V transposes V a byte at a time through shared memory (33 stores a
 # thread) where the dequantizing loop converts e4m3 K in one instruction a pair: 1.08-1.10x on
 # Triton 3.9 (2026-12-04) until the probability unit was the sequence's (2026-12-05: 529-549
-# against 521-538, within 3%); over keys-major pools it is now 6-10% shorter (472-502).
+# against 521-538, within 3%); over keys-major pools it is now 6-9% shorter (472-502).
 @pytest.mark.parametrize(
     "mma_mode, dequantizing_mode, most",
     [
