@@ -119,19 +119,27 @@ def test_a_probe_on_the_cpu_checks_every_run(tmp_path) -> None:
         assert len(list(csv.DictReader(stream))) == 4
 
 
+def _probe_all_run(runs: str, tmp_path) -> list[dict]:
+    """``runs`` probed at block 64 on the tiny 16-bit geometry; every one of them must run."""
+    rows = launch_probe.probe(
+        launch_probe.parse_runs(runs), [64], tmp_path, geometry=TINY_FP16, device="cpu"
+    )
+    assert [r["outcome"] for r in rows] == ["ok"] * len(rows), rows
+    return rows
+
+
 def test_a_probe_row_names_its_mode_and_the_launch_that_ran(tmp_path) -> None:
     # bench choose turns these rows into quantized table rows: each must say which mode's row it
     # is (``_keys`` only where descriptors read the pools) and what ran, "default" included.
-    geometry = TINY_FP16
-    runs = launch_probe.parse_runs(
-        "triton-int8-mma-keys@default,triton-int8-mma-keys@16x32w4s2+tma,triton-int8-mma@default"
+    rows = _probe_all_run(
+        "triton-int8-mma-keys@default,triton-int8-mma-keys@16x32w4s2+tma,triton-int8-mma@default",
+        tmp_path,
     )
-    rows = launch_probe.probe(runs, [64], tmp_path, geometry=geometry, device="cpu")
-    assert [r["outcome"] for r in rows] == ["ok"] * 3, rows
+    assert len(rows) == 3, rows
     assert [r["mode"] for r in rows] == ["int8_mma_keys", "int8_mma_keys", "int8_mma"]
     assert {(r["head_dim"], r["figures"]) for r in rows} == {(32, "cpu-interpreter")}
     own = launcher.choose_tiles(
-        block_size=64, head_dim=32, max_seqlen_q=geometry.q_tokens, dtype=torch.float16,
+        block_size=64, head_dim=32, max_seqlen_q=TINY_FP16.q_tokens, dtype=torch.float16,
         heads_per_kv_head=2, int8_mma=True, tma_ready=True, kv_dtype=torch.int8,
     )  # fmt: skip
     assert f"tile={own['BLOCK_M']}x{own['BLOCK_N']} " in rows[0]["backend"], rows[0]["backend"]
@@ -145,12 +153,11 @@ def test_a_probe_row_names_its_mode_and_the_launch_that_ran(tmp_path) -> None:
 def test_the_dequantizing_keys_major_runs_of_the_gpu_check(tmp_path) -> None:
     # bench/gpu_check.sh times them against their TMA loop: the rows must name the dequantizing
     # modes' _keys rows, and the TMA launch must run as asked (not fall back).
-    geometry = TINY_FP16
-    runs = launch_probe.parse_runs(
-        "triton-e4m3-keys@default,triton-e4m3-keys@16x32w4s2+tma,triton-int8-keys@16x32w4s2+tma"
+    rows = _probe_all_run(
+        "triton-e4m3-keys@default,triton-e4m3-keys@16x32w4s2+tma,triton-int8-keys@16x32w4s2+tma",
+        tmp_path,
     )
-    rows = launch_probe.probe(runs, [64], tmp_path, geometry=geometry, device="cpu")
-    assert [r["outcome"] for r in rows] == ["ok"] * 3, rows
+    assert len(rows) == 3, rows
     assert [r["mode"] for r in rows] == ["fp8_keys", "fp8_keys", "int8_keys"]
     assert all("variant=tma tile=16x32" in r["backend"] for r in rows[1:]), rows
     assert all(r["max_error"] <= r["error_limit"] for r in rows)

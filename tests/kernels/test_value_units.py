@@ -18,23 +18,31 @@ from tests.helpers import DEVICE
 SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
 
 
+def _shown_keys(k_len: int, gaps: list[tuple[int, int]]) -> torch.Tensor:
+    """The keys below ``k_len`` outside every ``[lo, hi)`` of ``gaps``."""
+    keys = torch.arange(k_len)
+    shown = torch.ones(k_len, dtype=torch.bool)
+    for lo, hi in gaps:
+        shown &= (keys < lo) | (keys >= hi)
+    return keys[shown]
+
+
 def _units(v_scale: torch.Tensor, table: torch.Tensor, lens: list[int], gaps: list) -> torch.Tensor:
     """The units by a gather over each sequence's keys, float32 as the kernel computes them."""
     block_size = v_scale.shape[1]
     units = torch.empty(len(lens), v_scale.shape[2])
     for i, k_len in enumerate(lens):
-        keys = torch.arange(k_len)
-        shown = torch.ones(k_len, dtype=torch.bool)
-        for lo, hi in gaps[i]:
-            shown &= (keys < lo) | (keys >= hi)
-        keys = keys[shown]
+        keys = _shown_keys(k_len, gaps[i])
         scales = v_scale.cpu()[table[i, keys // block_size].long(), keys % block_size]
         largest = scales.amax(dim=0) if len(keys) else torch.zeros(v_scale.shape[2])
         units[i] = (largest / 448.0).clamp_min(SMALLEST_NORMAL)
     return units
 
 
-def _poisoned_pool(num_blocks: int, block_size: int, kv_heads: int, seed: int) -> torch.Tensor:
+def _poisoned_pool(
+    num_blocks: int, block_size: int, kv_heads: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales to write, and the poison every slot left unwritten holds instead."""
     gen = torch.Generator().manual_seed(seed)
     scales = torch.rand(num_blocks, block_size, kv_heads, generator=gen) * 10.0
     # Half the slots (whatever a test leaves unread) hold NaN, the others a huge scale.
@@ -75,11 +83,8 @@ def test_units_are_the_largest_scale_outside_the_gaps(
     ]
     written = torch.zeros(scales.shape[:2], dtype=torch.bool)
     for i, k_len in enumerate(lens):
-        keys = torch.arange(k_len)
-        shown = torch.ones(k_len, dtype=torch.bool)
-        for lo, hi in gaps[i]:
-            shown &= (keys < lo) | (keys >= hi)
-        written[table[i, keys[shown] // block_size].long(), keys[shown] % block_size] = True
+        keys = _shown_keys(k_len, gaps[i])
+        written[table[i, keys // block_size].long(), keys % block_size] = True
     pool = torch.where(written[..., None], scales, poison)
     if keys_major:
         pool = pool_layout.keys_major(pool.to(DEVICE))
