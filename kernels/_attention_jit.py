@@ -36,8 +36,8 @@ once per KV head. Online softmax in float32 (exp2, the scale folded into one FFM
 
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
-(e4m3 K under a bfloat16 q: float16, the query rows scaled into it by a power of two each) and
-the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
+(e4m3 or int8 K under a bfloat16 q: float16, the query rows scaled into it by a power of two
+each) and the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
 MMAs instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds their
 codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), with the
 probabilities in a unit per sequence and KV head it also made (``v_unit_ptr``);
@@ -54,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from paged_video.kernels._quantize_jit import quantize_rows, to_e4m3
+from paged_video.kernels._quantize_jit import int8_to_float16, quantize_rows, to_e4m3
 
 # ln 2 for the kernel (a global a jit function reads must be a constexpr).
 LN2 = tl.constexpr(0.6931471805599453)
@@ -181,13 +181,13 @@ def _load_scales(
 ):
     """The key tile's scales (float32, one per row): ``scales + rows``, hidden rows 0.
 
-    Unmasked, a plain load by default: Triton prefetches it with the K/V tiles (``cp.async``)
-    and reads it from shared memory in the score MMA's column layout, so the scales add no
-    barrier (per iteration at block 64: Triton 3.9, 4 barriers against 6-10 wide, bf16 3; Triton
-    3.6, 2 against 10-12 wide, bf16 2). Triton 3.6 pays for it in copies: each thread copies
-    its own columns' scales (32 4-byte copies per iteration, ~100 more instructions), where 3.9
-    copies each scale once. ``WIDE`` (a launch option, so that a GPU run can time both) reads
-    them the masked way below.
+    Unmasked, a plain load by default (64-key tiles load K's and V's together instead,
+    ``_load_scale_pair``): Triton prefetches it with the K/V tiles (``cp.async``) and reads it
+    from shared memory in the score MMA's column layout, so the scales add no barrier (per
+    iteration at block 64: Triton 3.9, 4 barriers against 6-10 wide, bf16 3; Triton 3.6, 2
+    against 10-12 wide, bf16 2). Triton 3.6 pays for a plain load in copies: each thread copies
+    its own columns' scales, where 3.9 copies each scale once. ``WIDE`` (a launch option, so
+    that a GPU run can time both) reads them the masked way below.
 
     Masked (and ``WIDE``), they are read as ``BLOCK_N x SPREAD`` equal values (at least 256, a
     thread each at 8 warps) and reduced: a load this wide keeps its own layout, and the scales
@@ -205,6 +205,35 @@ def _load_scales(
     else:
         column = tl.load(scales + rows)
     return column
+
+
+@triton.jit
+def _load_scale_pair(k_scales, ks_rows, v_scales, vs_rows):
+    """An unmasked 64-key tile's K and V scales (float32, one per row each) as one load of (K,
+    V) pairs: ``(k_scales + ks_rows, v_scales + vs_rows)``.
+
+    Triton (3.6) moves a load of fewer elements than threads into the layout of its use (such
+    a load is presumed cheap): a scale column then took the score MMA's column layout, where
+    each thread copied its own 16 columns, 4 bytes at a time (32 ``cp.async`` and their 64-bit
+    addresses a tile for K and V, 60-160 instructions). A load of 256 elements (a thread each
+    at 8 warps) keeps a layout of its own: each scale is copied once and read from shared
+    memory in the MMA's layout, four at a time (two keys' pairs). The 128 pairs are loaded
+    twice over to reach 256 (the second copy is never read). At 128-key tiles the pairs alone
+    would do, but the pointer loop then spilled on Triton 3.6 (32-36 bytes), so those tiles
+    keep one load per column (``_load_scales``).
+    """
+    which = tl.arange(0, 2)
+    # (copy, key, K or V): the copy slowest in shared memory, so that a thread's two adjacent
+    # keys' pairs are contiguous there.
+    copies = tl.zeros([2, 1, 1], dtype=ks_rows.dtype)
+    pairs = tl.where(
+        (which == 0)[None, None, :],
+        k_scales + ks_rows[None, :, None] + copies,
+        v_scales + vs_rows[None, :, None] + copies,
+    )
+    first, _ = tl.split(tl.permute(tl.load(pairs), (1, 2, 0)))
+    k_col, v_col = tl.split(first)
+    return k_col, v_col
 
 
 @triton.jit
@@ -253,9 +282,11 @@ def _float16_rows(q):
 
     e4m3 K codes then convert to the ``Q K^T`` MMA's operand in one instruction per pair (a
     hardware conversion on sm_89+; to bfloat16 it goes through float16, four instructions a
-    pair). Each row's largest magnitude lands in ``[2**13, 2**14)``: no overflow (float16 holds
-    65504), and every element within ``2**-27`` of it keeps all 8 significant bits of a
-    bfloat16 (float16 normals have 11), so its products with the codes stay exact.
+    pair), int8 codes in 1.25 per code (``int8_to_float16``; to bfloat16, 2). Each row's
+    largest magnitude lands in ``[2**13, 2**14)``: no overflow (float16 holds 65504), and every
+    element within ``2**-27`` of it keeps all 8 significant bits of a bfloat16 (float16 normals
+    have 11), so its products with the codes stay exact (e4m3 codes have 4 significant bits,
+    int8 codes 7).
     """
     amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
     exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
@@ -263,6 +294,16 @@ def _float16_rows(q):
     # largest power of two the field holds (rows under 2**-114, zero rows among them).
     factor = (tl.minimum(267 - exponent, 254) << 23).to(tl.float32, bitcast=True)
     return (q.to(tl.float32) * factor[:, None]).to(tl.float16), factor
+
+
+@triton.jit
+def _codes_to(codes, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """e4m3 or int8 ``codes`` converted (exactly) to ``dtype``; int8 to float16 by
+    ``int8_to_float16`` (1.25 instructions a code, against 2 for Triton's conversion to
+    bfloat16)."""
+    if codes.dtype == tl.int8 and dtype == tl.float16:
+        return int8_to_float16(codes, INTERPRETED)
+    return codes.to(dtype)
 
 
 @triton.jit
@@ -503,6 +544,8 @@ def _attend_tiles(
             if QUANTIZED and DESCRIPTOR_LOADS:
                 k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])
                 v_col = descs[5].load([id0 * v_scales[1] + descs[7] + slot])
+            elif QUANTIZED and not WIDE_SCALES and BLOCK_N == 64:
+                k_col, v_col = _load_scale_pair(k_scales[0], ks_rows, v_scales[0], vs_rows)
             elif QUANTIZED:
                 k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
                 v_col = _load_scales(v_scales[0], vs_rows, 0, False, WIDE_SCALES, BLOCK_N)
@@ -516,8 +559,8 @@ def _attend_tiles(
             if QUANTIZED:
                 # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7);
                 # K's in q's (float16 for a bfloat16 q: see _float16_rows), V's in P V's.
-                k = k.to(q.dtype)
-                v = v.to(PV_DTYPE)
+                k = _codes_to(k, q.dtype, INTERPRETED)
+                v = _codes_to(v, PV_DTYPE, INTERPRETED)
             elif UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -978,9 +1021,9 @@ def _paged_attention_kernel(
     )
     if INT8_MMA or (UPCAST and not FP8_MMA):
         q = q.to(tl.float32)
-    # e4m3 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows).
-    FLOAT16_QK: tl.constexpr = (
-        q_ptr.dtype.element_ty == tl.bfloat16 and k_ptr.dtype.element_ty == tl.float8e4nv
+    # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows).
+    FLOAT16_QK: tl.constexpr = q_ptr.dtype.element_ty == tl.bfloat16 and (
+        k_ptr.dtype.element_ty == tl.float8e4nv or k_ptr.dtype.element_ty == tl.int8
     )
     if HAS_K_EQUALIZER:
         # K was stored divided by these factors: q times them keeps every q.k (powers of two,

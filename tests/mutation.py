@@ -1373,7 +1373,15 @@ MUTANTS = [
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
     ),
-    # -- float16 query rows for e4m3 K under a bf16 q ------------------------------------------
+    _m(
+        "scale-pairs-swap-k-and-v",
+        "kernels/_attention_jit.py",
+        "            (which == 0)[None, None, :],",
+        "            (which == 1)[None, None, :],",
+        "tests/kernels/test_paged_attention_quantized.py::"
+        "test_key_paths_causal_limits_and_gaps[block_tiles-B1560-N64-e4m3]",
+    ),
+    # -- float16 query rows for e4m3 or int8 K under a bf16 q ----------------------------------
     _m(
         "float16-rows-factor-kept-in-the-scale",
         "kernels/_attention_jit.py",
@@ -1389,6 +1397,20 @@ MUTANTS = [
         "    return q.to(tl.float16), factor * 0.0 + 1.0",
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_bf16_queries_score_through_float16_rows",
+    ),
+    _m(
+        "int8-to-float16-bytes-swapped",
+        "kernels/_quantize_jit.py",
+        "prmt.b32 $0, biased, magic, 0x5140;",
+        "prmt.b32 $0, biased, magic, 0x5104;",
+        "tests/kernels/test_int8_to_float16.py",
+    ),
+    _m(
+        "int8-to-float16-unbiased",
+        "kernels/_quantize_jit.py",
+        "mov.b32 offset, 0x64806480;",
+        "mov.b32 offset, 0x64006400;",
+        "tests/kernels/test_int8_to_float16.py",
     ),
     # -- FP8-MMA query rows, rounded before the kernel (kernels/query_codes.py) ----------------
     _m(

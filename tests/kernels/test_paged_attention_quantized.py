@@ -164,14 +164,15 @@ def test_fp16_queries(dtype: torch.dtype) -> None:
     assert error <= 1e-3 * max(1.0, want.abs().max().item()), error
 
 
-def test_bf16_queries_score_through_float16_rows() -> None:
-    # e4m3 K under a bf16 q: each query row is scaled into float16 by a power of two (its
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_bf16_queries_score_through_float16_rows(dtype: torch.dtype) -> None:
+    # e4m3 or int8 K under a bf16 q: each query row is scaled into float16 by a power of two (its
     # largest magnitude into [2**13, 2**14)) and the factor leaves the softmax scale. Rows from
     # 2**-120 to 2**60 and a zero row: without the factor they overflow float16 or vanish in it.
     case = make_paged_case(
         q_lens=[6, 4], k_lens=[50, 17], block_size=24, head_dim=80, device=DEVICE
     )
-    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    args, scales = quantized_args(case, dtype)
     magnitudes = torch.exp2(torch.tensor([-120.0, -60.0, -20.0, 0.0, 20.0, 60.0, 0.0]))
     magnitudes[-1] = 0.0
     q = case.q.clone()
