@@ -1376,8 +1376,8 @@ MUTANTS = [
     _m(
         "scale-pairs-swap-k-and-v",
         "kernels/_attention_jit.py",
-        "            (which == 0)[None, None, :],",
-        "            (which == 1)[None, None, :],",
+        "        (which == 0)[None, None, :],",
+        "        (which == 1)[None, None, :],",
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_key_paths_causal_limits_and_gaps[block_tiles-B1560-N64-e4m3]",
     ),
