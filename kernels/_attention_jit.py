@@ -36,11 +36,12 @@ once per KV head. Online softmax in float32 (exp2, the scale folded into one FFM
 
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
-(e4m3 or int8 K under a bfloat16 q: float16, the query rows scaled into it by a power of two
-each) and the scales multiply score and probability columns. ``FP8_MMA`` runs both products as FP8
-MMAs instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds their
-codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), with the
-probabilities in a unit per sequence and KV head it also made (``v_unit_ptr``);
+(e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into
+it by a power of two each) and the scales multiply score and probability columns. ``FP8_MMA``
+runs both products as FP8 MMAs instead, on query rows the launcher rounded to e4m3
+beforehand (``q_ptr`` holds their codes, ``q_scale_ptr`` their scales; loaded, they feed the
+MMA from shared memory), with the probabilities in a unit per sequence and KV head it also
+made (``v_unit_ptr``);
 ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
 dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
 ``HAS_V_EQUALIZER``) multiply q's channels before anything else (FP8-MMA's codes have K's in)
@@ -1021,9 +1022,13 @@ def _paged_attention_kernel(
     )
     if INT8_MMA or (UPCAST and not FP8_MMA):
         q = q.to(tl.float32)
-    # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows).
-    FLOAT16_QK: tl.constexpr = q_ptr.dtype.element_ty == tl.bfloat16 and (
-        k_ptr.dtype.element_ty == tl.float8e4nv or k_ptr.dtype.element_ty == tl.int8
+    # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows). Not past 128
+    # channels: at head_dim 256 the e4m3 loop then spilled 20-108 bytes on Triton 3.6 (its
+    # 32-key bfloat16 loop spills none; 3.9 spilled neither way).
+    FLOAT16_QK: tl.constexpr = (
+        q_ptr.dtype.element_ty == tl.bfloat16
+        and (k_ptr.dtype.element_ty == tl.float8e4nv or k_ptr.dtype.element_ty == tl.int8)
+        and BLOCK_D <= 128
     )
     if HAS_K_EQUALIZER:
         # K was stored divided by these factors: q times them keeps every q.k (powers of two,

@@ -78,6 +78,7 @@ def _configs_39() -> list[compile_report.Config]:
     configs += compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=QUANTIZED_BLOCKS, kv_modes=QUANTIZED_MODES
     )
+    configs += compile_report.configs_for(**WIDE_HEAD_QUANTIZED)
     return configs
 
 
@@ -142,6 +143,15 @@ def _quantized_tma_configs() -> list[compile_report.Config]:
     )
 
 
+# The dequantizing modes at head_dim 256 (32-key tiles), where float16 query rows spilled.
+WIDE_HEAD_QUANTIZED = dict(
+    kernels=("paged_attention",),
+    head_dims=(256,),
+    block_sizes=(16, 24, 1560),
+    kv_modes=("fp8", "int8"),
+)
+
+
 def _configs_36() -> list[compile_report.Config]:
     configs = compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS
@@ -152,6 +162,7 @@ def _configs_36() -> list[compile_report.Config]:
     configs += compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=QUANTIZED_BLOCKS, kv_modes=QUANTIZED_MODES
     )
+    configs += compile_report.configs_for(**WIDE_HEAD_QUANTIZED)
     return configs
 
 
@@ -607,6 +618,20 @@ def test_quantized_mma_and_prefetch(report: Report, mode: str, block: int) -> No
     # As many K/V tiles in flight as the bf16 kernel (the dequantizing launch adds a stage for it).
     plain = report.paged(triton, block)
     assert row["kv_buffers"] == plain["kv_buffers"] == 3, (row, plain)
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("mode", WIDE_HEAD_QUANTIZED["kv_modes"])
+@pytest.mark.parametrize("block", WIDE_HEAD_QUANTIZED["block_sizes"])
+def test_dequantizing_modes_at_head_dim_256_without_spills(
+    report: Report, minor: str, mode: str, block: int
+) -> None:
+    # Scored through float16 query rows (e4m3 and int8 K under a bf16 q, up to 128 channels),
+    # the 32-key loop at head_dim 256 spilled 20-108 bytes on Triton 3.6 (2026-12-05); with
+    # bf16 K it spills none on either Triton.
+    row = report.paged(report.version(minor), block, head_dim=256, kv=mode)
+    assert row["tile"] == "64x32", row
+    assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
 
 
 @pytest.mark.parametrize("mode, block", _quantized_cases(_QUANTIZED_SPILLS))
