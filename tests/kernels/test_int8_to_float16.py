@@ -44,7 +44,7 @@ def _run(ptx: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
     for line in ptx.splitlines():
         line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
+        if line in ("", "{", "}") or line.startswith(".reg"):
             continue
         opcode, operands = line.split(None, 1)
         dest, *sources = [o.strip() for o in operands.split(",")]
