@@ -104,15 +104,14 @@ launch_rc=$?
 [ "$launch_rc" -eq 0 ] || tail -n 15 "$out_dir/launches.log"
 echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
 
-# The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6):
-# FP8-MMA over keys-major pools now takes 128-key TMA tiles where a tile lies inside a block
-# (419 instructions per 64 keys), against the 64-key pointer loop it took before (570) and the
-# 64-key TMA loop (554), at the frame block (block_tiles) and at 256 (contiguous); INT8-MMA's
-# pointer loop (585) against its TMA loop at 64 and 128 keys (562, 468 with spills). The
-# dequantizing modes over keys-major scales (no table row yet: the built-in 64-key pointer
-# loop) against their TMA loop at 128 and 64 keys (e4m3 per 64 keys at block 256: 572, 438
-# with 16 bytes spilled outside the loop, 541; over slot-major scales, 643). The launcher's
-# own choice first: the time limit cuts the last runs.
+# The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6, per
+# 64 keys): FP8-MMA over keys-major pools takes 128-key TMA tiles where a tile lies inside a
+# block (386 at block 1560, 389 at 256), against its 64-key pointer loop (465, 458) and its
+# 64-key TMA loop (504); INT8-MMA's pointer loop (519) against its TMA loop at 64 and 128 keys
+# (562; 457, spilling 52-68 bytes). The dequantizing modes over keys-major scales (no table row
+# yet: the built-in 64-key pointer loop) against their TMA loop at 128 and 64 keys (e4m3 at
+# block 1560: 505; 442, spilling 32 bytes, 4 spill instructions in the loop; 542). The
+# launcher's own choice first: the time limit cuts the last runs.
 probe_timeout=${PROBE_TIMEOUT:-100}
 echo "== quantized loop candidates (limit ${probe_timeout}s)"
 start=$SECONDS

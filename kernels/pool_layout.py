@@ -31,7 +31,8 @@ def keys_major(pool: Tensor) -> Tensor:
     every row starts aligned: ``cp.async`` copies 16 bytes at a time only from 16-byte aligned
     addresses, and Triton loads a tile whose rows it cannot prove aligned synchronously (blocks
     24, 520, 1560 unpadded: 33-36 plain loads per iteration of the FP8-MMA hot loop, against
-    none padded). The padding is never read."""
+    none padded). The padding is never read. Blocks of one slot are not padded
+    (``padded_keys``)."""
     if not isinstance(pool, Tensor):
         raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dim() not in (3, 4):
@@ -53,10 +54,19 @@ def empty_keys_major(
 ) -> Tensor:
     """An uninitialized keys-major pool of shape ``(blocks, block_size, *rest)`` (``rest``:
     KV heads, and head_dim for codes), laid out as ``keys_major`` lays out its copies."""
-    row = -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT
+    row = padded_keys(block_size)
     storage = torch.empty(blocks, *rest, row, dtype=dtype, device=device)
     last = len(rest) + 1
     return storage[..., :block_size].permute(0, last, *range(1, last))
+
+
+def padded_keys(block_size: int) -> int:
+    """Elements per row of a block's keys in a keys-major pool: ``block_size`` rounded up to
+    ``KEY_ALIGNMENT``, except a block of one slot. Its rows are one key each: the pool is then
+    laid out as a slot-major one (``is_keys_major`` counts it so), and padding would store 16
+    times the pool to no end (the kernels read it as slot-major; padded, they gathered FP8-MMA's
+    V a byte at a time, and the loop spilled on Triton 3.6)."""
+    return 1 if block_size == 1 else -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT
 
 
 def keys_aligned(pool: Tensor | None) -> bool:

@@ -306,7 +306,7 @@ class PagedKVCache:
     def pool_bytes(self) -> int:
         """Bytes of the K/V pools, their scale pools (quantized caches), the K means and the
         equalization factors: what they hold in memory (keys-major pools: with their rows'
-        padding to 16 keys).
+        padding to 16 keys, none at block size 1).
 
         Not counted: the history staging buffers and their scales (a window per layer, only
         with ``reuse_history_staging``), the per-layer flags and the host bookkeeping.

@@ -1359,8 +1359,8 @@ MUTANTS = [
     _m(
         "keys-major-rows-unpadded",
         "kernels/pool_layout.py",
-        "    row = -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT",
-        "    row = block_size",
+        "    return 1 if block_size == 1 else -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT",
+        "    return block_size",
         "tests/kernels/test_pool_layout.py::"
         "test_keys_major_keeps_shape_and_values_with_aligned_rows[e4m3-24]",
     ),

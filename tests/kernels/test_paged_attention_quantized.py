@@ -513,7 +513,7 @@ def poisoned_keys_major(pool: Tensor) -> Tensor:
     unwritten slot (NaN e4m3 code, int8 -128, NaN scale): a kernel that reads past a block's
     keys into the padding fails."""
     blocks, block_size, *rest = pool.shape
-    row = -(-block_size // pool_layout.KEY_ALIGNMENT) * pool_layout.KEY_ALIGNMENT
+    row = pool_layout.padded_keys(block_size)
     storage = torch.empty(blocks, *rest, row, dtype=pool.dtype, device=pool.device)
     if pool.dtype == torch.float32:
         storage.fill_(float("nan"))

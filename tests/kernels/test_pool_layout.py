@@ -8,21 +8,27 @@ import torch
 from paged_video import kernels
 from paged_video.kernels import pool_layout
 
+# Block size, and the keys a padded row holds: a multiple of 16, or one key unpadded.
+ROWS = [(1, 1), (7, 16), (16, 16), (24, 32), (520, 528)]
 
-@pytest.mark.parametrize("block_size", [1, 7, 16, 24, 520])
+
+@pytest.mark.parametrize(("block_size", "row"), ROWS, ids=[str(size) for size, _ in ROWS])
 @pytest.mark.parametrize(
     "dtype", [torch.float8_e4m3fn, torch.int8, torch.bfloat16], ids=["e4m3", "int8", "bf16"]
 )
 def test_keys_major_keeps_shape_and_values_with_aligned_rows(
-    block_size: int, dtype: torch.dtype
+    block_size: int, row: int, dtype: torch.dtype
 ) -> None:
     pool = torch.randn(3, block_size, 2, 80).to(dtype)
     copy = kernels.keys_major(pool)
     assert copy.shape == pool.shape and copy.dtype == dtype
     bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
     assert torch.equal(copy.view(bits), pool.view(bits))
-    row = -(-block_size // pool_layout.KEY_ALIGNMENT) * pool_layout.KEY_ALIGNMENT
-    assert copy.stride() == (2 * 80 * row, 1, 80 * row, row)
+    assert pool_layout.padded_keys(block_size) == row
+    assert copy.untyped_storage().nbytes() == 3 * 2 * 80 * row * dtype.itemsize
+    # A one-slot block's pool is laid out slot-major (its slot stride is then immaterial).
+    assert copy.stride()[0] == 2 * 80 * row and copy.stride()[2:] == (80 * row, row)
+    assert block_size == 1 or copy.stride(1) == 1
     assert copy.data_ptr() != pool.data_ptr()
     assert pool_layout.is_keys_major(copy) == (block_size > 1)
     assert pool_layout.keys_aligned(copy) == (block_size > 1)
