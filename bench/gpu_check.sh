@@ -106,12 +106,12 @@ echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
 
 # The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6, per
 # 64 keys): FP8-MMA over keys-major pools takes 128-key TMA tiles where a tile lies inside a
-# block (386 at block 1560, 389 at 256), against its 64-key pointer loop (465, 458) and its
-# 64-key TMA loop (504); INT8-MMA's pointer loop (519) against its TMA loop at 64 and 128 keys
-# (562; 457, spilling 52-68 bytes). The dequantizing modes over keys-major scales (no table row
-# yet: the built-in 64-key pointer loop) against their TMA loop at 128 and 64 keys (e4m3 at
-# block 1560: 505; 442, spilling 32 bytes, 4 spill instructions in the loop; 542). The
-# launcher's own choice first: the time limit cuts the last runs.
+# block (389 at block 1560, 388 at 256), against its 64-key pointer loop (467, 456) and its
+# 64-key TMA loop (509); INT8-MMA's pointer loop (519) against its TMA loop at 64 and 128 keys
+# (561; 450, spilling 44 bytes). The dequantizing modes over keys-major scales take 128-key TMA
+# tiles too (e4m3 at block 1560: 435; int8 460), against their 64-key pointer loop (505; 531)
+# and e4m3's 64-key TMA loop (540). The launcher's own choice first: the time limit cuts the
+# last runs.
 probe_timeout=${PROBE_TIMEOUT:-100}
 echo "== quantized loop candidates (limit ${probe_timeout}s)"
 start=$SECONDS
@@ -124,7 +124,7 @@ timeout $((probe_timeout * 36 / 100)) "$python" -m paged_video.bench.launch_prob
     --time-limit $((probe_timeout * 26 / 100)) --out "$out_dir/probe" 2>&1 | tail -n 6
 timeout $((probe_timeout * 36 / 100)) "$python" -m paged_video.bench.launch_probe \
     --block-sizes 1560 \
-    --runs "$e4m3@default,$e4m3@128x128w8s4+tma,$dequant_int8@default,$dequant_int8@128x128w8s4+tma,$e4m3@128x64w8s4+tma" \
+    --runs "$e4m3@default,$e4m3@128x64w8s4+cp_async,$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$e4m3@128x64w8s4+tma" \
     --time-limit $((probe_timeout * 26 / 100)) --out "$out_dir/probe_dequant" 2>&1 | tail -n 5
 timeout $((probe_timeout * 28 / 100)) "$python" -m paged_video.bench.launch_probe \
     --block-sizes 1560 --runs "$int8@default,$int8@128x64w8s3+tma,$int8@128x128w8s3+tma" \

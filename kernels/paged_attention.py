@@ -344,9 +344,10 @@ def choose_tiles(
     when its 64-key ones spilled 250-480 bytes; the pointer loop's 128-key tiles spill 96-120
     bytes. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least
     32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``), the
-    table's ``_keys`` modes: by the shipped table's rows, FP8-MMA over such pools at head_dim
-    128 takes 128-key TMA tiles where a tile lies inside a block (6.1-6.6 instructions per key),
-    unless the caller sets another tile or variant.
+    table's ``_keys`` modes: by the shipped table's rows, FP8-MMA and the dequantizing modes
+    over such pools at head_dim 128 take 128-key TMA tiles where a tile lies inside a block
+    (FP8-MMA 6.1 instructions per key, e4m3 6.8-7.0, int8 7.2-7.4), unless the caller sets
+    another tile or variant.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):

@@ -75,6 +75,7 @@ def _configs_39() -> list[compile_report.Config]:
     )
     configs += _variant_configs()
     configs += _quantized_tma_configs()
+    configs += _dequant_tma_configs()
     configs += compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=QUANTIZED_BLOCKS, kv_modes=QUANTIZED_MODES
     )
@@ -144,6 +145,21 @@ def _quantized_tma_configs() -> list[compile_report.Config]:
     )
 
 
+# The dequantizing modes over keys-major scales, where the launch table takes the 128-key TMA
+# loop (compile evidence, 2026-12-05), beside their 64-key pointer loop.
+DEQUANT_TMA_MODES = ("fp8_keys", "int8_keys")
+DEQUANT_TMA_BLOCKS = (256, 1560)
+
+
+def _dequant_tma_configs() -> list[compile_report.Config]:
+    return compile_report.configs_for(
+        kernels=("paged_attention",),
+        block_sizes=DEQUANT_TMA_BLOCKS,
+        kv_modes=DEQUANT_TMA_MODES,
+        launches=({}, FORCED_CP_ASYNC_LAUNCH),
+    )
+
+
 # The dequantizing modes at head_dim 256 (32-key tiles), where float16 query rows spilled.
 WIDE_HEAD_QUANTIZED = dict(
     kernels=("paged_attention",),
@@ -166,6 +182,7 @@ def _configs_36() -> list[compile_report.Config]:
     configs += _goal_configs()
     configs += _variant_configs()
     configs += _quantized_tma_configs()
+    configs += _dequant_tma_configs()
     configs += compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=QUANTIZED_BLOCKS, kv_modes=QUANTIZED_MODES
     )
@@ -640,6 +657,25 @@ def test_dequantizing_modes_at_head_dim_256_without_spills(
     row = report.paged(report.version(minor), block, head_dim=256, kv=mode)
     assert row["tile"] == "64x32", row
     assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("mode", DEQUANT_TMA_MODES)
+@pytest.mark.parametrize("block", DEQUANT_TMA_BLOCKS)
+def test_dequantizing_tma_defaults_without_spills(
+    report: Report, minor: str, mode: str, block: int
+) -> None:
+    # The table's 128-key TMA loop over keys-major scales: descriptor loads, no spills (it
+    # spilled 8-32 bytes while its masked tiles ran after it), and at most 0.9x the 64-key
+    # pointer loop's instructions per key (0.84-0.87x, 2026-12-05).
+    triton = report.version(minor)
+    row = report.paged(triton, block, kv=mode)
+    pointer = report.paged(triton, block, kv=mode, variant=FORCED_CP_ASYNC)
+    assert (row["tile"], row["tma_loads"] > 0) == ("128x128", True), row
+    assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
+    assert row["kv_buffers"] == pointer["kv_buffers"] == 3, (row, pointer)
+    per_key = row["loop_instructions"] / 128
+    assert per_key <= 0.9 * pointer["loop_instructions"] / 64, (row, pointer)
 
 
 @pytest.mark.parametrize("minor", _versions())
