@@ -863,18 +863,14 @@ def _attend_run(
     keys."""
     if KV_PATH == "block_tiles":
         REST_MASKED: tl.constexpr = BLOCK_SIZE > BLOCK_N
-        pieces: tl.constexpr = (
-            (0, BLOCK_SPLIT, False),
-            (BLOCK_SPLIT, BLOCK_SIZE - BLOCK_SPLIT, REST_MASKED),
-        )
+        whole: tl.constexpr = (0, BLOCK_SPLIT, False)
+        rest: tl.constexpr = (BLOCK_SPLIT, BLOCK_SIZE - BLOCK_SPLIT, REST_MASKED)
+        # The TMA loop takes the masked-only remainder first (see _attend_piece's MASKED_FIRST).
+        pieces: tl.constexpr = (rest, whole) if TMA else (whole, rest)
     else:
         pieces: tl.constexpr = ((0, BLOCK_SIZE, False),)
-    # The TMA loop takes the masked-only remainder first (see _attend_piece's MASKED_FIRST).
-    LAST_FIRST: tl.constexpr = TMA and len(pieces) == 2
-    FIRST_PIECE: tl.constexpr = len(pieces) - 1 if LAST_FIRST else 0
-    PIECE_STEP: tl.constexpr = -1 if LAST_FIRST else 1
-    for p in tl.static_range(FIRST_PIECE, FIRST_PIECE + len(pieces) * PIECE_STEP, PIECE_STEP):
-        if p != FIRST_PIECE:
+    for p in tl.static_range(len(pieces)):
+        if p > 0:
             run_lo = _unknown_again(run_lo, INTERPRETED)
             run_hi = _unknown_again(run_hi, INTERPRETED)
             full_end = _unknown_again(full_end, INTERPRETED)
