@@ -58,10 +58,7 @@ def _triton36() -> str | None:
 
 
 def _configs_39() -> list[compile_report.Config]:
-    configs = compile_report.configs_for(
-        kernels=("paged_attention",), block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS
-    )
-    configs += _goal_configs()
+    configs = _configs_both()
     one = dict(kernels=("paged_attention",), block_sizes=(1560,))
     # The exact window's gap, and causal with per-row limits, at the shipped frame block.
     configs += compile_report.configs_for(**one, gaps=1, launches=(GOAL_LAUNCH,))
@@ -73,14 +70,6 @@ def _configs_39() -> list[compile_report.Config]:
     configs += compile_report.configs_for(
         **one, kv_modes=("fp8_mma",), launches=({"block_n": 128},)
     )
-    configs += _variant_configs()
-    configs += _quantized_tma_configs()
-    configs += _dequant_tma_configs()
-    configs += compile_report.configs_for(
-        kernels=("paged_attention",), block_sizes=QUANTIZED_BLOCKS, kv_modes=QUANTIZED_MODES
-    )
-    configs += compile_report.configs_for(**WIDE_HEAD_QUANTIZED)
-    configs += compile_report.configs_for(**ONE_SLOT_BLOCKS)
     return configs
 
 
@@ -175,7 +164,8 @@ ONE_SLOT_BLOCKS = dict(
 )
 
 
-def _configs_36() -> list[compile_report.Config]:
+def _configs_both() -> list[compile_report.Config]:
+    """What both Tritons compile (Triton 3.9 adds the masked features and other tiles)."""
     configs = compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS
     )
@@ -195,7 +185,9 @@ def _compile_all() -> list[dict]:
     rows = compile_report.compile_rows(_configs_39(), "cuda:90", workers=2)
     python36 = _triton36()
     if python36 is not None:
-        rows += compile_report.compile_rows(_configs_36(), "cuda:90", workers=2, pythons=[python36])
+        rows += compile_report.compile_rows(
+            _configs_both(), "cuda:90", workers=2, pythons=[python36]
+        )
     return rows
 
 
