@@ -6,14 +6,14 @@ compile-time constant (a model has one), so no path divides by it at run time. A
 ``BLOCK_N`` rows finds its cache rows one of four ways (``KV_PATH``):
 
 * ``contiguous``: the tile divides the block size, so one table entry gives the whole tile;
-* ``block_tiles``: each block is cut at ``BLOCK_SPLIT`` into two pieces whose keys fill tiles
-  without straddling a piece, and the keys of each piece (over all blocks, in block order:
-  "piece positions") are tiled and attended in loops of their own; softmax does not depend on
-  the order keys are seen in. A block larger than the tile is cut after its whole tiles (its
+* ``block_tiles``: each block is cut into pieces (``PIECES``) whose keys fill tiles without
+  straddling a piece, and the keys of each piece (over all blocks, in block order: "piece
+  positions") are tiled and attended in loops of their own; softmax does not depend on the
+  order keys are seen in. A block larger than the tile is cut after its whole tiles (its
   first piece reads as the contiguous path, one entry per tile; the remainder, at most a
   quarter of the block, runs masked only, an entry per row); a smaller one that does not
-  divide the tile is cut into two powers of two (24 = 16 + 8), so a tile holds whole pieces
-  and reads one entry per piece;
+  divide the tile is cut into its powers of two, up to four (24 = 16 + 8, 7 = 4 + 2 + 1), so
+  a tile holds whole pieces and reads one entry per piece;
 * ``two_blocks``: the block is at least a tile but not a multiple of it (and the remainder is
   more than a quarter of it), so a tile spans at most two blocks and each row picks one of two
   bases;
@@ -72,9 +72,10 @@ def _tile_block_ids(
     KV_PATH: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Block ids of the key tile at piece position ``n_start`` (``_attend_run``): ``(first,
-    second, per_row)``; unused ones are 0.
+    second, per_row)``; unused ones are 0. ``MASKED``: the tile is a masked loop's.
 
     Only entries of blocks with a key of the tile below piece position ``positions_end`` are
     read: padding past the sequence is never touched.
@@ -91,11 +92,11 @@ def _tile_block_ids(
         block = n_start // PIECE_SIZE
         id0 = tl.load(table_row + block * stride_table_col, mask=n_start < positions_end, other=0)
         return id0, 0, tl.zeros([BLOCK_N], dtype=tl.int32)
-    elif BLOCK_N % PIECE_SIZE == 0 and BLOCK_SIZE < BLOCK_N:
+    elif BLOCK_N % PIECE_SIZE == 0 and (BLOCK_SIZE < BLOCK_N or not MASKED):
         # Whole pieces per tile: load each entry once and repeat it over its piece's rows. (The
-        # remainder of a block larger than the tile reads an entry per row instead: its loop is
-        # masked-only and rare, and the repeated entries' registers, live across the other
-        # loops, made FP8-MMA spill at block 520.)
+        # masked tiles of a block larger than the tile read an entry per row instead: they are
+        # rare, and the repeated entries' registers, live across the other loops, made FP8-MMA
+        # spill at block 520, whose remainder runs masked only.)
         NUM_BLOCKS: tl.constexpr = BLOCK_N // PIECE_SIZE
         # A scalar first entry and loop-invariant offsets from it: per entry, one add.
         first = n_start // PIECE_SIZE
@@ -423,6 +424,7 @@ def _attend_tiles(
         KV_PATH,
         PIECE_OFFSET,
         PIECE_SIZE,
+        MASKED,
     )
     # TMA: whole tiles inside one block are descriptor loads (masked tiles load only the keys
     # they show, so they stay pointer loads).
@@ -449,6 +451,7 @@ def _attend_tiles(
             KV_PATH,
             PIECE_OFFSET,
             PIECE_SIZE,
+            MASKED,
         )
         k_rows = _tile_rows(
             id0,
@@ -630,13 +633,13 @@ def _attend_block_pairs(
     table_row, stride_table_col = table
     id0, id1, _ = _tile_block_ids(
         table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE,
-        "two_blocks", 0, BLOCK_SIZE,
+        "two_blocks", 0, BLOCK_SIZE, False,
     )  # fmt: skip
     for j in range(0, num_tiles):
         # The next tile's block ids first (its loads are issued a whole iteration early).
         next_id0, next_id1, _ = _tile_block_ids(
             table_row, stride_table_col, first_tile + (j + 1) * BLOCK_N, positions_end,
-            BLOCK_N, BLOCK_SIZE, "two_blocks", 0, BLOCK_SIZE,
+            BLOCK_N, BLOCK_SIZE, "two_blocks", 0, BLOCK_SIZE, False,
         )  # fmt: skip
         k0 = descs[0].load([id0 * BLOCK_SIZE, descs[2]])
         k1 = descs[0].load([id1 * BLOCK_SIZE, descs[2]])
@@ -838,7 +841,7 @@ def _attend_run(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_SPLIT: tl.constexpr,
+    PIECES: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
     OFFSETS_32: tl.constexpr,
@@ -855,22 +858,17 @@ def _attend_run(
     TMA: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
-    below ``full_end`` (``state`` as in ``_attend_tiles``). ``block_tiles`` cuts each block at
-    ``BLOCK_SPLIT`` and attends its two pieces' keys one piece after the other (softmax does not
-    depend on the order keys are seen in); other paths take whole blocks. The remainder of a
-    block larger than the tile (1.5% of the keys at blocks 520 and 1560) runs masked only: an
-    unmasked loop of per-row table reads would be the kernel's longest loop for the fewest
-    keys."""
-    if KV_PATH == "block_tiles":
-        REST_MASKED: tl.constexpr = BLOCK_SIZE > BLOCK_N
-        whole: tl.constexpr = (0, BLOCK_SPLIT, False)
-        rest: tl.constexpr = (BLOCK_SPLIT, BLOCK_SIZE - BLOCK_SPLIT, REST_MASKED)
-        # The TMA loop takes the masked-only remainder first (see _attend_piece's MASKED_FIRST).
-        pieces: tl.constexpr = (rest, whole) if TMA else (whole, rest)
-    else:
-        pieces: tl.constexpr = ((0, BLOCK_SIZE, False),)
-    for p in tl.static_range(len(pieces)):
-        if p > 0:
+    below ``full_end`` (``state`` as in ``_attend_tiles``). ``PIECES`` cut each block into
+    pieces ``(offset, size, masked only)``, in block order (one, the whole block, but on
+    ``block_tiles``); each piece's keys over all blocks are attended one piece after the other
+    (softmax does not depend on the order keys are seen in). The remainder of a block larger
+    than the tile (1.5% of the keys at blocks 520 and 1560) runs masked only: an unmasked loop
+    of per-row table reads would be the kernel's longest loop for the fewest keys."""
+    for i in tl.static_range(len(PIECES)):
+        # The TMA loop takes the first piece (the only one descriptors load) last: the values
+        # the pointer pieces use die before it (see _attend_piece's MASKED_FIRST). (The piece
+        # is indexed in place: a name assigned a constexpr inside the loop becomes a tensor.)
+        if i > 0:
             run_lo = _unknown_again(run_lo, INTERPRETED)
             run_hi = _unknown_again(run_hi, INTERPRETED)
             full_end = _unknown_again(full_end, INTERPRETED)
@@ -904,9 +902,9 @@ def _attend_run(
             PV_DTYPE,
             INTERPRETED,
             TMA,
-            pieces[p][0],
-            pieces[p][1],
-            pieces[p][2],
+            PIECES[(i + TMA) % len(PIECES)][0],
+            PIECES[(i + TMA) % len(PIECES)][1],
+            PIECES[(i + TMA) % len(PIECES)][2],
         )
     return state
 
@@ -980,7 +978,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_SPLIT: tl.constexpr,
+    PIECES: tl.constexpr,
     KV_PATH: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
     OFFSETS_32: tl.constexpr,
@@ -1176,7 +1174,7 @@ def _paged_attention_kernel(
                 BLOCK_D,
                 HEAD_DIM,
                 BLOCK_SIZE,
-                BLOCK_SPLIT,
+                PIECES,
                 KV_PATH,
                 SAME_KV_STRIDES,
                 OFFSETS_32,
@@ -1214,7 +1212,7 @@ def _paged_attention_kernel(
             BLOCK_D,
             HEAD_DIM,
             BLOCK_SIZE,
-            BLOCK_SPLIT,
+            PIECES,
             KV_PATH,
             SAME_KV_STRIDES,
             OFFSETS_32,

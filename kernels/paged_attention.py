@@ -213,11 +213,16 @@ def _descriptor_tiles(
     """True when the unmasked loop's tiles are what descriptors load: tiles inside one block
     (the contiguous path, and the whole tiles of ``block_tiles`` blocks larger than the tile),
     or, with ``block_pairs`` and 16-bit pools, tiles of two whole blocks (the rows path at
-    ``block_n == 2 * block_size``: a descriptor load per block, ``_attend_block_pairs``)."""
+    ``block_n == 2 * block_size``: a descriptor load per block, ``_attend_block_pairs``).
+    ``quantized``: every unmasked loop's tiles (a block cut into more pieces runs their
+    unmasked loops by pointer, and the quantized pointer loops spill at 128 keys)."""
     path = kv_path(block_size, block_n)
     if path == "rows":
         return block_pairs and not quantized and two_block_tiles(block_size, block_n)
-    return path == "contiguous" or (path == "block_tiles" and block_size > block_n)
+    if path == "contiguous":
+        return True
+    inside = [only or size % block_n == 0 for _, size, only in block_pieces(block_size, block_n)]
+    return path == "block_tiles" and (all(inside) if quantized else inside[0])
 
 
 def two_block_tiles(block_size: int, block_n: int) -> bool:
@@ -228,30 +233,42 @@ def two_block_tiles(block_size: int, block_n: int) -> bool:
 
 
 def kv_path(block_size: int, block_n: int) -> str:
-    """How a key tile of ``block_n`` rows finds its rows in blocks of ``block_size``
+    """How a key tile of ``block_n`` rows finds its cache rows in blocks of ``block_size``
     (docs/kernels.md, "How any block size stays fast")."""
     if block_size % block_n == 0:
         return "contiguous"
-    if block_split(block_size, block_n) != block_size:
+    if len(block_pieces(block_size, block_n)) > 1:
         return "block_tiles"
     return "two_blocks" if block_size >= block_n else "rows"
 
 
-def block_split(block_size: int, block_n: int) -> int:
-    """Where ``block_tiles`` cuts each block in two pieces whose keys fill tiles without
-    straddling a piece (``block_size`` where the path does not apply): after its whole tiles,
-    when the rest is at most a quarter of the block (1560 = 1536 + 24 at 64-key tiles); or, for
-    a block smaller than the tile that does not divide it, after its highest power of two when
-    the rest is a power of two too (24 = 16 + 8: both divide the tile, so a tile holds whole
-    pieces and reads one table entry per piece)."""
+# The most pieces ``block_tiles`` cuts a block into: each piece compiles an unmasked and a
+# masked loop of its own (each piece adds about 2 s to an sm_90a compile on 2 CPU cores, and
+# about 20 KB of code), and reads its table entries again at each run's edges.
+MAX_PIECES = 4
+
+
+def block_pieces(block_size: int, block_n: int) -> tuple[tuple[int, int, bool], ...]:
+    """The pieces ``(offset, size, masked only)`` that ``block_tiles`` cuts each block into, in
+    block order, so that the keys of each piece fill tiles without straddling one; the whole
+    block alone where the path does not apply. A block larger than the tile is cut after its
+    whole tiles when the rest is at most a quarter of the block (1560 = 1536 + 24 at 64-key
+    tiles), the rest masked only. A smaller block that does not divide the tile is cut into
+    its powers of two, up to ``MAX_PIECES`` (24 = 16 + 8, 7 = 4 + 2 + 1): each divides the
+    tile, so a tile holds whole pieces and reads one table entry per piece."""
     rest = block_size % block_n
-    if block_size > block_n:
-        return block_size - rest if 4 * rest <= block_size else block_size
-    if block_n % block_size == 0:
-        return block_size
-    head = 1 << (block_size.bit_length() - 1)
-    rest = block_size - head
-    return head if rest & (rest - 1) == 0 else block_size
+    whole = block_size - rest
+    if rest == 0:
+        return ((0, block_size, False),)
+    if whole and 4 * rest <= block_size:
+        return ((0, whole, False), (whole, rest, True))
+    sizes = [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+    if whole:
+        sizes.insert(0, whole)
+    if len(sizes) > MAX_PIECES:
+        return ((0, block_size, False),)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple((offset, size, False) for offset, size in zip(offsets, sizes, strict=True))
 
 
 # The warp-specialized kernel's most stages: on an H200 with Triton 3.6 (2026-12-04), this
@@ -416,7 +433,7 @@ def choose_tiles(
         "BLOCK_N": tile_n,
         "BLOCK_D": _block_d(head_dim, fp8_mma or int8_mma),
         "KV_PATH": path,
-        "BLOCK_SPLIT": block_split(block_size, tile_n),
+        "PIECES": block_pieces(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
         "VARIANT": variant,
         "WIDE_SCALES": False,

@@ -88,7 +88,6 @@ SLOW = (
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[contiguous-B16-N16-",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B1-N16-e4m3]",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B16-N64-e4m3]",
-    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B7-N16-e4m3]",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[two_blocks-",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[block_tiles-",
     "tests/kernels/test_torch_path.py::test_cpu_process_without_interpreter",

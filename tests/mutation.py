@@ -1287,6 +1287,21 @@ MUTANTS = [
         f"{PAGED}::test_key_paths[block_tiles-B12-N16]",
     ),
     _m(
+        "block-pieces-offsets-skip-a-piece",
+        "kernels/paged_attention.py",
+        "    offsets = [sum(sizes[:i]) for i in range(len(sizes))]",
+        "    offsets = [sum(sizes[: i + 1]) - sizes[-1] for i in range(len(sizes))]",
+        f"{PAGED}::test_key_paths[block_tiles-B7-N16]",
+        f"{PAGED}::test_block_pieces",
+    ),
+    _m(
+        "block-pieces-past-the-most",
+        "kernels/paged_attention.py",
+        "    if len(sizes) > MAX_PIECES:",
+        "    if len(sizes) > MAX_PIECES + 1:",
+        f"{PAGED}::test_block_pieces",
+    ),
+    _m(
         "block-tiles-piece-entries-ignore-table-stride",
         "kernels/_attention_jit.py",
         "        entries = (table_row + first * stride_table_col) + blocks * stride_table_col",
@@ -1548,6 +1563,13 @@ MUTANTS = [
         "        return row",
         f"{FP8_TMA_DEFAULT}[block-under-128]",
         f"{QUANTIZED_ROWS}[straddles]",
+    ),
+    _m(
+        "quantized-tma-row-where-pieces-run-by-pointer",
+        "kernels/paged_attention.py",
+        '    return path == "block_tiles" and (all(inside) if quantized else inside[0])',
+        '    return path == "block_tiles" and inside[0]',
+        f"{FP8_TMA_DEFAULT}[pieces-by-pointer]",
     ),
     _m(
         "table-row-under-a-callers-other-variant",

@@ -158,6 +158,10 @@ WIDE_HEAD_QUANTIZED = dict(
 )
 
 
+# Blocks cut into three pieces at 128-key tiles (7 = 4 + 2 + 1, 100 = 64 + 32 + 4), at the
+# launcher's defaults.
+PIECE_BLOCKS = (7, 100)
+
 # Blocks of one slot: keys-major pools of them are laid out slot-major (unpadded).
 ONE_SLOT_BLOCKS = dict(
     kernels=("paged_attention",), block_sizes=(1,), kv_modes=("fp8_mma", "fp8_mma_keys")
@@ -178,6 +182,7 @@ def _configs_both() -> list[compile_report.Config]:
     )
     configs += compile_report.configs_for(**WIDE_HEAD_QUANTIZED)
     configs += compile_report.configs_for(**ONE_SLOT_BLOCKS)
+    configs += compile_report.configs_for(kernels=("paged_attention",), block_sizes=PIECE_BLOCKS)
     return configs
 
 
@@ -466,6 +471,18 @@ def test_path_within_1_10x_contiguous(
     assert contiguous["path"] == "contiguous"
     ratio = _per_key(row) / _per_key(contiguous)
     assert ratio <= 1.10, f"{row['path']} {row['loop_instructions']} vs {contiguous}"
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("block", PIECE_BLOCKS)
+def test_blocks_cut_into_pieces_within_1_10x_anchor(report: Report, minor: str, block: int) -> None:
+    # Block 7 took the rows path (an entry, a division and a modulo per row: 1.29-1.30x the
+    # plain loop), block 100 tiles straddling two blocks at 64 keys (1.12x); in pieces, each
+    # tile reads one entry per piece (2026-12-05).
+    row = report.paged(report.version(minor), block, variant="default")
+    assert (row["path"], row["tile"], row["spill_stores"]) == ("block_tiles", "128x128", 0), row
+    assert len(row["key_loops"].split(",")) == 6 and row["loop_divisions"] == 0, row
+    assert row["vs_anchor"] <= 1.10, row
 
 
 @pytest.mark.parametrize("head_dim, block", _bf16_cases({}))

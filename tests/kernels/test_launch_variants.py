@@ -34,9 +34,10 @@ WS_DTYPE = torch.float16 if ON_GPU else torch.float32
         pytest.param(16, 16, 64, id="contiguous-B16-N16-D64"),
         pytest.param(64, 32, 128, id="contiguous-B64-N32-D128"),
         pytest.param(256, 64, 32, id="contiguous-B256-N64-D32"),
-        pytest.param(24, 16, 64, id="two_blocks-B24-N16"),
+        pytest.param(31, 16, 64, id="two_blocks-B31-N16"),
         pytest.param(1560, 64, 16, id="block_tiles-B1560-N64"),
-        pytest.param(7, 16, 16, id="rows-B7-N16"),
+        pytest.param(7, 16, 16, id="block_tiles-B7-N16"),
+        pytest.param(31, 32, 16, id="rows-B31-N32"),
         pytest.param(1, 16, 16, id="rows-B1-N16"),
         # Tiles of two whole blocks: a descriptor load per block (_attend_block_pairs).
         pytest.param(16, 32, 64, id="block-pairs-B16-N32"),
@@ -64,10 +65,13 @@ def test_tma_variant_matches_oracle(block_size: int, block_n: int, head_dim: int
         block_n=block_n,
         variant="tma",
     )
-    # Descriptor loads for tiles inside one block or of two whole blocks; straddling and other
-    # per-row tiles keep pointers.
+    # Descriptor loads for tiles inside one block (a larger block's whole tiles) or of two whole
+    # blocks; straddling tiles, small blocks' pieces and other per-row tiles keep pointers.
     pairs = tiles["KV_PATH"] == "rows" and block_n == 2 * block_size
-    assert tiles["TMA"] == (tiles["KV_PATH"] in ("contiguous", "block_tiles") or pairs)
+    inside = tiles["KV_PATH"] == "contiguous" or (
+        tiles["KV_PATH"] == "block_tiles" and block_size > block_n
+    )
+    assert tiles["TMA"] == (inside or pairs)
     gen = torch.Generator().manual_seed(block_size)
     key_limits = torch.randint(k_len // 2, k_len + 1, (24,), generator=gen, dtype=torch.int32)
     key_gap = torch.tensor([[[block_n + 3, 2 * block_n + 1]], [[1, 2]]], dtype=torch.int32)
@@ -349,6 +353,9 @@ def test_a_warp_specialized_row_leaves_its_fallbacks_the_built_in_warps(monkeypa
         pytest.param(1560, {}, (128, True), id="frame-block"),
         pytest.param(256, {}, (128, True), id="contiguous"),
         pytest.param(64, {}, (64, False), id="block-under-128"),  # a 128-key tile would straddle
+        # 200 = 128 + 64 + 8 at 128 keys: two pieces' unmasked loops would run by pointer (the
+        # quantized 128-key pointer loops spill); at 64 keys, 192 + a masked-only 8.
+        pytest.param(200, {}, (64, False), id="pieces-by-pointer"),
         pytest.param(1560, {"tma_ready": False}, (64, False), id="slot-major-pools"),
         pytest.param(1560, {"block_n": 64}, (64, False), id="caller-tile"),
         pytest.param(1560, {"variant": "tma"}, (128, True), id="caller-variant-the-rows"),

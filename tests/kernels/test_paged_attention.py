@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_video import kernels, reference
-from paged_video.kernels.paged_attention import block_split, kv_path
+from paged_video.kernels.paged_attention import MAX_PIECES, block_pieces, kv_path
 from tests.helpers import DEVICE, ON_GPU, nan_like
 from tests.kernels.paged_case import (
     PagedCase,
@@ -107,12 +107,15 @@ PATHS = [
     pytest.param(1560, 64, id="block_tiles-B1560-N64"),
     pytest.param(40, 16, id="block_tiles-B40-N16"),
     pytest.param(17, 16, id="block_tiles-B17-N16"),
-    pytest.param(24, 16, id="two_blocks-B24-N16"),
-    pytest.param(100, 64, id="two_blocks-B100-N64"),
+    pytest.param(24, 16, id="block_tiles-B24-N16"),
+    pytest.param(100, 64, id="block_tiles-B100-N64"),
+    pytest.param(31, 16, id="two_blocks-B31-N16"),
+    pytest.param(94, 64, id="two_blocks-B94-N64"),
     pytest.param(16, 64, id="rows-B16-N64"),
     pytest.param(24, 64, id="block_tiles-B24-N64"),
     pytest.param(12, 16, id="block_tiles-B12-N16"),
-    pytest.param(7, 16, id="rows-B7-N16"),
+    pytest.param(7, 16, id="block_tiles-B7-N16"),
+    pytest.param(31, 32, id="rows-B31-N32"),
     pytest.param(1, 16, id="rows-B1-N16"),
 ]
 
@@ -134,27 +137,55 @@ def test_key_paths(block_size: int, block_n: int) -> None:
 
 def test_kv_path_classes() -> None:
     assert kv_path(1560, 64) == kv_path(520, 64) == kv_path(520, 128) == "block_tiles"
-    # Remainders of more than a quarter of the block: tiles straddle blocks instead.
-    assert kv_path(100, 64) == kv_path(24, 16) == kv_path(200, 128) == "two_blocks"
+    # Remainders of more than a quarter of the block: cut into their powers of two, or, past
+    # MAX_PIECES pieces, tiles straddle blocks instead.
+    assert kv_path(100, 64) == kv_path(24, 16) == kv_path(200, 128) == "block_tiles"
+    assert kv_path(94, 64) == kv_path(31, 16) == kv_path(190, 128) == "two_blocks"
     assert kv_path(64, 64) == kv_path(256, 64) == "contiguous"
     assert kv_path(24, 64) == kv_path(12, 16) == kv_path(3, 16) == "block_tiles"
-    assert kv_path(16, 64) == kv_path(7, 16) == kv_path(1, 16) == "rows"
+    assert kv_path(7, 16) == kv_path(15, 16) == kv_path(11, 128) == "block_tiles"
+    assert kv_path(16, 64) == kv_path(31, 32) == kv_path(1, 16) == "rows"
 
 
-def test_block_split() -> None:
-    # After the whole tiles when the rest is at most a quarter of the block.
-    assert (block_split(1560, 64), block_split(520, 128), block_split(80, 64)) == (1536, 512, 64)
-    assert block_split(100, 64) == 100  # 36 of 100: tiles straddle blocks instead
-    # Smaller blocks: two power-of-two pieces, or none.
-    assert (block_split(24, 64), block_split(12, 16), block_split(3, 16)) == (16, 8, 2)
-    assert (block_split(7, 16), block_split(16, 64), block_split(256, 64)) == (7, 16, 256)
+def test_block_pieces() -> None:
+    # After the whole tiles when the rest is at most a quarter of the block, the rest masked only.
+    assert block_pieces(1560, 64) == ((0, 1536, False), (1536, 24, True))
+    assert block_pieces(520, 128) == ((0, 512, False), (512, 8, True))
+    # Larger rests: the whole tiles, then the rest's powers of two, up to MAX_PIECES pieces.
+    assert block_pieces(100, 64) == ((0, 64, False), (64, 32, False), (96, 4, False))
+    assert block_pieces(94, 64) == ((0, 94, False),)  # 30 = 16 + 8 + 4 + 2: tiles straddle
+    # Smaller blocks: their powers of two, high to low, up to MAX_PIECES of them, or none.
+    assert block_pieces(24, 64) == ((0, 16, False), (16, 8, False))
+    assert block_pieces(7, 16) == ((0, 4, False), (4, 2, False), (6, 1, False))
+    assert block_pieces(13, 128) == ((0, 8, False), (8, 4, False), (12, 1, False))
+    assert block_pieces(15, 16) == ((0, 8, False), (8, 4, False), (12, 2, False), (14, 1, False))
+    assert MAX_PIECES == 4 and block_pieces(31, 32) == ((0, 31, False),)
+    assert block_pieces(16, 64) == ((0, 16, False),) and block_pieces(256, 64) == ((0, 256, False),)
+
+
+@pytest.mark.parametrize("block_size", [3, 7, 11, 15, 21, 24, 31, 100, 520, 1560])
+@pytest.mark.parametrize("block_n", [16, 64, 128])
+def test_block_pieces_cover_each_block_once(block_size: int, block_n: int) -> None:
+    # Pieces tile the block in order, and each piece's keys fill tiles without straddling it:
+    # a piece divides the tile, or the tile divides it, or it runs masked only.
+    pieces = block_pieces(block_size, block_n)
+    assert len(pieces) <= MAX_PIECES
+    assert [offset for offset, _, _ in pieces] == [
+        sum(size for _, size, _ in pieces[:i]) for i in range(len(pieces))
+    ]
+    assert sum(size for _, size, _ in pieces) == block_size
+    if len(pieces) > 1:
+        for _, size, masked_only in pieces:
+            assert masked_only or block_n % size == 0 or size % block_n == 0
 
 
 @given(
     shape=st.sampled_from(
         [(17, 16), (20, 16), (40, 16), (52, 16), (100, 32), (24, 16), (28, 16), (24, 32), (12, 16)]
+        # Three and four pieces (7 = 4 + 2 + 1, 15 = 8 + 4 + 2 + 1)
+        + [(7, 16), (15, 32), (31, 16), (47, 32)]
         # 128-key tiles, whose masked tiles are 64 keys (two head tiles, two tail tiles)
-        + [(24, 128), (160, 128), (200, 128), (16, 128)]
+        + [(24, 128), (160, 128), (200, 128), (16, 128), (11, 128)]
     ),
     q_lens=st.lists(st.integers(0, 24), min_size=1, max_size=3),
     extra_k=st.lists(st.integers(0, 150), min_size=3, max_size=3),
@@ -165,7 +196,8 @@ def test_block_split() -> None:
 )
 def test_property_tiles_near_block_edges(shape, q_lens, extra_k, causal, limits, gaps, seed):
     # block_tiles (remainders of 1..8 keys gathered into tiles of their own; blocks of 24 and 12
-    # cut 16 + 8 and 8 + 4) and two_blocks: runs that start and end anywhere in a block's
+    # cut 16 + 8 and 8 + 4, of 7, 11 and 28 in three pieces, 15 in four) and two_blocks (31 at
+    # 16 keys, 47 at 32): runs that start and end anywhere in a block's
     # pieces, under every mask, with small tiles so that many blocks and tiles are crossed (and
     # 128-key ones, masked 64 keys at a time: keys and gaps stretched 4x, so that unmasked tiles
     # sit between a run's masked head and tail).
@@ -227,7 +259,8 @@ def test_key_paths_causal_limits_and_gaps(block_size: int, block_n: int, table_o
         pytest.param(256, "contiguous", id="contiguous-B256"),
         pytest.param(1560, "block_tiles", id="block_tiles-B1560"),
         pytest.param(24, "block_tiles", id="block_tiles-B24"),
-        pytest.param(200, "two_blocks", id="two_blocks-B200"),
+        pytest.param(200, "block_tiles", id="block_tiles-B200"),
+        pytest.param(190, "two_blocks", id="two_blocks-B190"),
         pytest.param(16, "rows", id="rows-B16"),
         pytest.param(64, "rows", id="rows-B64"),
     ],

@@ -138,7 +138,7 @@ def test_table_orders(dtype: torch.dtype, table_order: str) -> None:
 def test_strided_scale_pools(block_n: int) -> None:
     # Scale pools stored head-major, K's and V's with different strides: the kernel must use
     # each scale pool's own strides (two_blocks at N16, rows at N64).
-    case = make_paged_case(q_lens=[9, 4], k_lens=[70, 17], block_size=24, device=DEVICE)
+    case = make_paged_case(q_lens=[9, 4], k_lens=[70, 17], block_size=31, device=DEVICE)
     args, scales = quantized_args(case, torch.float8_e4m3fn)
     k_scale = scales["k_scale"].transpose(1, 2).contiguous().transpose(1, 2)
     v_scale = scales["v_scale"].permute(2, 0, 1).contiguous().permute(1, 2, 0)
@@ -198,14 +198,16 @@ def test_bf16_queries_score_through_float16_rows(dtype: torch.dtype) -> None:
 # path; int8 (only the code dtype differs) on one per path.
 PATHS = [
     pytest.param(16, 16, torch.float8_e4m3fn, id="contiguous-B16-N16-e4m3"),
-    pytest.param(24, 16, torch.float8_e4m3fn, id="two_blocks-B24-N16-e4m3"),
+    pytest.param(24, 16, torch.float8_e4m3fn, id="block_tiles-B24-N16-e4m3"),
+    pytest.param(31, 16, torch.float8_e4m3fn, id="two_blocks-B31-N16-e4m3"),
     pytest.param(1560, 64, torch.float8_e4m3fn, id="block_tiles-B1560-N64-e4m3"),
     pytest.param(16, 64, torch.float8_e4m3fn, id="rows-B16-N64-e4m3"),
-    pytest.param(7, 16, torch.float8_e4m3fn, id="rows-B7-N16-e4m3"),
+    pytest.param(7, 16, torch.float8_e4m3fn, id="block_tiles-B7-N16-e4m3"),
+    pytest.param(31, 32, torch.float8_e4m3fn, id="rows-B31-N32-e4m3"),
     pytest.param(1, 16, torch.float8_e4m3fn, id="rows-B1-N16-e4m3"),
     pytest.param(16, 16, torch.int8, id="contiguous-B16-N16-int8"),
     pytest.param(1560, 64, torch.int8, id="block_tiles-B1560-N64-int8"),
-    pytest.param(7, 16, torch.int8, id="rows-B7-N16-int8"),
+    pytest.param(7, 16, torch.int8, id="block_tiles-B7-N16-int8"),
 ]
 
 
@@ -400,7 +402,8 @@ FP8_MMA_MARGIN = 2.0
     [
         # 32 keys at least: the FP8 P V MMA's reduction (16 fails to compile on a GPU).
         pytest.param(32, 32, id="contiguous-B32-N32"),
-        pytest.param(7, 32, id="rows-B7-N32"),
+        pytest.param(7, 32, id="block_tiles-B7-N32"),
+        pytest.param(31, 32, id="rows-B31-N32"),
         pytest.param(1560, 64, id="block_tiles-B1560-N64"),
         # 128-key tiles (the launch table's over keys-major pools) mask 64 keys at a time.
         pytest.param(1560, 128, id="block_tiles-B1560-N128"),
@@ -540,7 +543,8 @@ KV_MODES = [
         pytest.param(32, 32, id="contiguous-B32-N32"),
         pytest.param(16, 64, id="rows-B16-N64"),  # runs of 16 keys per block
         pytest.param(24, 64, id="block_tiles-B24-N64"),  # pieces of 16 and 8 keys
-        pytest.param(7, 32, id="rows-B7-N32"),  # runs too short for the 16-byte copies
+        pytest.param(7, 32, id="block_tiles-B7-N32"),
+        pytest.param(31, 32, id="rows-B31-N32"),  # runs too short for the 16-byte copies
         pytest.param(1, 32, id="rows-B1-N32"),  # one key per block: not keys-major
         pytest.param(520, 64, id="block_tiles-B520-N64"),
     ],
