@@ -332,6 +332,19 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     assert (tiles["KV_PATH"], tiles["BLOCK_N"], tiles["TMA"]) == ("rows", 128, False)
 
 
+def test_head_dim_256_takes_128_by_64_tiles_and_quantized_caches_64_by_32(monkeypatch) -> None:
+    # 16-bit at head_dim 256: 128 x 64 (8 warps split 32-key tiles into MMAs of 16 columns, 4x
+    # the instructions per row and key); quantized caches keep 64 x 32, where they do not spill.
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    wide = dict(head_dim=256, max_seqlen_q=4680, dtype=torch.bfloat16)
+    for block_size in (16, 256, 1560):
+        tiles = kernels.choose_tiles(block_size=block_size, **wide)
+        assert (tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["num_warps"]) == (128, 64, 8), tiles
+        tiles = kernels.choose_tiles(block_size=block_size, dequantize=True, **wide)
+        assert (tiles["BLOCK_M"], tiles["BLOCK_N"]) == (64, 32), tiles
+    assert kernels.choose_tiles(block_size=256, **wide)["TMA"]
+
+
 def test_a_warp_specialized_row_leaves_its_fallbacks_the_built_in_warps(monkeypatch) -> None:
     # A ws row names the 4-warp consumers that ran (bench choose): the ws kernel sets those
     # itself, and where it does not run (block_tiles: the TMA loop; a straddling tile: the
