@@ -114,6 +114,27 @@ def _tile_block_ids(
 
 
 @triton.jit
+def _tile_base(
+    id0,
+    n_start,
+    cache,
+    OFFSETS_32: tl.constexpr,
+    PIECE_OFFSET: tl.constexpr,
+    PIECE_SIZE: tl.constexpr,
+    KEYS_ALIGNED: tl.constexpr,
+):
+    """The element offset of a tile's first key row from the cache's head pointer, for a tile
+    inside one block (``_tile_rows``' arguments)."""
+    offset_type = tl.int32 if OFFSETS_32 else tl.int64
+    first_slot = PIECE_OFFSET + n_start % PIECE_SIZE
+    base = id0.to(offset_type) * cache[1] + first_slot.to(offset_type) * cache[2]
+    if KEYS_ALIGNED and PIECE_OFFSET % 16 == 0:
+        # Tiles start at multiples of BLOCK_N (>= 16) piece positions.
+        base = tl.multiple_of(base, 16)
+    return base
+
+
+@triton.jit
 def _tile_rows(
     id0,
     id1,
@@ -158,11 +179,7 @@ def _tile_rows(
         # (A select here hides the rows' alignment from the pipeliner; a product does not.)
         rows += (offs_n >= BLOCK_SIZE - first_slot).to(offset_type) * jump
     elif PIECE_SIZE % BLOCK_N == 0:
-        first_slot = PIECE_OFFSET + n_start % PIECE_SIZE
-        base = id0.to(offset_type) * stride_block + first_slot.to(offset_type) * stride_slot
-        if KEYS_ALIGNED and PIECE_OFFSET % 16 == 0:
-            # Tiles start at multiples of BLOCK_N (>= 16) piece positions.
-            base = tl.multiple_of(base, 16)
+        base = _tile_base(id0, n_start, cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, KEYS_ALIGNED)
         rows = base + offs_n.to(offset_type) * stride_slot
     else:
         # When the piece divides the tile, every tile's slots are the same (loop-invariant).
@@ -389,21 +406,28 @@ def _attend_tiles(
     table_row, stride_table_col = table
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
     # The 8-bit MMA reads V with its reduction axis (keys) contiguous in shared memory. A
     # keys-major V pool (``V_KEYS_MAJOR``) is laid out so: its e4m3 tile is prefetched into
     # shared memory and feeds the MMA as loaded. A slot-major one is read as bytes, prefetched
     # like K, and transposed through shared memory every tile (Triton does not prefetch an e4m3
     # load that needs the transpose: it read V synchronously in the loop).
     if FP8_MMA and not V_KEYS_MAJOR:
-        v_dims = v_cache[0].to(tl.pointer_type(tl.uint8)) + offs_d[None, :] * v_cache[3]
+        v_head = v_cache[0].to(tl.pointer_type(tl.uint8))
     else:
-        v_dims = v_cache[0] + offs_d[None, :] * v_cache[3]
+        v_head = v_cache[0]
+    k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
+    v_dims = v_head + offs_d[None, :] * v_cache[3]
     d_mask = offs_d[None, :] < HEAD_DIM
     # Quantized caches take the softmax scale per row (the query rows' scales folded in).
     row_scale = scale_log2[:, None] if QUANTIZED else scale_log2
     # Tiles inside one block: one scalar base per tile.
     SCALAR_BASE: tl.constexpr = KV_PATH != "two_blocks" and PIECE_SIZE % BLOCK_N == 0
+    # Their unmasked pointer loads: loop-invariant pointer tiles plus the tile's scalar base,
+    # one wide multiply-add per address as in a plain loop (pointers plus per-row offsets took
+    # an add and a 64-bit add per address, 3 instructions).
+    if SCALAR_BASE:
+        k_tile = k_cache[0] + (offs_n[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
+        v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
     # With equal K/V strides the V (scale) rows are the K (scale) rows (a scalar base is
     # cheaper computed twice).
     share_rows = SAME_KV_STRIDES and not SCALAR_BASE
@@ -539,6 +563,19 @@ def _attend_tiles(
                     v = tl.trans(descs[1].load([id0 * descs[3] + descs[2], slot]))
                 else:
                     v = descs[1].load([id0 * BLOCK_SIZE + slot, descs[2]])
+            elif SCALAR_BASE:
+                k_base = _tile_base(
+                    id0, n_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
+                )
+                v_base = _tile_base(
+                    id0, n_start, v_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR
+                )
+                if HEAD_DIM == BLOCK_D:
+                    k = tl.load(k_tile + k_base)
+                    v = tl.load(v_tile + v_base)
+                else:
+                    k = tl.load(k_tile + k_base, mask=d_mask, other=0.0)
+                    v = tl.load(v_tile + v_base, mask=d_mask, other=0.0)
             elif HEAD_DIM == BLOCK_D:
                 k = tl.load(k_dims + k_rows[:, None])
                 v = tl.load(v_dims + v_rows[:, None])

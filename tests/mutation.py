@@ -1295,6 +1295,13 @@ MUTANTS = [
         f"{PAGED}::test_block_pieces",
     ),
     _m(
+        "scalar-base-loads-skip-the-tile-base",
+        "kernels/_attention_jit.py",
+        "                    k = tl.load(k_tile + k_base)",
+        "                    k = tl.load(k_tile + k_base * 0)",
+        f"{PAGED}::test_key_paths[contiguous-B64-N32]",
+    ),
+    _m(
         "block-pieces-past-the-most",
         "kernels/paged_attention.py",
         "    if len(sizes) > MAX_PIECES:",

@@ -162,6 +162,9 @@ WIDE_HEAD_QUANTIZED = dict(
 # launcher's defaults.
 PIECE_BLOCKS = (7, 100)
 
+# Head_dim 256 at the launcher's defaults (16-bit: 128 x 64 tiles; TMA at contiguous blocks).
+WIDE_HEAD_BLOCKS = (16, 256, 1560)
+
 # Blocks of one slot: keys-major pools of them are laid out slot-major (unpadded).
 ONE_SLOT_BLOCKS = dict(
     kernels=("paged_attention",), block_sizes=(1,), kv_modes=("fp8_mma", "fp8_mma_keys")
@@ -183,6 +186,9 @@ def _configs_both() -> list[compile_report.Config]:
     configs += compile_report.configs_for(**WIDE_HEAD_QUANTIZED)
     configs += compile_report.configs_for(**ONE_SLOT_BLOCKS)
     configs += compile_report.configs_for(kernels=("paged_attention",), block_sizes=PIECE_BLOCKS)
+    configs += compile_report.configs_for(
+        kernels=("paged_attention",), head_dims=(256,), block_sizes=WIDE_HEAD_BLOCKS
+    )
     return configs
 
 
@@ -485,6 +491,17 @@ def test_blocks_cut_into_pieces_within_1_10x_anchor(report: Report, minor: str, 
     assert row["vs_anchor"] <= 1.10, row
 
 
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("block", WIDE_HEAD_BLOCKS)
+def test_head_dim_256_tiles_within_1_10x_anchor(report: Report, minor: str, block: int) -> None:
+    # 128 x 64 tiles (the 64 x 32 ones did 4x the instructions per row and key, 1.13-1.22x
+    # their plain loop); the pointer loop adds the tile's scalar base to loop-invariant pointers
+    # (block 1560: 1.10-1.12x when each address took an add and a 64-bit add, 2026-12-05).
+    row = report.paged(report.version(minor), block, head_dim=256)
+    assert (row["tile"], row["spill_stores"], row["spill_loads"]) == ("128x64", 0, 0), row
+    assert row["vs_anchor"] <= 1.10, row
+
+
 @pytest.mark.parametrize("head_dim, block", _bf16_cases({}))
 def test_triton36_bf16_no_spills_full_pipeline(report: Report, head_dim: int, block: int) -> None:
     row = report.paged(report.version("3.6"), block, head_dim=head_dim)
@@ -506,9 +523,11 @@ def test_tma_variant_loads_whole_tiles_through_descriptors(
     assert tma["loop_global_loads"] < pointers["loop_global_loads"], (tma, pointers)
     assert (tma["spill_stores"], tma["mma"]) == (0, "HGMMA"), tma
     _assert_pipelined_like(tma, report.yardstick("anchor", tma))
-    # Shorter than the pointer loop, and within 1.10x the plain loop (2026-12-03: 345 and 353
-    # on Triton 3.9, 0.99x and 1.01x; 328 and 336 on 3.6, 1.01x and 1.03x).
-    assert tma["loop_instructions"] < pointers["loop_instructions"], (tma, pointers)
+    # No longer than the pointer loop, and within 1.10x the plain loop (2026-12-03: 345 and 353
+    # on Triton 3.9, 0.99x and 1.01x; 328 and 336 on 3.6, 1.01x and 1.03x). Since the pointer
+    # loop adds its scalar base to loop-invariant pointers (2026-12-05) the two are within an
+    # instruction of each other on 3.6 at block 64 (331 against 330).
+    assert tma["loop_instructions"] <= pointers["loop_instructions"] * 1.01, (tma, pointers)
     assert tma["vs_anchor"] <= 1.10, tma
 
 
