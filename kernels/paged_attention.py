@@ -222,13 +222,12 @@ def _descriptor_tiles(
     ``block_n == 2 * block_size``: a descriptor load per block, ``_attend_block_pairs``).
     ``quantized``: every unmasked loop's tiles (a block cut into more pieces runs their
     unmasked loops by pointer, and the quantized pointer loops spill at 128 keys)."""
-    path = kv_path(block_size, block_n)
-    if path == "rows":
+    if kv_path(block_size, block_n) == "rows":
         return block_pairs and not quantized and two_block_tiles(block_size, block_n)
-    if path == "contiguous":
-        return True
+    # A piece's tiles lie inside one block when the tile divides it (the first piece: the whole
+    # block on the contiguous path, its whole tiles on block_tiles; never on two_blocks).
     inside = [only or size % block_n == 0 for _, size, only in block_pieces(block_size, block_n)]
-    return path == "block_tiles" and (all(inside) if quantized else inside[0])
+    return all(inside) if quantized else inside[0]
 
 
 def two_block_tiles(block_size: int, block_n: int) -> bool:
@@ -259,8 +258,9 @@ def block_pieces(block_size: int, block_n: int) -> tuple[tuple[int, int, bool], 
     block order, so that the keys of each piece fill tiles without straddling one; the whole
     block alone where the path does not apply. A block larger than the tile is cut after its
     whole tiles when the rest is at most a quarter of the block (1560 = 1536 + 24 at 64-key
-    tiles), the rest masked only. A smaller block that does not divide the tile is cut into
-    its powers of two, up to ``MAX_PIECES`` (24 = 16 + 8, 7 = 4 + 2 + 1): each divides the
+    tiles), the rest masked only. Otherwise a block that is not a multiple of the tile is cut
+    into its whole tiles (if any) and the powers of two of the rest, up to ``MAX_PIECES`` pieces
+    (24 = 16 + 8, 7 = 4 + 2 + 1, 100 = 64 + 32 + 4 at 64-key tiles): each power divides the
     tile, so a tile holds whole pieces and reads one table entry per piece."""
     rest = block_size % block_n
     whole = block_size - rest

@@ -1574,8 +1574,8 @@ MUTANTS = [
     _m(
         "quantized-tma-row-where-pieces-run-by-pointer",
         "kernels/paged_attention.py",
-        '    return path == "block_tiles" and (all(inside) if quantized else inside[0])',
-        '    return path == "block_tiles" and inside[0]',
+        "    return all(inside) if quantized else inside[0]",
+        "    return inside[0]",
         f"{FP8_TMA_DEFAULT}[pieces-by-pointer]",
     ),
     _m(
