@@ -12,14 +12,16 @@ compile-time constant (a model has one), so no path divides by it at run time. A
   order keys are seen in. A block larger than the tile is cut after its whole tiles (its
   first piece reads as the contiguous path, one entry per tile; the remainder, at most a
   quarter of the block, runs masked only, an entry per row); otherwise the rest (or a smaller
-  block that does not divide the tile) is cut into its powers of two, up to four pieces in all
-  (24 = 16 + 8, 7 = 4 + 2 + 1, 100 = 64 + 32 + 4 at 64-key tiles), so a tile holds whole pieces
-  and reads one entry per piece (``kernels.paged_attention.block_pieces``);
-* ``two_blocks``: the block is at least a tile but not a multiple of it, and its remainder
-  (more than a quarter of it) cuts into more pieces than that, so a tile spans at most two
-  blocks and each row picks one of two bases;
-* ``rows``: blocks smaller than the tile; each row reads its block id (a vector load), or,
-  when the block divides the tile, each of the tile's blocks reads it once for all its rows.
+  block that does not divide the tile) is cut into its powers of two, up to eight pieces in
+  all (24 = 16 + 8, 7 = 4 + 2 + 1, 100 = 64 + 32 + 4 at 64-key tiles), so a tile holds whole
+  pieces and reads one entry per piece (``kernels.paged_attention.block_pieces``): at tiles up
+  to 128 keys, every block that neither divides the tile nor is a multiple of it;
+* ``two_blocks`` (tiles of 256 keys or more): the block is at least a tile but not a multiple
+  of it, and its remainder (more than a quarter of it) cuts into more pieces than that, so a
+  tile spans at most two blocks and each row picks one of two bases;
+* ``rows``: blocks smaller than the tile; when the block divides the tile, each of the tile's
+  blocks reads its id once for all its rows; otherwise (tiles of 512 keys or more) each row
+  reads its block id (a vector load).
 
 The next tile's block ids are read one iteration ahead (loop-carried), so the software pipeliner
 keeps K/V loads as many tiles ahead as in a table-free loop. With ``TMA`` the unmasked loop of

@@ -22,7 +22,9 @@ import torch
 # in a warp-specialized kernel (a producer warp, 4-warp consumers) merged with the masked
 # kernel's partial tiles (docs/kernels.md).
 VARIANTS = ("cp_async", "tma", "ws")
-KV_PATHS = ("contiguous", "block_tiles", "two_blocks", "rows")
+# A row's class is the key path at its head_dim class's built-in 64-key tile, where every block
+# takes one of these (``two_blocks`` needs tiles of 256 keys: kernels.paged_attention.MAX_PIECES).
+KV_PATHS = ("contiguous", "block_tiles", "rows")
 # K/V modes: ``same`` (the query dtype), then the quantized ones (``kv_mode``): e4m3 or int8
 # codes dequantized, or fed to FP8 / INT8 MMAs; ``_keys`` when the pools are ones the TMA loop
 # reads (keys-major scales, and V with FP8-MMA: ``kernels.keys_major``). Their loops differ

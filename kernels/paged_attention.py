@@ -247,10 +247,14 @@ def kv_path(block_size: int, block_n: int) -> str:
     return "two_blocks" if block_size >= block_n else "rows"
 
 
-# The most pieces ``block_tiles`` cuts a block into: each piece compiles an unmasked and a
-# masked loop of its own (each piece adds about 2 s to an sm_90a compile on 2 CPU cores, and
-# about 20 KB of code), and reads its table entries again at each run's edges.
-MAX_PIECES = 4
+# The most pieces ``block_tiles`` cuts a block into: its whole tiles and the 7 powers of two
+# below 128, so at tiles up to 128 keys every block size takes it (or the contiguous path, or
+# the rows path of a block dividing the tile); only tiles of 256 keys or more leave blocks to
+# the straddling paths, whose hot loops were 1.12-1.30x the plain loop (block 31, 94, 190 at
+# head_dim 128) against 1.08-1.11x cut in pieces. Each piece compiles an unmasked and a masked
+# loop of its own (about 3.7 s more per piece for an sm_90a build on 2 CPU cores, and about
+# 20 KB of code) and reads its table entries again at each run's edges.
+MAX_PIECES = 8
 
 
 def block_pieces(block_size: int, block_n: int) -> tuple[tuple[int, int, bool], ...]:

@@ -1309,6 +1309,13 @@ MUTANTS = [
         f"{PAGED}::test_block_pieces",
     ),
     _m(
+        "block-pieces-back-to-four",
+        "kernels/paged_attention.py",
+        "MAX_PIECES = 8",
+        "MAX_PIECES = 4",
+        f"{PAGED}::test_every_block_is_cut_into_pieces_at_tiles_up_to_128_keys",
+    ),
+    _m(
         "block-tiles-piece-entries-ignore-table-stride",
         "kernels/_attention_jit.py",
         "        entries = (table_row + first * stride_table_col) + blocks * stride_table_col",

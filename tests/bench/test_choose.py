@@ -16,10 +16,10 @@ from tests.bench.rows import STEADY_CEILINGS, measured
 
 # Per block size, each launch's milliseconds. Contiguous blocks (64, 256): TMA wins at both;
 # block_tiles (520, 1560): cp_async at 128 keys wins once and loses once, but its geometric mean
-# beats the 64-key cp_async; rows (16, 31): the 64-key cp_async.
+# beats the 64-key cp_async; rows (16, 32): the 64-key cp_async.
 TIMES = {
     16: {"triton-cp_async": 1.0, "triton-tma": 1.0, "triton-cp_async-n128": 1.2},
-    31: {"triton-cp_async": 1.0, "triton-tma": 1.0, "triton-cp_async-n128": 1.3},
+    32: {"triton-cp_async": 1.0, "triton-tma": 1.0, "triton-cp_async-n128": 1.3},
     64: {"triton-cp_async": 1.0, "triton-tma": 0.9, "triton-cp_async-n128": 1.1},
     256: {"triton-cp_async": 1.0, "triton-tma": 0.8, "triton-tma-n128": 0.85},
     520: {"triton-cp_async": 1.0, "triton-tma": 1.0, "triton-cp_async-n128": 0.8},
@@ -154,17 +154,17 @@ def test_a_launch_missing_at_one_block_does_not_compete() -> None:
 
 
 def test_a_class_without_a_complete_launch_keeps_its_row() -> None:
-    # Cut short: at block 31 nothing was measured but tma, at 16 nothing but cp_async.
+    # Cut short: at block 32 nothing was measured but tma, at 16 nothing but cp_async.
     rows = [
         r
         for r in _rows()
-        if not (r["block_size"] == 31 and r["provider"] != "triton-tma")
+        if not (r["block_size"] == 32 and r["provider"] != "triton-tma")
         and not (r["block_size"] == 16 and r["provider"] != "triton-cp_async")
     ]
     choices, lines = choose.choose(rows)
     assert {c["kv_path"] for c in choices} == {"contiguous", "block_tiles"}
     assert any("rows: no launch measured at every block size" in line for line in lines)
-    only_rows = [r for r in rows if r["block_size"] in (16, 31)]
+    only_rows = [r for r in rows if r["block_size"] in (16, 32)]
     with pytest.raises(ValueError, match="no class"):
         choose.choose(only_rows)
 

@@ -34,10 +34,12 @@ WS_DTYPE = torch.float16 if ON_GPU else torch.float32
         pytest.param(16, 16, 64, id="contiguous-B16-N16-D64"),
         pytest.param(64, 32, 128, id="contiguous-B64-N32-D128"),
         pytest.param(256, 64, 32, id="contiguous-B256-N64-D32"),
-        pytest.param(31, 16, 64, id="two_blocks-B31-N16"),
+        pytest.param(31, 16, 64, id="block_tiles-B31-N16"),
+        pytest.param(511, 256, 16, id="two_blocks-B511-N256"),
         pytest.param(1560, 64, 16, id="block_tiles-B1560-N64"),
         pytest.param(7, 16, 16, id="block_tiles-B7-N16"),
-        pytest.param(31, 32, 16, id="rows-B31-N32"),
+        pytest.param(31, 32, 16, id="block_tiles-B31-N32"),
+        pytest.param(511, 512, 16, id="rows-B511-N512"),
         pytest.param(1, 16, 16, id="rows-B1-N16"),
         # Tiles of two whole blocks: a descriptor load per block (_attend_block_pairs).
         pytest.param(16, 32, 64, id="block-pairs-B16-N32"),
@@ -427,6 +429,9 @@ def test_shipped_launch_table_is_complete() -> None:
     for head_dim in launch_table.HEAD_DIM_CLASSES:
         for path in launch_table.KV_PATHS:
             assert (head_dim, path, "same") in keys
+        # Every block size falls in one of the classes.
+        for block_size in range(1, 3200):
+            assert launcher.table_key(block_size, head_dim)[1] in launch_table.KV_PATHS
     assert all(r["source"] in launch_table.SOURCES for r in table["choices"])
 
 

@@ -109,14 +109,16 @@ PATHS = [
     pytest.param(17, 16, id="block_tiles-B17-N16"),
     pytest.param(24, 16, id="block_tiles-B24-N16"),
     pytest.param(100, 64, id="block_tiles-B100-N64"),
-    pytest.param(31, 16, id="two_blocks-B31-N16"),
-    pytest.param(94, 64, id="two_blocks-B94-N64"),
+    pytest.param(31, 16, id="block_tiles-B31-N16"),
+    pytest.param(94, 64, id="block_tiles-B94-N64"),
+    pytest.param(511, 256, id="two_blocks-B511-N256"),
     pytest.param(16, 64, id="rows-B16-N64"),
     pytest.param(24, 64, id="block_tiles-B24-N64"),
     pytest.param(12, 16, id="block_tiles-B12-N16"),
     pytest.param(7, 16, id="block_tiles-B7-N16"),
-    pytest.param(31, 32, id="rows-B31-N32"),
+    pytest.param(31, 32, id="block_tiles-B31-N32"),
     pytest.param(1, 16, id="rows-B1-N16"),
+    pytest.param(511, 512, id="rows-B511-N512"),
 ]
 
 
@@ -138,13 +140,25 @@ def test_key_paths(block_size: int, block_n: int) -> None:
 def test_kv_path_classes() -> None:
     assert kv_path(1560, 64) == kv_path(520, 64) == kv_path(520, 128) == "block_tiles"
     # Remainders of more than a quarter of the block: cut into their powers of two, or, past
-    # MAX_PIECES pieces, tiles straddle blocks instead.
+    # MAX_PIECES pieces (only at tiles of 256 keys or more), tiles straddle blocks instead.
     assert kv_path(100, 64) == kv_path(24, 16) == kv_path(200, 128) == "block_tiles"
-    assert kv_path(94, 64) == kv_path(31, 16) == kv_path(190, 128) == "two_blocks"
+    assert kv_path(94, 64) == kv_path(31, 16) == kv_path(190, 128) == "block_tiles"
+    assert kv_path(255, 128) == kv_path(127, 64) == "block_tiles"
+    assert kv_path(511, 256) == "two_blocks"
     assert kv_path(64, 64) == kv_path(256, 64) == "contiguous"
     assert kv_path(24, 64) == kv_path(12, 16) == kv_path(3, 16) == "block_tiles"
     assert kv_path(7, 16) == kv_path(15, 16) == kv_path(11, 128) == "block_tiles"
-    assert kv_path(16, 64) == kv_path(31, 32) == kv_path(1, 16) == "rows"
+    assert kv_path(31, 32) == kv_path(63, 128) == kv_path(127, 128) == "block_tiles"
+    assert kv_path(16, 64) == kv_path(1, 16) == kv_path(511, 512) == "rows"
+
+
+def test_every_block_is_cut_into_pieces_at_tiles_up_to_128_keys() -> None:
+    # The straddling paths are left to tiles of 256 keys or more (MAX_PIECES).
+    for block_n in (16, 32, 64, 128):
+        for block_size in range(1, 4 * block_n):
+            path = kv_path(block_size, block_n)
+            assert path != "two_blocks", (block_size, block_n)
+            assert path != "rows" or block_n % block_size == 0, (block_size, block_n)
 
 
 def test_block_pieces() -> None:
@@ -153,17 +167,23 @@ def test_block_pieces() -> None:
     assert block_pieces(520, 128) == ((0, 512, False), (512, 8, True))
     # Larger rests: the whole tiles, then the rest's powers of two, up to MAX_PIECES pieces.
     assert block_pieces(100, 64) == ((0, 64, False), (64, 32, False), (96, 4, False))
-    assert block_pieces(94, 64) == ((0, 94, False),)  # 30 = 16 + 8 + 4 + 2: tiles straddle
+    assert block_pieces(94, 64) == (
+        (0, 64, False), (64, 16, False), (80, 8, False), (88, 4, False), (92, 2, False)
+    )  # fmt: skip
+    assert block_pieces(255, 128) == tuple(
+        (255 - 2 * size + 1, size, False) for size in (128, 64, 32, 16, 8, 4, 2, 1)
+    )
+    assert block_pieces(511, 256) == ((0, 511, False),)  # 9 pieces: tiles straddle
     # Smaller blocks: their powers of two, high to low, up to MAX_PIECES of them, or none.
     assert block_pieces(24, 64) == ((0, 16, False), (16, 8, False))
     assert block_pieces(7, 16) == ((0, 4, False), (4, 2, False), (6, 1, False))
     assert block_pieces(13, 128) == ((0, 8, False), (8, 4, False), (12, 1, False))
     assert block_pieces(15, 16) == ((0, 8, False), (8, 4, False), (12, 2, False), (14, 1, False))
-    assert MAX_PIECES == 4 and block_pieces(31, 32) == ((0, 31, False),)
+    assert MAX_PIECES == 8 and block_pieces(511, 512) == ((0, 511, False),)
     assert block_pieces(16, 64) == ((0, 16, False),) and block_pieces(256, 64) == ((0, 256, False),)
 
 
-@pytest.mark.parametrize("block_size", [3, 7, 11, 15, 21, 24, 31, 100, 520, 1560])
+@pytest.mark.parametrize("block_size", [3, 7, 11, 15, 21, 24, 31, 100, 127, 255, 520, 1560])
 @pytest.mark.parametrize("block_n", [16, 64, 128])
 def test_block_pieces_cover_each_block_once(block_size: int, block_n: int) -> None:
     # Pieces tile the block in order, and each piece's keys fill tiles without straddling it:
@@ -182,10 +202,12 @@ def test_block_pieces_cover_each_block_once(block_size: int, block_n: int) -> No
 @given(
     shape=st.sampled_from(
         [(17, 16), (20, 16), (40, 16), (52, 16), (100, 32), (24, 16), (28, 16), (24, 32), (12, 16)]
-        # Three and four pieces (7 = 4 + 2 + 1, 15 = 8 + 4 + 2 + 1)
-        + [(7, 16), (15, 32), (31, 16), (47, 32)]
+        # Three to six pieces (7 = 4 + 2 + 1, 15 = 8 + 4 + 2 + 1, 31 = 16 + 8 + 4 + 2 + 1)
+        + [(7, 16), (15, 32), (31, 16), (47, 32), (63, 64)]
         # 128-key tiles, whose masked tiles are 64 keys (two head tiles, two tail tiles)
         + [(24, 128), (160, 128), (200, 128), (16, 128), (11, 128)]
+        # Past MAX_PIECES pieces (511 = 256 + 255): tiles of 256 keys straddle two blocks
+        + [(511, 256)]
     ),
     q_lens=st.lists(st.integers(0, 24), min_size=1, max_size=3),
     extra_k=st.lists(st.integers(0, 150), min_size=3, max_size=3),
@@ -196,8 +218,8 @@ def test_block_pieces_cover_each_block_once(block_size: int, block_n: int) -> No
 )
 def test_property_tiles_near_block_edges(shape, q_lens, extra_k, causal, limits, gaps, seed):
     # block_tiles (remainders of 1..8 keys gathered into tiles of their own; blocks of 24 and 12
-    # cut 16 + 8 and 8 + 4, of 7, 11 and 28 in three pieces, 15 in four) and two_blocks (31 at
-    # 16 keys, 47 at 32): runs that start and end anywhere in a block's
+    # cut 16 + 8 and 8 + 4, of 7, 11 and 28 in three pieces, 15 in four, 31, 47 and 63 in five
+    # or six) and two_blocks (511 at 256 keys): runs that start and end anywhere in a block's
     # pieces, under every mask, with small tiles so that many blocks and tiles are crossed (and
     # 128-key ones, masked 64 keys at a time: keys and gaps stretched 4x, so that unmasked tiles
     # sit between a run's masked head and tail).
@@ -260,7 +282,7 @@ def test_key_paths_causal_limits_and_gaps(block_size: int, block_n: int, table_o
         pytest.param(1560, "block_tiles", id="block_tiles-B1560"),
         pytest.param(24, "block_tiles", id="block_tiles-B24"),
         pytest.param(200, "block_tiles", id="block_tiles-B200"),
-        pytest.param(190, "two_blocks", id="two_blocks-B190"),
+        pytest.param(190, "block_tiles", id="block_tiles-B190"),
         pytest.param(16, "rows", id="rows-B16"),
         pytest.param(64, "rows", id="rows-B64"),
     ],

@@ -137,7 +137,7 @@ def test_table_orders(dtype: torch.dtype, table_order: str) -> None:
 @pytest.mark.parametrize("block_n", [16, 64], ids=lambda n: f"N{n}")
 def test_strided_scale_pools(block_n: int) -> None:
     # Scale pools stored head-major, K's and V's with different strides: the kernel must use
-    # each scale pool's own strides (two_blocks at N16, rows at N64).
+    # each scale pool's own strides (block 31 in five pieces at either tile).
     case = make_paged_case(q_lens=[9, 4], k_lens=[70, 17], block_size=31, device=DEVICE)
     args, scales = quantized_args(case, torch.float8_e4m3fn)
     k_scale = scales["k_scale"].transpose(1, 2).contiguous().transpose(1, 2)
@@ -199,11 +199,13 @@ def test_bf16_queries_score_through_float16_rows(dtype: torch.dtype) -> None:
 PATHS = [
     pytest.param(16, 16, torch.float8_e4m3fn, id="contiguous-B16-N16-e4m3"),
     pytest.param(24, 16, torch.float8_e4m3fn, id="block_tiles-B24-N16-e4m3"),
-    pytest.param(31, 16, torch.float8_e4m3fn, id="two_blocks-B31-N16-e4m3"),
+    pytest.param(31, 16, torch.float8_e4m3fn, id="block_tiles-B31-N16-e4m3"),
+    pytest.param(511, 256, torch.float8_e4m3fn, id="two_blocks-B511-N256-e4m3"),
     pytest.param(1560, 64, torch.float8_e4m3fn, id="block_tiles-B1560-N64-e4m3"),
     pytest.param(16, 64, torch.float8_e4m3fn, id="rows-B16-N64-e4m3"),
     pytest.param(7, 16, torch.float8_e4m3fn, id="block_tiles-B7-N16-e4m3"),
-    pytest.param(31, 32, torch.float8_e4m3fn, id="rows-B31-N32-e4m3"),
+    pytest.param(31, 32, torch.float8_e4m3fn, id="block_tiles-B31-N32-e4m3"),
+    pytest.param(511, 512, torch.float8_e4m3fn, id="rows-B511-N512-e4m3"),
     pytest.param(1, 16, torch.float8_e4m3fn, id="rows-B1-N16-e4m3"),
     pytest.param(16, 16, torch.int8, id="contiguous-B16-N16-int8"),
     pytest.param(1560, 64, torch.int8, id="block_tiles-B1560-N64-int8"),

@@ -59,7 +59,8 @@ def factors(num_kv_heads: int, head_dim: int, seed: int) -> tuple[Tensor, Tensor
         pytest.param(1, 16, "permuted", id="rows-B1-N16"),
         pytest.param(7, 16, "repeated", id="block_tiles-B7-N16-repeated"),
         pytest.param(16, 16, "permuted", id="contiguous-B16-N16"),
-        pytest.param(31, 16, "permuted", id="two_blocks-B31-N16"),
+        pytest.param(31, 16, "permuted", id="block_tiles-B31-N16"),
+        pytest.param(511, 256, "permuted", id="two_blocks-B511-N256"),
         pytest.param(1560, 64, "permuted", id="block_tiles-B1560-N64"),
     ],
 )
