@@ -1309,6 +1309,21 @@ MUTANTS = [
         f"{PAGED}::test_block_pieces",
     ),
     _m(
+        "unmasked-tile-entries-skip-the-last-whole-tile",
+        "kernels/_attention_jit.py",
+        "            needed = blocks * 0 + n_start + BLOCK_N <= positions_end",
+        "            needed = blocks * 0 + n_start + BLOCK_N < positions_end",
+        f"{PAGED}::test_key_paths_causal_limits_and_gaps",
+        f"{PAGED}::test_key_paths",
+    ),
+    _m(
+        "masked-tile-entries-all-or-none",
+        "kernels/_attention_jit.py",
+        "    WHOLE_TILE_ENTRIES: tl.constexpr = not MASKED and not QUANTIZED",
+        "    WHOLE_TILE_ENTRIES: tl.constexpr = not QUANTIZED",
+        f"{PAGED}::test_key_paths",
+    ),
+    _m(
         "block-pieces-back-to-four",
         "kernels/paged_attention.py",
         "MAX_PIECES = 8",
