@@ -80,8 +80,8 @@ def _tile_block_ids(
 ):
     """Block ids of the key tile at piece position ``n_start`` (``_attend_run``): ``(first,
     second, per_row)``; unused ones are 0. ``MASKED``: the tile is a masked loop's.
-    ``WHOLE_TILE``: the tile is an unmasked loop's, whose entries are all needed (or, for the
-    prefetch past its last tile, none), so one compare per tile masks its entries.
+    ``WHOLE_TILE`` (asked for by the unmasked 16-bit loops): every entry of the tile is needed
+    (or, for the prefetch past the loop's last tile, none), so one compare per tile masks them.
 
     Only entries of blocks with a key of the tile below piece position ``positions_end`` are
     read: padding past the sequence is never touched.
