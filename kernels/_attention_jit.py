@@ -38,13 +38,14 @@ once per KV head. Online softmax in float32 (exp2, the scale folded into one FFM
 ``q``'s dtype; optionally each row's log-sum-exp (``HAS_LSE``).
 
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
-tiles and scales like the 16-bit tiles; by default the codes convert exactly to q's compute dtype
+tiles and scales like the 16-bit tiles; by default K's codes convert exactly to q's compute dtype
 (e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into
-it by a power of two each) and the scales multiply score and probability columns. ``FP8_MMA``
-runs both products as FP8 MMAs instead, on query rows the launcher rounded to e4m3
-beforehand (``q_ptr`` holds their codes, ``q_scale_ptr`` their scales; loaded, they feed the
-MMA from shared memory), with the probabilities in a unit per sequence and KV head it also
-made (``v_unit_ptr``);
+it by a power of two each), V's to float16, and the scales multiply score and probability
+columns, the probabilities in a unit per sequence and KV head the launcher made beforehand
+(``v_unit_ptr``), so that float16 holds them. ``FP8_MMA`` runs both products as FP8 MMAs
+instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds their codes,
+``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), the probabilities
+rounded to e4m3 in their unit;
 ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
 dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
 ``HAS_V_EQUALIZER``) multiply q's channels before anything else (FP8-MMA's codes have K's in)
@@ -399,11 +400,12 @@ def _attend_tiles(
 
     ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
     the scale pools). The K scales multiply the score columns; the V scales the probability
-    columns before the PV product (row sums from the unscaled probabilities). Without
-    ``FP8_MMA`` the codes convert exactly to q's compute dtype; with it, q is already e4m3 codes,
-    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 in units of
-    ``p_unit`` (acc then holds the output in that unit): the largest V scale of the sequence's
-    keys / 448 (``value_units``), so no key's value exceeds 448 in it; other modes ignore it.
+    columns before the PV product (row sums from the unscaled probabilities), in units of
+    ``p_unit`` (acc then holds the output in that unit; ``value_units``). Without ``FP8_MMA``
+    the codes convert exactly, K's to q's compute dtype, V's to ``PV_DTYPE`` (float16 on a GPU),
+    and ``p_unit`` is the sequence's largest V scale / 2**15; with it, q is already e4m3 codes,
+    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 in a unit of
+    the largest V scale / 448, so no key's value exceeds 448 in it.
     ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V converts to
     ``PV_DTYPE`` for the dequantizing mode's ``P V``.
     """
@@ -611,7 +613,7 @@ def _attend_tiles(
         elif INT8_MMA:
             # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
-            v = v.to(PV_DTYPE)  # int8 codes are exact in every compute dtype
+            v = _codes_to(v, PV_DTYPE, INTERPRETED)  # int8 codes are exact in every dtype
         else:
             if QUANTIZED:
                 # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7);
@@ -654,7 +656,9 @@ def _attend_tiles(
             acc = acc * rescale[:, None] + tl.dot(p_codes, v)
         else:
             if QUANTIZED:
-                probs = probs * v_col[None, :]
+                # In units of p_unit (the sequence's largest V scale / 2**15): the float16
+                # probabilities keep 11 bits down to 2**-29 of the largest.
+                probs = probs * (v_col * (1.0 / p_unit))[None, :]
             pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * rescale[:, None] + pv
         row_max = new_max
@@ -1135,7 +1139,7 @@ def _paged_attention_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     p_unit = 1.0
-    if FP8_MMA:
+    if QUANTIZED:
         # acc is the output in units of p_unit (value_units.probability_units).
         p_unit = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)
     table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
@@ -1284,7 +1288,7 @@ def _paged_attention_kernel(
 
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-    if FP8_MMA:
+    if QUANTIZED:
         out = out * p_unit  # after the division: acc * p_unit alone may overflow
     if HAS_V_EQUALIZER:
         # V was stored divided by these factors.

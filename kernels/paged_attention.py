@@ -638,13 +638,17 @@ def paged_attention(
     pools = [pool for pool in (k_cache, v_cache, k_scale, v_scale) if pool is not None]
     offsets_32 = max(map(_largest_offset, pools)) < 2**31
     # FP8-MMA: the kernel loads e4m3 query rows made beforehand (K's factors folded in), so its
-    # Q K^T MMA reads them from shared memory (kernels/query_codes.py), and the unit of its
-    # probabilities (kernels/value_units.py).
+    # Q K^T MMA reads them from shared memory (kernels/query_codes.py). Every quantized mode: the
+    # unit of its V-scaled probabilities, e4m3 (FP8-MMA) or float16 ones (kernels/value_units.py).
     query, query_scales, units = q, None, None
     if fp8_mma:
         query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)
-        units = value_units.probability_units(v_scale, block_table, seq_lens_k, key_gap)
         k_equalizer = None
+    if k_scale is not None:
+        largest = value_units.E4M3_LARGEST if fp8_mma else value_units.FLOAT16_LARGEST
+        units = value_units.probability_units(
+            v_scale, block_table, seq_lens_k, key_gap, largest=largest
+        )
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
     ]
@@ -692,7 +696,7 @@ def paged_attention(
         V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),
         SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale) and pool_layout.keys_aligned(v_scale),
         INT8_MMA=int8_mma,
-        PV_DTYPE=tl.float32 if upcast else _TRITON_DTYPES[q.dtype],
+        PV_DTYPE=tl.float32 if upcast else tl.float16,  # quantized P V (value_units.py)
         INTERPRETED=interpreter_active(),
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

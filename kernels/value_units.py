@@ -1,12 +1,16 @@
-"""FP8-MMA's probability unit per (sequence, KV head): the largest V scale among the sequence's
-keys outside its gaps, / 448, made before the attention kernel, which loads it.
+"""The probability unit of quantized attention per (sequence, KV head): the largest V scale among
+the sequence's keys outside its gaps, / the largest V-scaled probability the mode's ``P V``
+operand takes, made before the attention kernel, which loads it.
 
-The kernel rounds each tile's V-scaled probabilities ``p * v_scale`` to e4m3 in this unit, so
-no attended key's value exceeds 448 and the ``P V`` MMA accumulates in place. With a fixed unit
-the key loop takes no tile maximum of the V scales: that maximum was reduced across warps
-through shared memory and moved back to the MMA layout every tile (compiled for sm_90a: 34-70
-instructions per 64 keys and 1-3 barriers per tile; the accumulator was rescaled to each new
-unit too).
+The kernel multiplies each tile's probabilities by their keys' V scales in this unit, so the
+``P V`` operand never overflows and keeps its precision whatever the scales' magnitude: FP8-MMA
+rounds them to e4m3, whose largest is 448 (and the MMA accumulates in place); the dequantizing
+modes (INT8-MMA's ``P V`` too) to float16, with the largest at 2**15 (float16 holds 65504), so a
+probability keeps all 11 bits down to 2**-29 of the largest (bf16 probabilities kept 8). With a
+fixed unit the key loop takes no tile maximum of the V scales: that maximum was reduced across
+warps through shared memory and moved back to the MMA layout every tile (compiled for sm_90a:
+34-70 instructions per 64 keys and 1-3 barriers per tile; the accumulator was rescaled to each
+new unit too).
 Keys in a gap are left out (they may be unwritten slots holding anything), as are slots past
 ``seq_lens_k``; keys past a row's limit or the causal diagonal count (they hold written rows).
 The unit is at least float32's smallest normal, so a sequence of zero rows gets a finite one.
@@ -21,6 +25,11 @@ from torch import Tensor
 
 from paged_video.kernels._quantize_jit import E4M3_MAX
 
+# The largest V-scaled probability in the unit: e4m3's largest code (FP8-MMA), and for float16
+# probabilities a power of two with float16's range (65504) above it for the rounding of a scale
+# over the unit.
+E4M3_LARGEST = E4M3_MAX.value
+FLOAT16_LARGEST = 2.0**15
 SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 # Keys per step: a sequence's scales are read in chunks of this many (a table entry each), so
 # that the shipped window (28,080 keys) takes 7 steps of independent loads, not 28.
@@ -43,6 +52,7 @@ def _probability_unit_kernel(
     stride_table_col,
     stride_unit_seq,
     stride_unit_head,
+    LARGEST: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr,
     GAPS: tl.constexpr,
@@ -74,16 +84,22 @@ def _probability_unit_kernel(
             other=0.0,
         )
         largest = tl.maximum(largest, scale)
-    unit = tl.maximum(tl.max(largest, axis=0) / E4M3_MAX, SMALLEST_NORMAL)
+    unit = tl.maximum(tl.max(largest, axis=0) / LARGEST, SMALLEST_NORMAL)
     tl.store(unit_ptr + seq * stride_unit_seq + kv_head * stride_unit_head, unit)
 
 
 def probability_units(
-    v_scale: Tensor, block_table: Tensor, seq_lens_k: Tensor, key_gap: Tensor | None
+    v_scale: Tensor,
+    block_table: Tensor,
+    seq_lens_k: Tensor,
+    key_gap: Tensor | None,
+    *,
+    largest: float,
 ) -> Tensor:
-    """Float32 ``(batch, num_kv_heads)`` units for ``paged_attention(fp8_mma=True)``'s
-    arguments (``key_gap`` as ``(batch, gaps, 2)``, contiguous, or None). The launcher's checks
-    have run: nothing is checked here."""
+    """Float32 ``(batch, num_kv_heads)`` units for a quantized ``paged_attention``'s arguments
+    (``key_gap`` as ``(batch, gaps, 2)``, contiguous, or None): each the largest V scale /
+    ``largest`` (``E4M3_LARGEST`` for FP8-MMA, ``FLOAT16_LARGEST`` for float16 probabilities).
+    The launcher's checks have run: nothing is checked here."""
     batch = block_table.shape[0]
     _, block_size, kv_heads = v_scale.shape
     units = torch.empty((batch, kv_heads), dtype=torch.float32, device=v_scale.device)
@@ -98,6 +114,7 @@ def probability_units(
         *v_scale.stride(),
         *block_table.stride(),
         *units.stride(),
+        LARGEST=largest,
         BLOCK_SIZE=block_size,
         CHUNK=CHUNK,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),

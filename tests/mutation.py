@@ -59,6 +59,10 @@ TMA_QUANTIZED = (
 )
 EQUALIZED = "tests/kernels/test_quantized_modes.py::test_equalizers_fold_into_q_and_the_output"
 UNITS = "tests/kernels/test_value_units.py::test_units_are_the_largest_scale_outside_the_gaps"
+FLOAT16_RANGE = (
+    "tests/kernels/test_quantized_modes.py::"
+    "test_float16_probabilities_over_v_scales_from_1e_30_to_1e30"
+)
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -1484,14 +1488,42 @@ MUTANTS = [
         "kernels/value_units.py",
         "            shown = shown & (tl.max(hidden.to(tl.int32), axis=1) == 0)",
         "            shown = shown | (tl.max(hidden.to(tl.int32), axis=1) < 0)",
-        f"{UNITS}[slot-major-B7-chunks]",
+        f"{UNITS}[e4m3-slot-major-B7-chunks]",
     ),
     _m(
         "fp8-unit-reads-past-the-length",
         "kernels/value_units.py",
         "        shown = keys < k_len",
         "        shown = keys < k_len + BLOCK_SIZE",
-        f"{UNITS}[slot-major-B7-chunks]",
+        f"{UNITS}[e4m3-slot-major-B7-chunks]",
+    ),
+    _m(
+        "unit-of-e4m3-for-float16-probabilities",
+        "kernels/value_units.py",
+        "    unit = tl.maximum(tl.max(largest, axis=0) / LARGEST, SMALLEST_NORMAL)",
+        "    unit = tl.maximum(tl.max(largest, axis=0) / 448.0, SMALLEST_NORMAL)",
+        f"{UNITS}[float16-slot-major-B1]",
+    ),
+    _m(
+        "dequantizing-modes-take-the-e4m3-unit",
+        "kernels/paged_attention.py",
+        "        largest = value_units.E4M3_LARGEST if fp8_mma else value_units.FLOAT16_LARGEST",
+        "        largest = value_units.E4M3_LARGEST",
+        "tests/kernels/test_value_units.py::test_each_mode_takes_the_unit_of_its_probabilities",
+    ),
+    _m(
+        "float16-probabilities-outside-their-unit",
+        "kernels/_attention_jit.py",
+        "                probs = probs * (v_col * (1.0 / p_unit))[None, :]",
+        "                probs = probs * v_col[None, :]",
+        f"{FLOAT16_RANGE}[e4m3]",
+    ),
+    _m(
+        "dequantizing-output-left-in-the-unit",
+        "kernels/_attention_jit.py",
+        "    if QUANTIZED:\n        out = out * p_unit",
+        "    if FP8_MMA:\n        out = out * p_unit",
+        f"{FLOAT16_RANGE}[int8-mma]",
     ),
     _m(
         "fp8-unit-not-loaded",

@@ -1,5 +1,5 @@
-"""paged_attention's INT8-MMA mode, channel equalization factors, and FP8-MMA over V scales of
-any range a pool can hold.
+"""paged_attention's INT8-MMA mode, channel equalization factors, and every quantized mode over V
+scales of any range a pool can hold.
 
 The INT8-MMA mode rounds each query row to int8 codes exactly as its float64 emulation does
 (``reference.quantized_attention``, mode ``int8-mma``) and then computes ``Q K^T`` exactly
@@ -220,6 +220,49 @@ def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
     emulation_error = ((emulated - want).abs() / magnitude).max().item()
     error = ((got.double().cpu() - want).abs() / magnitude).max().item()
     assert 0 < error <= 2 * emulation_error + 1e-6, (error, emulation_error)
+
+
+@pytest.mark.parametrize(
+    "dtype, modes",
+    [
+        pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
+        pytest.param(torch.int8, {}, id="int8"),
+        pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
+    ],
+)
+def test_float16_probabilities_over_v_scales_from_1e_30_to_1e30(
+    dtype: torch.dtype, modes: dict
+) -> None:
+    # The 16-bit P V takes float16 probabilities in the sequence's unit (its largest V scale /
+    # 2**15). Sequence 0's V scales span 60 decades across key tiles (scaled alone, its 1e30
+    # tiles overflow float16), sequence 1's are all 1e-12 (scaled alone, they vanish in
+    # float16's range). bf16 queries (the GPU runs float16 probabilities under them; the
+    # interpreter, float32 ones): each query's output within bf16's rounding of its magnitude.
+    block_n = 32
+    case = make_paged_case(
+        q_lens=[6, 5], k_lens=[6 * block_n, 3 * block_n + 4], block_size=16, device=DEVICE
+    )
+    args, scales = quantized_args(case, dtype, spread=0.5)
+    exponents = torch.tensor([30.0, -30.0, 20.0, -25.0, 0.0, 30.0, -30.0])
+    v_scale = scales["v_scale"].clone()
+    for row, length in enumerate(case.seq_lens_k.tolist()):
+        for key in range(length):
+            block = int(case.block_table[row, key // 16])
+            tile = exponents[(key // block_n) % len(exponents)] if row == 0 else -12.0
+            v_scale[block, key % 16] *= 10.0**tile
+    scales = {**scales, "v_scale": v_scale}
+    q = case.q.bfloat16()
+    args = (q, *args[1:])
+    got = kernels.paged_attention(
+        *args, **scales, **modes, out=nan_like(q), block_m=16, block_n=block_n
+    )
+    assert torch.isfinite(got).all()
+    # INT8-MMA against its emulation: it rounds the query rows to int8 (exact products after).
+    want = emulate(args, scales, "int8-mma") if modes else oracle(args, scales).cpu()
+    magnitude = want.abs().amax(dim=(1, 2), keepdim=True)  # per query: its largest output
+    assert magnitude[:6].min() > 1e25 and 0 < magnitude[6:].max() < 1e-8
+    error = ((got.double().cpu() - want).abs() / magnitude).max().item()
+    assert error <= 1e-2, error
 
 
 def test_torch_path_int8_mma_and_equalizers(no_interpreter) -> None:  # noqa: F811

@@ -1,7 +1,8 @@
-"""FP8-MMA's probability units (``kernels/value_units.py``) against a plain gather.
+"""Quantized attention's probability units (``kernels/value_units.py``) against a plain gather.
 
-A unit is the largest V scale of a sequence's keys outside its gaps, / 448, per KV head, at
-least float32's smallest normal. The slots it must not read (gap slots, slots past the
+A unit is the largest V scale of a sequence's keys outside its gaps, / the largest probability
+operand (448 for FP8-MMA's e4m3, 2**15 for the float16 ones), per KV head, at least float32's
+smallest normal. The slots it must not read (gap slots, slots past the
 sequence's length, blocks the table does not point at) hold NaN or a huge scale, so reading one
 shows. The attention tests (``test_paged_attention_quantized``, ``test_quantized_modes``) hold
 the kernel that uses them to the float64 emulation with the same unit.
@@ -12,8 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_video import kernels
 from paged_video.kernels import pool_layout, value_units
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, record_launches
+from tests.kernels.paged_case import make_paged_case
+from tests.kernels.test_paged_attention_quantized import quantized_args
 
 SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
 
@@ -27,15 +31,17 @@ def _shown_keys(k_len: int, gaps: list[tuple[int, int]]) -> torch.Tensor:
     return keys[shown]
 
 
-def _units(v_scale: torch.Tensor, table: torch.Tensor, lens: list[int], gaps: list) -> torch.Tensor:
+def _units(
+    v_scale: torch.Tensor, table: torch.Tensor, lens: list[int], gaps: list, largest: float
+) -> torch.Tensor:
     """The units by a gather over each sequence's keys, float32 as the kernel computes them."""
     block_size = v_scale.shape[1]
     units = torch.empty(len(lens), v_scale.shape[2])
     for i, k_len in enumerate(lens):
         keys = _shown_keys(k_len, gaps[i])
         scales = v_scale.cpu()[table[i, keys // block_size].long(), keys % block_size]
-        largest = scales.amax(dim=0) if len(keys) else torch.zeros(v_scale.shape[2])
-        units[i] = (largest / 448.0).clamp_min(SMALLEST_NORMAL)
+        biggest = scales.amax(dim=0) if len(keys) else torch.zeros(v_scale.shape[2])
+        units[i] = (biggest / largest).clamp_min(SMALLEST_NORMAL)
     return units
 
 
@@ -60,8 +66,15 @@ def _poisoned_pool(
     ],
 )
 @pytest.mark.parametrize("keys_major", [False, True], ids=["slot-major", "keys-major"])
+@pytest.mark.parametrize(
+    "largest",
+    [
+        pytest.param(value_units.E4M3_LARGEST, id="e4m3"),
+        pytest.param(value_units.FLOAT16_LARGEST, id="float16"),
+    ],
+)
 def test_units_are_the_largest_scale_outside_the_gaps(
-    nan_filled_empty, block_size: int, lens: list[int], keys_major: bool
+    nan_filled_empty, block_size: int, lens: list[int], keys_major: bool, largest: float
 ) -> None:
     kv_heads = 3
     blocks_per_seq = [-(-k_len // block_size) for k_len in lens]
@@ -91,9 +104,9 @@ def test_units_are_the_largest_scale_outside_the_gaps(
     key_gap = torch.tensor(gaps, dtype=torch.int32)
     units = value_units.probability_units(
         pool.to(DEVICE), table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        key_gap.to(DEVICE),
+        key_gap.to(DEVICE), largest=largest,
     )  # fmt: skip
-    want = _units(pool, table, lens, gaps)
+    want = _units(pool, table, lens, gaps, largest)
     torch.testing.assert_close(units.cpu(), want, atol=0, rtol=0)
     assert units[2 if lens[2] == 0 else 0].min() > 0  # no key: the smallest normal, not 0
 
@@ -107,6 +120,28 @@ def test_no_gaps_and_zero_rows() -> None:
     table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32)
     lens = torch.tensor([20, 16], dtype=torch.int32)
     units = value_units.probability_units(
-        pool.to(DEVICE), table.to(DEVICE), lens.to(DEVICE), None
+        pool.to(DEVICE), table.to(DEVICE), lens.to(DEVICE), None, largest=448.0
     ).cpu()
     assert units.tolist() == [[SMALLEST_NORMAL, 3.0], [SMALLEST_NORMAL, SMALLEST_NORMAL]]
+
+
+@pytest.mark.parametrize(
+    "dtype, modes, largest",
+    [
+        pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, 448.0, id="fp8-mma"),
+        pytest.param(torch.float8_e4m3fn, {}, 2.0**15, id="e4m3"),
+        pytest.param(torch.int8, {"int8_mma": True}, 2.0**15, id="int8-mma"),
+    ],
+)
+def test_each_mode_takes_the_unit_of_its_probabilities(
+    monkeypatch, dtype: torch.dtype, modes: dict, largest: float
+) -> None:
+    # FP8-MMA rounds its probabilities to e4m3 (448 at most), the 16-bit P V to float16.
+    launches = record_launches(monkeypatch, value_units, "_probability_unit_kernel")
+    case = make_paged_case(q_lens=[3], k_lens=[20], block_size=8, device=DEVICE)
+    args, scales = quantized_args(case, dtype)
+    kernels.paged_attention(*args, **scales, **modes)
+    assert [launch["LARGEST"] for launch in launches] == [largest]
+    launches.clear()
+    kernels.paged_attention(*case.args(), max_seqlen_q=case.max_seqlen_q)
+    assert launches == []  # 16-bit pools: no unit
