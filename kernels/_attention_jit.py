@@ -440,6 +440,13 @@ def _attend_tiles(
     if SCALAR_BASE:
         k_tile = k_cache[0] + (offs_n[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
         v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    # TMA: whole tiles inside one block are descriptor loads (masked tiles load only the keys
+    # they show, so they stay pointer loads).
+    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and SCALAR_BASE
+    # Per-row offsets only where a load takes them: K/V's in masked tiles and tiles across
+    # blocks (a scalar base or a descriptor otherwise), the scales' but by descriptor.
+    KV_ROWS: tl.constexpr = MASKED or not SCALAR_BASE
+    SCALE_ROWS: tl.constexpr = QUANTIZED and not DESCRIPTOR_LOADS
     # With equal K/V strides the V (scale) rows are the K (scale) rows (a scalar base is
     # cheaper computed twice).
     share_rows = SAME_KV_STRIDES and not SCALAR_BASE
@@ -467,9 +474,6 @@ def _attend_tiles(
         MASKED,
         WHOLE_TILE_ENTRIES,
     )
-    # TMA: whole tiles inside one block are descriptor loads (masked tiles load only the keys
-    # they show, so they stay pointer loads).
-    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and SCALAR_BASE
     for j in range(0, num_tiles):
         if HEAD_PAIR:
             n_start = tl.where(j < head_tiles, first_tile, tail_base) + j * BLOCK_N
@@ -495,38 +499,39 @@ def _attend_tiles(
             MASKED,
             WHOLE_TILE_ENTRIES,
         )
-        k_rows = _tile_rows(
-            id0,
-            id1,
-            ids,
-            n_start,
-            k_cache,
-            BLOCK_N,
-            BLOCK_SIZE,
-            KV_PATH,
-            OFFSETS_32,
-            PIECE_OFFSET,
-            PIECE_SIZE,
-            False,
-        )
-        if share_rows:
-            v_rows = k_rows
-        else:
-            v_rows = _tile_rows(
+        if KV_ROWS:
+            k_rows = _tile_rows(
                 id0,
                 id1,
                 ids,
                 n_start,
-                v_cache,
+                k_cache,
                 BLOCK_N,
                 BLOCK_SIZE,
                 KV_PATH,
                 OFFSETS_32,
                 PIECE_OFFSET,
                 PIECE_SIZE,
-                V_KEYS_MAJOR,
+                False,
             )
-        if QUANTIZED:
+            if share_rows:
+                v_rows = k_rows
+            else:
+                v_rows = _tile_rows(
+                    id0,
+                    id1,
+                    ids,
+                    n_start,
+                    v_cache,
+                    BLOCK_N,
+                    BLOCK_SIZE,
+                    KV_PATH,
+                    OFFSETS_32,
+                    PIECE_OFFSET,
+                    PIECE_SIZE,
+                    V_KEYS_MAJOR,
+                )
+        if SCALE_ROWS:
             ks_rows = _tile_rows(
                 id0,
                 id1,
