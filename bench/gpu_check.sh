@@ -109,8 +109,8 @@ echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
 # block (389 at block 1560, 388 at 256), against its 64-key pointer loop (467, 456) and its
 # 64-key TMA loop (509); INT8-MMA's pointer loop (519) against its TMA loop at 64 and 128 keys
 # (561; 450, spilling 44 bytes). The dequantizing modes over keys-major scales take 128-key TMA
-# tiles too (e4m3 at block 1560: 402; int8 451), against their 64-key pointer loop (470; 519)
-# and e4m3's 64-key TMA loop (508) (float16 V, 2026-12-05). The launcher's own choice first: the time limit cuts the
+# tiles too (e4m3 at block 1560: 369; int8 418), against their 64-key pointer loop (451; 500)
+# and e4m3's 64-key TMA loop (475) (float16 V scaled by its rows, 2026-12-05). The launcher's own choice first: the time limit cuts the
 # last runs.
 probe_timeout=${PROBE_TIMEOUT:-100}
 echo "== quantized loop candidates (limit ${probe_timeout}s)"

@@ -40,12 +40,12 @@ once per KV head. Online softmax in float32 (exp2, the scale folded into one FFM
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default K's codes convert exactly to q's compute dtype
 (e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into
-it by a power of two each), V's to float16, and the scales multiply score and probability
-columns, the probabilities in a unit per sequence and KV head the launcher made beforehand
-(``v_unit_ptr``), so that float16 holds them. ``FP8_MMA`` runs both products as FP8 MMAs
-instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds their codes,
-``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), the probabilities
-rounded to e4m3 in their unit;
+it by a power of two each), V's to float16, and the scales multiply score columns (K) and V's
+rows (probability columns in masked tiles), in a unit per sequence and KV head the launcher
+made beforehand (``v_unit_ptr``), so that float16 holds them. ``FP8_MMA`` runs both products
+as FP8 MMAs instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds
+their codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), the
+probabilities rounded to e4m3 in their unit;
 ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
 dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
 ``HAS_V_EQUALIZER``) multiply q's channels before anything else (FP8-MMA's codes have K's in)
@@ -337,6 +337,19 @@ def _codes_to(codes, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _values_in_unit(
+    codes, scales, p_unit, dtype: tl.constexpr, MASKED: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    """V's ``codes`` (rows of keys) converted exactly to ``dtype``; unmasked, times their keys'
+    ``scales`` in units of ``p_unit``, two elements per multiply in float16 (masked tiles scale
+    their probabilities instead: their scales arrive in the probabilities' layout)."""
+    values = _codes_to(codes, dtype, INTERPRETED)
+    if not MASKED:
+        values = values * (scales * (1.0 / p_unit)).to(dtype)[:, None]
+    return values
+
+
+@triton.jit
 def _attend_tiles(
     state,
     q,
@@ -399,15 +412,16 @@ def _attend_tiles(
     must be >= 0.
 
     ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
-    the scale pools). The K scales multiply the score columns; the V scales the probability
-    columns before the PV product (row sums from the unscaled probabilities), in units of
-    ``p_unit`` (acc then holds the output in that unit; ``value_units``). Without ``FP8_MMA``
-    the codes convert exactly, K's to q's compute dtype, V's to ``PV_DTYPE`` (float16 on a GPU),
-    and ``p_unit`` is the sequence's largest V scale / 2**15; with it, q is already e4m3 codes,
-    both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3 in a unit of
-    the largest V scale / 448, so no key's value exceeds 448 in it.
-    ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V converts to
-    ``PV_DTYPE`` for the dequantizing mode's ``P V``.
+    the scale pools). The K scales multiply the score columns, the V scales V's rows or the
+    probability columns (row sums from the unscaled probabilities), in units of ``p_unit``
+    (acc then holds the output in that unit; ``value_units``). Without ``FP8_MMA`` the codes
+    convert exactly, K's to q's compute dtype, V's to ``PV_DTYPE`` (float16 on a GPU); unmasked
+    tiles scale V's rows, masked ones the probabilities, and ``p_unit`` is the sequence's
+    largest V scale * 448 / 2**15 (no scaled V element exceeds 2**15). With it, q is already
+    e4m3 codes, both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3
+    in a unit of the largest V scale / 448, so no key's value exceeds 448 in it.
+    ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V as in the
+    dequantizing mode's ``P V``.
     """
     acc, row_max, row_sum = state
     k_cache = caches[0]
@@ -618,13 +632,13 @@ def _attend_tiles(
         elif INT8_MMA:
             # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
-            v = _codes_to(v, PV_DTYPE, INTERPRETED)  # int8 codes are exact in every dtype
+            v = _values_in_unit(v, v_col, p_unit, PV_DTYPE, MASKED, INTERPRETED)
         else:
             if QUANTIZED:
                 # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7);
                 # K's in q's (float16 for a bfloat16 q: see _float16_rows), V's in P V's.
                 k = _codes_to(k, q.dtype, INTERPRETED)
-                v = _codes_to(v, PV_DTYPE, INTERPRETED)
+                v = _values_in_unit(v, v_col, p_unit, PV_DTYPE, MASKED, INTERPRETED)
             elif UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -660,9 +674,7 @@ def _attend_tiles(
             # keep about 14 bits, so the sequence's sum stays float32 (do not pass acc in).
             acc = acc * rescale[:, None] + tl.dot(p_codes, v)
         else:
-            if QUANTIZED:
-                # In units of p_unit (the sequence's largest V scale / 2**15): the float16
-                # probabilities keep 11 bits down to 2**-29 of the largest.
+            if QUANTIZED and MASKED:
                 probs = probs * (v_col * (1.0 / p_unit))[None, :]
             pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * rescale[:, None] + pv

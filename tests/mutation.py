@@ -60,8 +60,7 @@ TMA_QUANTIZED = (
 EQUALIZED = "tests/kernels/test_quantized_modes.py::test_equalizers_fold_into_q_and_the_output"
 UNITS = "tests/kernels/test_value_units.py::test_units_are_the_largest_scale_outside_the_gaps"
 FLOAT16_RANGE = (
-    "tests/kernels/test_quantized_modes.py::"
-    "test_float16_probabilities_over_v_scales_from_1e_30_to_1e30"
+    "tests/kernels/test_quantized_modes.py::test_float16_operands_over_v_scales_from_1e_30_to_1e30"
 )
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
@@ -1498,7 +1497,7 @@ MUTANTS = [
         f"{UNITS}[e4m3-slot-major-B7-chunks]",
     ),
     _m(
-        "unit-of-e4m3-for-float16-probabilities",
+        "unit-of-e4m3-for-float16-operands",
         "kernels/value_units.py",
         "    unit = tl.maximum(tl.max(largest, axis=0) / LARGEST, SMALLEST_NORMAL)",
         "    unit = tl.maximum(tl.max(largest, axis=0) / 448.0, SMALLEST_NORMAL)",
@@ -1512,11 +1511,25 @@ MUTANTS = [
         "tests/kernels/test_value_units.py::test_each_mode_takes_the_unit_of_its_probabilities",
     ),
     _m(
-        "float16-probabilities-outside-their-unit",
+        "float16-values-outside-their-unit",
         "kernels/_attention_jit.py",
-        "                probs = probs * (v_col * (1.0 / p_unit))[None, :]",
-        "                probs = probs * v_col[None, :]",
+        "        values = values * (scales * (1.0 / p_unit)).to(dtype)[:, None]",
+        "        values = values * scales.to(dtype)[:, None]",
         f"{FLOAT16_RANGE}[e4m3]",
+    ),
+    _m(
+        "masked-tiles-scale-values-too",
+        "kernels/_attention_jit.py",
+        "    if not MASKED:\n        values = values",
+        "    if True:\n        values = values",
+        f"{FLOAT16_RANGE}[int8]",
+    ),
+    _m(
+        "masked-probabilities-unscaled",
+        "kernels/_attention_jit.py",
+        "            if QUANTIZED and MASKED:\n                probs = probs * (v_col",
+        "            if False:\n                probs = probs * (v_col",
+        f"{FLOAT16_RANGE}[int8-mma]",
     ),
     _m(
         "dequantizing-output-left-in-the-unit",

@@ -747,8 +747,8 @@ def test_quantized_no_spills(report: Report, mode: str, block: int) -> None:
 # Each scale copied once (3.6) and int8 K converted to float16 by PTX (2026-12-05, fifth
 # session, bench/RESULTS.md): every mode within 1.5x on both, 3.9 519/545/526/486/529/526 and
 # 3.6 500/526/512/476/511/511 (fp8, int8, fp8_mma, fp8_mma_keys, int8_mma, int8_mma_keys).
-# V converted to float16 for the 16-bit P V (2026-12-05, tenth session): 3.9
-# 488/537/526/486/521/517, 3.6 467/516/512/476/503/505.
+# V converted to float16 for the 16-bit P V, its rows scaled there (2026-12-05, tenth
+# session): 3.9 466/515/526/486/503/500, 3.6 448/497/512/476/484/485.
 
 
 def _block24_cases() -> list:
@@ -870,13 +870,14 @@ def test_quantized_passes_compile(report: Report, minor: str, kernel: str) -> No
 # FP8-MMA over a slot-major V transposes V a byte at a time through shared memory (33 stores a
 # thread) where the dequantizing loop converts e4m3 K in one instruction a pair: 1.08-1.10x
 # (2026-12-04), within 3% once the probability unit was the sequence's (2026-12-05), and
-# 1.08-1.09x again since the dequantizing loop's V converts to float16 (519-537 against
-# 478-492); over keys-major pools it is no longer (0.97-1.0 at 64-key tiles, 0.79 at 128).
+# 1.12-1.13x since the dequantizing loop's V converts to float16 and its rows take their
+# scales there, two per HMUL2, where FP8-MMA's e4m3 probabilities must take them (519-537
+# against 462-476); over keys-major pools 1.0-1.04x at 64-key tiles, 0.81x at 128.
 @pytest.mark.parametrize(
     "mma_mode, dequantizing_mode, most",
     [
-        ("fp8_mma", "fp8", 1.10),
-        ("fp8_mma_keys", "fp8", 1.0),
+        ("fp8_mma", "fp8", 1.15),
+        ("fp8_mma_keys", "fp8", 1.05),
         ("int8_mma", "int8", 1.0),
         ("int8_mma_keys", "int8", 1.0),
     ],

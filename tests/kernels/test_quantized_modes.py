@@ -230,14 +230,13 @@ def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
         pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
     ],
 )
-def test_float16_probabilities_over_v_scales_from_1e_30_to_1e30(
-    dtype: torch.dtype, modes: dict
-) -> None:
-    # The 16-bit P V takes float16 probabilities in the sequence's unit (its largest V scale /
-    # 2**15). Sequence 0's V scales span 60 decades across key tiles (scaled alone, its 1e30
-    # tiles overflow float16), sequence 1's are all 1e-12 (scaled alone, they vanish in
-    # float16's range). bf16 queries (the GPU runs float16 probabilities under them; the
-    # interpreter, float32 ones): each query's output within bf16's rounding of its magnitude.
+def test_float16_operands_over_v_scales_from_1e_30_to_1e30(dtype: torch.dtype, modes: dict) -> None:
+    # The 16-bit P V takes float16 operands, V's rows (the probabilities in masked tiles) times
+    # their scales in the sequence's unit (its largest V scale * 448 / 2**15). Sequence 0's V
+    # scales span 60 decades across key tiles (not in the unit, its 1e30 tiles overflow
+    # float16), sequence 1's are all 1e-12 (not in the unit, they vanish in float16's range).
+    # bf16 queries (the GPU runs float16 operands under them; the interpreter, float32 ones):
+    # each query's output within bf16's rounding of its magnitude.
     block_n = 32
     case = make_paged_case(
         q_lens=[6, 5], k_lens=[6 * block_n, 3 * block_n + 4], block_size=16, device=DEVICE
