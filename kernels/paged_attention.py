@@ -27,8 +27,6 @@ from paged_video.kernels._runtime import interpreter_active, use_torch_path
 from paged_video.kernels.merge_states import merge_attention_states
 
 LOG2E = 1.4426950408889634
-# The 16-bit compute dtypes, as Triton names them (the INT8-MMA mode's P V).
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _is_tile(value: int) -> bool:
@@ -639,7 +637,8 @@ def paged_attention(
     offsets_32 = max(map(_largest_offset, pools)) < 2**31
     # FP8-MMA: the kernel loads e4m3 query rows made beforehand (K's factors folded in), so its
     # Q K^T MMA reads them from shared memory (kernels/query_codes.py). Every quantized mode: the
-    # unit of its V-scaled probabilities, e4m3 (FP8-MMA) or float16 ones (kernels/value_units.py).
+    # unit its V scales take, for e4m3 probabilities (FP8-MMA) or float16 operands
+    # (kernels/value_units.py).
     query, query_scales, units = q, None, None
     if fp8_mma:
         query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)
