@@ -206,6 +206,40 @@ def _tile_rows(
 
 
 @triton.jit
+def _tile_rows_pair(
+    id0,
+    id1,
+    ids,
+    n_start,
+    first,
+    second,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
+    PIECE_OFFSET: tl.constexpr,
+    PIECE_SIZE: tl.constexpr,
+    FIRST_KEYS_ALIGNED: tl.constexpr,
+    SECOND_KEYS_ALIGNED: tl.constexpr,
+    SHARED: tl.constexpr,
+):
+    """``_tile_rows`` of two caches read alike (K and V, or their scale pools); ``SHARED``: the
+    two have equal strides, so the second's rows are the first's."""
+    first_rows = _tile_rows(
+        id0, id1, ids, n_start, first, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET,
+        PIECE_SIZE, FIRST_KEYS_ALIGNED,
+    )  # fmt: skip
+    if SHARED:
+        second_rows = first_rows
+    else:
+        second_rows = _tile_rows(
+            id0, id1, ids, n_start, second, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32,
+            PIECE_OFFSET, PIECE_SIZE, SECOND_KEYS_ALIGNED,
+        )  # fmt: skip
+    return first_rows, second_rows
+
+
+@triton.jit
 def _load_scales(
     scales, rows, n_mask, MASKED: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -463,7 +497,7 @@ def _attend_tiles(
     SCALE_ROWS: tl.constexpr = QUANTIZED and not DESCRIPTOR_LOADS
     # With equal K/V strides the V (scale) rows are the K (scale) rows (a scalar base is
     # cheaper computed twice).
-    share_rows = SAME_KV_STRIDES and not SCALAR_BASE
+    SHARE_ROWS: tl.constexpr = SAME_KV_STRIDES and not SCALAR_BASE
     # The unmasked 16-bit loops mask a tile's entries with one compare (1-2.5% shorter at
     # blocks 16, 24, 31; in the quantized loops it moved -1% to +1% and made FP8-MMA keep a
     # value in local memory across the pieces' loops at block 31).
@@ -514,69 +548,16 @@ def _attend_tiles(
             WHOLE_TILE_ENTRIES,
         )
         if KV_ROWS:
-            k_rows = _tile_rows(
-                id0,
-                id1,
-                ids,
-                n_start,
-                k_cache,
-                BLOCK_N,
-                BLOCK_SIZE,
-                KV_PATH,
-                OFFSETS_32,
-                PIECE_OFFSET,
-                PIECE_SIZE,
-                False,
-            )
-            if share_rows:
-                v_rows = k_rows
-            else:
-                v_rows = _tile_rows(
-                    id0,
-                    id1,
-                    ids,
-                    n_start,
-                    v_cache,
-                    BLOCK_N,
-                    BLOCK_SIZE,
-                    KV_PATH,
-                    OFFSETS_32,
-                    PIECE_OFFSET,
-                    PIECE_SIZE,
-                    V_KEYS_MAJOR,
-                )
+            k_rows, v_rows = _tile_rows_pair(
+                id0, id1, ids, n_start, k_cache, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, V_KEYS_MAJOR, SHARE_ROWS,
+            )  # fmt: skip
         if SCALE_ROWS:
-            ks_rows = _tile_rows(
-                id0,
-                id1,
-                ids,
-                n_start,
-                k_scales,
-                BLOCK_N,
-                BLOCK_SIZE,
-                KV_PATH,
-                OFFSETS_32,
-                PIECE_OFFSET,
-                PIECE_SIZE,
-                SCALES_KEYS_MAJOR,
-            )
-            if share_rows:
-                vs_rows = ks_rows
-            else:
-                vs_rows = _tile_rows(
-                    id0,
-                    id1,
-                    ids,
-                    n_start,
-                    v_scales,
-                    BLOCK_N,
-                    BLOCK_SIZE,
-                    KV_PATH,
-                    OFFSETS_32,
-                    PIECE_OFFSET,
-                    PIECE_SIZE,
-                    SCALES_KEYS_MAJOR,
-                )
+            ks_rows, vs_rows = _tile_rows_pair(
+                id0, id1, ids, n_start, k_scales, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, SCALES_KEYS_MAJOR,
+                SHARE_ROWS,
+            )  # fmt: skip
         if MASKED:
             if PIECE_SIZE == BLOCK_SIZE:
                 keys = n_start + offs_n

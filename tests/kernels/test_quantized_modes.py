@@ -191,24 +191,35 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
     assert (unfolded.double().cpu() - emulated).abs().max().item() > 10 * limit
 
 
-def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
-    # V scales of whole key tiles spanning 60 decades, dropping by up to 1e60 from one tile to
-    # the next (an accumulator kept in the latest tile's unit overflows to inf): the output is
-    # finite and as close to the oracle as the FP8-MMA mode gets on tame scales (relative to
-    # the output's magnitude, which the 1e30 tiles set).
-    block_n = 32
+def _v_scales_over_decades(
+    dtype: torch.dtype, block_n: int, second_exponent: float | None = None
+) -> tuple:
+    """``(case, args, scales)``: two sequences over blocks of 16 whose V scales are multiplied,
+    tile of ``block_n`` keys by tile, by 10**30, 10**-30, 10**20, 10**-25, 1, ... (the second
+    sequence's all by ``10**second_exponent`` when given)."""
     case = make_paged_case(
         q_lens=[6, 5], k_lens=[6 * block_n, 3 * block_n + 4], block_size=16, device=DEVICE
     )
-    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
+    args, scales = quantized_args(case, dtype, spread=0.5)
     exponents = torch.tensor([30.0, -30.0, 20.0, -25.0, 0.0, 30.0, -30.0])
     v_scale = scales["v_scale"].clone()
     for row, length in enumerate(case.seq_lens_k.tolist()):
         for key in range(length):
             block = int(case.block_table[row, key // 16])
             tile = exponents[(key // block_n) % len(exponents)]
+            if row == 1 and second_exponent is not None:
+                tile = second_exponent
             v_scale[block, key % 16] *= 10.0**tile
-    scales = {**scales, "v_scale": v_scale}
+    return case, args, {**scales, "v_scale": v_scale}
+
+
+def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
+    # V scales of whole key tiles spanning 60 decades, dropping by up to 1e60 from one tile to
+    # the next (an accumulator kept in the latest tile's unit overflows to inf): the output is
+    # finite and as close to the oracle as the FP8-MMA mode gets on tame scales (relative to
+    # the output's magnitude, which the 1e30 tiles set).
+    block_n = 32
+    case, args, scales = _v_scales_over_decades(torch.float8_e4m3fn, block_n)
     got = kernels.paged_attention(
         *args, **scales, fp8_mma=True, out=nan_like(case.q), block_m=16, block_n=block_n
     )
@@ -238,18 +249,7 @@ def test_float16_operands_over_v_scales_from_1e_30_to_1e30(dtype: torch.dtype, m
     # bf16 queries (the GPU runs float16 operands under them; the interpreter, float32 ones):
     # each query's output within bf16's rounding of its magnitude.
     block_n = 32
-    case = make_paged_case(
-        q_lens=[6, 5], k_lens=[6 * block_n, 3 * block_n + 4], block_size=16, device=DEVICE
-    )
-    args, scales = quantized_args(case, dtype, spread=0.5)
-    exponents = torch.tensor([30.0, -30.0, 20.0, -25.0, 0.0, 30.0, -30.0])
-    v_scale = scales["v_scale"].clone()
-    for row, length in enumerate(case.seq_lens_k.tolist()):
-        for key in range(length):
-            block = int(case.block_table[row, key // 16])
-            tile = exponents[(key // block_n) % len(exponents)] if row == 0 else -12.0
-            v_scale[block, key % 16] *= 10.0**tile
-    scales = {**scales, "v_scale": v_scale}
+    case, args, scales = _v_scales_over_decades(dtype, block_n, second_exponent=-12.0)
     q = case.q.bfloat16()
     args = (q, *args[1:])
     got = kernels.paged_attention(
