@@ -121,6 +121,7 @@ MEASURE_COLUMNS = (
     "loop_divisions",
     "loop_barriers",
     "loop_shared_stores",
+    "loop_shuffles",
     "loop_register_a_mmas",
     "sass_instructions",
     "vs_anchor",

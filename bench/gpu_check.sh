@@ -106,8 +106,8 @@ echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
 
 # The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6, per
 # 64 keys): FP8-MMA over keys-major pools takes 128-key TMA tiles where a tile lies inside a
-# block (389 at block 1560, 388 at 256), against its 64-key pointer loop (467, 456) and its
-# 64-key TMA loop (509); INT8-MMA's pointer loop (519) against its TMA loop at 64 and 128 keys
+# block (357 at block 1560, 355 at 256), against its 64-key pointer loop (437 at 1560) and its
+# 64-key TMA loop (477) (K's rows in the FP8 MMA's key order, 2026-12-05); INT8-MMA's pointer loop (519) against its TMA loop at 64 and 128 keys
 # (561; 450, spilling 44 bytes). The dequantizing modes over keys-major scales take 128-key TMA
 # tiles too (e4m3 at block 1560: 369; int8 418), against their 64-key pointer loop (451; 500)
 # and e4m3's 64-key TMA loop (475) (float16 V scaled by its rows, 2026-12-05). The launcher's own choice first: the time limit cuts the

@@ -12,7 +12,9 @@ the *hot* loop is the unmasked one, which runs the whole tiles. A *producer* loo
 and no MMAs: the load partition of a warp-specialized kernel. Per hot-loop iteration it also
 counts barriers (``BAR``: every warp of the block waits at each, so the two warpgroups of a
 tile cannot overlap one's softmax with the other's MMAs), shared-memory stores (``STS``: a
-tile converted or transposed in registers goes back through shared memory before an MMA) and
+tile converted or transposed in registers goes back through shared memory before an MMA),
+shuffles (``SHFL``: the row maxima's and sums' butterflies, plus any values moved between
+threads' registers, such as probabilities converted to an 8-bit MMA's operand layout) and
 warpgroup MMAs whose A operand is registers (P of ``P V``; an operand computed before the loop,
 such as rounded query rows, stays one too and is read back from shared memory every iteration).
 """
@@ -358,6 +360,7 @@ def analyse(text: str) -> dict[str, object]:
             loop_divisions=None,
             loop_barriers=None,
             loop_shared_stores=None,
+            loop_shuffles=None,
             loop_register_a_mmas=None,
             wait_depth=None,
         )
@@ -370,6 +373,7 @@ def analyse(text: str) -> dict[str, object]:
             loop_divisions=sum(bool(_DIVISION.match(i.opcode)) for i in hot.instructions),
             loop_barriers=hot.count("BAR."),
             loop_shared_stores=hot.count("STS"),
+            loop_shuffles=hot.count("SHFL"),
             loop_register_a_mmas=sum(map(register_a, hot.instructions)),
             wait_depth=wait_depth(hot),
         )

@@ -45,7 +45,9 @@ rows (probability columns in masked tiles), in a unit per sequence and KV head t
 made beforehand (``v_unit_ptr``), so that float16 holds them. ``FP8_MMA`` runs both products
 as FP8 MMAs instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds
 their codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), the
-probabilities rounded to e4m3 in their unit;
+probabilities rounded to e4m3 in their unit; its unmasked loops read K's rows and the scales in
+the 8-bit MMA's key order (``_fp8_mma_key_order``), so the probabilities feed ``P V`` from the
+registers they are computed in;
 ``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
 dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
 ``HAS_V_EQUALIZER``) multiply q's channels before anything else (FP8-MMA's codes have K's in)
@@ -125,6 +127,43 @@ def _tile_block_ids(
 
 
 @triton.jit
+def _fp8_mma_key_order(offs):
+    """The tile position whose key feeds column ``offs`` of the scores when ``P V`` is an FP8
+    MMA with P taken from registers (``_fp8_operand``): within each run of 16 columns ``8j + 2q
+    + b`` (thread ``q`` of a quad holds columns ``2q, 2q + 1, 2q + 8, 2q + 9``), position ``4q +
+    2j + b``.
+
+    The score MMA's accumulator gives each thread of a quad two adjacent columns of every 8,
+    the 8-bit MMA's A operand four adjacent keys of every 16. Loading K's rows (and reading the
+    scales) in this order makes the keys a thread holds in the scores the keys its A operand
+    covers, so the probabilities feed the MMA as they lie in registers, against V's tile in
+    plain position order: no shuffle (the FP8 flash loops of FlashAttention-3 permute V
+    instead)."""
+    return (offs & ~15) | (((offs >> 1) & 3) << 2) | (((offs >> 3) & 1) << 1) | (offs & 1)
+
+
+@triton.jit
+def _in_fp8_mma_key_order(x, BLOCK_N: tl.constexpr):
+    """A tile's vector ``x`` by position, reordered by score column: element ``c`` is
+    ``x[_fp8_mma_key_order(c)]`` (a relabelling, as ``_fp8_operand``'s inverse)."""
+    runs = tl.reshape(x, (BLOCK_N // 16, 4, 2, 2))
+    return tl.reshape(tl.permute(runs, (0, 2, 1, 3)), (BLOCK_N,))
+
+
+@triton.jit
+def _fp8_operand(p, BLOCK_N: tl.constexpr):
+    """Probabilities ``p`` (rows of ``BLOCK_N`` score columns, K's rows loaded in
+    ``_fp8_mma_key_order``) as the A operand of ``P V`` over V's tile in position order: column
+    ``4q + 2j + b`` of each run of 16 is score column ``8j + 2q + b``. A relabelling of the
+    registers each thread holds (Triton emits no instruction for it); without it the
+    conversion to the operand's layout took 48 shuffles, selects and byte permutes a thread
+    per 128 x 128 tile."""
+    rows: tl.constexpr = p.shape[0]
+    runs = tl.reshape(p, (rows, BLOCK_N // 16, 2, 4, 2))
+    return tl.reshape(tl.permute(runs, (0, 1, 3, 2, 4)), (rows, BLOCK_N))
+
+
+@triton.jit
 def _tile_base(
     id0,
     n_start,
@@ -159,6 +198,7 @@ def _tile_rows(
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
     KEYS_ALIGNED: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
 ):
     """Element offsets of the tile's key rows in one cache (from its head pointer), from its
     block ids: int32 when every offset into the pool fits (``OFFSETS_32``, checked by the
@@ -175,11 +215,16 @@ def _tile_rows(
     its alignment analysis loses that through the key loop, and Triton 3.6 then read a
     keys-major V tile a byte at a time, synchronously, instead of prefetching it 16 bytes at a
     time (and copied a keys-major scale tile one scale at a time instead of two).
+
+    ``MMA_ORDER``: row ``c`` is the key at position ``_fp8_mma_key_order(c)`` (a permutation
+    within each run of 16 positions; ``ids`` are by position).
     """
     offset_type = tl.int32 if OFFSETS_32 else tl.int64
     stride_block = cache[1]
     stride_slot = cache[2]
     offs_n = tl.arange(0, BLOCK_N)
+    if MMA_ORDER:
+        offs_n = _fp8_mma_key_order(offs_n)
     if KV_PATH == "two_blocks":
         first_slot = n_start % BLOCK_SIZE
         base = id0.to(offset_type) * stride_block + first_slot.to(offset_type) * stride_slot
@@ -193,6 +238,9 @@ def _tile_rows(
         base = _tile_base(id0, n_start, cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, KEYS_ALIGNED)
         rows = base + offs_n.to(offset_type) * stride_slot
     else:
+        if MMA_ORDER and PIECE_SIZE % 16 != 0:
+            # Pieces under 16 keys: a run of 16 positions spans several blocks.
+            ids = _in_fp8_mma_key_order(ids, BLOCK_N)
         # When the piece divides the tile, every tile's slots are the same (loop-invariant).
         shift = 0 if BLOCK_N % PIECE_SIZE == 0 else n_start
         slot = PIECE_OFFSET + (shift + offs_n) % PIECE_SIZE
@@ -200,7 +248,8 @@ def _tile_rows(
         # Each piece's keys in the tile are runs of RUN keys starting at multiples of RUN (the
         # largest power of two dividing the piece, 16 at most: one 16-byte copy of codes).
         RUN: tl.constexpr = min(16, PIECE_SIZE & -PIECE_SIZE)
-        if KEYS_ALIGNED and RUN >= 4 and PIECE_OFFSET % RUN == 0 and BLOCK_N % PIECE_SIZE == 0:
+        ALIGNED_RUNS: tl.constexpr = KEYS_ALIGNED and not MMA_ORDER and RUN >= 4
+        if ALIGNED_RUNS and PIECE_OFFSET % RUN == 0 and BLOCK_N % PIECE_SIZE == 0:
             rows = tl.max_contiguous(tl.multiple_of(rows, RUN), RUN)
     return rows
 
@@ -221,20 +270,22 @@ def _tile_rows_pair(
     PIECE_SIZE: tl.constexpr,
     FIRST_KEYS_ALIGNED: tl.constexpr,
     SECOND_KEYS_ALIGNED: tl.constexpr,
+    FIRST_MMA_ORDER: tl.constexpr,
     SHARED: tl.constexpr,
 ):
-    """``_tile_rows`` of two caches read alike (K and V, or their scale pools); ``SHARED``: the
-    two have equal strides, so the second's rows are the first's."""
+    """``_tile_rows`` of two caches read alike (K and V, or their scale pools), the first's
+    rows in ``MMA_ORDER`` if asked; ``SHARED``: the two have equal strides and order, so the
+    second's rows are the first's."""
     first_rows = _tile_rows(
         id0, id1, ids, n_start, first, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET,
-        PIECE_SIZE, FIRST_KEYS_ALIGNED,
+        PIECE_SIZE, FIRST_KEYS_ALIGNED, FIRST_MMA_ORDER,
     )  # fmt: skip
     if SHARED:
         second_rows = first_rows
     else:
         second_rows = _tile_rows(
             id0, id1, ids, n_start, second, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32,
-            PIECE_OFFSET, PIECE_SIZE, SECOND_KEYS_ALIGNED,
+            PIECE_OFFSET, PIECE_SIZE, SECOND_KEYS_ALIGNED, False,
         )  # fmt: skip
     return first_rows, second_rows
 
@@ -482,15 +533,20 @@ def _attend_tiles(
     row_scale = scale_log2[:, None] if QUANTIZED else scale_log2
     # Tiles inside one block: one scalar base per tile.
     SCALAR_BASE: tl.constexpr = KV_PATH != "two_blocks" and PIECE_SIZE % BLOCK_N == 0
+    # TMA: whole tiles inside one block are descriptor loads (masked tiles load only the keys
+    # they show, so they stay pointer loads).
+    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and SCALAR_BASE
+    # FP8-MMA's unmasked loops read K's rows and the scales in the order that lets the
+    # probabilities feed P V from registers (``_fp8_mma_key_order``); masked tiles keep
+    # position order, in which their masks are.
+    MMA_ORDER: tl.constexpr = FP8_MMA and not MASKED
     # Their unmasked pointer loads: loop-invariant pointer tiles plus the tile's scalar base,
     # one wide multiply-add per address as in a plain loop (pointers plus per-row offsets took
     # an add and a 64-bit add per address, 3 instructions).
     if SCALAR_BASE:
-        k_tile = k_cache[0] + (offs_n[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
+        k_offs = _fp8_mma_key_order(offs_n) if MMA_ORDER else offs_n
+        k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
         v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
-    # TMA: whole tiles inside one block are descriptor loads (masked tiles load only the keys
-    # they show, so they stay pointer loads).
-    DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and SCALAR_BASE
     # Per-row offsets only where a load takes them: K/V's in masked tiles and tiles across
     # blocks (a scalar base or a descriptor otherwise), the scales' but by descriptor.
     KV_ROWS: tl.constexpr = MASKED or not SCALAR_BASE
@@ -550,13 +606,14 @@ def _attend_tiles(
         if KV_ROWS:
             k_rows, v_rows = _tile_rows_pair(
                 id0, id1, ids, n_start, k_cache, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
-                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, V_KEYS_MAJOR, SHARE_ROWS,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, V_KEYS_MAJOR, MMA_ORDER,
+                SHARE_ROWS and not MMA_ORDER,
             )  # fmt: skip
         if SCALE_ROWS:
             ks_rows, vs_rows = _tile_rows_pair(
                 id0, id1, ids, n_start, k_scales, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,
                 OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, SCALES_KEYS_MAJOR,
-                SHARE_ROWS,
+                False, SHARE_ROWS,
             )  # fmt: skip
         if MASKED:
             if PIECE_SIZE == BLOCK_SIZE:
@@ -574,7 +631,14 @@ def _attend_tiles(
         else:
             if DESCRIPTOR_LOADS:
                 slot = PIECE_OFFSET + n_start % PIECE_SIZE
-                k = descs[0].load([id0 * BLOCK_SIZE + slot, descs[2]])
+                if MMA_ORDER:
+                    # K's descriptor reads each run of 16 rows in _fp8_mma_key_order (its runs
+                    # start at the tile's first row, wherever that lies in the pool's runs).
+                    first_row = id0 * BLOCK_SIZE + slot
+                    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])
+                    k = tl.reshape(k, (BLOCK_N, BLOCK_D))
+                else:
+                    k = descs[0].load([id0 * BLOCK_SIZE + slot, descs[2]])
                 if V_KEYS_MAJOR:
                     # Rows of (block, KV head, channel), columns of slots: the tile arrives
                     # keys-contiguous, as the FP8 P V MMA reads it (the transpose is a view).
@@ -601,13 +665,23 @@ def _attend_tiles(
                 k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
                 v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
             if QUANTIZED and DESCRIPTOR_LOADS:
-                k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])
+                # (V's scales first: in the other order Triton 3.9's FP8-MMA loop kept 4 values
+                # in local memory across it, 12-16 bytes at blocks 256, 520, 1560; the other
+                # modes' loops are as long this way, or 2-4 instructions shorter.)
                 v_col = descs[5].load([id0 * v_scales[1] + descs[7] + slot])
+                k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])
             elif QUANTIZED and not WIDE_SCALES and BLOCK_N == 64:
                 k_col, v_col = _load_scale_pair(k_scales[0], ks_rows, v_scales[0], vs_rows)
             elif QUANTIZED:
                 k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
                 v_col = _load_scales(v_scales[0], vs_rows, 0, False, WIDE_SCALES, BLOCK_N)
+            if QUANTIZED and MMA_ORDER:
+                # The scales come in position order (each copied in runs of 16 bytes) and are
+                # read from shared memory in K's: four contiguous ones a thread. (Loaded in K's
+                # order they were copied 8 or 4 bytes at a time: head_dim 256, 32-key tiles,
+                # Triton 3.6: 393 instructions a tile against 339.)
+                v_col = _in_fp8_mma_key_order(v_col, BLOCK_N)
+                k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
         if FP8_MMA:
             qk = tl.dot(q, tl.trans(k))
         elif INT8_MMA:
@@ -648,6 +722,8 @@ def _attend_tiles(
             # in place (no multiply per output element). A fixed unit takes no tile maximum of
             # the scales: reduced across warps, it cost 1-3 barriers a tile.
             p_codes = to_e4m3(probs * (v_col * (1.0 / p_unit))[None, :], INTERPRETED)
+            if MMA_ORDER:
+                p_codes = _fp8_operand(p_codes, BLOCK_N)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)
             # The MMA sums the tile from zero and acc adds it in float32 (64 FFMA a thread at
@@ -1166,9 +1242,21 @@ def _paged_attention_kernel(
             TMA and not QUANTIZED and KV_PATH == "rows" and BLOCK_N == 2 * BLOCK_SIZE
         )
         TMA_ROWS: tl.constexpr = BLOCK_SIZE if BLOCK_PAIRS else BLOCK_N
-        k_desc = tl.make_tensor_descriptor(
-            k_ptr, [pool_rows, row], [stride_k_slot, 1], [TMA_ROWS, BLOCK_D]
-        )
+        if FP8_MMA:
+            # K's rows as (run of 16, j, q, b), element (r, j, q, b) at row 16 r + 2j + 4q + b:
+            # a box's rows, stored in (j, q, b) order, are each run's in _fp8_mma_key_order. A
+            # tile's first row gives the run and b's start (a tile may start mid-run: block
+            # 1560 at odd block ids); b's extent, 17, admits starts up to 15.
+            k_desc = tl.make_tensor_descriptor(
+                k_ptr,
+                [tl.maximum(pool_rows // 16, 1), 2, 4, 17, row],
+                [16 * stride_k_slot, 2 * stride_k_slot, 4 * stride_k_slot, stride_k_slot, 1],
+                [BLOCK_N // 16, 2, 4, 2, BLOCK_D],
+            )
+        else:
+            k_desc = tl.make_tensor_descriptor(
+                k_ptr, [pool_rows, row], [stride_k_slot, 1], [TMA_ROWS, BLOCK_D]
+            )
         if V_KEYS_MAJOR:
             v_desc = tl.make_tensor_descriptor(
                 v_ptr,

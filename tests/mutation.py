@@ -58,6 +58,7 @@ TMA_QUANTIZED = (
     "test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output"
 )
 EQUALIZED = "tests/kernels/test_quantized_modes.py::test_equalizers_fold_into_q_and_the_output"
+QUANTIZED = "tests/kernels/test_paged_attention_quantized.py"
 UNITS = "tests/kernels/test_value_units.py::test_units_are_the_largest_scale_outside_the_gaps"
 FLOAT16_RANGE = (
     "tests/kernels/test_quantized_modes.py::test_float16_operands_over_v_scales_from_1e_30_to_1e30"
@@ -1772,6 +1773,56 @@ MUTANTS = [
         'tiles["num_stages"],',
         '            "num_stages": tiles["num_stages"],',
         "tests/bench/test_choose.py::test_a_warp_specialized_row_names_the_stages_that_ran",
+    ),
+    # -- kernels/_attention_jit.py: FP8-MMA's key order ----------------------------------------
+    _m(
+        "fp8-key-order-is-position-order",
+        "kernels/_attention_jit.py",
+        "    return (offs & ~15) | (((offs >> 1) & 3) << 2) | (((offs >> 3) & 1) << 1) | "
+        "(offs & 1)",
+        "    return offs",
+        "tests/kernels/test_fp8_mma_key_order.py::test_key_order_gives_each_thread_its_operand_keys",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[contiguous-B32-N32]",
+    ),
+    _m(
+        "fp8-operand-in-score-order",
+        "kernels/_attention_jit.py",
+        "    return tl.reshape(tl.permute(runs, (0, 1, 3, 2, 4)), (rows, BLOCK_N))",
+        "    return tl.reshape(tl.permute(runs, (0, 1, 2, 3, 4)), (rows, BLOCK_N))",
+        "tests/kernels/test_fp8_mma_key_order.py::"
+        "test_vectors_by_column_and_the_operand_follow_the_key_order",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B1560-N64]",
+    ),
+    _m(
+        "fp8-small-pieces-block-ids-by-position",
+        "kernels/_attention_jit.py",
+        "            ids = _in_fp8_mma_key_order(ids, BLOCK_N)",
+        "            ids = ids",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B7-N32]",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B24-N32]",
+    ),
+    _m(
+        "fp8-tma-k-rows-from-the-pools-runs",
+        "kernels/_attention_jit.py",
+        "                    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
+        "                    k = descs[0].load([first_row // 16, 0, 0, 0, descs[2]])",
+        f"{TMA_QUANTIZED}[block_tiles-B40-N32-fp8-mma]",
+    ),
+    _m(
+        "fp8-k-scales-in-position-order",
+        "kernels/_attention_jit.py",
+        "                k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)",
+        "                k_col = k_col",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[contiguous-B32-N32]",
+        f"{TMA_QUANTIZED}[block_tiles-B160-N128-fp8-mma]",
+    ),
+    _m(
+        "fp8-v-scales-in-position-order",
+        "kernels/_attention_jit.py",
+        "                v_col = _in_fp8_mma_key_order(v_col, BLOCK_N)",
+        "                v_col = v_col",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[contiguous-B32-N32]",
+        f"{TMA_QUANTIZED}[block_tiles-B160-N128-fp8-mma]",
     ),
     _m(
         "scales-wide-by-default",

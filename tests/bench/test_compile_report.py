@@ -67,9 +67,7 @@ def _configs_39() -> list[compile_report.Config]:
     )
     configs += compile_report.configs_for(**one, launches=({"block_n": 32}, {"block_n": 48}))
     # A launch that spills at Triton's own flags (the report must read it from the cubin).
-    configs += compile_report.configs_for(
-        **one, kv_modes=("fp8_mma",), launches=({"block_n": 128},)
-    )
+    configs += compile_report.configs_for(**one, head_dims=(256,), launches=({"block_n": 128},))
     return configs
 
 
@@ -301,10 +299,11 @@ def test_every_launch_compiled_and_checked_against_tritons_ptxas_log(report: Rep
 
 
 def test_spills_are_read_from_tritons_build(report: Report) -> None:
-    # FP8-MMA with 128-key tiles at block 1560 spills on Triton 3.9 (the shipped 64-key tiles
-    # do not): the figures come from the SASS and agree with the ptxas -v log of Triton's own
-    # build (--regAllocOptLevel=2; a mismatch would be the row's error).
-    row = report.paged(report.version("3.9"), 1560, kv="fp8_mma", variant="block_n=128")
+    # Head_dim 256 at 128-key tiles spills on Triton 3.9 (312 bytes; the launcher's 32-key
+    # tiles do not): the figures come from the SASS and agree with the ptxas -v log of Triton's
+    # own build (--regAllocOptLevel=2; a mismatch would be the row's error). (FP8-MMA at 128-key
+    # pointer tiles, this test's launch until 2026-12-05, spills no more on 3.9.)
+    row = report.paged(report.version("3.9"), 1560, head_dim=256, variant="block_n=128")
     assert row["spill_stores"] > 0 and row["spill_loads"] > 0, row
     assert row["registers"] == 255 and row["stack_bytes"] > 0, row
 
@@ -827,11 +826,29 @@ def test_fp8_mma_128_key_tma_loop_over_keys_major_pools(
     assert default["tma_loads"] > 0, default
     # 2026-12-05: 774 (3.9) and 771 (3.6) instructions per 128 keys, against the 64-key
     # pointer loop's 474 and 465 per 64 (18% and 17% fewer per key; 20% and 27% before that
-    # loop copied each scale once, 481-484 and 526). No spills: the tile's registers hold no
-    # query rows (loaded, they feed the MMA from shared memory), and masked tiles are 64 keys
-    # (before: 4-8 bytes on 3.6, 40-60 around them on 3.9).
+    # loop copied each scale once, 481-484 and 526); with K's rows in the FP8 MMA's key order
+    # 718 and 713-714, against 446-448 and 437 (20% and 18%). No spills: the tile's registers
+    # hold no query rows (loaded, they feed the MMA from shared memory), and masked tiles are
+    # 64 keys (before: 4-8 bytes on 3.6, 40-60 around them on 3.9).
     assert _per_key(default) <= 0.85 * _per_key(pointers), (default, pointers)
     assert (default["spill_stores"], default["spill_loads"]) == (0, 0), default
+
+
+# FP8-MMA's unmasked loops read K's rows and the scales in the 8-bit MMA's key order
+# (kernels/_attention_jit.py, _fp8_mma_key_order), so the probabilities feed P V as they lie in
+# registers: the loop's shuffles are then the row maxima's and sums' butterflies, as in a
+# 16-bit loop. Converted to the operand's layout they took 8 (64-key tiles) and 16 (128) more,
+# with as many selects and byte permutes (2026-12-05: 22-27 instructions per 64 keys).
+@pytest.mark.parametrize("minor", _versions())
+def test_fp8_mma_probabilities_feed_the_mma_unmoved(report: Report, minor: str) -> None:
+    triton = report.version(minor)
+    attention = [r for r in report.rows if r["kernel"] == "paged_attention" and r["error"] == ""]
+    ours = [r for r in attention if r["triton"] == triton]
+    fp8_mma = [r for r in ours if r["kv_mode"] in ("fp8_mma", "fp8_mma_keys")]
+    bf16 = [r["loop_shuffles"] for r in ours if r["kv_mode"] == "same" and r["loop_shuffles"]]
+    assert fp8_mma and bf16
+    for row in fp8_mma:
+        assert row["loop_shuffles"] <= min(bf16), row
 
 
 @pytest.mark.parametrize("minor", _versions())
@@ -872,12 +889,14 @@ def test_quantized_passes_compile(report: Report, minor: str, kernel: str) -> No
 # (2026-12-04), within 3% once the probability unit was the sequence's (2026-12-05), and
 # 1.12-1.13x since the dequantizing loop's V converts to float16 and its rows take their
 # scales there, two per HMUL2, where FP8-MMA's e4m3 probabilities must take them (519-537
-# against 462-476); over keys-major pools 1.0-1.04x at 64-key tiles, 0.81x at 128.
+# against 462-476); over keys-major pools 1.0-1.04x at 64-key tiles, 0.81x at 128. With K's
+# rows in the FP8 MMA's key order (no shuffles of P; 2026-12-05) 1.07-1.09x (496-514), over
+# keys-major pools 0.95-1.0x at 64-key tiles (439-465), 0.75x at 128 (718 per 128 keys).
 @pytest.mark.parametrize(
     "mma_mode, dequantizing_mode, most",
     [
-        ("fp8_mma", "fp8", 1.15),
-        ("fp8_mma_keys", "fp8", 1.05),
+        ("fp8_mma", "fp8", 1.10),
+        ("fp8_mma_keys", "fp8", 1.02),
         ("int8_mma", "int8", 1.0),
         ("int8_mma_keys", "int8", 1.0),
     ],
@@ -977,7 +996,7 @@ _PLANTED = [
     (0x60, "HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT"),
     (0x70, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR7+0x100], R10"),
     (0x80, "@!P1 BRA 0x300"),
-    (0x90, "FMUL R10, R10, R11"),
+    (0x90, "SHFL.BFLY PT, R10, R11, 0x1, 0x1f"),
     (0xA0, "IADD3 R12, P2, R12, R13, RZ"),
     (0xB0, "IADD3.X R14, R15, R16, RZ, P2, !PT"),
     (0xC0, "NOP"),
@@ -1008,6 +1027,7 @@ def test_planted_hot_loop_is_unmasked_not_smallest() -> None:
     assert measures["mma"] == "HGMMA"
     # 0x60 reads A from shared memory (one descriptor pair), 0xd0 from registers R40..
     assert measures["loop_register_a_mmas"] == 1
+    assert measures["loop_shuffles"] == 1
     # Without its -inf select the second loop is unmasked too: the hot loop is the longest.
     unmasked = [(a, t.replace("-INF", "RZ")) for a, t in _PLANTED]
     assert sass.analyse(_sass(unmasked))["loop_instructions"] == 12

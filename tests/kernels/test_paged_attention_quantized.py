@@ -405,6 +405,8 @@ FP8_MMA_MARGIN = 2.0
         # 32 keys at least: the FP8 P V MMA's reduction (16 fails to compile on a GPU).
         pytest.param(32, 32, id="contiguous-B32-N32"),
         pytest.param(7, 32, id="block_tiles-B7-N32"),
+        # 16 + 8: the 8-key piece's runs of 16 span two blocks in the MMA's key order.
+        pytest.param(24, 32, id="block_tiles-B24-N32"),
         pytest.param(31, 32, id="rows-B31-N32"),
         pytest.param(1560, 64, id="block_tiles-B1560-N64"),
         # 128-key tiles (the launch table's over keys-major pools) mask 64 keys at a time.
@@ -657,6 +659,8 @@ def test_wide_scale_loads_give_the_plain_loads_output(
     [
         pytest.param(128, 32, True, id="contiguous-B128-N32"),  # four tiles a block
         pytest.param(80, 32, True, id="block_tiles-B80-N32"),  # 64 keys by descriptor + 16
+        # 32 by descriptor + 8: at odd block ids a tile starts mid-way through 16 pool rows.
+        pytest.param(40, 32, True, id="block_tiles-B40-N32"),
         pytest.param(160, 128, True, id="block_tiles-B160-N128"),  # the probe's 128-key tiles
         pytest.param(24, 32, False, id="block_tiles-B24-N32"),  # no tile inside a block
     ],
