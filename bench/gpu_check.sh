@@ -23,8 +23,8 @@
 #    triton-tma-n128 is the loop over tiles of two whole blocks, a descriptor load per block;
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
 #    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
-#    launcher's own choice, its pointer loop and its TMA loop (codes and scales by descriptor)
-#    at 64- and 128-key tiles; and the dequantizing modes over keys-major scales at 1560, their
+#    launcher's own choice (the 128-key TMA loop: codes and scales by descriptor), its 64-key
+#    pointer loop and its 64-key TMA loop; and the dequantizing modes over keys-major scales at 1560, their
 #    default against their TMA loop at 128 and 64 keys (OUT_DIR/probe/probe.csv,
 #    OUT_DIR/probe_dequant/probe.csv, OUT_DIR/probe_int8/probe.csv);
 # 3c. `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
@@ -107,10 +107,11 @@ echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
 # The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6, per
 # 64 keys): FP8-MMA over keys-major pools takes 128-key TMA tiles where a tile lies inside a
 # block (357 at block 1560, 355 at 256), against its 64-key pointer loop (437 at 1560) and its
-# 64-key TMA loop (477) (K's rows in the FP8 MMA's key order, 2026-12-05); INT8-MMA's pointer loop (519) against its TMA loop at 64 and 128 keys
-# (561; 450, spilling 44 bytes). The dequantizing modes over keys-major scales take 128-key TMA
-# tiles too (e4m3 at block 1560: 369; int8 418), against their 64-key pointer loop (451; 500)
-# and e4m3's 64-key TMA loop (475) (float16 V scaled by its rows, 2026-12-05). The launcher's own choice first: the time limit cuts the
+# 64-key TMA loop (477) (K's rows in the FP8 MMA's key order, 2026-12-05); so does INT8-MMA
+# (404 at 1560), against its 64-key pointer loop (489) and TMA loop (516). The dequantizing
+# modes over keys-major scales take 128-key TMA tiles too (e4m3 at block 1560: 369; int8 418),
+# against their 64-key pointer loop (451; 500) and e4m3's 64-key TMA loop (475) (float16 V
+# scaled by its rows, 2026-12-05). The launcher's own choice first: the time limit cuts the
 # last runs.
 probe_timeout=${PROBE_TIMEOUT:-100}
 echo "== quantized loop candidates (limit ${probe_timeout}s)"
@@ -127,7 +128,7 @@ timeout $((probe_timeout * 36 / 100)) "$python" -m paged_video.bench.launch_prob
     --runs "$e4m3@default,$e4m3@128x64w8s4+cp_async,$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$e4m3@128x64w8s4+tma" \
     --time-limit $((probe_timeout * 26 / 100)) --out "$out_dir/probe_dequant" 2>&1 | tail -n 5
 timeout $((probe_timeout * 28 / 100)) "$python" -m paged_video.bench.launch_probe \
-    --block-sizes 1560 --runs "$int8@default,$int8@128x64w8s3+tma,$int8@128x128w8s3+tma" \
+    --block-sizes 1560 --runs "$int8@default,$int8@128x64w8s3+cp_async,$int8@128x64w8s3+tma" \
     --time-limit $((probe_timeout * 20 / 100)) --out "$out_dir/probe_int8" 2>&1 | tail -n 3
 echo "== quantized candidates: after $((SECONDS - start))s; the winners:"
 
