@@ -137,8 +137,9 @@ def _fp8_mma_key_order(offs):
     the 8-bit MMA's A operand four adjacent keys of every 16. Loading K's rows (and reading the
     scales) in this order makes the keys a thread holds in the scores the keys its A operand
     covers, so the probabilities feed the MMA as they lie in registers, against V's tile in
-    plain position order: no shuffle (the FP8 flash loops of FlashAttention-3 permute V
-    instead)."""
+    plain position order: no shuffle. (Reordering V's keys instead would not do: its tiles come
+    by descriptor or 16-byte copies, which keep a run of 16 keys as it lies, and a pool stored
+    so would be no strided view.)"""
     return (offs & ~15) | (((offs >> 1) & 3) << 2) | (((offs >> 3) & 1) << 1) | (offs & 1)
 
 
