@@ -24,8 +24,8 @@
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
 #    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
 #    launcher's own choice (the 128-key TMA loop: codes and scales by descriptor), its 64-key
-#    pointer loop and its 64-key TMA loop; and the dequantizing modes over keys-major scales at 1560, their
-#    default against their TMA loop at 128 and 64 keys (OUT_DIR/probe/probe.csv,
+#    pointer loop and its 64-key TMA loop; and the dequantizing modes over keys-major scales at
+#    1560, their default against their TMA loop at 128 and 64 keys (OUT_DIR/probe/probe.csv,
 #    OUT_DIR/probe_dequant/probe.csv, OUT_DIR/probe_int8/probe.csv);
 # 3c. `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
 #    quantized pools' speedup at every block size the sweep reached) and the probes' winners,

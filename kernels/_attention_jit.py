@@ -275,13 +275,13 @@ def _tile_rows_pair(
     SHARED: tl.constexpr,
 ):
     """``_tile_rows`` of two caches read alike (K and V, or their scale pools), the first's
-    rows in ``MMA_ORDER`` if asked; ``SHARED``: the two have equal strides and order, so the
-    second's rows are the first's."""
+    rows in ``MMA_ORDER`` if asked (the second's stay in position order); ``SHARED``: the two
+    have equal strides, so the second's rows are the first's where both are in one order."""
     first_rows = _tile_rows(
         id0, id1, ids, n_start, first, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET,
         PIECE_SIZE, FIRST_KEYS_ALIGNED, FIRST_MMA_ORDER,
     )  # fmt: skip
-    if SHARED:
+    if SHARED and not FIRST_MMA_ORDER:
         second_rows = first_rows
     else:
         second_rows = _tile_rows(
@@ -607,8 +607,7 @@ def _attend_tiles(
         if KV_ROWS:
             k_rows, v_rows = _tile_rows_pair(
                 id0, id1, ids, n_start, k_cache, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
-                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, V_KEYS_MAJOR, MMA_ORDER,
-                SHARE_ROWS and not MMA_ORDER,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, V_KEYS_MAJOR, MMA_ORDER, SHARE_ROWS,
             )  # fmt: skip
         if SCALE_ROWS:
             ks_rows, vs_rows = _tile_rows_pair(

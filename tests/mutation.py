@@ -1802,6 +1802,14 @@ MUTANTS = [
         f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B24-N32]",
     ),
     _m(
+        "fp8-v-rows-share-ks-key-order",
+        "kernels/_attention_jit.py",
+        "    if SHARED and not FIRST_MMA_ORDER:",
+        "    if SHARED:",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B7-N32]",
+        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B24-N32]",
+    ),
+    _m(
         "fp8-tma-k-rows-from-the-pools-runs",
         "kernels/_attention_jit.py",
         "                    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
