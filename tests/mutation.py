@@ -1341,6 +1341,7 @@ MUTANTS = [
         "        entries = (table_row + first * stride_table_col) + blocks",
         "tests/kernels/test_strided_index.py::test_block_tiles_read_a_strided_block_table"
         "[cm-block_tiles-B24-N64]",
+        f"{QUANTIZED}::test_fp8_mma_reads_a_strided_block_table[B7-step]",
     ),
     _m(
         "masked-half-tiles-one-head-tile",

@@ -25,7 +25,7 @@ from paged_video.reference.quantize import quantize
 from paged_video.reference.quantized_attention import paged_quantized_attention
 from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
-from tests.kernels.test_strided_index import column
+from tests.kernels.test_strided_index import column, column_major
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 
@@ -441,6 +441,24 @@ def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
     # Reading the same codes, the dequantizing mode is far closer to the oracle.
     assert errors[False] <= FP32_ATOL * max(1.0, want.abs().max().item())
     assert 100 * errors[False] < errors[True], errors
+
+
+@pytest.mark.parametrize("make_view", [column_major, lambda t: column(t, 0)], ids=["cm", "step"])
+@pytest.mark.parametrize("block_size", [7, 24], ids=lambda b: f"B{b}")
+def test_fp8_mma_reads_a_strided_block_table(block_size: int, make_view) -> None:
+    # Pieces under 16 keys (7 = 4 + 2 + 1, 24's 8): the unmasked loops take each tile's block
+    # ids in the MMA's key order, read through the table's own strides.
+    case, kwargs = masked_case(block_size, 32)
+    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
+    strided = (*args[:3], make_view(args[3]), *args[4:])
+    launch = dict(**scales, **kwargs, fp8_mma=True, block_m=16, block_n=32)
+    want = kernels.paged_attention(*args, out=nan_like(case.q), **launch)
+    got = kernels.paged_attention(*strided, out=nan_like(case.q), **launch)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+    exact = oracle(args, scales, **kwargs).double().cpu()
+    limit = FP8_MMA_MARGIN * (emulate_fp8_mma(args, scales, **kwargs) - exact).abs().max()
+    assert (got.double().cpu() - exact).abs().max() <= limit
 
 
 def test_fp8_mma_torch_path(no_interpreter) -> None:
