@@ -41,7 +41,7 @@ from paged_video.kernels.paged_attention import table_block_m, table_key, two_bl
 
 _BACKEND = re.compile(
     r"variant=(?P<variant>\w+) tile=\d+x(?P<block_n>\d+) warps=(?P<num_warps>\d+) "
-    r"stages=(?P<num_stages>\d+)"
+    r"stages=(?P<num_stages>\d+)(?: tma=\w+)?(?: ahead=(?P<ahead>on|off))?"
 )
 _TILE_M = re.compile(r"tile=(\d+)x")
 
@@ -51,8 +51,11 @@ def launch_of(row: Row) -> dict[str, object]:
     match = _BACKEND.search(str(row.get("backend") or ""))
     if not match:
         raise ValueError(f"{row['provider']}: backend {row.get('backend')!r} names no launch")
-    launch = {k: int(v) if v.isdigit() else v for k, v in match.groupdict().items()}
-    return launch
+    fields = match.groupdict()
+    # (Rows of runs before the scores-ahead loop existed name no ``ahead``: theirs was off.)
+    ahead = fields.pop("ahead") == "on"
+    launch = {k: int(v) if v.isdigit() else v for k, v in fields.items()}
+    return {**launch, "scores_ahead": ahead}
 
 
 def _requested_launch(name: str, rows: Sequence[Row]) -> dict[str, object]:
@@ -63,6 +66,8 @@ def _requested_launch(name: str, rows: Sequence[Row]) -> dict[str, object]:
     requested = LAUNCH_PROVIDERS[name]
     launches = [launch_of(row) for row in rows]
     ran = [launch for launch in launches if launch["variant"] == requested["variant"]]
+    # (scores_ahead comes from the provider: a launch falls back to the pointer loop, not off
+    # the scores-ahead loop.)
     return {**(ran or launches)[0], **requested}
 
 
@@ -80,7 +85,7 @@ def _table_ms(name: str, block: int, rows: dict[str, Row]) -> float | None:
     twin's; None where that did not run)."""
     if not _pair_loop(rows[name], block):
         return headline_ms(rows[name])
-    pointers = {"variant": "cp_async", "block_n": LAUNCH_PROVIDERS[name]["block_n"]}
+    pointers = {**LAUNCH_PROVIDERS[name], "variant": "cp_async"}
     twin = next((n for n, launch in LAUNCH_PROVIDERS.items() if launch == pointers), None)
     return headline_ms(rows[twin]) if twin in rows else None
 

@@ -122,6 +122,7 @@ MEASURE_COLUMNS = (
     "loop_barriers",
     "loop_shared_stores",
     "loop_shuffles",
+    "loop_serial_instructions",
     "loop_register_a_mmas",
     "sass_instructions",
     "vs_anchor",
@@ -936,6 +937,7 @@ SHORT_COLUMNS = (
     ("div", "loop_divisions"),
     ("bar", "loop_barriers"),
     ("sts", "loop_shared_stores"),
+    ("serial", "loop_serial_instructions"),
     ("/anchor", "vs_anchor"),
     ("/tutorial", "vs_tutorial"),
 )

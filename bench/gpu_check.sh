@@ -17,8 +17,10 @@
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
 # 3. the launch candidates: this project's kernel at each variant and key tile the launch table
-#    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, and
-#    triton-ws and triton-ws-n128, the warp-specialized kernel) over
+#    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, the
+#    scores-ahead loops (-ahead: each tile's Q K^T issued a tile early, under the softmax
+#    before it) but the 128-key pointer one, and triton-ws and triton-ws-n128, the
+#    warp-specialized kernel) over
 #    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds); at block 64
 #    triton-tma-n128 is the loop over tiles of two whole blocks, a descriptor load per block;
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
@@ -77,8 +79,8 @@ PY
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
     2>/dev/null || true
 
-sweep_timeout=${SWEEP_TIMEOUT:-160}
-sweep_budget=${SWEEP_BUDGET:-110}
+sweep_timeout=${SWEEP_TIMEOUT:-150}
+sweep_budget=${SWEEP_BUDGET:-100}
 echo "== shipped-geometry sweep, block sizes $block_sizes (runs start until ${sweep_budget}s," \
     "limit ${sweep_timeout}s)"
 start=$SECONDS
@@ -91,13 +93,15 @@ grep -E "^error" "$out_dir/sweep.log" | cut -c1-400 || true  # the skips come wi
 [ "$sweep_rc" -eq 0 ] || tail -n 15 "$out_dir/sweep.log"
 echo "== sweep: exit $sweep_rc after $((SECONDS - start))s"
 
-launch_timeout=${LAUNCH_TIMEOUT:-85}
-launch_budget=${LAUNCH_BUDGET:-60}
+# The table's launches first, each beside its scores-ahead twin (the runs of a block size the
+# budget cuts leave that block to the next run).
+launch_timeout=${LAUNCH_TIMEOUT:-115}
+launch_budget=${LAUNCH_BUDGET:-90}
 echo "== launch candidates (runs start until ${launch_budget}s, limit ${launch_timeout}s)"
 start=$SECONDS
 timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped \
     --block-sizes 64,256,1560,16,24,520 --kernels paged_attention \
-    --providers triton-cp_async,triton-tma,triton-cp_async-n128,triton-tma-n128,triton-ws,triton-ws-n128 \
+    --providers triton-tma-n128,triton-tma-n128-ahead,triton-cp_async-n128,triton-tma,triton-tma-ahead,triton-cp_async,triton-cp_async-ahead,triton-ws,triton-ws-n128 \
     --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
     >"$out_dir/launches.log" 2>&1
 launch_rc=$?
@@ -152,9 +156,9 @@ fi
 
 # About 17 kernel compiles (attention per mode, with and without equalization; the writes)
 # take most of the time.
-echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-65}s)"
+echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-60}s)"
 start=$SECONDS
-timeout "${ACCURACY_TIMEOUT:-65}" "$python" -m paged_video.bench accuracy --smoothing on \
+timeout "${ACCURACY_TIMEOUT:-60}" "$python" -m paged_video.bench accuracy --smoothing on \
     --out "$out_dir" >"$out_dir/accuracy.log" 2>&1
 accuracy_rc=$?
 grep -vE "^[a-z0-9-]+ .*: cosine" "$out_dir/accuracy.log" | tail -n 50
@@ -162,9 +166,9 @@ echo "== accuracy: exit $accuracy_rc after $((SECONDS - start))s"
 
 # The compile report with this machine's own Triton and ptxas: ties the timings above to the
 # machine code the CPU-side report describes (the launch table's defaults, blocks 16 and 1560).
-echo "== compile report (limit ${COMPILE_TIMEOUT:-30}s)"
+echo "== compile report (limit ${COMPILE_TIMEOUT:-25}s)"
 start=$SECONDS
-timeout "${COMPILE_TIMEOUT:-30}" "$python" -m paged_video.bench compile --kernels paged_attention \
+timeout "${COMPILE_TIMEOUT:-25}" "$python" -m paged_video.bench compile --kernels paged_attention \
     --block-sizes 16,1560 --out "$out_dir" >"$out_dir/compile.log" 2>&1
 compile_rc=$?
 tail -n 6 "$out_dir/compile.log"
@@ -176,9 +180,9 @@ if "$python" -c "import xdist" 2>/dev/null; then
 fi
 # One line per test as it ends (-v): a run the limit cuts short still says which tests passed
 # and which failed (the console shows the failures and the counts; tests.log has every line).
-echo "== kernel tests (limit ${TEST_TIMEOUT:-135}s)"
+echo "== kernel tests (limit ${TEST_TIMEOUT:-120}s)"
 start=$SECONDS
-timeout "${TEST_TIMEOUT:-135}" "$python" -m pytest tests/kernels -v --tb=short -rfE \
+timeout "${TEST_TIMEOUT:-120}" "$python" -m pytest tests/kernels -v --tb=short -rfE \
     -p no:cacheprovider ${workers[@]+"${workers[@]}"} >"$out_dir/tests.log" 2>&1
 tests_rc=$?
 failures=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" "$out_dir/tests.log" | sort -u)

@@ -127,6 +127,7 @@ def forced(launch: Launch) -> Iterator[list[dict]]:
                 "num_warps": tiles["num_warps"],
                 "num_stages": tiles["num_stages"],
                 "tma": "on" if tma else "off",
+                "ahead": "on" if tiles["SCORES_AHEAD"] else "off",
                 "mode": module.table_mode(**{k: kwargs[k] for k in mode_arguments if k in kwargs}),
             }
         )

@@ -219,14 +219,19 @@ def _build_triton_paged(workload: Workload, tile: Tile | None) -> Bench:
 
 
 # This project's kernel at each launch the launch table can choose (``bench choose`` turns
-# their rows into the table): provider name -> the launcher's keywords.
+# their rows into the table): provider name -> the launcher's keywords. ``-ahead``: the
+# unmasked loop computes each tile's scores one iteration ahead (``scores_ahead``).
 LAUNCH_PROVIDERS: dict[str, dict[str, object]] = {
-    "triton-cp_async": {"variant": "cp_async", "block_n": 64},
-    "triton-tma": {"variant": "tma", "block_n": 64},
-    "triton-cp_async-n128": {"variant": "cp_async", "block_n": 128},
-    "triton-tma-n128": {"variant": "tma", "block_n": 128},
-    "triton-ws": {"variant": "ws", "block_n": 64},
-    "triton-ws-n128": {"variant": "ws", "block_n": 128},
+    "triton-cp_async": {"variant": "cp_async", "block_n": 64, "scores_ahead": False},
+    "triton-tma": {"variant": "tma", "block_n": 64, "scores_ahead": False},
+    "triton-cp_async-n128": {"variant": "cp_async", "block_n": 128, "scores_ahead": False},
+    "triton-tma-n128": {"variant": "tma", "block_n": 128, "scores_ahead": False},
+    "triton-ws": {"variant": "ws", "block_n": 64, "scores_ahead": False},
+    "triton-ws-n128": {"variant": "ws", "block_n": 128, "scores_ahead": False},
+    "triton-cp_async-ahead": {"variant": "cp_async", "block_n": 64, "scores_ahead": True},
+    "triton-tma-ahead": {"variant": "tma", "block_n": 64, "scores_ahead": True},
+    "triton-cp_async-n128-ahead": {"variant": "cp_async", "block_n": 128, "scores_ahead": True},
+    "triton-tma-n128-ahead": {"variant": "tma", "block_n": 128, "scores_ahead": True},
 }
 
 
@@ -234,7 +239,8 @@ def launch_backend(settings: dict[str, object]) -> str:
     """The ``backend`` of a launch provider's rows: the settings the launcher used."""
     return (
         f"triton paged_attention variant={settings['variant']} tile={settings['tile']} "
-        f"warps={settings['num_warps']} stages={settings['num_stages']} tma={settings['tma']}"
+        f"warps={settings['num_warps']} stages={settings['num_stages']} tma={settings['tma']} "
+        f"ahead={settings['ahead']}"
     )
 
 
@@ -272,6 +278,7 @@ def _launch_provider(name: str, launch: dict[str, object]) -> Provider:
             # The launcher caps the warp-specialized kernel's stages: name what ran.
             "num_stages": min(tiles["num_stages"], WS_MAX_STAGES) if ws else tiles["num_stages"],
             "tma": "on" if tiles["TMA"] else "off",
+            "ahead": "on" if tiles["SCORES_AHEAD"] else "off",
         }
         return Bench(run, backend=launch_backend(settings))
 

@@ -16,7 +16,9 @@ tile converted or transposed in registers goes back through shared memory before
 shuffles (``SHFL``: the row maxima's and sums' butterflies, plus any values moved between
 threads' registers, such as probabilities converted to an 8-bit MMA's operand layout) and
 warpgroup MMAs whose A operand is registers (P of ``P V``; an operand computed before the loop,
-such as rounded query rows, stays one too and is read back from shared memory every iteration).
+such as rounded query rows, stays one too and is read back from shared memory every iteration),
+and the instructions it issues while no warpgroup MMA is in flight (``serial_instructions``: the
+softmax between a tile's ``Q K^T`` and its ``P V``, unless the next tile's scores run under it).
 """
 
 from __future__ import annotations
@@ -316,6 +318,34 @@ def wait_depth(loop: Loop) -> int | None:
     return max(depths) if depths else None
 
 
+# Warpgroup MMAs run asynchronously until a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` waits for all of
+# them; warp-level MMAs (HMMA, IMMA) are synchronous.
+_ASYNC_MMA_PREFIXES = ("HGMMA", "QGMMA", "IGMMA", "BGMMA")
+_WAIT_ALL = re.compile(r"^\s*gsb0\s*,\s*0x0\s*$")
+
+
+def serial_instructions(loop: Loop) -> int:
+    """Instructions of an iteration issued while no warpgroup MMA is in flight: the work the
+    tensor cores cannot hide (with one warpgroup per SM sub-partition's MMAs). An MMA is in
+    flight from its issue to the next wait for all (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), across
+    the back edge too: the loop is read in address order, starting in the state its end leaves
+    (a ``P V`` issued last runs on under the next iteration's first instructions)."""
+
+    def walk(in_flight: bool) -> tuple[int, bool]:
+        serial = 0
+        for i in loop.instructions:
+            if i.opcode.startswith(_ASYNC_MMA_PREFIXES):
+                in_flight = True
+            elif i.opcode == "WARPGROUP.DEPBAR.LE" and _WAIT_ALL.match(i.operands):
+                in_flight = False
+            elif not in_flight:
+                serial += 1
+        return serial, in_flight
+
+    _, at_end = walk(False)
+    return walk(at_end)[0]
+
+
 def setmaxnreg(instructions: Sequence[Instruction]) -> str:
     """Register reallocations of warp-specialized partitions: ``-40,+232`` (release to 40,
     grow to 232 registers per thread); empty without any."""
@@ -361,6 +391,7 @@ def analyse(text: str) -> dict[str, object]:
             loop_barriers=None,
             loop_shared_stores=None,
             loop_shuffles=None,
+            loop_serial_instructions=None,
             loop_register_a_mmas=None,
             wait_depth=None,
         )
@@ -374,6 +405,7 @@ def analyse(text: str) -> dict[str, object]:
             loop_barriers=hot.count("BAR."),
             loop_shared_stores=hot.count("STS"),
             loop_shuffles=hot.count("SHFL"),
+            loop_serial_instructions=serial_instructions(hot),
             loop_register_a_mmas=sum(map(register_a, hot.instructions)),
             wait_depth=wait_depth(hot),
         )

@@ -741,6 +741,151 @@ def _attend_tiles(
 
 
 @triton.jit
+def _unmasked_tile(
+    cache,
+    desc,
+    desc_col,
+    tile,
+    id0,
+    id1,
+    ids,
+    n_start,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
+    PIECE_OFFSET: tl.constexpr,
+    PIECE_SIZE: tl.constexpr,
+    DESCRIPTOR_LOADS: tl.constexpr,
+    SCALAR_BASE: tl.constexpr,
+):
+    """One 16-bit cache's whole key tile at piece position ``n_start`` from its block ids (as
+    ``_attend_tiles`` loads an unmasked tile): by descriptor (``desc`` at column ``desc_col``),
+    from the loop-invariant pointer tile ``tile`` plus a scalar base, or by per-row offsets
+    (``tile`` then points at the head's channels)."""
+    if DESCRIPTOR_LOADS:
+        return desc.load([id0 * BLOCK_SIZE + PIECE_OFFSET + n_start % PIECE_SIZE, desc_col])
+    if SCALAR_BASE:
+        ptrs = tile + _tile_base(id0, n_start, cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False)
+    else:
+        rows = _tile_rows(
+            id0, id1, ids, n_start, cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32,
+            PIECE_OFFSET, PIECE_SIZE, False, False,
+        )  # fmt: skip
+        ptrs = tile + rows[:, None]
+    if HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def _attend_tiles_ahead(
+    state,
+    q,
+    caches,
+    descs,
+    table,
+    first_tile,
+    num_tiles,
+    positions_end,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+    PIECE_OFFSET: tl.constexpr,
+    PIECE_SIZE: tl.constexpr,
+):
+    """``_attend_tiles``' unmasked loop over 16-bit caches (tile j at ``first_tile + j *
+    BLOCK_N``) with the scores one tile ahead: iteration j issues tile j + 1's ``Q K^T`` MMA
+    before tile j's softmax, so the tensor cores run it while the softmax's instructions issue
+    (FlashAttention-3's overlap within a warpgroup; in the plain loop every softmax waits for
+    its own scores, and the tensor cores idle through it). Triton still waits for that MMA
+    right after issuing it; ptxas moves the softmax's instructions, which do not depend on it,
+    above the wait. It holds a second tile of scores in registers (docs/kernels.md)."""
+    k_cache = caches[0]
+    v_cache = caches[1]
+    table_row, stride_table_col = table
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    SCALAR_BASE: tl.constexpr = KV_PATH != "two_blocks" and PIECE_SIZE % BLOCK_N == 0
+    DESCRIPTOR_LOADS: tl.constexpr = TMA and SCALAR_BASE
+    if SCALAR_BASE:
+        k_tile = k_cache[0] + (offs_n[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
+        v_tile = v_cache[0] + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    else:
+        k_tile = k_cache[0] + offs_d[None, :] * k_cache[3]
+        v_tile = v_cache[0] + offs_d[None, :] * v_cache[3]
+    # Iteration j reads K of tile min(j, last) and V of tile max(j - 1, 0), so every load is in
+    # the loop: Triton gives a load before or after it a shared-memory buffer of its own, and
+    # at 128-key tiles those two left room for 2 K/V buffers instead of 3. Iteration 0 takes
+    # no softmax step and the last one's scores (tile last again) are dropped: num_tiles + 1
+    # iterations, one Q K^T MMA and one P V MMA more than the tiles.
+    last = num_tiles - 1
+    qk = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
+    # Each iteration reads the next one's block ids from the table, K's and V's apart (V's are
+    # this K's again): ids carried two iterations, or read in the iteration that loads from
+    # them, cost Triton's pipeliner a K/V buffer, or the pipeline.
+    k_id0, k_id1, k_ids = _tile_block_ids(
+        table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH,
+        PIECE_OFFSET, PIECE_SIZE, False, True,
+    )  # fmt: skip
+    v_id0, v_id1, v_ids = k_id0, k_id1, k_ids
+    for j in range(0, num_tiles + (num_tiles > 0)):
+        k_start = first_tile + tl.minimum(j, last) * BLOCK_N
+        v_start = first_tile + tl.maximum(j - 1, 0) * BLOCK_N
+        next_k_id0, next_k_id1, next_k_ids = _tile_block_ids(
+            table_row, stride_table_col, first_tile + tl.minimum(j + 1, last) * BLOCK_N,
+            positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, True,
+        )  # fmt: skip
+        next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(
+            table_row, stride_table_col, first_tile + j * BLOCK_N, positions_end, BLOCK_N,
+            BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, True,
+        )  # fmt: skip
+        k = _unmasked_tile(
+            k_cache, descs[0], descs[2], k_tile, k_id0, k_id1, k_ids, k_start, BLOCK_N, BLOCK_D,
+            HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE,
+            DESCRIPTOR_LOADS, SCALAR_BASE,
+        )  # fmt: skip
+        v = _unmasked_tile(
+            v_cache, descs[1], descs[2], v_tile, v_id0, v_id1, v_ids, v_start, BLOCK_N, BLOCK_D,
+            HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE,
+            DESCRIPTOR_LOADS, SCALAR_BASE,
+        )  # fmt: skip
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        next_qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        state = _pv_step(state, qk, v, scale_log2, j == 0, DOT_PRECISION)
+        qk = next_qk
+        k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
+        v_id0, v_id1, v_ids = next_v_id0, next_v_id1, next_v_ids
+    return state
+
+
+@triton.jit
+def _pv_step(state, qk, v, scale_log2, skip, DOT_PRECISION: tl.constexpr):
+    """An unmasked 16-bit tile's online-softmax step from its scores ``qk`` and V tile; where
+    the scalar ``skip`` holds, none: the state comes back as it was (``qk`` and ``v`` finite,
+    the probabilities all 0), at a few selects per row rather than per score."""
+    acc, row_max, row_sum = state
+    new_max = tl.where(skip, row_max, tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2))
+    # scale_log2 >= 0, as in _attend_tiles; subtracting +inf makes every probability 0.
+    probs = tl.math.exp2(qk * scale_log2 - tl.where(skip, float("inf"), new_max)[:, None])
+    rescale = tl.where(skip, 1.0, tl.math.exp2(row_max - new_max))
+    row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, new_max, row_sum
+
+
+@triton.jit
 def _attend_block_pairs(
     state,
     q,
@@ -842,6 +987,7 @@ def _attend_piece(
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
+    SCORES_AHEAD: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
     MASKED_ONLY: tl.constexpr,
@@ -856,6 +1002,8 @@ def _attend_piece(
     BLOCK_PAIRS: tl.constexpr = (
         TMA and not QUANTIZED and KV_PATH == "rows" and BLOCK_N == 2 * BLOCK_SIZE
     )
+    # The scores one tile ahead (_attend_tiles_ahead): unmasked 16-bit tiles.
+    AHEAD: tl.constexpr = SCORES_AHEAD and not QUANTIZED
     lo = _piece_position(run_lo, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     hi = _piece_position(run_hi, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     full = lo if MASKED_ONLY else _piece_position(full_end, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
@@ -907,7 +1055,13 @@ def _attend_piece(
             first_tile = full_lo
             tiles_start = full_lo + BLOCK_N
             num_tiles = (full_hi - full_lo) // BLOCK_N
-        if not masked and BLOCK_PAIRS:
+        if not masked and AHEAD:
+            state = _attend_tiles_ahead(
+                state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, UPCAST, DOT_PRECISION, TMA,
+                PIECE_OFFSET, PIECE_SIZE,
+            )  # fmt: skip
+        elif not masked and BLOCK_PAIRS:
             state = _attend_block_pairs(
                 state, q, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_SIZE, UPCAST, DOT_PRECISION,
@@ -987,6 +1141,7 @@ def _attend_run(
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
+    SCORES_AHEAD: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end`` (``state`` as in ``_attend_tiles``). ``PIECES`` cut each block into
@@ -1033,6 +1188,7 @@ def _attend_run(
             PV_DTYPE,
             INTERPRETED,
             TMA,
+            SCORES_AHEAD,
             PIECES[(i + TMA) % len(PIECES)][0],
             PIECES[(i + TMA) % len(PIECES)][1],
             PIECES[(i + TMA) % len(PIECES)][2],
@@ -1131,6 +1287,7 @@ def _paged_attention_kernel(
     HAS_K_EQUALIZER: tl.constexpr,
     HAS_V_EQUALIZER: tl.constexpr,
     TMA: tl.constexpr,
+    SCORES_AHEAD: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -1332,6 +1489,7 @@ def _paged_attention_kernel(
                 PV_DTYPE,
                 INTERPRETED,
                 TMA,
+                SCORES_AHEAD,
             )
             # Skip the union of the gaps that cover run_hi.
             for _ in tl.static_range(GAPS):
@@ -1370,6 +1528,7 @@ def _paged_attention_kernel(
             PV_DTYPE,
             INTERPRETED,
             TMA,
+            SCORES_AHEAD,
         )
 
     # A query with no visible key outputs zeros, as FlashAttention does.

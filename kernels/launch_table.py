@@ -1,7 +1,8 @@
 """The launch table: which kernel variant and launch settings ``paged_attention`` takes on a GPU.
 
 ``kernels/launch_choices.json`` holds one row per (head_dim class, key path, K/V mode): the
-variant (``cp_async``, ``tma``, ``ws``), the key tile, warps and stages, and where the choice comes
+variant (``cp_async``, ``tma``, ``ws``), the key tile, whether the unmasked 16-bit loop
+computes each tile's scores ahead (``scores_ahead``), warps and stages, and where the choice comes
 from (``source``: a GPU run or the compile report; date, device, commit, evidence).
 ``python -m paged_video.bench choose SWEEP.csv --probe PROBE.csv --write
 kernels/launch_choices.json`` rewrites it from a GPU run (docs/benchmarks.md, "The launch
@@ -37,7 +38,16 @@ FP8_MIN_KEYS = 32
 HEAD_DIM_CLASSES = (64, 128, 256)
 SOURCES = ("compile evidence", "gpu run")
 TABLE_PATH = Path(__file__).with_name("launch_choices.json")
-_CHOICE_KEYS = ("head_dim", "kv_path", "mode", "variant", "block_n", "num_warps", "num_stages")
+_CHOICE_KEYS = (
+    "head_dim",
+    "kv_path",
+    "mode",
+    "variant",
+    "block_n",
+    "scores_ahead",
+    "num_warps",
+    "num_stages",
+)
 # Each row says where it comes from: a GPU run (its device) or the compile report.
 _PROVENANCE_KEYS = ("source", "date", "device", "commit", "evidence")
 ROW_KEYS = (*_CHOICE_KEYS, *_PROVENANCE_KEYS)
@@ -47,6 +57,7 @@ _ALLOWED = {
     "mode": MODES,
     "variant": VARIANTS,
     "block_n": (16, 32, 64, 128),
+    "scores_ahead": (False, True),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3, 4, 5),
     "source": SOURCES,
@@ -67,7 +78,8 @@ def check_table(table: object) -> dict:
         if not isinstance(row, dict) or set(row) != set(ROW_KEYS):
             raise ValueError(f"launch table: choice {n} needs exactly {', '.join(ROW_KEYS)}")
         for name, values in _ALLOWED.items():
-            if row[name] not in values:
+            # (A bool is no value of the integer fields, nor 0 or 1 one of scores_ahead.)
+            if row[name] not in values or isinstance(row[name], bool) != (name == "scores_ahead"):
                 raise ValueError(f"launch table: choice {n} {name}={row[name]!r} not in {values}")
         for name in ("date", "device", "commit", "evidence"):
             if not isinstance(row[name], str) or not row[name]:
@@ -81,8 +93,13 @@ def check_table(table: object) -> dict:
 
 
 def _check_quantized(n: int, row: dict) -> None:
-    """A quantized row names a launch the launcher can make for its mode."""
+    """A row names a launch the launcher can make for its mode (a quantized one, or one of the
+    warp-specialized kernel, computes no scores ahead)."""
     mode, variant = row["mode"], row["variant"]
+    if row["scores_ahead"] and (mode != "same" or variant == "ws"):
+        raise ValueError(
+            f"launch table: choice {n} scores_ahead is a 16-bit 'cp_async' or 'tma' loop's"
+        )
     if mode == "same":
         return
     if variant == "ws":

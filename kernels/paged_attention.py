@@ -333,6 +333,16 @@ def table_mode(
     )
 
 
+def _check_scores_ahead(scores_ahead: object, quantized: bool, variant: str | None) -> None:
+    """``scores_ahead`` is None or a bool, and True only for a loop that has it."""
+    if scores_ahead is not None and not isinstance(scores_ahead, bool):
+        raise TypeError(f"scores_ahead must be a bool or None, got {type(scores_ahead).__name__}")
+    if scores_ahead and quantized:
+        raise ValueError("scores_ahead runs over 16-bit caches only; leave it None for quantized")
+    if scores_ahead and variant == "ws":
+        raise ValueError("scores_ahead is a loop of the 'cp_async' and 'tma' variants, not 'ws'")
+
+
 def choose_tiles(
     *,
     block_size: int,
@@ -346,6 +356,7 @@ def choose_tiles(
     fp8_mma: bool = False,
     int8_mma: bool = False,
     variant: str | None = None,
+    scores_ahead: bool | None = None,
     tma_ready: bool = False,
     kv_dtype: torch.dtype | None = None,
 ) -> dict[str, int | str | bool]:
@@ -368,7 +379,9 @@ def choose_tiles(
     instructions per key (docs/kernels.md); 3.6 once took 32-key tiles (13.4-20.3 per key),
     when its 64-key ones spilled 250-480 bytes; the pointer loop's 128-key tiles spill 96-120
     bytes. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least
-    32. ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``), the
+    32. ``scores_ahead``: the unmasked loop computes each tile's scores one iteration ahead
+    (16-bit caches, the pointer and TMA loops; default: the table row's choice, else off).
+    ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``), the
     table's ``_keys`` modes: by the shipped table's rows, FP8-MMA and the dequantizing modes
     over such pools at head_dim 128 take 128-key TMA tiles where a tile lies inside a block
     (FP8-MMA 6.1 instructions per key, e4m3 6.8-7.0, int8 7.2-7.4), unless the caller sets
@@ -384,7 +397,8 @@ def choose_tiles(
         )
     if variant == "ws" and quantized:
         raise ValueError("variant 'ws' loads unquantized caches only; use 'tma' or 'cp_async'")
-    chosen = "cp_async"
+    _check_scores_ahead(scores_ahead, quantized, variant)
+    chosen, chosen_ahead = "cp_async", False
     rows = max(1, max_seqlen_q) * max(1, heads_per_kv_head)
     short_q = max(16, triton.next_power_of_2(rows))
     if interpreter_active():
@@ -407,7 +421,7 @@ def choose_tiles(
                 variant=variant,
             )  # fmt: skip
         if row is not None:
-            default_n, chosen = row["block_n"], row["variant"]
+            default_n, chosen, chosen_ahead = row["block_n"], row["variant"], row["scores_ahead"]
             # The warp-specialized kernel runs its own warps and stages (_warp_specialized); a
             # call it falls back from (a path or a call it does not take) runs the TMA or
             # pointer loop, at the built-in ones, not at a 4-warp consumer's.
@@ -431,9 +445,14 @@ def choose_tiles(
     # blocks (a table row applies as its GPU run measured it, and those ran the pointer loop
     # there); other paths keep the pointer loop. The warp-specialized kernel takes the
     # contiguous path's tiles only.
-    block_pairs = variant == "tma"
+    ahead = chosen_ahead if scores_ahead is None else scores_ahead
+    # (The loop with the scores ahead reads tiles of two whole blocks by pointer.)
+    block_pairs = variant == "tma" and not ahead
     variant = variant or chosen
     if path in ("block_tiles", "rows") and variant == "ws":
+        variant = "tma"
+    if ahead and variant == "ws":
+        # The warp-specialized kernel has no such loop: the TMA loop runs it.
         variant = "tma"
     variant = (
         variant if _descriptor_tiles(block_size, tile_n, quantized, block_pairs) else "cp_async"
@@ -445,6 +464,7 @@ def choose_tiles(
         "KV_PATH": path,
         "PIECES": block_pieces(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
+        "SCORES_AHEAD": ahead,
         "VARIANT": variant,
         "WIDE_SCALES": False,
         "num_warps": warps,
@@ -469,6 +489,7 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     variant: str | None = None,
+    scores_ahead: bool | None = None,
     check_values: bool = True,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
@@ -485,7 +506,9 @@ def paged_attention(
     keys ``lo <= j < hi`` of each row, e.g. the boundary tokens of an exact window, or the
     unwritten slots between a video run that ends mid-block and the action blocks.
     ``block_m``/``block_n`` override the tile; ``variant`` the key loop (``"cp_async"``,
-    ``"tma"`` or ``"ws"``; default: the launch table's choice, docs/kernels.md).
+    ``"tma"`` or ``"ws"``; default: the launch table's choice, docs/kernels.md);
+    ``scores_ahead`` whether the unmasked loop issues each tile's ``Q K^T`` a tile ahead, under
+    the softmax before it (16-bit caches; default: the table's choice).
     ``check_values=False`` skips the checks that read tensor values (no device sync).
 
     Quantized caches (``float8_e4m3fn`` or ``int8`` codes, docs/quantization.md) need ``k_scale``
@@ -564,6 +587,7 @@ def paged_attention(
         fp8_mma=fp8_mma,
         int8_mma=int8_mma,
         variant=variant,
+        scores_ahead=scores_ahead,
         tma_ready=tma_ready,
         kv_dtype=k_cache.dtype,
     )

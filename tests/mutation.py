@@ -63,6 +63,7 @@ UNITS = "tests/kernels/test_value_units.py::test_units_are_the_largest_scale_out
 FLOAT16_RANGE = (
     "tests/kernels/test_quantized_modes.py::test_float16_operands_over_v_scales_from_1e_30_to_1e30"
 )
+AHEAD = "tests/kernels/test_scores_ahead.py"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -1275,6 +1276,94 @@ MUTANTS = [
         "    if len(devices) > 2:",
         f"{REFUSALS}[float-attend-query-device]",
     ),
+    # -- the loop with the scores a tile ahead (scores_ahead) ------------------------------
+    _m(
+        "ahead-first-iteration-takes-a-softmax-step",
+        "kernels/_attention_jit.py",
+        "        state = _pv_step(state, qk, v, scale_log2, j == 0, DOT_PRECISION)",
+        "        state = _pv_step(state, qk, v, scale_log2, j < 0, DOT_PRECISION)",
+        f"{AHEAD}::test_scores_ahead_runs_of_any_tile_count",
+    ),
+    _m(
+        "ahead-v-of-the-scores-tile-plus-one",
+        "kernels/_attention_jit.py",
+        "        v_start = first_tile + tl.maximum(j - 1, 0) * BLOCK_N",
+        "        v_start = first_tile + tl.minimum(j, last) * BLOCK_N",
+        f"{AHEAD}::test_scores_ahead_over_long_runs_across_blocks",
+    ),
+    _m(
+        "ahead-no-extra-iteration",
+        "kernels/_attention_jit.py",
+        "    for j in range(0, num_tiles + (num_tiles > 0)):",
+        "    for j in range(0, num_tiles):",
+        f"{AHEAD}::test_scores_ahead_runs_of_any_tile_count",
+    ),
+    _m(
+        "ahead-skip-leaves-probabilities",
+        "kernels/_attention_jit.py",
+        "    probs = tl.math.exp2(qk * scale_log2 - "
+        'tl.where(skip, float("inf"), new_max)[:, None])',
+        "    probs = tl.math.exp2(qk * scale_log2 - new_max[:, None])",
+        f"{AHEAD}::test_scores_ahead_runs_of_any_tile_count",
+    ),
+    _m(
+        "ahead-v-block-ids-of-the-k-tile",
+        "kernels/_attention_jit.py",
+        "        v_id0, v_id1, v_ids = next_v_id0, next_v_id1, next_v_ids",
+        "        v_id0, v_id1, v_ids = next_k_id0, next_k_id1, next_k_ids",
+        f"{AHEAD}::test_scores_ahead_over_long_runs_across_blocks",
+    ),
+    _m(
+        "ahead-quantized-allowed",
+        "kernels/paged_attention.py",
+        "    if scores_ahead and quantized:",
+        "    if False:",
+        f"{AHEAD}::test_scores_ahead_refusals[quantized]",
+    ),
+    _m(
+        "ahead-keeps-the-pair-loop",
+        "kernels/paged_attention.py",
+        '    block_pairs = variant == "tma" and not ahead\n',
+        '    block_pairs = variant == "tma"\n',
+        f"{AHEAD}::test_scores_ahead_takes_the_tma_loop_where_the_table_chose_ws",
+    ),
+    _m(
+        "ahead-table-row-quantized-allowed",
+        "kernels/launch_table.py",
+        '    if row["scores_ahead"] and (mode != "same" or variant == "ws"):',
+        '    if row["scores_ahead"] and variant == "ws":',
+        "tests/kernels/test_launch_variants.py::test_launch_table_checks",
+    ),
+    _m(
+        "ahead-table-row-ignored",
+        "kernels/paged_attention.py",
+        "            default_n, chosen, chosen_ahead = "
+        'row["block_n"], row["variant"], row["scores_ahead"]',
+        '            default_n, chosen = row["block_n"], row["variant"]',
+        "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
+    ),
+    _m(
+        "ahead-backend-not-read",
+        "bench/choose.py",
+        '    ahead = fields.pop("ahead") == "on"',
+        '    ahead = fields.pop("ahead") == "off"',
+        "tests/bench/test_choose.py::test_backend_names_the_launch",
+        "tests/bench/test_choose.py::test_a_scores_ahead_winner_writes_its_row",
+    ),
+    _m(
+        "serial-instructions-start-with-nothing-in-flight",
+        "bench/sass.py",
+        "    return walk(at_end)[0]",
+        "    return walk(False)[0]",
+        "tests/bench/test_compile_report.py::test_planted_serial_instructions",
+    ),
+    _m(
+        "serial-instructions-end-at-a-partial-wait",
+        "bench/sass.py",
+        '            elif i.opcode == "WARPGROUP.DEPBAR.LE" and _WAIT_ALL.match(i.operands):',
+        '            elif i.opcode == "WARPGROUP.DEPBAR.LE":',
+        "tests/bench/test_compile_report.py::test_planted_serial_instructions",
+    ),
     # -- kernels/_attention_jit.py: the block_tiles path's pieces ----------------------------
     _m(
         "block-tiles-remainder-loop-skips-whole-tiles",
@@ -1612,8 +1701,8 @@ MUTANTS = [
     _m(
         "block-pairs-from-the-table",
         "kernels/paged_attention.py",
-        '    block_pairs = variant == "tma"\n',
-        '    block_pairs = (variant or chosen) == "tma"\n',
+        '    block_pairs = variant == "tma" and not ahead\n',
+        '    block_pairs = (variant or chosen) == "tma" and not ahead\n',
         "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
     ),
     _m(

@@ -43,6 +43,7 @@ def _rows(figures: str = "gpu") -> list[dict]:
                 "num_warps": 8,
                 "num_stages": 3,
                 "tma": "on",
+                "ahead": "on" if launch["scores_ahead"] else "off",
             }
             rows.append(
                 measured(
@@ -89,6 +90,7 @@ def test_the_table_names_the_winning_variant_where_a_block_fell_back() -> None:
                 "num_warps": 8,
                 "num_stages": 3,
                 "tma": "on" if variant == "tma" else "off",
+                "ahead": "off",
             }
             backend = launch_backend(settings)
             rows.append(measured("paged_attention", name, block, ms, role="ours", backend=backend))
@@ -105,6 +107,7 @@ def _launch_row(name: str, block: int, ms: float, variant: str | None = None) ->
         "num_warps": 8,
         "num_stages": 3,
         "tma": "on" if (variant or launch["variant"]) == "tma" else "off",
+        "ahead": "on" if launch["scores_ahead"] else "off",
     }
     backend = launch_backend(settings)
     return measured("paged_attention", name, block, ms, role="ours", backend=backend)
@@ -207,10 +210,36 @@ def test_write_refuses_cpu_rows_and_leaves_the_table(tmp_path, capsys) -> None:
 
 def test_backend_names_the_launch() -> None:
     settings = {"variant": "tma", "tile": "128x64", "num_warps": 8, "num_stages": 3, "tma": "on"}
-    launch = choose.launch_of({"provider": "x", "backend": launch_backend(settings)})
-    assert launch == {"variant": "tma", "block_n": 64, "num_warps": 8, "num_stages": 3}
+    for ahead in (True, False):
+        backend = launch_backend({**settings, "ahead": "on" if ahead else "off"})
+        launch = choose.launch_of({"provider": "x", "backend": backend})
+        want = {"variant": "tma", "block_n": 64, "num_warps": 8, "num_stages": 3}
+        assert launch == {**want, "scores_ahead": ahead}
+    # A row of a run before the scores-ahead loop existed: its loop had it off.
+    old = "triton paged_attention variant=tma tile=128x64 warps=8 stages=3 tma=on"
+    assert choose.launch_of({"provider": "x", "backend": old})["scores_ahead"] is False
     with pytest.raises(ValueError, match="names no launch"):
         choose.launch_of({"provider": "x", "backend": "triton paged_attention"})
+
+
+def test_a_scores_ahead_winner_writes_its_row(tmp_path) -> None:
+    # The block_tiles class: the 128-key TMA loop with the scores ahead is fastest at 520 and
+    # 1560; the row written names it, and the table the launcher reads takes it.
+    rows = list(STEADY_CEILINGS)
+    for block in (24, 520, 1560):
+        rows.append(_launch_row("triton-tma-n128", block, 1.0, "cp_async" if block == 24 else None))
+        rows.append(
+            _launch_row("triton-tma-n128-ahead", block, 0.9, "cp_async" if block == 24 else None)
+        )
+    [choice] = choose.choose(rows)[0]
+    assert (choice["variant"], choice["block_n"], choice["scores_ahead"]) == ("tma", 128, True)
+    table = tmp_path / "choices.json"
+    shutil.copy(launch_table.TABLE_PATH, table)
+    written = choose.write_choices(table, [choice])
+    key = (128, "block_tiles", "same")
+    [row] = [r for r in written["choices"] if (r["head_dim"], r["kv_path"], r["mode"]) == key]
+    assert row["scores_ahead"] is True
+    assert launch_table.read_table(table) == written
 
 
 def test_launch_providers_run_when_named_only(tmp_path) -> None:
@@ -288,6 +317,7 @@ def _probe_rows(figures: str = "gpu", probed=PROBED) -> list[dict]:
             "num_warps": warps,
             "num_stages": stages,
             "tma": "on" if variant == "tma" else "off",
+            "ahead": "off",
         }
         # As csv.DictReader gives them back: strings.
         row = {

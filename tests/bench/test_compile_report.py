@@ -1,16 +1,16 @@
 """``python -m paged_video.bench compile``: the sm_90a machine code of ``paged_attention`` read
 from the cubin Triton builds, against two yardsticks (a plain int32-offset flash loop and the
-tutorial's warp-specialized TMA loop), on a CPU (skipped where Triton's wheel has no
-cuobjdump).
+tutorial's warp-specialized TMA loop), on a CPU (skipped where Triton's wheel has no cuobjdump).
 
 One session compiles everything once: bf16 at head_dim 64/128 and block sizes 16..1560 (the
 launch table's defaults; at head_dim 128 also the 64-key TMA launch, ``GOAL_LAUNCH``, on which
-the compile goals are checked: the table's head_dim 128 rows now hold a GPU run's 128-key choice,
-checked on its own), the masked features at block 1560, the quantized modes at blocks
-16/24/64/520/1560, one launch option (``block_n=32``) and the key-loop variants forced at blocks
-64/256/1560, with Triton 3.9 (this interpreter) and, where a Triton 3.6 virtual environment
-exists (``TRITON36_VENV``, default ``/work/venvs/triton36``; CI has none), the shipped bf16
-launches, the variants and the quantized modes with Triton 3.6 as well.
+the compile goals are checked: the table's head_dim 128 rows now hold a GPU run's 128-key
+choice, checked on its own), the masked features at block 1560, the quantized modes at blocks
+16/24/64/520/1560, one launch option (``block_n=32``), the key-loop variants forced at blocks
+64/256/1560 and the loop with the scores a tile ahead (``scores_ahead``) at 256/1560, with
+Triton 3.9 (this interpreter) and, where a Triton 3.6 virtual environment exists
+(``TRITON36_VENV``, default ``/work/venvs/triton36``; CI has none), the shipped bf16 launches,
+the variants and the quantized modes with Triton 3.6 as well.
 
 The parsers are tested on planted SASS and TTGIR: a masked key loop shorter than the unmasked
 one, an mbarrier retry placed after the kernel's exit, 64-bit integer arithmetic, spills, and
@@ -169,12 +169,30 @@ ONE_SLOT_BLOCKS = dict(
 )
 
 
+# The loop with the scores a tile ahead (scores_ahead): the table's 128-key TMA launch at the
+# frame block, and the 64-key TMA one (GOAL_LAUNCH's loop) at a contiguous and the frame block.
+AHEAD_128_LAUNCH = {"scores_ahead": True}
+AHEAD_64_LAUNCH = {**GOAL_LAUNCH, "scores_ahead": True}
+AHEAD_128, AHEAD_64 = (
+    compile_report.variant_label(tuple(launch.items()))
+    for launch in (AHEAD_128_LAUNCH, AHEAD_64_LAUNCH)
+)
+
+
+def _ahead_configs() -> list[compile_report.Config]:
+    one = dict(kernels=("paged_attention",))
+    return compile_report.configs_for(
+        **one, block_sizes=(1560,), launches=(AHEAD_128_LAUNCH,)
+    ) + compile_report.configs_for(**one, block_sizes=(256, 1560), launches=(AHEAD_64_LAUNCH,))
+
+
 def _configs_both() -> list[compile_report.Config]:
     """What both Tritons compile (Triton 3.9 adds the masked features and other tiles)."""
     configs = compile_report.configs_for(
         kernels=("paged_attention",), block_sizes=BLOCK_SIZES, head_dims=HEAD_DIMS
     )
     configs += _goal_configs()
+    configs += _ahead_configs()
     configs += _variant_configs()
     configs += _quantized_tma_configs()
     configs += _dequant_tma_configs()
@@ -605,6 +623,31 @@ def test_gpu_chosen_launches_compile(report: Report, minor: str, block: int) -> 
     assert (row["mma"], row["loop_divisions"]) == ("HGMMA", 0), row
     assert row["spill_stores"] <= GPU_CHOSEN_MOST_SPILL_BYTES, row
     assert row["spill_loads"] <= GPU_CHOSEN_MOST_SPILL_BYTES, row
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize(
+    "block, ahead, plain",
+    [
+        pytest.param(1560, AHEAD_128, "default", id="tma-n128-B1560"),
+        pytest.param(256, AHEAD_64, GOAL_VARIANT, id="tma-n64-B256"),
+        pytest.param(1560, AHEAD_64, GOAL_VARIANT, id="tma-n64-B1560"),
+    ],
+)
+def test_scores_ahead_issue_the_next_scores_under_the_softmax(
+    report: Report, minor: str, block: int, ahead: str, plain: str
+) -> None:
+    # Against the same loop without it: fewer than half the instructions issued with no MMA in
+    # flight, at most 1.25x the instructions, the same K/V buffers, no spills. (Triton waits for
+    # each Q K^T MMA right after it; ptxas issues the softmax of the tile before under it.)
+    version = report.version(minor)
+    row = report.paged(version, block, variant=ahead)
+    base = report.paged(version, block, variant=plain)
+    assert row["tile"] == base["tile"], (row, base)
+    assert row["loop_serial_instructions"] <= 0.5 * base["loop_serial_instructions"], (row, base)
+    assert row["loop_instructions"] <= 1.25 * base["loop_instructions"], (row, base)
+    assert row["kv_buffers"] == base["kv_buffers"] == 3, (row, base)
+    assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
 
 
 def _quantized_cases(misses: dict) -> list:
@@ -1039,6 +1082,38 @@ def test_planted_out_of_line_retry_is_not_a_loop_around_the_kernel() -> None:
     # The retry's jump back to 0x90 closes no loop; the retry spins on itself.
     assert [(loop.header, loop.size) for loop in loops] == [(0x30, 12), (0x100, 3), (0x300, 2)]
     assert [loop.header for loop in sass.key_loops(loops)] == [0x30, 0x100]
+
+
+# A key loop whose P V MMA, issued last, runs on under the next iteration's first instruction;
+# its Q K^T runs under one instruction until the wait for all.
+_OVERLAP = [
+    (0x00, "MOV R1, c[0x0][0x28]"),
+    (0x10, "IADD3 R4, R4, 0x1, RZ"),
+    (0x20, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT"),
+    (0x30, "MUFU.EX2 R10, R11"),
+    (0x40, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+    (0x50, "FADD R12, R12, R13"),
+    (0x60, "F2FP.BF16.F32.PACK_AB R14, R15, R16"),
+    (0x70, "HGMMA.64x64x16.F32.BF16 R88, R14, gdesc[UR8], R88"),
+    (0x80, "ISETP.GE.AND P0, PT, R4, 0x4, PT"),
+    (0x90, "@!P0 BRA 0x10"),
+    (0xA0, "EXIT"),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "serial"),
+    [
+        pytest.param({}, 2, id="fadd-and-f2fp-between-the-wait-and-p-v"),
+        # A wait that leaves one group in flight does not end the Q K^T.
+        pytest.param({0x40: "WARPGROUP.DEPBAR.LE gsb0, 0x1"}, 0, id="partial-wait"),
+        # A warp-level MMA is synchronous: the loop's top then runs with nothing in flight.
+        pytest.param({0x70: "HMMA.16816.F32.BF16 R88, R14, R20, R88"}, 6, id="warp-level-p-v"),
+    ],
+)
+def test_planted_serial_instructions(change: dict[int, str], serial: int) -> None:
+    lines = [(a, change.get(a, text)) for a, text in _OVERLAP]
+    assert sass.analyse(_sass(lines))["loop_serial_instructions"] == serial
 
 
 def test_planted_producer_loop_and_setmaxnreg() -> None:

@@ -295,9 +295,11 @@ def test_descriptor_layout_conditions(change: dict) -> None:
 def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     choices = {
-        (128, "contiguous", "same"): dict(variant="tma", block_n=128, num_warps=8, num_stages=2),
+        (128, "contiguous", "same"): dict(
+            variant="tma", block_n=128, scores_ahead=False, num_warps=8, num_stages=2
+        ),
         (128, "block_tiles", "same"): dict(
-            variant="cp_async", block_n=64, num_warps=4, num_stages=4
+            variant="cp_async", block_n=64, scores_ahead=True, num_warps=4, num_stages=4
         ),
     }
     monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: choices.get((d, p, m)))
@@ -311,6 +313,13 @@ def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     )
     tiles = kernels.choose_tiles(block_size=1560, **shipped)
     assert (tiles["TMA"], tiles["num_warps"], tiles["num_stages"]) == (False, 4, 4)
+    assert (
+        tiles["SCORES_AHEAD"]
+        and not kernels.choose_tiles(block_size=256, **shipped)["SCORES_AHEAD"]
+    )
+    # The caller's scores_ahead wins over the row's, which still gives the rest.
+    tiles = kernels.choose_tiles(block_size=1560, scores_ahead=False, **shipped)
+    assert (tiles["SCORES_AHEAD"], tiles["num_warps"], tiles["num_stages"]) == (False, 4, 4)
     # Caller overrides win; another variant or tile keeps the built-in settings, not the
     # table's (a launch candidate measures its own launch, whatever the table holds then).
     tiles = kernels.choose_tiles(block_size=256, variant="cp_async", **shipped)
@@ -352,7 +361,7 @@ def test_a_warp_specialized_row_leaves_its_fallbacks_the_built_in_warps(monkeypa
     # itself, and where it does not run (block_tiles: the TMA loop; a straddling tile: the
     # pointer loop) the launch must not be a 4-warp, 2-stage one.
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
-    ws = dict(variant="ws", block_n=64, num_warps=4, num_stages=2)
+    ws = dict(variant="ws", block_n=64, scores_ahead=False, num_warps=4, num_stages=2)
     rows = {(128, path, "same"): ws for path in ("contiguous", "block_tiles")}
     monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: rows.get((d, p, m)))
     shipped = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
@@ -385,7 +394,7 @@ def test_fp8_mma_over_tma_ready_pools_takes_128_key_tma_tiles(
     # The shipped rows of fp8_mma_keys (compile evidence), given here: a GPU run may rewrite
     # them, and the rule they go through is what is tested.
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
-    tma_128 = dict(variant="tma", block_n=128, num_warps=8, num_stages=3)
+    tma_128 = dict(variant="tma", block_n=128, scores_ahead=False, num_warps=8, num_stages=3)
     rows = {(128, path, "fp8_mma_keys"): tma_128 for path in ("contiguous", "block_tiles")}
     monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: rows.get((d, p, m)))
     call = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16, fp8_mma=True)
@@ -449,6 +458,10 @@ def test_shipped_launch_table_is_complete() -> None:
         (lambda t: t["choices"][0].update(mode="int8", variant="tma"), "needs a '_keys' mode"),
         (lambda t: t["choices"][0].update(mode="fp8_mma_keys", block_n=16), "block_n=16 < 32"),
         (lambda t: t["choices"][0].update(mode="fp8_mma_key"), "mode="),
+        (lambda t: t["choices"][0].update(scores_ahead=1), "scores_ahead=1"),
+        (lambda t: t["choices"][0].update(num_stages=True), "num_stages=True"),
+        (lambda t: t["choices"][0].update(mode="int8_keys", scores_ahead=True), "16-bit"),
+        (lambda t: t["choices"][0].update(variant="ws", scores_ahead=True), "'tma' loop's"),
     ],
 )
 def test_launch_table_checks(breakage, message: str) -> None:
@@ -479,9 +492,11 @@ def test_kv_mode_names_the_tables_mode(kv_dtype, flags: dict, keys_major: bool, 
 # A quantized row of each kind, beside the 16-bit rows of the shipped table.
 QUANTIZED_ROWS = {
     (128, "block_tiles", "int8_mma_keys"): dict(
-        variant="tma", block_n=64, num_warps=4, num_stages=2
+        variant="tma", block_n=64, scores_ahead=False, num_warps=4, num_stages=2
     ),
-    (128, "block_tiles", "int8"): dict(variant="cp_async", block_n=32, num_warps=4, num_stages=5),
+    (128, "block_tiles", "int8"): dict(
+        variant="cp_async", block_n=32, scores_ahead=False, num_warps=4, num_stages=5
+    ),
 }
 
 

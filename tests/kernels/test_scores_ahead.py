@@ -1,0 +1,146 @@
+"""``paged_attention(scores_ahead=True)``: the unmasked 16-bit loop with each tile's scores one
+iteration ahead (``_attend_tiles_ahead``).
+
+Its loop runs one iteration more than the tiles: the first takes no softmax step, the last
+computes scores it drops, and K and V come from different tiles in one iteration. So it is
+checked against the float64 oracle where those edges fall: runs of zero, one and two whole
+tiles, every key path (tiles inside one block by pointers and by descriptor, tiles across two
+blocks, per-row block ids), block sizes 1 and 7, GQA, head_dim 80, causal chunks, gaps,
+NaN-poisoned pools and outputs. Its machine code (the scores' MMA issued under the softmax) is
+checked by tests/bench/test_compile_report.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from paged_video import kernels
+from tests.helpers import DEVICE, record_launches
+from tests.kernels.paged_case import make_paged_case
+from tests.kernels.test_paged_attention import run_and_compare
+
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
+# The first iteration's skipped step computes its rescale from a row max of -inf (-inf - -inf)
+# before a select drops it; the interpreter's numpy warns about that NaN.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value encountered in subtract:RuntimeWarning"
+)
+
+
+PATHS = [
+    pytest.param(64, 32, 128, id="contiguous-B64-N32"),
+    pytest.param(1560, 64, 16, id="block_tiles-B1560-N64"),
+    pytest.param(31, 16, 64, id="block_tiles-B31-N16"),
+    pytest.param(7, 16, 80, id="block_tiles-B7-N16-D80"),
+    pytest.param(1, 16, 16, id="rows-B1-N16"),
+    pytest.param(24, 64, 32, id="rows-B24-N64"),
+    pytest.param(511, 256, 16, id="two_blocks-B511-N256"),
+]
+
+
+@pytest.mark.parametrize("variant", ["cp_async", "tma"])
+@pytest.mark.parametrize("block_size, block_n, head_dim", PATHS)
+def test_scores_ahead_matches_oracle(
+    variant: str, block_size: int, block_n: int, head_dim: int
+) -> None:
+    # GQA; a causal chunk at the end of the keys, per-row limits and a gap: whole tiles before,
+    # between and after masked ones. The second sequence has two whole tiles, the third one.
+    k_len = 5 * block_n + 9 if block_size <= 64 else block_size + 2 * block_n + 9
+    case = make_paged_case(
+        q_lens=[21, 3, 5],
+        k_lens=[k_len, 2 * block_n, block_n + 3],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        device=DEVICE,
+    )
+    gen = torch.Generator().manual_seed(block_size)
+    key_limits = torch.randint(k_len // 2, k_len + 1, (29,), generator=gen, dtype=torch.int32)
+    key_limits[21:] = k_len  # rows of the short sequences see all their keys
+    key_gap = torch.tensor([[[block_n + 3, 2 * block_n + 1]], [[0, 0]], [[0, 0]]])
+    run_and_compare(
+        case,
+        causal=True,
+        key_limits=key_limits.to(DEVICE),
+        key_gap=key_gap.to(dtype=torch.int32, device=DEVICE),
+        block_m=16,
+        block_n=block_n,
+        variant=variant,
+        scores_ahead=True,
+    )
+
+
+@pytest.mark.parametrize("variant", ["cp_async", "tma"])
+@pytest.mark.parametrize("block_size, block_n, head_dim", PATHS)
+def test_scores_ahead_over_long_runs_across_blocks(
+    variant: str, block_size: int, block_n: int, head_dim: int
+) -> None:
+    # No causal chunk: every row sees whole tiles over several blocks (so a K or V tile read
+    # through the other's block ids shows), then a partial tile; a permuted table.
+    k_len = 2 * block_size + 2 * block_n + 5 if block_size > block_n else 7 * block_n + 5
+    case = make_paged_case(
+        q_lens=[6, 2], k_lens=[k_len, block_n], block_size=block_size, head_dim=head_dim,
+        device=DEVICE,
+    )  # fmt: skip
+    run_and_compare(case, block_m=16, block_n=block_n, variant=variant, scores_ahead=True)
+
+
+@pytest.mark.parametrize("k_len", [0, 1, 15, 16, 17, 32, 47, 48, 161])
+def test_scores_ahead_runs_of_any_tile_count(k_len: int) -> None:
+    # No masks but the end of the keys: 0, 1, 2, 3 and 10 whole tiles of 16 keys, with and
+    # without a partial tile after them, over a permuted table of 7-slot blocks.
+    case = make_paged_case(q_lens=[9, 4], k_lens=[k_len, 16], block_size=7, device=DEVICE)
+    run_and_compare(case, block_m=16, block_n=16, scores_ahead=True)
+
+
+def test_scores_ahead_reaches_the_kernel(monkeypatch) -> None:
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
+    case = make_paged_case(q_lens=[5], k_lens=[40], block_size=16, device=DEVICE)
+    for flag in (None, True, False):
+        kernels.paged_attention(*case.args(), max_seqlen_q=5, scores_ahead=flag)
+    assert [launch["SCORES_AHEAD"] for launch in launches] == [False, True, False]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        pytest.param({"scores_ahead": 1}, TypeError, "scores_ahead must be a bool", id="int"),
+        pytest.param(
+            {"scores_ahead": True, "dequantize": True}, ValueError, "16-bit", id="quantized"
+        ),
+        pytest.param({"scores_ahead": True, "fp8_mma": True}, ValueError, "16-bit", id="fp8-mma"),
+        pytest.param({"scores_ahead": True, "variant": "ws"}, ValueError, "not 'ws'", id="ws"),
+    ],
+)
+def test_scores_ahead_refusals(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        kernels.choose_tiles(
+            block_size=16, head_dim=64, max_seqlen_q=8, dtype=torch.bfloat16, **kwargs
+        )
+
+
+def test_scores_ahead_refusal_changes_nothing() -> None:
+    case = make_paged_case(q_lens=[5], k_lens=[40], block_size=16, device=DEVICE)
+    out = torch.zeros_like(case.q)
+    with pytest.raises(TypeError, match="scores_ahead"):
+        kernels.paged_attention(*case.args(), max_seqlen_q=5, out=out, scores_ahead="yes")
+    assert not out.any()
+
+
+def test_scores_ahead_takes_the_tma_loop_where_the_table_chose_ws(monkeypatch) -> None:
+    # A warp-specialized row: the caller's scores_ahead runs the TMA loop with it; tiles of two
+    # whole blocks (variant "tma" named at block 64) go by pointer, as that loop reads them.
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    ws = dict(variant="ws", block_n=64, scores_ahead=False, num_warps=4, num_stages=2)
+    monkeypatch.setattr(launcher.launch_table, "lookup", lambda d, p, m: ws)
+    shipped = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
+    tiles = kernels.choose_tiles(block_size=256, scores_ahead=True, **shipped)
+    assert (tiles["VARIANT"], tiles["TMA"], tiles["SCORES_AHEAD"]) == ("tma", True, True)
+    pairs = dict(block_size=64, block_n=128, variant="tma", **shipped)
+    assert kernels.choose_tiles(**pairs)["TMA"]
+    tiles = kernels.choose_tiles(scores_ahead=True, **pairs)
+    assert (tiles["VARIANT"], tiles["TMA"], tiles["SCORES_AHEAD"]) == ("cp_async", False, True)
