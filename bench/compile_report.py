@@ -124,6 +124,8 @@ MEASURE_COLUMNS = (
     "loop_shuffles",
     "loop_serial_instructions",
     "loop_register_a_mmas",
+    "wgmma_serialized",
+    "wgmma_injected_waits",
     "sass_instructions",
     "vs_anchor",
     "vs_tutorial",
@@ -730,6 +732,25 @@ def check_ptxas_log(log: str, registers: int, spills: tuple[int, int]) -> None:
         )
 
 
+# ptxas's notes on warpgroup MMAs: C7514, it serialized them (a wait after every wgmma, since a
+# non-wgmma instruction reads an accumulator while it may be in flight); C7517, it injected a
+# wait before such a read.
+_WGMMA_SERIALIZED = re.compile(r"\(C7514\)")
+_WGMMA_INJECTED_WAIT = re.compile(r"\(C7517\)")
+
+
+def wgmma_notes(log: str) -> dict[str, object]:
+    """What ptxas's log says it did to the warpgroup MMAs: ``wgmma_serialized`` (every MMA
+    waited for at once: their overlap with anything else is gone) and ``wgmma_injected_waits``
+    (waits it put in on its own); None where the log is empty (a cached kernel)."""
+    if "Used " not in log:
+        return {"wgmma_serialized": None, "wgmma_injected_waits": None}
+    return {
+        "wgmma_serialized": bool(_WGMMA_SERIALIZED.search(log)),
+        "wgmma_injected_waits": len(_WGMMA_INJECTED_WAIT.findall(log)),
+    }
+
+
 _ALLOC = re.compile(r"ttg\.local_alloc\b[^\n]*?!ttg\.memdesc<((?:\d+x)+)\w+, [^>]*mutable")
 
 
@@ -808,6 +829,7 @@ def analyse(kernel: object, log: str, tile: tuple[int, int] | None, workdir: Pat
         kv_buffers=kv_buffers(ttgir, *tile) if tile else None,
         mbarriers=len(re.findall(r"\bmbarrier\.init", ptx)),
         **partitions(ttgir),
+        **wgmma_notes(log),
     )
     row["consumer_warps"] = _consumer_warps(row, kernel.metadata.num_warps)
     return row

@@ -1358,6 +1358,13 @@ MUTANTS = [
         "tests/bench/test_compile_report.py::test_planted_serial_instructions",
     ),
     _m(
+        "wgmma-notes-of-a-cached-kernel-read-as-none",
+        "bench/compile_report.py",
+        '    if "Used " not in log:',
+        "    if False:",
+        "tests/bench/test_compile_report.py::test_wgmma_notes_from_ptxas_log",
+    ),
+    _m(
         "serial-instructions-end-at-a-partial-wait",
         "bench/sass.py",
         '            elif i.opcode == "WARPGROUP.DEPBAR.LE" and _WAIT_ALL.match(i.operands):',

@@ -1181,6 +1181,39 @@ def test_ptxas_log_contradiction_is_refused() -> None:
         compile_report.check_ptxas_log(log, 254, (140, 176))
 
 
+def test_wgmma_notes_from_ptxas_log() -> None:
+    used = "ptxas info    : Used 255 registers, used 1 barriers\n"
+    injected = (
+        "ptxas info    : (C7517) wgmma.wait_group is injected in around line 872 by compiler to "
+        "allow use of registers defined by GMMA in function 'k'\n"
+    )
+    serialized = (
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to non wgmma instructions reading accumulator registers of  a wgmma "
+        "between start and end of the pipeline stage in the function 'k' in line 0\n"
+    )
+    notes = compile_report.wgmma_notes
+    assert notes(used) == {"wgmma_serialized": False, "wgmma_injected_waits": 0}
+    assert notes(injected * 2 + used) == {"wgmma_serialized": False, "wgmma_injected_waits": 2}
+    assert notes(serialized + used)["wgmma_serialized"] is True
+    # From Triton's cache there is no log: unknown, not "none".
+    assert notes("") == {"wgmma_serialized": None, "wgmma_injected_waits": None}
+
+
+def test_no_launch_has_its_mmas_serialized(report: Report) -> None:
+    # ptxas serializes warpgroup MMAs (a wait after each) where an instruction may read an
+    # accumulator in flight: every overlap of an MMA with other work is then gone, which no
+    # instruction count shows. No launch the report compiles may have it, and none of the
+    # launcher's own (default) launches may have waits ptxas put in on its own.
+    checked = [r for r in report.rows if r["wgmma_serialized"] is not None]
+    assert len(checked) > len(report.rows) // 2
+    assert not [r for r in checked if r["wgmma_serialized"]]
+    attention = [r for r in checked if r["kernel"].startswith("paged_attention")]
+    defaults = [r for r in attention if r["variant"] == "default"]
+    assert defaults
+    assert not [r for r in defaults if r["wgmma_injected_waits"]]
+
+
 def test_partitions_from_ttgir() -> None:
     ttgir = """module attributes {"ttg.num-warps" = 4 : i32} {
     ttg.warp_specialize(%a) attributes {requestedRegisters = array<i32: 232, 232>}
