@@ -5,9 +5,10 @@ Its loop runs one iteration more than the tiles: the first takes no softmax step
 computes scores it drops, and K and V come from different tiles in one iteration. So it is
 checked against the float64 oracle where those edges fall: runs of zero, one and two whole
 tiles, every key path (tiles inside one block by pointers and by descriptor, tiles across two
-blocks, per-row block ids), block sizes 1 and 7, GQA, head_dim 80, causal chunks, gaps,
-NaN-poisoned pools and outputs. Its machine code (the scores' MMA issued under the softmax) is
-checked by tests/bench/test_compile_report.py.
+blocks, per-row block ids), block sizes 1 and 7, GQA, head_dim 80, causal chunks, gaps, NaN-
+poisoned pools and outputs; and in fp16 (bf16 on a GPU) at the launcher's own tiles. Its machine
+code (the scores' MMA issued under the softmax) is checked by
+tests/bench/test_compile_report.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from paged_video import kernels
 from tests.helpers import DEVICE, record_launches
 from tests.kernels.paged_case import make_paged_case
-from tests.kernels.test_paged_attention import run_and_compare
+from tests.kernels.test_paged_attention import LOW_PRECISION_DTYPES, run_and_compare
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 # The first iteration's skipped step computes its rescale from a row max of -inf (-inf - -inf)
@@ -87,6 +88,20 @@ def test_scores_ahead_over_long_runs_across_blocks(
         device=DEVICE,
     )  # fmt: skip
     run_and_compare(case, block_m=16, block_n=block_n, variant=variant, scores_ahead=True)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 24, 1560], ids=lambda b: f"B{b}")
+def test_scores_ahead_low_precision_at_the_launchers_tiles(
+    dtype: torch.dtype, block_size: int
+) -> None:
+    # The launcher's own tiles (on a GPU the table's: 128-key tiles, TMA at block 1560), 16-bit
+    # MMAs, head_dim 128, a causal chunk and a multi-block run.
+    case = make_paged_case(
+        q_lens=[37, 5], k_lens=[2 * block_size + 300, 130], block_size=block_size,
+        head_dim=128, dtype=dtype, device=DEVICE,
+    )  # fmt: skip
+    run_and_compare(case, causal=True, scores_ahead=True)
 
 
 @pytest.mark.parametrize("k_len", [0, 1, 15, 16, 17, 32, 47, 48, 161])
