@@ -5,9 +5,9 @@ Its loop runs one iteration more than the tiles: the first takes no softmax step
 computes scores it drops, and K and V come from different tiles in one iteration. So it is
 checked against the float64 oracle where those edges fall: runs of zero, one and two whole
 tiles, every key path (tiles inside one block by pointers and by descriptor, tiles across two
-blocks, per-row block ids), block sizes 1 and 7, GQA, head_dim 80, causal chunks, gaps, NaN-
-poisoned pools and outputs; and in fp16 (bf16 on a GPU) at the launcher's own tiles. Its machine
-code (the scores' MMA issued under the softmax) is checked by
+blocks, per-row block ids), block sizes 1 and 7, GQA, head_dim 80, causal chunks, gaps,
+NaN-poisoned pools and outputs; and in fp16 (bf16 on a GPU) at the launcher's own tiles. Its
+machine code (the scores' MMA issued under the softmax) is checked by
 tests/bench/test_compile_report.py.
 """
 
