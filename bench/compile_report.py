@@ -740,9 +740,9 @@ _WGMMA_INJECTED_WAIT = re.compile(r"\(C7517\)")
 
 
 def wgmma_notes(log: str) -> dict[str, object]:
-    """What ptxas's log says it did to the warpgroup MMAs: ``wgmma_serialized`` (every MMA
-    waited for at once: their overlap with anything else is gone) and ``wgmma_injected_waits``
-    (waits it put in on its own); None where the log is empty (a cached kernel)."""
+    """What ptxas's log says it did to the warpgroup MMAs: ``wgmma_serialized`` (a wait after
+    every MMA: none overlaps anything else) and ``wgmma_injected_waits`` (waits it put in on its
+    own); None where the log is empty (a cached kernel)."""
     if "Used " not in log:
         return {"wgmma_serialized": None, "wgmma_injected_waits": None}
     return {

@@ -326,10 +326,10 @@ _WAIT_ALL = re.compile(r"^\s*gsb0\s*,\s*0x0\s*$")
 
 def serial_instructions(loop: Loop) -> int:
     """Instructions of an iteration issued while no warpgroup MMA is in flight: the work the
-    tensor cores cannot hide (with one warpgroup per SM sub-partition's MMAs). An MMA is in
-    flight from its issue to the next wait for all (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), across
-    the back edge too: the loop is read in address order, starting in the state its end leaves
-    (a ``P V`` issued last runs on under the next iteration's first instructions)."""
+    warpgroup's tensor cores cannot hide. An MMA is in flight from its issue to the next wait
+    for all (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), across the back edge too: the loop is read in
+    address order, starting in the state its end leaves (a ``P V`` issued last runs on under
+    the next iteration's first instructions)."""
 
     def walk(in_flight: bool) -> tuple[int, bool]:
         serial = 0
