@@ -21,8 +21,10 @@
 #    scores-ahead loops (-ahead: each tile's Q K^T issued a tile early, under the softmax
 #    before it) but the 128-key pointer one, and triton-ws and triton-ws-n128, the
 #    warp-specialized kernel) over
-#    blocks 64, 256, 1560, 16, 24, 520 (runs start until LAUNCH_BUDGET seconds); at block 64
-#    triton-tma-n128 is the loop over tiles of two whole blocks, a descriptor load per block;
+#    blocks 1560, 256, 16, 520, 64, 24 (a block of each table class first: a budget that cuts
+#    the last blocks still leaves every class a winner; runs start until LAUNCH_BUDGET
+#    seconds); at block 64 triton-tma-n128 is the loop over tiles of two whole blocks, a
+#    descriptor load per block;
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
 #    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
 #    launcher's own choice (the 128-key TMA loop: codes and scales by descriptor), its 64-key
@@ -100,7 +102,7 @@ launch_budget=${LAUNCH_BUDGET:-90}
 echo "== launch candidates (runs start until ${launch_budget}s, limit ${launch_timeout}s)"
 start=$SECONDS
 timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped \
-    --block-sizes 64,256,1560,16,24,520 --kernels paged_attention \
+    --block-sizes 1560,256,16,520,64,24 --kernels paged_attention \
     --providers triton-tma-n128,triton-tma-n128-ahead,triton-cp_async-n128,triton-tma,triton-tma-ahead,triton-cp_async,triton-cp_async-ahead,triton-ws,triton-ws-n128 \
     --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
     >"$out_dir/launches.log" 2>&1
