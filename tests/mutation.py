@@ -1314,6 +1314,14 @@ MUTANTS = [
         f"{AHEAD}::test_scores_ahead_over_long_runs_across_blocks",
     ),
     _m(
+        "ahead-v-block-ids-read-as-a-contiguous-table",
+        "kernels/_attention_jit.py",
+        "            table_row, stride_table_col, first_tile + j * BLOCK_N, "
+        "positions_end, BLOCK_N,",
+        "            table_row, 1, first_tile + j * BLOCK_N, positions_end, BLOCK_N,",
+        f"{AHEAD}::test_scores_ahead_reads_strided_index_tensors",
+    ),
+    _m(
         "ahead-quantized-allowed",
         "kernels/paged_attention.py",
         "    if scores_ahead and quantized:",

@@ -6,9 +6,9 @@ computes scores it drops, and K and V come from different tiles in one iteration
 checked against the float64 oracle where those edges fall: runs of zero, one and two whole
 tiles, every key path (tiles inside one block by pointers and by descriptor, tiles across two
 blocks, per-row block ids), block sizes 1 and 7, GQA, head_dim 80, causal chunks, gaps,
-NaN-poisoned pools and outputs; and in fp16 (bf16 on a GPU) at the launcher's own tiles. Its
-machine code (the scores' MMA issued under the softmax) is checked by
-tests/bench/test_compile_report.py.
+NaN-poisoned pools and outputs, index tensors as strided views; and in fp16 (bf16 on a GPU)
+at the launcher's own tiles. Its machine code (the scores' MMA issued under the softmax) is
+checked by tests/bench/test_compile_report.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import importlib
 import pytest
 import torch
 
-from paged_video import kernels
-from tests.helpers import DEVICE, record_launches
+from paged_video import kernels, reference
+from tests.helpers import DEVICE, nan_like, record_launches
 from tests.kernels.paged_case import make_paged_case
 from tests.kernels.test_paged_attention import LOW_PRECISION_DTYPES, run_and_compare
+from tests.kernels.test_strided_index import FP32_ATOL, column, column_major
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 # The first iteration's skipped step computes its rescale from a row max of -inf (-inf - -inf)
@@ -37,7 +38,7 @@ PATHS = [
     pytest.param(31, 16, 64, id="block_tiles-B31-N16"),
     pytest.param(7, 16, 80, id="block_tiles-B7-N16-D80"),
     pytest.param(1, 16, 16, id="rows-B1-N16"),
-    pytest.param(24, 64, 32, id="rows-B24-N64"),
+    pytest.param(24, 64, 32, id="block_tiles-B24-N64"),
     pytest.param(511, 256, 16, id="two_blocks-B511-N256"),
 ]
 
@@ -159,3 +160,30 @@ def test_scores_ahead_takes_the_tma_loop_where_the_table_chose_ws(monkeypatch) -
     assert kernels.choose_tiles(**pairs)["TMA"]
     tiles = kernels.choose_tiles(scores_ahead=True, **pairs)
     assert (tiles["VARIANT"], tiles["TMA"], tiles["SCORES_AHEAD"]) == ("cp_async", False, True)
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [
+        pytest.param(64, 32, id="contiguous-B64-N32"),
+        pytest.param(1, 16, id="rows-B1-N16"),
+        pytest.param(24, 64, id="block_tiles-B24-N64"),
+        pytest.param(511, 256, id="two_blocks-B511-N256"),
+    ],
+)
+@pytest.mark.parametrize("make_view", [column_major, lambda t: column(t, 0)], ids=["cm", "step"])
+def test_scores_ahead_reads_strided_index_tensors(block_size: int, block_n: int, make_view) -> None:
+    # The loop reads the table twice an iteration (K's and V's next block ids): a block table
+    # as a strided view, with the sequence bounds as strided columns beside wrong values.
+    case = make_paged_case(
+        q_lens=[5, 9], k_lens=[2 * block_size + 3 * block_n + 5, block_n + 3],
+        block_size=block_size, device=DEVICE,
+    )  # fmt: skip
+    q, k_cache, v_cache, table, cu, lens = case.args()
+    want = reference.paged_attention(*case.args(), max_seqlen_q=9)
+    got = kernels.paged_attention(
+        q, k_cache, v_cache, make_view(table), column(cu, 4), column(lens, 0), max_seqlen_q=9,
+        block_m=16, block_n=block_n, scores_ahead=True, out=nan_like(q),
+    )  # fmt: skip
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
