@@ -17,14 +17,14 @@
 #    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
 #    (the noise check) are still measured; CSV and log in OUT_DIR;
 # 3. the launch candidates: this project's kernel at each variant and key tile the launch table
-#    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, the
+#    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, their
 #    scores-ahead loops (-ahead: each tile's Q K^T issued a tile early, under the softmax
-#    before it) but the 128-key pointer one, and triton-ws and triton-ws-n128, the
-#    warp-specialized kernel) over
+#    before it), and triton-ws and triton-ws-n128, the warp-specialized kernel) over
 #    blocks 1560, 256, 16, 520, 64, 24 (a block of each table class first: a budget that cuts
 #    the last blocks still leaves every class a winner; runs start until LAUNCH_BUDGET
-#    seconds); at block 64 triton-tma-n128 is the loop over tiles of two whole blocks, a
-#    descriptor load per block;
+#    seconds); at block 64 triton-tma-n128 and triton-tma-n128-ahead are the loop over tiles
+#    of two whole blocks, a descriptor load per block, which a table row reads by pointer:
+#    `choose` weighs them there at their triton-cp_async-n128 twins' times;
 # 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
 #    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
 #    launcher's own choice (the 128-key TMA loop: codes and scales by descriptor), its 64-key
@@ -103,7 +103,7 @@ echo "== launch candidates (runs start until ${launch_budget}s, limit ${launch_t
 start=$SECONDS
 timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped \
     --block-sizes 1560,256,16,520,64,24 --kernels paged_attention \
-    --providers triton-tma-n128,triton-tma-n128-ahead,triton-cp_async-n128,triton-tma,triton-tma-ahead,triton-cp_async,triton-cp_async-ahead,triton-ws,triton-ws-n128 \
+    --providers triton-tma-n128,triton-tma-n128-ahead,triton-cp_async-n128,triton-cp_async-n128-ahead,triton-tma,triton-tma-ahead,triton-cp_async,triton-cp_async-ahead,triton-ws,triton-ws-n128 \
     --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
     >"$out_dir/launches.log" 2>&1
 launch_rc=$?

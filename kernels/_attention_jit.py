@@ -899,47 +899,81 @@ def _attend_block_pairs(
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """The unmasked loop over 16-bit key tiles of two whole blocks (``BLOCK_N == 2 *
     BLOCK_SIZE``, tiles starting on block edges: the rows path's at block 64 and 128 keys) by
     descriptor: each block's K and V rows are one load (a descriptor box is ``BLOCK_SIZE``
     rows), the two halves' scores one online-softmax step, so the accumulator is rescaled once
-    per ``BLOCK_N`` keys, as a tile inside one block is (``state`` as in ``_attend_tiles``)."""
-    acc, row_max, row_sum = state
+    per ``BLOCK_N`` keys, as a tile inside one block is (``state`` as in ``_attend_tiles``).
+    ``AHEAD``: the scores one tile ahead, as in ``_attend_tiles_ahead`` (iteration j reads K of
+    tile ``min(j, last)`` and V of tile ``max(j - 1, 0)``; iteration 0 takes no step)."""
     table_row, stride_table_col = table
-    id0, id1, _ = _tile_block_ids(
+    k_id0, k_id1, _ = _tile_block_ids(
         table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE,
         "two_blocks", 0, BLOCK_SIZE, False, False,
     )  # fmt: skip
-    for j in range(0, num_tiles):
-        # The next tile's block ids first (its loads are issued a whole iteration early).
-        next_id0, next_id1, _ = _tile_block_ids(
-            table_row, stride_table_col, first_tile + (j + 1) * BLOCK_N, positions_end,
-            BLOCK_N, BLOCK_SIZE, "two_blocks", 0, BLOCK_SIZE, False, False,
+    if AHEAD:
+        last = num_tiles - 1
+        qk0 = tl.zeros([q.shape[0], BLOCK_SIZE], dtype=tl.float32)
+        qk1 = tl.zeros([q.shape[0], BLOCK_SIZE], dtype=tl.float32)
+        v_id0, v_id1 = k_id0, k_id1
+    for j in range(0, num_tiles + (AHEAD and num_tiles > 0)):
+        # The next tile's block ids first (its loads are issued a whole iteration early); with
+        # the scores ahead, K's and V's apart (as _attend_tiles_ahead reads them).
+        if AHEAD:
+            k_next = first_tile + tl.minimum(j + 1, last) * BLOCK_N
+        else:
+            k_next = first_tile + (j + 1) * BLOCK_N
+        next_k_id0, next_k_id1, _ = _tile_block_ids(
+            table_row, stride_table_col, k_next, positions_end, BLOCK_N, BLOCK_SIZE,
+            "two_blocks", 0, BLOCK_SIZE, False, False,
         )  # fmt: skip
-        k0 = descs[0].load([id0 * BLOCK_SIZE, descs[2]])
-        k1 = descs[0].load([id1 * BLOCK_SIZE, descs[2]])
-        v0 = descs[1].load([id0 * BLOCK_SIZE, descs[2]])
-        v1 = descs[1].load([id1 * BLOCK_SIZE, descs[2]])
+        if AHEAD:
+            next_v_id0, next_v_id1, _ = _tile_block_ids(
+                table_row, stride_table_col, first_tile + j * BLOCK_N, positions_end, BLOCK_N,
+                BLOCK_SIZE, "two_blocks", 0, BLOCK_SIZE, False, False,
+            )  # fmt: skip
+        else:
+            v_id0, v_id1 = k_id0, k_id1
+        k0 = descs[0].load([k_id0 * BLOCK_SIZE, descs[2]])
+        k1 = descs[0].load([k_id1 * BLOCK_SIZE, descs[2]])
+        v0 = descs[1].load([v_id0 * BLOCK_SIZE, descs[2]])
+        v1 = descs[1].load([v_id1 * BLOCK_SIZE, descs[2]])
         if UPCAST:
             k0, k1 = k0.to(tl.float32), k1.to(tl.float32)
             v0, v1 = v0.to(tl.float32), v1.to(tl.float32)
-        qk0 = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
-        qk1 = tl.dot(q, tl.trans(k1), input_precision=DOT_PRECISION)
-        # scale_log2 >= 0: the scaled maximum is the maximum scaled (as in _attend_tiles).
-        # One reduction over both halves (their elements paired first): one round of shuffles.
-        tile_max = tl.max(tl.maximum(qk0, qk1), axis=1)
-        new_max = tl.maximum(row_max, tile_max * scale_log2)
-        probs0 = tl.math.exp2(qk0 * scale_log2 - new_max[:, None])
-        probs1 = tl.math.exp2(qk1 * scale_log2 - new_max[:, None])
-        rescale = tl.math.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs0 + probs1, axis=1)
-        acc = acc * rescale[:, None]
-        acc = tl.dot(probs0.to(v0.dtype), v0, acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(probs1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
-        row_max = new_max
-        id0, id1 = next_id0, next_id1
-    return acc, row_max, row_sum
+        next_qk0 = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
+        next_qk1 = tl.dot(q, tl.trans(k1), input_precision=DOT_PRECISION)
+        if AHEAD:
+            state = _pair_step(state, qk0, qk1, v0, v1, scale_log2, j == 0, DOT_PRECISION)
+            qk0, qk1 = next_qk0, next_qk1
+            v_id0, v_id1 = next_v_id0, next_v_id1
+        else:
+            state = _pair_step(state, next_qk0, next_qk1, v0, v1, scale_log2, False, DOT_PRECISION)
+        k_id0, k_id1 = next_k_id0, next_k_id1
+    return state
+
+
+@triton.jit
+def _pair_step(state, qk0, qk1, v0, v1, scale_log2, skip, DOT_PRECISION: tl.constexpr):
+    """The online-softmax step of a tile of two blocks' scores ``qk0``, ``qk1`` and V tiles
+    (``_pv_step``'s ``skip``: the state comes back as it was)."""
+    acc, row_max, row_sum = state
+    # scale_log2 >= 0: the scaled maximum is the maximum scaled (as in _attend_tiles).
+    # One reduction over both halves (their elements paired first): one round of shuffles.
+    tile_max = tl.max(tl.maximum(qk0, qk1), axis=1)
+    new_max = tl.where(skip, row_max, tl.maximum(row_max, tile_max * scale_log2))
+    # Subtracting +inf makes every probability 0.
+    row_shift = tl.where(skip, float("inf"), new_max)[:, None]
+    probs0 = tl.math.exp2(qk0 * scale_log2 - row_shift)
+    probs1 = tl.math.exp2(qk1 * scale_log2 - row_shift)
+    rescale = tl.where(skip, 1.0, tl.math.exp2(row_max - new_max))
+    row_sum = row_sum * rescale + tl.sum(probs0 + probs1, axis=1)
+    acc = acc * rescale[:, None]
+    acc = tl.dot(probs0.to(v0.dtype), v0, acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(probs1.to(v1.dtype), v1, acc, input_precision=DOT_PRECISION)
+    return acc, new_max, row_sum
 
 
 @triton.jit
@@ -1055,16 +1089,16 @@ def _attend_piece(
             first_tile = full_lo
             tiles_start = full_lo + BLOCK_N
             num_tiles = (full_hi - full_lo) // BLOCK_N
-        if not masked and AHEAD:
+        if not masked and BLOCK_PAIRS:
+            state = _attend_block_pairs(
+                state, q, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
+                BLOCK_SIZE, UPCAST, DOT_PRECISION, AHEAD,
+            )  # fmt: skip
+        elif not masked and AHEAD:
             state = _attend_tiles_ahead(
                 state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, UPCAST, DOT_PRECISION, TMA,
                 PIECE_OFFSET, PIECE_SIZE,
-            )  # fmt: skip
-        elif not masked and BLOCK_PAIRS:
-            state = _attend_block_pairs(
-                state, q, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
-                BLOCK_SIZE, UPCAST, DOT_PRECISION,
             )  # fmt: skip
         else:
             state = _attend_tiles(

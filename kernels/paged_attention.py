@@ -446,8 +446,7 @@ def choose_tiles(
     # there); other paths keep the pointer loop. The warp-specialized kernel takes the
     # contiguous path's tiles only.
     ahead = chosen_ahead if scores_ahead is None else scores_ahead
-    # (The loop with the scores ahead reads tiles of two whole blocks by pointer.)
-    block_pairs = variant == "tma" and not ahead
+    block_pairs = variant == "tma"
     variant = variant or chosen
     if path in ("block_tiles", "rows") and variant == "ws":
         variant = "tma"

@@ -1317,8 +1317,9 @@ MUTANTS = [
         "ahead-v-block-ids-read-as-a-contiguous-table",
         "kernels/_attention_jit.py",
         "            table_row, stride_table_col, first_tile + j * BLOCK_N, "
-        "positions_end, BLOCK_N,",
-        "            table_row, 1, first_tile + j * BLOCK_N, positions_end, BLOCK_N,",
+        "positions_end, BLOCK_N,\n            BLOCK_SIZE, KV_PATH",
+        "            table_row, 1, first_tile + j * BLOCK_N, positions_end, BLOCK_N,\n"
+        "            BLOCK_SIZE, KV_PATH",
         f"{AHEAD}::test_scores_ahead_reads_strided_index_tensors",
     ),
     _m(
@@ -1329,11 +1330,41 @@ MUTANTS = [
         f"{AHEAD}::test_scores_ahead_refusals[quantized]",
     ),
     _m(
-        "ahead-keeps-the-pair-loop",
+        "ahead-leaves-the-pair-loop",
         "kernels/paged_attention.py",
-        '    block_pairs = variant == "tma" and not ahead\n',
         '    block_pairs = variant == "tma"\n',
+        '    block_pairs = variant == "tma" and not ahead\n',
         f"{AHEAD}::test_scores_ahead_takes_the_tma_loop_where_the_table_chose_ws",
+    ),
+    _m(
+        "ahead-pairs-first-iteration-takes-a-softmax-step",
+        "kernels/_attention_jit.py",
+        "qk0, qk1, v0, v1, scale_log2, j == 0, DOT_PRECISION)",
+        "qk0, qk1, v0, v1, scale_log2, j < 0, DOT_PRECISION)",
+        f"{AHEAD}::test_scores_ahead_matches_oracle[rows-pairs-B16-N32-tma]",
+    ),
+    _m(
+        "ahead-pairs-no-extra-iteration",
+        "kernels/_attention_jit.py",
+        "    for j in range(0, num_tiles + (AHEAD and num_tiles > 0)):",
+        "    for j in range(0, num_tiles):",
+        f"{AHEAD}::test_scores_ahead_matches_oracle[rows-pairs-B16-N32-tma]",
+    ),
+    _m(
+        "ahead-pairs-v-block-ids-of-the-k-tile",
+        "kernels/_attention_jit.py",
+        "            v_id0, v_id1 = next_v_id0, next_v_id1",
+        "            v_id0, v_id1 = next_k_id0, next_k_id1",
+        f"{AHEAD}::test_scores_ahead_over_long_runs_across_blocks[rows-pairs-B16-N32-tma]",
+    ),
+    _m(
+        "ahead-pairs-v-block-ids-read-as-a-contiguous-table",
+        "kernels/_attention_jit.py",
+        "                table_row, stride_table_col, first_tile + j * BLOCK_N, positions_end, "
+        'BLOCK_N,\n                BLOCK_SIZE, "two_blocks"',
+        "                table_row, 1, first_tile + j * BLOCK_N, positions_end, BLOCK_N,\n"
+        '                BLOCK_SIZE, "two_blocks"',
+        f"{AHEAD}::test_scores_ahead_reads_strided_index_tensors[cm-rows-pairs-B16-N32]",
     ),
     _m(
         "ahead-table-row-quantized-allowed",
@@ -1700,24 +1731,24 @@ MUTANTS = [
     _m(
         "block-pairs-second-block-read-as-the-first",
         "kernels/_attention_jit.py",
-        "        k1 = descs[0].load([id1 * BLOCK_SIZE, descs[2]])",
-        "        k1 = descs[0].load([id0 * BLOCK_SIZE, descs[2]])",
+        "        k1 = descs[0].load([k_id1 * BLOCK_SIZE, descs[2]])",
+        "        k1 = descs[0].load([k_id0 * BLOCK_SIZE, descs[2]])",
         "tests/kernels/test_launch_variants.py::"
         "test_tma_variant_matches_oracle[block-pairs-B16-N32]",
     ),
     _m(
         "block-pairs-accumulator-not-rescaled",
         "kernels/_attention_jit.py",
-        "        acc = acc * rescale[:, None]\n        acc = tl.dot(probs0",
-        "        acc = acc\n        acc = tl.dot(probs0",
+        "    acc = acc * rescale[:, None]\n    acc = tl.dot(probs0",
+        "    acc = acc\n    acc = tl.dot(probs0",
         "tests/kernels/test_launch_variants.py::"
         "test_tma_variant_matches_oracle[block-pairs-B64-N128-D32]",
     ),
     _m(
         "block-pairs-from-the-table",
         "kernels/paged_attention.py",
-        '    block_pairs = variant == "tma" and not ahead\n',
-        '    block_pairs = (variant or chosen) == "tma" and not ahead\n',
+        '    block_pairs = variant == "tma"\n',
+        '    block_pairs = (variant or chosen) == "tma"\n',
         "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
     ),
     _m(

@@ -113,15 +113,18 @@ def _launch_row(name: str, block: int, ms: float, variant: str | None = None) ->
     return measured("paged_attention", name, block, ms, role="ours", backend=backend)
 
 
-def test_the_pair_loop_counts_as_the_pointer_loop_a_table_row_runs() -> None:
+@pytest.mark.parametrize("ahead", ["", "-ahead"], ids=["plain", "ahead"])
+def test_the_pair_loop_counts_as_the_pointer_loop_a_table_row_runs(ahead: str) -> None:
     # Contiguous class (blocks 64, 256): at 64, triton-tma-n128 ran the loop over tiles of two
     # whole blocks (fastest there), which a table row would read by pointer, as slowly as
     # triton-cp_async-n128. Weighed so, the 64-key TMA loop wins the class (geometric means
     # 1.02 against 1.14); taken at its own time, tma-n128 would have (1.00 against 1.08).
+    # With the scores ahead (its pair loop too), the same against triton-cp_async-n128-ahead.
+    pairs, pointers = f"triton-tma-n128{ahead}", f"triton-cp_async-n128{ahead}"
     rows = list(STEADY_CEILINGS)
     times = {
-        64: {"triton-tma": 1.0, "triton-tma-n128": 0.9, "triton-cp_async-n128": 1.3},
-        256: {"triton-tma": 1.0, "triton-tma-n128": 0.96, "triton-cp_async-n128": 1.2},
+        64: {"triton-tma": 1.0, pairs: 0.9, pointers: 1.3},
+        256: {"triton-tma": 1.0, pairs: 0.96, pointers: 1.2},
     }
     for block, by_name in times.items():
         rows += [_launch_row(name, block, ms) for name, ms in by_name.items()]
@@ -131,14 +134,15 @@ def test_the_pair_loop_counts_as_the_pointer_loop_a_table_row_runs() -> None:
     [line_64] = [line for line in lines if " | 64 | " in line]
     assert "0.900 (pairs)" in line_64 and "(pairs)" not in lines[-1]
     # Without the pointer loop's time at 64, tma-n128 does not compete in the class.
-    rows = [r for r in rows if r["provider"] != "triton-cp_async-n128"]
+    rows = [r for r in rows if r["provider"] != pointers]
     [choice], _ = choose.choose(rows)
     assert (choice["variant"], choice["block_n"]) == ("tma", 64)
     # With a faster pointer loop at 64 tma-n128 wins as a table row runs it (1.00 against
     # 1.12 and 1.14), and the winner's speedup at 64 is the pointer loop's: 1.0 / 0.8.
-    rows += [_launch_row("triton-cp_async-n128", b, ms) for b, ms in ((64, 0.8), (256, 1.2))]
+    rows += [_launch_row(pointers, b, ms) for b, ms in ((64, 0.8), (256, 1.2))]
     [choice], lines = choose.choose(rows)
     assert (choice["variant"], choice["block_n"]) == ("tma", 128)
+    assert choice["scores_ahead"] == bool(ahead)
     [line_64] = [line for line in lines if " | 64 | " in line]
     assert " | 1.25x" in line_64 and " | 1.11x" not in line_64
 

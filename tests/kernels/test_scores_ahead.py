@@ -40,6 +40,8 @@ PATHS = [
     pytest.param(1, 16, 16, id="rows-B1-N16"),
     pytest.param(24, 64, 32, id="block_tiles-B24-N64"),
     pytest.param(511, 256, 16, id="two_blocks-B511-N256"),
+    # Tiles of two whole blocks: by descriptor in the pair loop ("tma"), per-row ids otherwise.
+    pytest.param(16, 32, 32, id="rows-pairs-B16-N32"),
 ]
 
 
@@ -149,7 +151,7 @@ def test_scores_ahead_refusal_changes_nothing() -> None:
 
 def test_scores_ahead_takes_the_tma_loop_where_the_table_chose_ws(monkeypatch) -> None:
     # A warp-specialized row: the caller's scores_ahead runs the TMA loop with it; tiles of two
-    # whole blocks (variant "tma" named at block 64) go by pointer, as that loop reads them.
+    # whole blocks (variant "tma" named at block 64) keep their descriptor loads (the pair loop).
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     ws = dict(variant="ws", block_n=64, scores_ahead=False, num_warps=4, num_stages=2)
     monkeypatch.setattr(launcher.launch_table, "lookup", lambda d, p, m: ws)
@@ -159,20 +161,23 @@ def test_scores_ahead_takes_the_tma_loop_where_the_table_chose_ws(monkeypatch) -
     pairs = dict(block_size=64, block_n=128, variant="tma", **shipped)
     assert kernels.choose_tiles(**pairs)["TMA"]
     tiles = kernels.choose_tiles(scores_ahead=True, **pairs)
-    assert (tiles["VARIANT"], tiles["TMA"], tiles["SCORES_AHEAD"]) == ("cp_async", False, True)
+    assert (tiles["VARIANT"], tiles["TMA"], tiles["SCORES_AHEAD"]) == ("tma", True, True)
 
 
 @pytest.mark.parametrize(
-    "block_size, block_n",
+    "block_size, block_n, variant",
     [
-        pytest.param(64, 32, id="contiguous-B64-N32"),
-        pytest.param(1, 16, id="rows-B1-N16"),
-        pytest.param(24, 64, id="block_tiles-B24-N64"),
-        pytest.param(511, 256, id="two_blocks-B511-N256"),
+        pytest.param(64, 32, None, id="contiguous-B64-N32"),
+        pytest.param(1, 16, None, id="rows-B1-N16"),
+        pytest.param(24, 64, None, id="block_tiles-B24-N64"),
+        pytest.param(511, 256, None, id="two_blocks-B511-N256"),
+        pytest.param(16, 32, "tma", id="rows-pairs-B16-N32"),
     ],
 )
 @pytest.mark.parametrize("make_view", [column_major, lambda t: column(t, 0)], ids=["cm", "step"])
-def test_scores_ahead_reads_strided_index_tensors(block_size: int, block_n: int, make_view) -> None:
+def test_scores_ahead_reads_strided_index_tensors(
+    block_size: int, block_n: int, variant: str | None, make_view
+) -> None:
     # The loop reads the table twice an iteration (K's and V's next block ids): a block table
     # as a strided view, with the sequence bounds as strided columns beside wrong values.
     case = make_paged_case(
@@ -183,7 +188,7 @@ def test_scores_ahead_reads_strided_index_tensors(block_size: int, block_n: int,
     want = reference.paged_attention(*case.args(), max_seqlen_q=9)
     got = kernels.paged_attention(
         q, k_cache, v_cache, make_view(table), column(cu, 4), column(lens, 0), max_seqlen_q=9,
-        block_m=16, block_n=block_n, scores_ahead=True, out=nan_like(q),
+        block_m=16, block_n=block_n, variant=variant, scores_ahead=True, out=nan_like(q),
     )  # fmt: skip
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
