@@ -448,10 +448,9 @@ def choose_tiles(
     ahead = chosen_ahead if scores_ahead is None else scores_ahead
     block_pairs = variant == "tma"
     variant = variant or chosen
-    if path in ("block_tiles", "rows") and variant == "ws":
-        variant = "tma"
-    if ahead and variant == "ws":
-        # The warp-specialized kernel has no such loop: the TMA loop runs it.
+    if variant == "ws" and (path in ("block_tiles", "rows") or ahead):
+        # (Nor has it a loop with the scores ahead.) The TMA loop runs the other paths' tiles,
+        # and calls with the scores ahead.
         variant = "tma"
     variant = (
         variant if _descriptor_tiles(block_size, tile_n, quantized, block_pairs) else "cp_async"
