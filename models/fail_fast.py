@@ -17,7 +17,8 @@ gloo). ``FailFast`` is a side channel beside the collectives, on the store the r
   ``wait``, which waits for them ``check_s`` at a time (gloo: a blocking wait that ends the
   moment the collective does, so a healthy wait costs nothing) and between waits looks at the
   flag and the heartbeats. A collective that fails (gloo reports a peer's closed connection at
-  once) sets the flag too. A rank blocked in a collective therefore raises within ``check_s``
+  once) sets the flag too; a slice that times out as its collective completes does not (the
+  completed work's own outcome decides). A rank blocked in a collective therefore raises within ``check_s``
   of the flag being set.
 
 Why a side channel rather than short collective timeouts: a healthy peer may legitimately be
@@ -243,13 +244,18 @@ class FailFast:
 
     @staticmethod
     def _wait_for(work: dist.Work, timeout: timedelta) -> bool:
-        """Whether ``work`` finished within ``timeout`` (its own failure raises)."""
+        """Whether ``work`` finished within ``timeout`` (its own failure raises).
+
+        A wait that times out ("Operation timed out!") while the collective completes, after the
+        timeout and before the completion check, is no failure: the collective's own outcome
+        is what a second wait on the completed work gives (at once: its result, or its error).
+        """
         try:
             work.wait(timeout)
         except Exception:
-            if work.is_completed():
-                raise
-            return False  # only the wait's timeout: the collective goes on
+            if not work.is_completed():
+                return False  # only the wait's timeout: the collective goes on
+            work.wait()  # completed: returns at once, or raises the collective's own failure
         return True
 
     def _poll(self, work: dist.Work, what: str) -> None:

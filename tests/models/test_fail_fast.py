@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -73,6 +74,57 @@ def test_one_guard_per_world_and_a_poisoned_world_raises(world_of_one):
 def test_guard_rejects_bad_settings(settings, message):
     with pytest.raises(ValueError, match=message):
         FailFast(dist.HashStore(), 0, 1, **settings)
+
+
+class _StubWork:
+    """A collective's ``Work`` whose timed waits time out ``timeouts`` times; the last of them
+    completes it (with ``error`` when given) between the timeout and the completion check."""
+
+    def __init__(self, timeouts: int, error: Exception | None = None) -> None:
+        self.timeouts = timeouts
+        self.error = error
+        self.completed = False
+        self.waits = 0
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waits += 1
+        if not self.completed and timeout is not None and self.timeouts > 0:
+            self.timeouts -= 1
+            self.completed = self.timeouts == 0  # the race: done just after the timeout
+            raise RuntimeError("Operation timed out!")
+        self.completed = True
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+@pytest.mark.parametrize("timeouts", [1, 3])
+def test_a_slice_that_times_out_as_the_collective_completes_is_no_failure(timeouts):
+    guard = FailFast(dist.HashStore(), 0, 1, heartbeat_s=0.05, check_s=0.01, dead_after_s=1.0)
+    try:
+        work = _StubWork(timeouts)
+        guard.wait(work, "stub all-gather")  # returns: the collective completed
+        assert work.completed and guard.posted() is None
+    finally:
+        guard.close()
+
+
+@pytest.mark.parametrize("timeouts", [0, 1])
+def test_a_collective_that_fails_still_fails_the_world_at_once(timeouts):
+    guard = FailFast(dist.HashStore(), 0, 1, heartbeat_s=0.05, check_s=60.0, dead_after_s=1.0)
+    try:
+        failure = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+        work = _StubWork(timeouts, failure)
+        with pytest.raises(RankFailedError, match="stub all-gather failed") as raised:
+            guard.wait(work, "stub all-gather")
+        # Its own failure, not a slice's timeout, posted for the others; no 60 s slice waited.
+        assert "RuntimeError: Connection closed by peer" in str(raised.value)
+        assert "Connection closed by peer" in guard.posted() and work.waits <= timeouts + 2
+    finally:
+        guard.close()
 
 
 class _SlowStore(dist.HashStore):
