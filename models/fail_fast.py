@@ -18,8 +18,8 @@ gloo). ``FailFast`` is a side channel beside the collectives, on the store the r
   moment the collective does, so a healthy wait costs nothing) and between waits looks at the
   flag and the heartbeats. A collective that fails (gloo reports a peer's closed connection at
   once) sets the flag too; a slice that times out as its collective completes does not (the
-  completed work's own outcome decides). A rank blocked in a collective therefore raises within ``check_s``
-  of the flag being set.
+  completed work's own outcome decides). A rank blocked in a collective therefore raises
+  within ``check_s`` of the flag being set.
 
 Why a side channel rather than short collective timeouts: a healthy peer may legitimately be
 minutes late (a long first forward, compilation), so no collective timeout tells slow from dead;
