@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_video.integrations.vllm_omni import backend
+from paged_video.integrations.vllm_omni import ENV_SWITCH, backend
 
 SEAM_MODULE = "vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention"
 ENTRY = "ar_diffusion_paged_attention"
@@ -105,10 +105,6 @@ EXPECTED_PARAMETERS: dict[str, tuple[tuple[str, object, object], ...]] = {
     ),
     GATHER_SWITCH: (),
 }
-
-# Set to "1" by ``install()`` so that vllm-omni's worker processes, which start fresh and load
-# the ``vllm_omni.general_plugins`` entry points, install the backend too.
-ENV_SWITCH = "PAGED_VIDEO_VLLM_OMNI"
 
 
 class UnsupportedVllmOmniError(RuntimeError):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
+import subprocess
 import sys
+import textwrap
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from paged_video.integrations.vllm_omni import (
 )
 
 ENTRY, CPU_SEAM, STAGING_SEAM = patching.ENTRY, patching.CPU_SEAM, patching.STAGING_SEAM
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bindings(standin) -> dict[str, object]:
@@ -179,3 +185,58 @@ def test_rocm_and_other_devices_keep_vllm_omnis_own_paths(monkeypatch):
     xpu_query = types.SimpleNamespace(device=types.SimpleNamespace(type="xpu"))
     assert seam(xpu_query, None, None, None, None, None, 1.0, causal=False) == "vllm-omni's"
     assert len(calls) == 1
+
+
+def _plugin_entry_point() -> importlib.metadata.EntryPoint:
+    """This package's ``vllm_omni.general_plugins`` entry point, as pyproject.toml declares it."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    value = re.search(r'^paged_video = "(.+)"$', pyproject, re.M).group(1)
+    return importlib.metadata.EntryPoint("paged_video", value, "vllm_omni.general_plugins")
+
+
+# How vllm-omni's plugin loader runs the entry point (load it, call it), in a fresh process.
+PLUGIN_LOADER = textwrap.dedent(
+    """
+    import importlib.metadata
+    import sys
+
+    name, value, group = sys.argv[1:4]
+    importlib.metadata.EntryPoint(name, value, group).load()()
+    print(sorted(name for name in sys.modules if name.startswith("paged_video")))
+    print("torch" in sys.modules)
+    """
+)
+
+
+def test_the_plugin_entry_point_imports_nothing_with_the_switch_unset(tmp_path):
+    # vllm-omni runs its plugins in every process it starts: with the switch unset they must
+    # not load the kernels (nor torch) there.
+    entry_point = _plugin_entry_point()
+    env = {k: v for k, v in os.environ.items() if k != ENV_SWITCH}
+    env["PYTHONPATH"] = str(REPO)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PLUGIN_LOADER,
+            entry_point.name,
+            entry_point.value,
+            entry_point.group,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    needed = ["paged_video", "paged_video.integrations", "paged_video.integrations.vllm_omni"]
+    assert result.stdout.splitlines() == [str(needed), "False"]
+
+
+def test_the_plugin_entry_point_installs_with_the_switch_set(standin, monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    _plugin_entry_point().load()()
+    entry = standin.module.ar_diffusion_paged_attention
+    assert is_installed() and entry is not standin.originals[ENTRY]
+    assert standin.package.ar_diffusion_paged_attention is entry
