@@ -9,8 +9,11 @@
 #    reused while its recipe is unchanged; about 3.3 GB): torch 2.13.0 first, vllm 0.30.0 and
 #    vllm-omni 0.30.0 without their dependencies (`pip install vllm-omni` alone would replace
 #    torch with a CUDA build and not bring vllm), torchvision 0.28.0 without dependencies, then
-#    the pure-Python packages their imports need, Hugging Face's `kernels` among them;
-# 2. installs this clone into it, as a vllm-omni user would;
+#    the pure-Python packages their imports need, Hugging Face's `kernels` among them. It
+#    deletes only a venv it made (its stamp file inside): any other existing, non-empty
+#    VLLM_OMNI_VENV is refused (exit 2), never deleted;
+# 2. installs this clone into it, as a vllm-omni user would, built from a copy in a temporary
+#    folder (setuptools writes build/ and an egg-info beside the sources: not into the clone);
 # 3. runs the AR-Diffusion tests (VLLM_OMNI_TESTS, default tests/diffusion/ar_diffusion; on a CPU
 #    only the `cpu`-marked ones) three times: as shipped; with the backend installed
 #    (`-p paged_video.integrations.vllm_omni.pytest_plugin`; on a CPU under Triton's
@@ -19,7 +22,8 @@
 # On a CPU torch, PyPI's torchvision (a CUDA build) cannot load its C ops, so the two op schemas
 # its import registers fakes for are defined first (a tiny -p plugin). The checkout's conftest
 # files are not loaded (--noconftest; VLLM_OMNI_CONFTEST=1 loads them, which needs their own
-# test dependencies). PYTHON picks the interpreter the venv is made from (default python3).
+# test dependencies); no bytecode is written into the checkout. PYTHON picks the interpreter the
+# venv is made from (default python3). Nothing is written outside the venv and temporary folders.
 # Exit status: 0 when the shipped and the backend runs pass with the same number of tests
 # passed and the perturbed run fails; 1 otherwise; 2 on bad usage or a failed venv build.
 set -uo pipefail
@@ -45,13 +49,29 @@ pure_python=(
 )
 recipe="torch==2.13.0 vllm==0.30.0 vllm-omni==0.30.0 torchvision==0.28.0 ${pure_python[*]}"
 stamp="$venv/.paged_video_recipe_$(printf '%s' "$recipe" | sha256sum | cut -c1-16)"
+# Written into a venv the moment this script makes it: the only licence to delete it later.
+made_here="$venv/.paged_video_vllm_omni_check"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
 start=$SECONDS
+# Everything but the venv is written here, and the tests run from here (neither this clone's
+# root nor the checkout's on sys.path).
+work=$(mktemp -d) || exit 2
+trap 'rm -rf "$work"' EXIT
 if [ ! -f "$stamp" ]; then
+    if [ -f "$made_here" ]; then
+        rm -rf "$venv"  # ours, from an older recipe or a build that failed
+    elif [ -e "$venv" ] || [ -L "$venv" ]; then
+        if [ ! -d "$venv" ] || [ -n "$(ls -A "$venv")" ]; then
+            echo "vllm_omni_check: VLLM_OMNI_VENV=$venv exists and was not made by this script" \
+                "(no $(basename "$made_here") in it); refusing to replace it. Point" \
+                "VLLM_OMNI_VENV at a new path, or remove that folder yourself." >&2
+            exit 2
+        fi
+    fi
     echo "== building $venv (once; ~16 min, ~3.3 GB)"
-    rm -rf "$venv" && "$python" -m venv "$venv" || exit 2
-    wheels=$(mktemp -d)
+    mkdir -p "$venv" && : >"$made_here" && "$python" -m venv "$venv" || exit 2
+    wheels="$work/wheels"
     {
         "${pip[@]}" install -q torch==2.13.0 &&
         "${pip[@]}" download -q --no-deps vllm==0.30.0 -d "$wheels" &&
@@ -60,18 +80,19 @@ if [ ! -f "$stamp" ]; then
         "${pip[@]}" install -q "${pure_python[@]}"
     } 2>&1 | grep -vE "^WARNING: Location|dependency (resolver|conflicts)|requires .*, which is not installed|which is incompatible"
     build_rc=${PIPESTATUS[0]}
-    rm -rf "$wheels"
     [ "$build_rc" -eq 0 ] || { echo "venv build failed (exit $build_rc)" >&2; exit 2; }
     touch "$stamp"
     echo "== venv built in $((SECONDS - start))s"
 else
     echo "== reusing $venv"
 fi
-"${pip[@]}" install -q --no-deps --no-build-isolation --force-reinstall "$repo" 2>&1 |
-    grep -v "^WARNING: Location"
 
-work=$(mktemp -d)  # run from here: neither this clone's root nor the checkout's on sys.path
-trap 'rm -rf "$work"' EXIT
+# The build writes beside its sources (build/, an egg-info): build a copy, inside $work.
+mkdir "$work/source" &&
+    tar -C "$repo" --exclude=./.git --exclude=./build --exclude='*.egg-info' \
+        --exclude=__pycache__ --exclude=./out -cf - . | tar -C "$work/source" -xf - || exit 2
+"${pip[@]}" install -q --no-deps --no-build-isolation --force-reinstall "$work/source" 2>&1 |
+    grep -v "^WARNING: Location"
 cat >"$work/pytest.ini" <<'INI'
 [pytest]
 markers =
@@ -102,7 +123,8 @@ for path in $tests; do paths+=("$src/$path"); done
 run() {  # run LABEL [extra pytest args...]: prints the label and pytest's count line
     local label=$1; shift
     local log="$work/$label.log"
-    (cd "$work" && PYTHONPATH="$work" "$venv/bin/python" -m pytest -c "$work/pytest.ini" \
+    (cd "$work" && PYTHONPATH="$work" PYTHONDONTWRITEBYTECODE=1 \
+        "$venv/bin/python" -m pytest -c "$work/pytest.ini" \
         --rootdir "$src" -p no:cacheprovider -p torchvision_cpu_schemas ${conftest[@]+"${conftest[@]}"} \
         ${selection[@]+"${selection[@]}"} "$@" "${paths[@]}") >"$log" 2>&1
     local rc=$?
