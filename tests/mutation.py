@@ -64,6 +64,9 @@ FLOAT16_RANGE = (
     "tests/kernels/test_quantized_modes.py::test_float16_operands_over_v_scales_from_1e_30_to_1e30"
 )
 AHEAD = "tests/kernels/test_scores_ahead.py"
+FAIL_FAST = "tests/models/test_fail_fast.py"
+VLLM_OMNI_INSTALL = "tests/integrations/test_vllm_omni_install.py"
+VLLM_OMNI_CHECK = "tests/integrations/test_vllm_omni_check.py"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -570,6 +573,57 @@ MUTANTS = [
         "if keys > MAX_KEYS:",
         "if False:",
         "tests/paging/test_config.py::test_a_window_past_int32_keys_is_refused",
+    ),
+    # -- models/fail_fast.py: a slice's timeout racing the collective's completion -----------
+    _m(
+        "fail-fast-race-reraises-the-timeout",
+        "models/fail_fast.py",
+        "            work.wait()  # completed: returns at once, or raises the collective's own",
+        "            raise  # completed: returns at once, or raises the collective's own",
+        f"{FAIL_FAST}::test_a_slice_that_times_out_as_the_collective_completes_is_no_failure",
+    ),
+    _m(
+        "fail-fast-race-hides-a-failure",
+        "models/fail_fast.py",
+        "            work.wait()  # completed: returns at once, or raises the collective's own",
+        "            pass  # completed: returns at once, or raises the collective's own",
+        f"{FAIL_FAST}::test_a_collective_that_fails_still_fails_the_world_at_once",
+    ),
+    # -- integrations/vllm_omni: the plugin entry point; bench/vllm_omni_check.sh ------------
+    _m(
+        "vllm-omni-entry-imports-the-installer",
+        "integrations/vllm_omni/__init__.py",
+        "if TYPE_CHECKING:",
+        "if True:",
+        f"{VLLM_OMNI_INSTALL}::test_the_plugin_entry_point_imports_nothing_with_the_switch_unset",
+    ),
+    _m(
+        "vllm-omni-entry-never-installs",
+        "integrations/vllm_omni/__init__.py",
+        "    patching.install(propagate=False)",
+        "    pass",
+        f"{VLLM_OMNI_INSTALL}::test_the_plugin_entry_point_installs_with_the_switch_set",
+    ),
+    _m(
+        "vllm-omni-check-deletes-any-venv",
+        "bench/vllm_omni_check.sh",
+        '    if [ -f "$made_here" ]; then',
+        "    if true; then",
+        f"{VLLM_OMNI_CHECK}::test_a_venv_path_the_script_did_not_make_is_refused_and_left_alone",
+    ),
+    _m(
+        "vllm-omni-check-builds-in-the-clone",
+        "bench/vllm_omni_check.sh",
+        '--force-reinstall "$work/source"',
+        '--force-reinstall "$repo"',
+        f"{VLLM_OMNI_CHECK}::test_the_script_writes_only_its_venv_and_deletes_only_its_own",
+    ),
+    _m(
+        "vllm-omni-check-bytecode-in-the-checkout",
+        "bench/vllm_omni_check.sh",
+        'PYTHONPATH="$work" PYTHONDONTWRITEBYTECODE=1',
+        'PYTHONPATH="$work"',
+        f"{VLLM_OMNI_CHECK}::test_the_script_writes_only_its_venv_and_deletes_only_its_own",
     ),
     # -- kernels/fused.py ----------------------------------------------------------------------
     _m(
@@ -2006,7 +2060,8 @@ def copy_repository(root: Path, target: Path) -> None:
 
 def check_mutants(mutants: Sequence[Mutant], root: Path) -> None:
     """Every mutant's snippet occurs exactly once, and the mutated file still compiles (a
-    syntax error would be "killed" by any test); names are unique."""
+    syntax error would be "killed" by any test; ``bash -n`` for a shell script); names are
+    unique."""
     names = [mutant.name for mutant in mutants]
     if len(set(names)) != len(names):
         raise SystemExit(f"mutant names repeat: {sorted(n for n in names if names.count(n) > 1)}")
@@ -2018,8 +2073,14 @@ def check_mutants(mutants: Sequence[Mutant], root: Path) -> None:
                 f"mutant {mutant.name}: its original snippet occurs {count} times in "
                 f"{mutant.path} (must be once); update the list"
             )
+        text = source.replace(mutant.original, mutant.replacement)
+        if mutant.path.endswith(".sh"):
+            parsed = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+            if parsed.returncode != 0:
+                raise SystemExit(f"mutant {mutant.name} does not parse: {parsed.stderr.strip()}")
+            continue
         try:
-            compile(source.replace(mutant.original, mutant.replacement), mutant.path, "exec")
+            compile(text, mutant.path, "exec")
         except SyntaxError as error:
             raise SystemExit(f"mutant {mutant.name} does not compile: {error}") from None
 

@@ -93,6 +93,7 @@ class Stubs:
     def run(self, venv: Path) -> subprocess.CompletedProcess:
         self.log.write_text("")
         env = dict(os.environ)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # the script must set it for pytest itself
         env.update(
             VLLM_OMNI_VENV=str(venv),
             PYTHON=str(self.bin / "python"),
