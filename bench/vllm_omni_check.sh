@@ -49,7 +49,8 @@ pure_python=(
 )
 recipe="torch==2.13.0 vllm==0.30.0 vllm-omni==0.30.0 torchvision==0.28.0 ${pure_python[*]}"
 stamp="$venv/.paged_video_recipe_$(printf '%s' "$recipe" | sha256sum | cut -c1-16)"
-# Written into a venv the moment this script makes it: the only licence to delete it later.
+# Written into a venv the moment this script makes it: with a recipe stamp (which older versions
+# of this script wrote alone), the only licence to delete it later.
 made_here="$venv/.paged_video_vllm_omni_check"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
@@ -59,8 +60,8 @@ start=$SECONDS
 work=$(mktemp -d) || exit 2
 trap 'rm -rf "$work"' EXIT
 if [ ! -f "$stamp" ]; then
-    if [ -f "$made_here" ]; then
-        rm -rf "$venv"  # ours, from an older recipe or a build that failed
+    if [ -f "$made_here" ] || compgen -G "$venv/.paged_video_recipe_*" >/dev/null; then
+        rm -rf "$venv"  # ours (its stamps): an older recipe, or a build that failed
     elif [ -e "$venv" ] || [ -L "$venv" ]; then
         if [ ! -d "$venv" ] || [ -n "$(ls -A "$venv")" ]; then
             echo "vllm_omni_check: VLLM_OMNI_VENV=$venv exists and was not made by this script" \

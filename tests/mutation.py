@@ -607,9 +607,16 @@ MUTANTS = [
     _m(
         "vllm-omni-check-deletes-any-venv",
         "bench/vllm_omni_check.sh",
-        '    if [ -f "$made_here" ]; then',
-        "    if true; then",
+        '    if [ -f "$made_here" ] ||',
+        "    if true ||",
         f"{VLLM_OMNI_CHECK}::test_a_venv_path_the_script_did_not_make_is_refused_and_left_alone",
+    ),
+    _m(
+        "vllm-omni-check-refuses-its-older-venvs",
+        "bench/vllm_omni_check.sh",
+        ' || compgen -G "$venv/.paged_video_recipe_*" >/dev/null; then',
+        "; then",
+        f"{VLLM_OMNI_CHECK}::test_the_script_writes_only_its_venv_and_deletes_only_its_own",
     ),
     _m(
         "vllm-omni-check-builds-in-the-clone",

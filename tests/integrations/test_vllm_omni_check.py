@@ -150,17 +150,24 @@ def test_the_script_writes_only_its_venv_and_deletes_only_its_own(tmp_path):
     assert Path(source).is_relative_to(stubs.tmp)  # built from a copy, not the clone
     assert _tree(stubs.clone) == clone_before and _tree(stubs.checkout) == checkout_before
     assert list(stubs.tmp.iterdir()) == []  # its temporary folder is gone
-    stamps = sorted(path.name for path in venv.iterdir() if path.name.startswith("."))
-    assert stamps[0] == ".paged_video_recipe_" + stamps[0][20:] and len(stamps) == 2
+    stamps = sorted(path.name for path in venv.glob(".paged_video*"))  # the recipe's, its own
+    assert len(stamps) == 2 and stamps[0].startswith(".paged_video_recipe_")
+    assert stamps[1] == ".paged_video_vllm_omni_check"
 
     assert "== reusing" in stubs.run(venv).stdout  # its recipe is current: kept
 
-    # Its own venv of another recipe is rebuilt: the one folder it may delete.
-    (venv / stamps[0]).rename(venv / ".paged_video_recipe_0123456789abcdef")
-    (venv / "left_from_before").write_text("")
-    result = stubs.run(venv)
-    assert result.returncode == 0 and "== building" in result.stdout
-    assert not (venv / "left_from_before").exists() and (venv / stamps[0]).is_file()
+    # Its own venv is rebuilt, the one folder it may delete: of another recipe (made by an older
+    # script, which wrote the recipe stamp alone), or from a build that failed (no recipe).
+    for left in ([".paged_video_recipe_0123456789abcdef"], [stamps[1]]):
+        for stamp in stamps:
+            (venv / stamp).unlink()
+        for stamp in left:
+            (venv / stamp).write_text("")
+        (venv / "left_from_before").write_text("")
+        result = stubs.run(venv)
+        assert result.returncode == 0 and "== building" in result.stdout
+        assert not (venv / "left_from_before").exists()
+        assert sorted(path.name for path in venv.glob(".paged_video*")) == stamps
 
 
 def test_an_empty_folder_is_used_for_the_venv(tmp_path):

@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     false_failures, missed, slices, caught = 0, 0, 0, []
     try:
         worlds = [(None, 2 + 2 * (i % 2)) for i in range(args.worlds)]
-        worlds += [(FAILURES[i % 3], 2 + 2 * (i // 3 % 2)) for i in range(args.planted)]
+        # kinds and sizes in turn: 6 planted worlds hold every kind at 2 and at 4 ranks
+        worlds += [(FAILURES[i % 3], 2 + 2 * (i % 2)) for i in range(args.planted)]
         for index, (failure, world_size) in enumerate(worlds):
             plan = {
                 "failure": failure,
