@@ -10,6 +10,7 @@ float32 sums) is checked on random geometries and pool formats through the kerne
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from unittest import mock
 
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from paged_video.kernels import fused
 from paged_video.kernels.gather_blocks import gather_blocks
-from paged_video.paging import PagingConfig
+from paged_video.paging import PagedKVCache, PagingConfig
 from paged_video.paging.forward import ForwardCall
 from tests.paging.twin import Twin, plain_torch_kernels
 
@@ -268,3 +269,59 @@ def test_kernels_single_staged_row_equals_its_row_in_a_batch(pools: str) -> None
         out = single.attend(0, q[rows], k[rows], v[rows])
         assert single.stage_from == 0, "the staged path did not run"
         assert torch.equal(out, batched[rows]), f"row {row}"
+
+
+attention_module = importlib.import_module("paged_video.kernels.paged_attention")
+# Slot-major pools of a bfloat16 cache: 16-bit (the table's "same" rows) or quantized.
+GPU_POOLS = {"bf16": {}, **{name: POOLS[name] for name in ("e4m3", "int8", "fp8-mma")}}
+
+
+def gpu_launches(config: PagingConfig, head_dim: int) -> list[dict]:
+    """The launcher's GPU tile choices (``choose_tiles``: its arguments and its result) for a
+    forward of 1 then 2 frames on a bfloat16 cache of ``config``; the kernels then take the
+    plain-PyTorch path on the CPU."""
+    launches = []
+
+    def spy(**kwargs) -> dict:
+        tiles = choose_tiles(**kwargs)
+        launches.append({**kwargs, **tiles})
+        return tiles
+
+    choose_tiles = attention_module.choose_tiles
+    cache = PagedKVCache(
+        config, num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype=torch.bfloat16
+    )
+    session = cache.open_session()
+    gpu = mock.patch.object(attention_module, "interpreter_active", return_value=False)
+    with plain_torch_kernels(), gpu, mock.patch.object(attention_module, "choose_tiles", spy):
+        for chunks in (1, 2):
+            n = chunks * config.chunk_size
+            call = ForwardCall(
+                cache, cache.plan(session, "main", n, commit=True), softmax_scale=0.1
+            )
+            q, k = torch.randn(n, 1, head_dim), torch.randn(n, 1, head_dim)
+            call.attend(0, *(t.to(torch.bfloat16) for t in (q, k, k)))
+            call.commit()
+    return launches
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [7, 16, 24, 520])
+@pytest.mark.parametrize("pools", GPU_POOLS)
+def test_gpu_staged_launch_is_the_paged_one(pools: str, block_size: int, head_dim: int) -> None:
+    # On a GPU the launch table picks the tile, variant and key loop per block size, key path
+    # and pool layout: a staged forward must get the paged forward's launch (equal outputs need
+    # one order of float32 sums), over slot-major pools (keys-major ones: docs/paging.md).
+    config = PagingConfig(
+        block_size=block_size,
+        chunk_size=block_size + 3,
+        sink_chunks=1,
+        window_chunks=2,
+        max_forward_chunks=2,
+        **GPU_POOLS[pools],
+    )
+    staged, paged = (
+        gpu_launches(dataclasses.replace(config, reuse_history_staging=on), head_dim)
+        for on in (True, False)
+    )
+    assert len(staged) == 2 and staged == paged
