@@ -245,30 +245,37 @@ def test_kernels_staged_equal_unstaged_on_random_geometries(run) -> None:
         pair.forward([(0, "main")], chunks, commit=commit, actions=actions)
 
 
+@pytest.mark.parametrize("lengths", [(2, 2), (1, 2)], ids=["even", "ragged"])
 @pytest.mark.parametrize("pools", ["float32", "int8"])
-def test_kernels_single_staged_row_equals_its_row_in_a_batch(pools: str) -> None:
+def test_kernels_single_staged_row_equals_its_row_in_a_batch(pools: str, lengths) -> None:
     # Both caches hold the same two-branch history (batched forwards attend over the paged
     # pools on both); then each branch alone on the staged cache, and both as one batch on the
-    # unstaged one: each row of the batch equals the staged single-row output bit for bit.
+    # unstaged one (rows of 2 and 2 frames, or 1 and 2: the batch's query tile is the longer
+    # row's): each row of the batch equals the staged single-row output bit for bit.
     config = dataclasses.replace(SMALL_BLOCKS, **POOLS[pools])
     pair = Twin(config, branches=("positive", "negative"), num_layers=1)
     pair.open()
     for chunks in (1, 2):
         pair.forward(BOTH, chunks, commit=True)
-    # Two frames: each row reads 17 keys, past the 16 of the first piece a block of 20 was cut
+    # A row of two frames reads 17 keys, past the 16 of the first piece a block of 20 was cut
     # into.
-    n = 2 * SMALL_BLOCKS.chunk_size
+    sizes = [chunks * SMALL_BLOCKS.chunk_size for chunks in lengths]
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(2 * n, h, 4, generator=gen) for h in (2, 1, 1))
-    batch = ForwardCall(pair.caches[1], pair.plans(BOTH, 2, commit=False)[1], softmax_scale=0.5)
-    assert batch.inputs.seq_lens_k.tolist() == [17, 17]
+    q, k, v = (torch.randn(sum(sizes), h, 4, generator=gen) for h in (2, 1, 1))
+    plans = [
+        pair.caches[1].plan(pair.sessions[0][1], b, n, commit=False)
+        for (_, b), n in zip(BOTH, sizes, strict=True)
+    ]
+    batch = ForwardCall(pair.caches[1], plans, softmax_scale=0.5)
     batched = batch.attend(0, q, k, v)
-    for i, row in enumerate(BOTH):
-        single = ForwardCall(pair.staged, pair.plans([row], 2, commit=False)[0], softmax_scale=0.5)
-        rows = slice(i * n, (i + 1) * n)
+    starts = [0, sizes[0]]
+    for (s, branch), start, n in zip(BOTH, starts, sizes, strict=True):
+        plan = pair.staged.plan(pair.sessions[s][0], branch, n, commit=False)
+        single = ForwardCall(pair.staged, plan, softmax_scale=0.5)
+        rows = slice(start, start + n)
         out = single.attend(0, q[rows], k[rows], v[rows])
         assert single.stage_from == 0, "the staged path did not run"
-        assert torch.equal(out, batched[rows]), f"row {row}"
+        assert torch.equal(out, batched[rows]), f"row {branch}"
 
 
 attention_module = importlib.import_module("paged_video.kernels.paged_attention")
