@@ -504,20 +504,32 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         check_values=False,
     )
     stage_tags[layer_index] = history
-    # The staged window is one contiguous run: attend over it as a single block.
-    single_block = torch.zeros(1, 1, dtype=torch.int32, device=query.device)
+    # The staged window attended as the pools' blocks, in table order (staged_blocks): the
+    # launch, and so the key order and the float32 sums, are the paged call's.
+    width, block_size = table.shape[1], k_cache.shape[1]
     result = paged_attention(
         query,
-        layer_k.unsqueeze(0),
-        layer_v.unsqueeze(0),
-        single_block,
+        *(staged_blocks(t, width, block_size) for t in (layer_k, layer_v)),
+        torch.arange(width, dtype=torch.int32, device=query.device).unsqueeze(0),
         cu_seqlens_q,
         seq_lens_k,
-        k_scale=_apply(stage_k_scale, Tensor.unsqueeze, 0),
-        v_scale=_apply(stage_v_scale, Tensor.unsqueeze, 0),
+        k_scale=_apply(stage_k_scale, staged_blocks, width, block_size),
+        v_scale=_apply(stage_v_scale, staged_blocks, width, block_size),
         **attend,
     )
     return _with_lse(result, query)
+
+
+def staged_blocks(stage: Tensor, width: int, block_size: int) -> Tensor:
+    """A layer's staging buffer (or its scales), ``(tokens, ...)``, as ``width`` blocks of the
+    pools' ``block_size``: entry ``j`` of the identity table is table entry ``j`` restaged.
+
+    Attention over it takes the launch the paged call takes (the block size picks the tile, the
+    key path and the pieces a block is cut into, hence the order keys are summed in), so staged
+    and unstaged outputs are equal bit for bit. One block of ``width * block_size`` would take
+    a launch of its own: 20 keys at 512-key tiles are cut into 16 + 4, two softmax steps where
+    blocks of 2 take one (docs/paging.md, "History staging")."""
+    return stage[: width * block_size].unflatten(0, (width, block_size))
 
 
 def _apply(tensor: Tensor | None, method: Callable[..., Tensor], *args: int) -> Tensor | None:

@@ -655,6 +655,22 @@ MUTANTS = [
         "tests/kernels/test_fused.py::test_a_staged_call_without_a_history_id_restages_all",
     ),
     _m(
+        "fused-staged-one-block",
+        "kernels/fused.py",
+        "width, block_size = table.shape[1], k_cache.shape[1]",
+        "width, block_size = 1, table.shape[1] * k_cache.shape[1]",
+        f"{STAGING}::test_kernels_staged_equal_unstaged_bit_for_bit[float32]",
+        f"{STAGING}::test_kernels_single_staged_row_equals_its_row_in_a_batch[int8-even]",
+        f"{STAGING}::test_gpu_staged_launch_is_the_paged_one[bf16-24-128]",
+    ),
+    _m(
+        "fused-staged-blocks-of-two",
+        "kernels/fused.py",
+        "width, block_size = table.shape[1], k_cache.shape[1]",
+        "width, block_size = table.shape[1] // 2, 2 * k_cache.shape[1]",
+        f"{STAGING}::test_kernels_staged_equal_unstaged_on_random_geometries",
+    ),
+    _m(
         "fused-tag-not-recorded",
         "kernels/fused.py",
         "    stage_tags[layer_index] = history\n",

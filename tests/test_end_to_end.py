@@ -286,7 +286,7 @@ def test_staged_and_unstaged_agree() -> None:
         run_ticks(rollout, [(session, "main")], 4, chunks=1, scratch=1, actions=2)
         runs.append(rollout.outputs)
     for a, b in zip(*runs, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        assert torch.equal(a, b)  # one launch, one order of sums (docs/paging.md)
 
 
 def test_shipped_geometry_reduced_heads() -> None:

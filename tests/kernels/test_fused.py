@@ -104,10 +104,13 @@ def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None, equalizer
             first_block=int(inputs.stage_from),
             **stage_scales,
         )
-        cache_k, cache_v = pools.stage_k[layer].unsqueeze(0), pools.stage_v[layer].unsqueeze(0)
+        # The staged window as the pools' blocks, in table order: the paged call's launch.
+        width = inputs.block_table.shape[1]
+        blocks = (width, k_cache.shape[1])
+        cache_k, cache_v = (t[layer].unflatten(0, blocks) for t in (pools.stage_k, pools.stage_v))
         if quantized:
-            k_scale, v_scale = stage[0].unsqueeze(0), stage[1].unsqueeze(0)
-        table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+            k_scale, v_scale = (t.unflatten(0, blocks) for t in stage)
+        table = torch.arange(width, dtype=torch.int32, device=DEVICE).view(1, -1)
     return kernels.paged_attention(
         query,
         cache_k,

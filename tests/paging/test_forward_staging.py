@@ -2,19 +2,25 @@
 batched forwards, dropped, cancelled and abandoned plans, and the reuse still happens.
 
 The short scenarios run the Triton kernels; the longer sequences take the plain-PyTorch path
-(``plain``), since what they test is the staging record, not the kernels.
+(``plain``), since what they test is the staging record, not the kernels. The kernels' own
+agreement (the staged window attended with the paged call's launch: same tile, key order and
+float32 sums) is checked on random geometries and pool formats through the kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from unittest import mock
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from paged_video.kernels import fused
 from paged_video.kernels.gather_blocks import gather_blocks
-from paged_video.paging import PagingConfig
+from paged_video.paging import PagedKVCache, PagingConfig
 from paged_video.paging.forward import ForwardCall
 from tests.paging.twin import Twin, plain_torch_kernels
 
@@ -179,3 +185,150 @@ def test_a_call_that_fails_mid_restage_leaves_nothing_reusable() -> None:
         call.attend(0, torch.randn(8, 2, 4), torch.randn(8, 1, 4), torch.randn(8, 1, 4))
     assert int(cache.stage_tags[0]) == -1 and cache.stage_tags[1] == held[1]
     pair.forward(BOTH[:1], commit=False)  # staged output equals unstaged, bit for bit
+
+
+# Blocks of 2, chunks of 5: the staged window is 10 blocks, 20 keys. Attended as one block of 20
+# it took a launch of its own (16 + 4 keys, two softmax steps, where the paged blocks of 2 take
+# one) and differed from the unstaged output by a float32 step.
+SMALL_BLOCKS = PagingConfig(
+    block_size=2, chunk_size=5, sink_chunks=1, window_chunks=2, max_forward_chunks=2
+)
+POOLS = {
+    "float32": {},
+    "e4m3": {"kv_dtype": torch.float8_e4m3fn},
+    "int8": {"kv_dtype": torch.int8},
+    "exact-window": {"exact_window": True},
+    "fp8-mma": {"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True},
+    "int8-mma-keys-major": {"kv_dtype": torch.int8, "int8_mma": True, "keys_major": True},
+}
+
+
+@pytest.mark.parametrize("pools", POOLS.values(), ids=POOLS.keys())
+def test_kernels_staged_equal_unstaged_bit_for_bit(pools: dict) -> None:
+    # One session, one layer: commit 1 frame, then 2, then 2 (Twin.run checks each output).
+    pair = Twin(dataclasses.replace(SMALL_BLOCKS, **pools), num_layers=1)
+    pair.open()
+    for chunks in (1, 2, 2):
+        pair.forward([(0, "main")], chunks, commit=True)
+
+
+@st.composite
+def staged_runs(draw) -> tuple[PagingConfig, list[tuple[int, bool, int]], int]:
+    """A small geometry, a pool format and three single-row forwards (chunks, commit, action
+    tokens) of one session."""
+    window = draw(st.integers(1, 3))
+    config = PagingConfig(
+        block_size=draw(st.integers(1, 8)),
+        chunk_size=draw(st.integers(1, 8)),
+        sink_chunks=draw(st.integers(0, 2)),
+        window_chunks=window,
+        max_forward_chunks=draw(st.integers(1, min(2, window))),
+        max_action_tokens=draw(st.sampled_from([0, 3])),
+        **{**draw(st.sampled_from(list(POOLS.values()))), "exact_window": draw(st.booleans())},
+    )
+    forward = st.tuples(
+        st.integers(1, config.max_forward_chunks),
+        st.booleans(),
+        st.sampled_from([0, config.max_action_tokens]),
+    )
+    return config, draw(st.lists(forward, min_size=3, max_size=3)), draw(st.integers(0, 99))
+
+
+@settings(max_examples=3)
+@given(run=staged_runs())
+@example(run=(dataclasses.replace(SMALL_BLOCKS, block_size=3), [(2, True, 0)] * 3, 1))
+def test_kernels_staged_equal_unstaged_on_random_geometries(run) -> None:
+    config, forwards, seed = run
+    pair = Twin(config, num_layers=1, seed=seed)
+    pair.open()
+    for chunks, commit, actions in forwards:
+        pair.forward([(0, "main")], chunks, commit=commit, actions=actions)
+
+
+@pytest.mark.parametrize("lengths", [(2, 2), (1, 2)], ids=["even", "ragged"])
+@pytest.mark.parametrize("pools", ["float32", "int8"])
+def test_kernels_single_staged_row_equals_its_row_in_a_batch(pools: str, lengths) -> None:
+    # Both caches hold the same two-branch history (batched forwards attend over the paged
+    # pools on both); then each branch alone on the staged cache, and both as one batch on the
+    # unstaged one (rows of 2 and 2 frames, or 1 and 2: the batch's query tile is the longer
+    # row's): each row of the batch equals the staged single-row output bit for bit.
+    config = dataclasses.replace(SMALL_BLOCKS, **POOLS[pools])
+    pair = Twin(config, branches=("positive", "negative"), num_layers=1)
+    pair.open()
+    for chunks in (1, 2):
+        pair.forward(BOTH, chunks, commit=True)
+    # A row of two frames reads 17 keys, past the 16 of the first piece a block of 20 was cut
+    # into.
+    sizes = [chunks * SMALL_BLOCKS.chunk_size for chunks in lengths]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(sizes), h, 4, generator=gen) for h in (2, 1, 1))
+    plans = [
+        pair.caches[1].plan(pair.sessions[0][1], b, n, commit=False)
+        for (_, b), n in zip(BOTH, sizes, strict=True)
+    ]
+    batch = ForwardCall(pair.caches[1], plans, softmax_scale=0.5)
+    batched = batch.attend(0, q, k, v)
+    starts = [0, sizes[0]]
+    for (s, branch), start, n in zip(BOTH, starts, sizes, strict=True):
+        plan = pair.staged.plan(pair.sessions[s][0], branch, n, commit=False)
+        single = ForwardCall(pair.staged, plan, softmax_scale=0.5)
+        rows = slice(start, start + n)
+        out = single.attend(0, q[rows], k[rows], v[rows])
+        assert single.stage_from == 0, "the staged path did not run"
+        assert torch.equal(out, batched[rows]), f"row {branch}"
+
+
+attention_module = importlib.import_module("paged_video.kernels.paged_attention")
+# Slot-major pools of a bfloat16 cache: 16-bit (the table's "same" rows) or quantized.
+GPU_POOLS = {"bf16": {}, **{name: POOLS[name] for name in ("e4m3", "int8", "fp8-mma")}}
+
+
+def gpu_launches(config: PagingConfig, head_dim: int) -> list[dict]:
+    """The launcher's GPU tile choices (``choose_tiles``: its arguments and its result) for a
+    forward of 1 then 2 frames on a bfloat16 cache of ``config``; the kernels then take the
+    plain-PyTorch path on the CPU."""
+    launches = []
+
+    def spy(**kwargs) -> dict:
+        tiles = choose_tiles(**kwargs)
+        launches.append({**kwargs, **tiles})
+        return tiles
+
+    choose_tiles = attention_module.choose_tiles
+    cache = PagedKVCache(
+        config, num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype=torch.bfloat16
+    )
+    session = cache.open_session()
+    gpu = mock.patch.object(attention_module, "interpreter_active", return_value=False)
+    with plain_torch_kernels(), gpu, mock.patch.object(attention_module, "choose_tiles", spy):
+        for chunks in (1, 2):
+            n = chunks * config.chunk_size
+            call = ForwardCall(
+                cache, cache.plan(session, "main", n, commit=True), softmax_scale=0.1
+            )
+            q, k = torch.randn(n, 1, head_dim), torch.randn(n, 1, head_dim)
+            call.attend(0, *(t.to(torch.bfloat16) for t in (q, k, k)))
+            call.commit()
+    return launches
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [7, 16, 24, 520])
+@pytest.mark.parametrize("pools", GPU_POOLS)
+def test_gpu_staged_launch_is_the_paged_one(pools: str, block_size: int, head_dim: int) -> None:
+    # On a GPU the launch table picks the tile, variant and key loop per block size, key path
+    # and pool layout: a staged forward must get the paged forward's launch (equal outputs need
+    # one order of float32 sums), over slot-major pools (keys-major ones: docs/paging.md).
+    config = PagingConfig(
+        block_size=block_size,
+        chunk_size=block_size + 3,
+        sink_chunks=1,
+        window_chunks=2,
+        max_forward_chunks=2,
+        **GPU_POOLS[pools],
+    )
+    staged, paged = (
+        gpu_launches(dataclasses.replace(config, reuse_history_staging=on), head_dim)
+        for on in (True, False)
+    )
+    assert len(staged) == 2 and staged == paged
