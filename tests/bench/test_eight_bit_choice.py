@@ -79,3 +79,32 @@ def test_verdicts_are_the_issues_goals() -> None:
     }
     printed = choice.format_table(table, markdown=True)
     assert "| fast | 3.90 | 3.30 | fast |" in printed
+
+
+# The formats docs/quantization.md chose ("Choosing the 8-bit format") and, per data kind, how
+# far over today's pool's error each may be: the fast one 1.1x today's e4m3 pool (the issue's
+# goal) where it meets it, with margins where it measured over it (v-token-outliers and v-grows
+# 1.03-1.13x, k-grows 1.16-1.29x: int8 K under outlier channels that appear after the first
+# write); the accurate one <= 1.5%, or 1.1x today's int8 pool where that misses 1.5% too.
+FAST = "int8-slot/block64/e4m3/acc13/q-row"
+ACCURATE = "int8-slot/bf16/bf16/exact/q-row"
+FAST_OVER = {"v-token-outliers": 1.2, "v-grows": 1.2, "k-grows": 1.35}
+INT8_BOUND = ("k-outliers-q-unscaled", "k-grows", "v-small")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_chosen_formats_meet_their_goals_on_small_data(seed: int) -> None:
+    """Every data kind on 512-key frames (2 of them) and 64 queries, against today's pools'
+    float64 emulations, so an oracle change that breaks a goal is caught here."""
+    config = AccuracyConfig(
+        heads=1, head_dim=128, chunk_size=512, sink_chunks=1, window_chunks=1, q_rows=64, seed=seed
+    )
+    every = choice.candidates()
+    table = choice.measure(config, {name: every[name] for name in (FAST, ACCURATE)})
+    fast, accurate = table[FAST], table[ACCURATE]
+    assert fast["random"] <= choice.FAST_RANDOM_GOAL
+    for kind, e4m3 in table[choice.E4M3_POOL].items():
+        assert fast[kind] <= FAST_OVER.get(kind, choice.FAST_VS_E4M3) * e4m3, kind
+        bound = 1.1 * table["today int8 pool"][kind] if kind in INT8_BOUND else 0.015
+        assert accurate[kind] <= bound, kind
+        assert fast[kind] >= 1.5 * accurate[kind], kind
