@@ -114,6 +114,16 @@ class EightBitFormat:
         return self.flush_tiles * self.tile_keys
 
 
+# The formats docs/quantization.md chose ("Choosing the 8-bit format"): the fast one (int8 Q per
+# row, int8 K per slot smoothed and equalized as today, e4m3 V per 64 keys and channel, e4m3 P,
+# flushed every 64-key tile) and the accurate one (the same Q and K; V and P in bf16, an exact
+# float32 accumulator).
+FAST_FORMAT = EightBitFormat(q_rows_per_scale=1, v_scales="block", v_keys_per_scale=64)
+ACCURATE_FORMAT = EightBitFormat(
+    q_rows_per_scale=1, v_scales="none", p_dtype=torch.bfloat16, acc_bits=None
+)
+
+
 class Codes(NamedTuple):
     """Codes and their float32 scales (shapes per function)."""
 

@@ -100,6 +100,8 @@ def test_the_chosen_formats_meet_their_goals_on_small_data(seed: int) -> None:
         heads=1, head_dim=128, chunk_size=512, sink_chunks=1, window_chunks=1, q_rows=64, seed=seed
     )
     every = choice.candidates()
+    assert every[FAST].format == eba.FAST_FORMAT and every[FAST].equalize_k
+    assert every[ACCURATE].format == eba.ACCURATE_FORMAT and every[ACCURATE].equalize_k
     table = choice.measure(config, {name: every[name] for name in (FAST, ACCURATE)})
     fast, accurate = table[FAST], table[ACCURATE]
     assert fast["random"] <= choice.FAST_RANDOM_GOAL
