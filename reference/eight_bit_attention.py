@@ -23,9 +23,10 @@ float64, so a CPU test tells the format's error from the kernel's. The steps:
 5. **Probabilities**: exact softmax with the final row max (the kernel's online max rounds
    other single values, at the same sizes): ``P = exp(s - rowmax) * p_scale`` rounded to
    ``p_dtype`` through float32, as the kernel converts (e4m3 at 448: the kernel's exp2 biased by
-   log2(448), free; ``p_dtype=None``: P in float64). The
-   normalizer sums the unrounded P (``"unrounded"``: float32 values the kernel has anyway) or
-   the rounded ones (``"rounded"``: a conversion back per probability).
+   log2(448), free; ``p_dtype=None``: P in float64). The normalizer sums the unrounded P
+   (``"unrounded"``: the float32 values the kernel has anyway; the kernel's choice, since the
+   rounded sum measured no better) or the rounded ones (``"rounded"``: a conversion back per
+   probability).
 6. **P V with a two-level accumulator**: the MMA adds 32 keys (one k-step) at a time into an
    accumulator that keeps ``acc_bits`` mantissa bits after the leading one, truncated toward
    zero after each k-step (Hopper's FP8 MMA accumulates in "fp32" that keeps 13: FP22 = 1 sign,
