@@ -7,7 +7,10 @@
 #                                        nvidia-cutlass-dsl and its libraries, apache-tvm-ffi,
 #                                        torch-c-dlpack-ext, einops), for Python 3.12 x86-64;
 #   bench/peer_wheels.sh install SITE    there: pip-installs what was carried into SITE (no index,
-#                                        no dependencies: torch and Triton are the machine's own).
+#                                        no dependencies: torch and Triton are the machine's own);
+#   bench/peer_wheels.sh split WHEEL     cut one wheel into the halves (download does it);
+#   bench/peer_wheels.sh reassemble DIR  the wheels both of whose halves are here, checked, to DIR.
+# The folders are in the clone's root, or in PEER_WHEELS_ROOT.
 #
 # One call carries 64 MiB with the clone, and nvidia-cutlass-dsl-libs-cu13 alone is ~92 MB. So a
 # wheel over SPLIT_MB (30) is cut in two: its first half goes to .whl_a (carried by the first
@@ -17,7 +20,7 @@
 # gone back) lacks a half, installs the rest and FA4's provider skips with one line.
 # sageattention is in .whl: the first call's sweep already has it. The folders are git-ignored.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "${PEER_WHEELS_ROOT:-$(dirname "$0")/..}" || exit 2
 
 split_mb=${SPLIT_MB:-30}
 sage=(sageattention==1.0.6)
@@ -96,6 +99,8 @@ case ${1:-} in
         rm -rf "$wheels"
         exit $rc
         ;;
+    split) split_wheel "${2:?usage: bench/peer_wheels.sh split WHEEL}" ;;
+    reassemble) reassemble "${2:?usage: bench/peer_wheels.sh reassemble DIR}" ;;
     *)
         sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
         exit 2

@@ -5,8 +5,11 @@ the layouts and arguments our providers hand them checked against the float64 or
 from __future__ import annotations
 
 import importlib.machinery
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +115,41 @@ def test_a_peer_handed_the_wrong_layout_is_caught(stand_ins, monkeypatch) -> Non
         torch.device("cpu"), QUICK,
     )  # fmt: skip
     assert isinstance(checked, str) and checked.startswith(("wrong result", "failed")), checked
+
+
+def test_a_wheel_split_over_two_calls_comes_back_whole_or_not_at_all(tmp_path) -> None:
+    # bench/peer_wheels.sh: the first call carries .whl_a, the second .whl_b; on the warm
+    # machine the halves give the wheel back, checked by its sha256; a half missing or
+    # corrupted installs nothing of it.
+    script = Path(__file__).resolve().parents[2] / "bench" / "peer_wheels.sh"
+    wheel = tmp_path / "big-1.0-py3-none-any.whl"
+    payload = bytes(range(256)) * 41 + b"odd"
+    wheel.write_bytes(payload)
+    env = {**os.environ, "PEER_WHEELS_ROOT": str(tmp_path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True)
+
+    assert run("split", str(wheel)).returncode == 0
+    assert not wheel.exists()
+    halves = [
+        tmp_path / ".whl_a" / f"{wheel.name}.part1",
+        tmp_path / ".whl_b" / f"{wheel.name}.part2",
+    ]
+    assert [h.stat().st_size for h in halves] == [
+        len(payload) - len(payload) // 2,
+        len(payload) // 2,
+    ]
+    back = tmp_path / "back"
+    back.mkdir()
+    assert run("reassemble", str(back)).returncode == 0
+    assert (back / wheel.name).read_bytes() == payload
+    (back / wheel.name).unlink()
+    halves[1].write_bytes(halves[1].read_bytes()[:-1] + b"!")
+    done = run("reassemble", str(back))
+    assert done.returncode == 1 and "do not give the wheel" in done.stderr
+    assert not (back / wheel.name).exists()
+    halves[1].unlink()
+    done = run("reassemble", str(back))
+    assert done.returncode == 0 and "not installed" in done.stdout
+    assert not list(back.iterdir())
