@@ -1188,14 +1188,16 @@ def test_global_access_widths_of_plain_loads_and_stores() -> None:
         [
             (0x00, "LDG.E.64 R2, desc[UR4][R2.64]"),
             (0x10, "@P0 LDG.E.128 R4, desc[UR4][R6.64]"),
-            (0x20, "LDGSTS.E.BYPASS.128 [R8], desc[UR4][R4.64]"),  # cp.async: not counted
+            (0x20, "LDGSTS.E [R8], desc[UR4][R4.64]"),  # cp.async: not counted
+            (0x28, "LDGDEPBAR"),
             (0x30, "STG.E.128 desc[UR4][R10.64], R4"),
             (0x40, "STG.E.U16 desc[UR4][R12.64], R2"),
-            (0x50, "LDG.E R3, desc[UR4][R14.64]"),
+            (0x50, "LDG.E.U16 R3, desc[UR4][R14.64]"),
+            (0x60, "STG.E desc[UR4][R16.64], R3"),
         ]
     )
     widths = sass.global_access_bytes(sass.parse_sass(text))
-    assert widths == "16+2/16+8+4"
+    assert widths == "16+4+2/16+8+2"
     assert not compile_report.full_width({"global_access_bytes": widths})  # a 2-byte store
     assert compile_report.full_width({"global_access_bytes": "16/16+8"})
     assert not compile_report.full_width({"global_access_bytes": "16/8+4"})
