@@ -5,7 +5,8 @@
 #                                        sageattention 1.0.6 (plain Triton SageAttention1) and
 #                                        FlashAttention-4 4.0.0b36 (flash-attn-4, quack-kernels,
 #                                        nvidia-cutlass-dsl and its libraries, apache-tvm-ffi,
-#                                        torch-c-dlpack-ext, einops), for Python 3.12 x86-64;
+#                                        torch-c-dlpack-ext, einops), and diffusers 0.42.1 (the
+#                                        Wan rollout's model), for Python 3.12 x86-64;
 #   bench/peer_wheels.sh install SITE    there: pip-installs what was carried into SITE (no index,
 #                                        no dependencies: torch and Triton are the machine's own);
 #   bench/peer_wheels.sh split WHEEL     cut one wheel into the halves (download does it);
@@ -24,6 +25,8 @@ cd "${PEER_WHEELS_ROOT:-$(dirname "$0")/..}" || exit 2
 
 split_mb=${SPLIT_MB:-30}
 sage=(sageattention==1.0.6)
+# Not a peer: the Wan rollout's model (the device image has huggingface_hub, not diffusers).
+rollout=(diffusers==0.42.1)
 fa4=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.0
     nvidia-cutlass-dsl-libs-base==4.7.0 nvidia-cutlass-dsl-libs-cu13==4.7.0
     apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2)
@@ -69,8 +72,8 @@ reassemble() {
 case ${1:-} in
     download)
         staging=$(mktemp -d)
-        python3 -m pip download --no-deps "${platform[@]}" -d "$staging" "${sage[@]}" "${fa4[@]}" \
-            || exit 1
+        python3 -m pip download --no-deps "${platform[@]}" -d "$staging" \
+            "${sage[@]}" "${rollout[@]}" "${fa4[@]}" || exit 1
         mkdir -p .whl
         for wheel in "$staging"/*.whl; do
             if [ "$(stat -c %s "$wheel")" -gt $((split_mb << 20)) ]; then

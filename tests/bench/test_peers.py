@@ -153,3 +153,24 @@ def test_a_wheel_split_over_two_calls_comes_back_whole_or_not_at_all(tmp_path) -
     done = run("reassemble", str(back))
     assert done.returncode == 0 and "not installed" in done.stdout
     assert not list(back.iterdir())
+
+
+def test_ours_over_each_peer_side_by_side() -> None:
+    from paged_video.bench.peers import peer_lines
+    from tests.bench.rows import measured
+
+    rows = [
+        measured("paged_attention", "triton", 16, 5.0, role="ours", figures="gpu"),
+        measured("paged_attention", "sdpa-cudnn", 16, 4.0, figures="gpu"),
+        measured("paged_attention", "sdpa-best", 16, 4.0, role="best-of", figures="gpu"),
+        measured("paged_attention", "flash-attn-4", 16, 10.0, figures="gpu"),
+        measured(
+            "paged_attention", "sageattention", 16, 1.0, figures="gpu", skipped="not installed"
+        ),
+    ]
+    lines = peer_lines(rows)
+    assert lines[0].startswith("kernel")  # GPU figures: no warning line
+    ratios = {line.split()[4]: line.split()[-1] for line in lines[1:] if line.startswith("paged")}
+    # sdpa-best stands for the forced backends; each peer over ours.
+    assert ratios == {"sdpa-best": "0.800x", "flash-attn-4": "2.00x"}
+    assert lines[-1] == "not run: paged_attention/sageattention: not installed"
