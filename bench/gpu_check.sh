@@ -87,8 +87,8 @@ if [ "$device" = cuda ]; then
     rollout_shape=()
     compile_shape=(--kernels paged_attention --block-sizes 16,1560)
     test_run=()
-    limits=(VERSIONS=20 TESTS=120 SWEEP=140 LAUNCH=110 CHOOSE=20
-        PEERS_SETUP=30 PROBE=100 CHOOSE2=20 PEERS=80 ROLLOUT=100 ACCURACY=45 COMPILE=25 REPORT=15)
+    limits=(VERSIONS=15 TESTS=120 SWEEP=140 LAUNCH=110 CHOOSE=20
+        PEERS_SETUP=20 PROBE=100 CHOOSE2=20 PEERS=80 ROLLOUT=100 ACCURACY=60 COMPILE=25 REPORT=15)
     sweep_budget=${SWEEP_BUDGET:-95} launch_budget=${LAUNCH_BUDGET:-85}
 else
     export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
