@@ -115,15 +115,17 @@ def _winner(
     return min(means, key=means.__getitem__), means
 
 
-def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
+def choose(rows: Sequence[Row], *, rehearsal: bool = False) -> tuple[list[dict], list[str]]:
     """The winning launch per (head_dim class, key path) of a sweep's 16-bit attention rows, and
-    the winner table's lines."""
+    the winner table's lines, ending with the launches measured that no row picked.
+    ``rehearsal``: CPU figures are taken too (``bench/gpu_check.sh --dry-run``: the choice of a
+    run that judges no speed, written only into a copy of the table)."""
     attention = [r for r in rows if r.get("kernel") == "paged_attention" and not r.get("skipped")]
     launches = [r for r in attention if r["provider"] in LAUNCH_PROVIDERS]
     if not launches:
         raise ValueError(f"no rows of the launch providers ({', '.join(LAUNCH_PROVIDERS)})")
     figures = {str(r.get("figures")) for r in launches}
-    if figures != {"gpu"}:
+    if figures != {"gpu"} and not rehearsal:
         raise ValueError(f"launch rows have {'/'.join(sorted(figures))} figures; a GPU run only")
     geometry = lambda r: (r["head_dim"], r["dtype"], r["heads"], r["kv_heads"], r["q_tokens"])
     by_case: dict[tuple, dict[str, Row]] = {}
@@ -134,7 +136,7 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
         if any(p in LAUNCH_PROVIDERS for p in by_case[case]):
             head_dim, dtype, block = case[0], case[1], case[-1]
             classes.setdefault((*table_key(block, head_dim), dtype), []).append(case)
-    choices, lines = [], []
+    choices, lines, winners = [], [], []
     header = ["hd", "path", "block", *LAUNCH_PROVIDERS, "winner", SDPA_BEST, "vs sdpa"]
     header += list(QUANTIZED_PROVIDERS)
     lines.append(" | ".join(header))
@@ -153,6 +155,7 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
             lines.append(f"head_dim {dim_class} {path}: no launch measured at every block size")
             continue
         winner, means = chosen
+        winners.append(winner)
         for case in cases:
             lines.append(_line(dim_class, path, case, by_case[case], winner))
         first = by_case[cases[0]][winner]
@@ -173,7 +176,16 @@ def choose(rows: Sequence[Row]) -> tuple[list[dict], list[str]]:
         )
     if not choices:
         raise ValueError("no class has a launch measured at every one of its block sizes")
+    measured = {r["provider"] for r in launches}
+    lines.append(not_picked("launch providers", measured, set(winners)))
     return choices, lines
+
+
+def not_picked(what: str, measured: set[str], picked: set[str]) -> str:
+    """The line naming what was measured and won no row: after a GPU run, what goes (with its
+    tests and table rows; its figures stay in bench/RESULTS.md)."""
+    losers = sorted(measured - picked)
+    return f"not picked by any row ({what}): {', '.join(losers) if losers else 'none'}"
 
 
 def _line(dim_class: int, path: str, case: tuple, rows: dict[str, Row], winner: str) -> str:
@@ -216,14 +228,17 @@ def _launch_label(launch: dict[str, object]) -> str:
     )
 
 
-def choose_quantized(rows: Sequence[dict]) -> tuple[list[dict], list[str]]:
+def choose_quantized(
+    rows: Sequence[dict], *, rehearsal: bool = False
+) -> tuple[list[dict], list[str]]:
     """The winning launch per (head_dim class, key path, quantized mode) of a launch probe's
-    rows, where at least two launches were compared, and the lines that show it."""
+    rows, where at least two launches were compared, and the lines that show it, ending with
+    the launches compared that no row picked (``rehearsal``: as ``choose``)."""
     ran = [r for r in rows if r["outcome"] == "ok" and r["mode"] not in ("", "same")]
     if not ran:
         return [], ["launch probe: no quantized run was checked and timed"]
     figures = {r["figures"] for r in ran}
-    if figures != {"gpu"}:
+    if figures != {"gpu"} and not rehearsal:
         raise ValueError(f"probe rows have {'/'.join(sorted(figures))} figures; a GPU run only")
     classes: dict[tuple, dict[int, dict[str, float]]] = {}
     launches: dict[str, dict[str, object]] = {}
@@ -244,7 +259,7 @@ def choose_quantized(rows: Sequence[dict]) -> tuple[list[dict], list[str]]:
         times = classes.setdefault((*table_key(block, head_dim), row["mode"]), {})
         at_block = times.setdefault(block, {})
         at_block[label] = min(float(row["ms"]), at_block.get(label, math.inf))
-    choices = []
+    choices, compared, picked = [], set(), set()
     for (dim_class, path, mode), by_block in sorted(classes.items()):
         blocks = sorted(by_block)
         names = list(dict.fromkeys(n for b in blocks for n in by_block[b]))
@@ -254,6 +269,8 @@ def choose_quantized(rows: Sequence[dict]) -> tuple[list[dict], list[str]]:
             lines.append(f"{title}: fewer than two launches measured at every block size; kept")
             continue
         winner, means = chosen
+        compared.update(f"{mode} {name}" for name in means)
+        picked.add(f"{mode} {winner}")
         for block in blocks:
             cells = ", ".join(f"{n} {ms:.3f}" for n, ms in by_block[block].items())
             lines.append(f"{title} | {block} | {cells} | winner {winner}")
@@ -273,6 +290,8 @@ def choose_quantized(rows: Sequence[dict]) -> tuple[list[dict], list[str]]:
                 + ", ".join(f"{n} {mean:.3f}" for n, mean in means.items()),
             }
         )
+    if compared:
+        lines.append(not_picked("quantized launches", compared, picked))
     return choices, lines
 
 

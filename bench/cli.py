@@ -297,6 +297,11 @@ def _add_choose(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--write", type=Path, help="launch table to update (e.g. kernels/launch_choices.json)"
     )
+    parser.add_argument(
+        "--rehearsal",
+        action="store_true",
+        help="take CPU figures too (bench/gpu_check.sh --dry-run); never --write the shipped table",
+    )
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -512,6 +517,9 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--probe {path}: no such file")
     if args.write is not None and not args.write.is_file():
         parser.error(f"--write {args.write}: no such launch table")
+    shipped = choose.launch_table.TABLE_PATH.resolve()
+    if args.rehearsal and args.write is not None and args.write.resolve() == shipped:
+        parser.error("--rehearsal chooses from figures that are no speed: --write a copy")
     try:
         probed = [row for path in args.probe for row in choose.read_probe(path)]
     except ValueError as error:
@@ -523,7 +531,7 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     ):
         if source:
             try:
-                chosen, shown = choose_from(source)
+                chosen, shown = choose_from(source, rehearsal=args.rehearsal)
             except ValueError as error:
                 errors.append(f"{name}: {error}")
                 continue

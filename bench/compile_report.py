@@ -105,6 +105,7 @@ MEASURE_COLUMNS = (
     "wait_depth",
     "mma",
     "tma_loads",
+    "global_access_bytes",
     "mbarriers",
     "setmaxnreg",
     "partitions",
@@ -190,9 +191,8 @@ def configs_for(
     kv_modes: Sequence[str] = ("same",),
     launches: Sequence[dict[str, object]] = ({},),
 ) -> list[Config]:
-    """Every (kernel, dtype, head_dim, block size, K/V mode, launch options); ``write_slots``
-    ignores the block size, and only ``paged_attention`` takes K/V modes other than ``same``
-    and launch options."""
+    """Every (kernel, dtype, head_dim, block size, K/V mode, launch options); only
+    ``paged_attention`` takes K/V modes other than ``same`` and launch options."""
     for mode in kv_modes:
         if mode not in KV_MODES:
             raise ValueError(f"kv_modes: {mode!r} is not one of {', '.join(KV_MODES)}")
@@ -201,7 +201,7 @@ def configs_for(
     for kernel in kernels:
         attention = kernel == "paged_attention"
         modes = kv_modes if attention else ("same",)
-        sizes = block_sizes[:1] if kernel == "write_slots" else block_sizes
+        sizes = block_sizes
         for dtype, head_dim, block_size, kv_mode, launch in itertools.product(
             dtypes, head_dims, sizes, modes, option_sets if attention else [()]
         ):
@@ -665,12 +665,13 @@ def _launches(config: Config) -> list[_Launch]:
     empty = lambda *shape: torch.empty(*shape, dtype=dtype)  # touches no memory
     if config.kernel == "write_slots":
         tokens = config.max_seqlen_q
+        # Into the paged pools a cache of this block size holds (slot-major blocks).
         with _recording("paged_video.kernels.write_slots") as (real, calls):
             kernels.write_slots(
                 empty(tokens, config.kv_heads, d),
                 empty(tokens, config.kv_heads, d),
-                empty(2 * bs, config.kv_heads, d),
-                empty(2 * bs, config.kv_heads, d),
+                empty(2, bs, config.kv_heads, d),
+                empty(2, bs, config.kv_heads, d),
                 torch.zeros(tokens, dtype=torch.int64),
                 check_values=False,
             )
@@ -950,6 +951,7 @@ SHORT_COLUMNS = (
     ("wait", "wait_depth"),
     ("mma", "mma"),
     ("tma", "tma_loads"),
+    ("st/ld B", "global_access_bytes"),
     ("ws", None),
     ("loop", "loop_instructions"),
     ("masked", "masked_loop_instructions"),
@@ -999,7 +1001,25 @@ def format_rows(rows: Sequence[Row]) -> str:
     ]
     if errors:
         lines += ["not compiled:", *errors]
+    narrow = [
+        f"  triton {r['triton']} {r['kernel']} block {r['block_size']}: {r['global_access_bytes']}"
+        for r in rows
+        if r["kernel"] in COPY_KERNELS and not r.get("error") and not full_width(r)
+    ]
+    if narrow:
+        lines += ["copy kernels with global accesses under 16 bytes (stores/loads):", *narrow]
     return "\n".join([head, *lines])
+
+
+# The copy kernels: at copy speed only with every store and the widest load 16 bytes.
+COPY_KERNELS = ("write_slots", "gather_blocks")
+
+
+def full_width(row: Row) -> bool:
+    """Whether a row's plain global stores are all 16 bytes and its widest load is (the copy
+    kernels' data; their index loads may be narrower)."""
+    stores, _, loads = str(row.get("global_access_bytes") or "").partition("/")
+    return stores == "16" and loads.split("+")[0] == "16"
 
 
 def format_summary(rows: Sequence[Row]) -> str:

@@ -1,65 +1,168 @@
 #!/usr/bin/env bash
-# The GPU check: one command for a lent GPU (sized for an H200), inside 9 minutes (the first
-# H200 run took 4), with the machine's own torch and Triton (nothing installed, nothing
-# downloaded).
+# The GPU check: what a lent GPU window (two calls of at most 8 minutes, on the machine's own
+# torch and Triton, peers' wheels carried) must not miss, in that order, each stage under its
+# own time limit, its files written into OUT_DIR as it ends (and packed, with --pack) so that
+# nothing the first call measured is lost if the second never comes.
 #
-#   bench/gpu_check.sh [OUT_DIR]          OUT_DIR defaults to $OUT, else out/gpu_check
+#   bench/gpu_check.sh [--part 1|2|all] [--dry-run] [--pack DIR] [OUT_DIR]
 #
-# 1. versions and the device;
-# 2. the shipped-geometry sweep (40 heads, head_dim 128, bf16, q 4680, kv 28080): the shipped
-#    block sizes first (16, 1560, then 24, 64, 256, 520, 32, 128), this project's kernels, the
-#    forced SDPA backends (sdpa-best) and the other baselines over every block size before
-#    compiled FlexAttention; our attention over e4m3 (dequant, fp8-mma) and int8 (dequant,
-#    int8-mma) pools, the MMA modes also over keys-major pools, beside the bf16 pool at every
-#    block size;
-#    every provider checked against
-#    the oracle (quantized ones against the dequantizing oracle) before it is timed.
-#    --time-limit stops starting runs after SWEEP_BUDGET seconds, so the end-of-run ceilings
-#    (the noise check) are still measured; CSV and log in OUT_DIR;
-# 3. the launch candidates: this project's kernel at each variant and key tile the launch table
-#    can choose (the launch providers: triton-cp_async, triton-tma, both at 128 keys, their
-#    scores-ahead loops (-ahead: each tile's Q K^T issued a tile early, under the softmax
-#    before it), and triton-ws and triton-ws-n128, the warp-specialized kernel) over
-#    blocks 1560, 256, 16, 520, 64, 24 (a block of each table class first: a budget that cuts
-#    the last blocks still leaves every class a winner; runs start until LAUNCH_BUDGET
-#    seconds); at block 64 triton-tma-n128 and triton-tma-n128-ahead are the loop over tiles
-#    of two whole blocks, a descriptor load per block, which a table row reads by pointer:
-#    `choose` weighs them there at their triton-cp_async-n128 twins' times;
-# 3b. the quantized loop candidates: `bench.launch_probe` times the MMA modes over keys-major
-#    pools: FP8-MMA at blocks 1560 (a frame a block) and 256, INT8-MMA at 1560, each its
-#    launcher's own choice (the 128-key TMA loop: codes and scales by descriptor), its 64-key
-#    pointer loop and its 64-key TMA loop; and the dequantizing modes over keys-major scales at
-#    1560, their default against their TMA loop at 128 and 64 keys (OUT_DIR/probe/probe.csv,
-#    OUT_DIR/probe_dequant/probe.csv, OUT_DIR/probe_int8/probe.csv);
-# 3c. `python -m paged_video.bench choose` prints the winner table against sdpa-best (and the
-#    quantized pools' speedup at every block size the sweep reached) and the probes' winners,
-#    and rewrites kernels/launch_choices.json (16-bit and quantized rows), copied to OUT_DIR:
-#    recording the run is committing that file;
-# 4. `python -m paged_video.bench accuracy` at the shipped geometry with all 40 heads, bf16 queries,
-#    K smoothing on (the default), every data kind, format, mode (the INT8-MMA one too) with
-#    and without channel equalization, each beside its float64 floor (OUT_DIR/accuracy.csv, log
-#    in OUT_DIR/accuracy.log, table printed);
-# 5. the compile report with this machine's Triton and ptxas at blocks 16 and 1560
-#    (OUT_DIR/compile.csv; informative, not part of the exit status);
-# 6. the kernel tests on CUDA (they run bf16 there too), log in OUT_DIR/tests.log;
-# 7. the plots (speedup.png first), then the ratio table (with the quantized pools' speedup
-#    over the bf16 pool and their goals), printed last.
-# Each stage has a time limit (SWEEP_TIMEOUT, LAUNCH_TIMEOUT, PROBE_TIMEOUT, ACCURACY_TIMEOUT,
-# COMPILE_TIMEOUT, TEST_TIMEOUT seconds); a sweep cut short still leaves the rows it measured in the CSV. BLOCK_SIZES and SWEEP_PROVIDERS
-# (comma lists) narrow the sweep. PYTHON picks the interpreter (default python3).
-# Exit status: 0 when the sweeps, the choice, the accuracy report and the tests passed, 1
-# otherwise, 2 without a GPU.
+# OUT_DIR defaults to out/gpu_check (inside the clone, which a warm device machine keeps
+# between calls: part 2 reads what part 1 wrote there). --pack DIR copies OUT_DIR into
+# DIR/gpu_check-partN.tgz after every stage (a device's $OUT: eight files at most come back).
+# --dry-run (or GPU_CHECK_DEVICE=cpu) runs the same stages, commands and files on a CPU with
+# tiny shapes under Triton's interpreter, so a stage that would crash on a GPU for a reason a
+# CPU can show fails CI instead (tests/bench/test_gpu_check.py); it never writes the shipped
+# launch table and judges no speed.
+#
+# Part 1 (the stages a window must not miss):
+#   versions  torch, Triton, the device, the peers importable;
+#   peers_setup  the peers' carried wheels installed into out/peer_site (bench/peer_wheels.sh);
+#   tests     the kernel tests on CUDA (bench/gpu_tests.txt: every launch-table row, every kv
+#             format, the copy kernels; no -x: each failure recorded, the run goes on);
+#   sweep     the shipped geometry (40 heads, head_dim 128, bf16, q 4680, kv 28080), the
+#             shipped block sizes first (16, 1560, then 24, 64, 256, 520, 32, 128): our kernels,
+#             sdpa-best, the staged path beside gather + SDPA, the quantized pools, sageattention
+#             where carried, compiled FlexAttention last; each checked against the oracle first;
+#   launches  this project's kernel at every variant and key tile the launch table can choose
+#             (blocks 1560, 256, 16, then 520, 64, 24: a block of each table class first);
+#   choose    the 16-bit launch rows from the launches (kernels/launch_choices.json, copied to
+#             OUT_DIR), and the launch providers no row picked.
+# Part 2 (versions and peers_setup again, then):
+#   probes    the quantized loop candidates (bench.launch_probe: FP8-MMA and INT8-MMA over
+#             keys-major pools, the dequantizing modes over keys-major scales);
+#   choose2   the launch table again from both (16-bit and quantized rows);
+#   peers     our kernel, the table's launch and the staged path beside sdpa-best, FlexAttention,
+#             sageattention 1.0.6 and FlashAttention-4 (bench/peer_wheels.sh: wheels carried,
+#             FA4's largest split over the two calls and reassembled here) at blocks 16 and 1560;
+#   rollout   bench.wan_rollout at the Wan 2.1 1.3B shape: time per block and frames per second
+#             once the window is full, our paged cache (bf16, int8 INT8-MMA) against the stock
+#             attention over a plain KV cache, beside the papers' anchors;
+#   accuracy  FP8/INT8 pools against float64 at the shipped geometry (all 40 heads);
+#   compile   the compile report with this machine's Triton and ptxas (blocks 16, 1560);
+#   report    the plots and the ratio table.
+# Each stage's limit (seconds) is printed at the start; *_TIMEOUT variables change them
+# (SWEEP_BUDGET, LAUNCH_BUDGET: when the sweeps stop starting runs). BLOCK_SIZES and
+# SWEEP_PROVIDERS (comma lists) narrow the sweep; PYTHON picks the interpreter. OUT_DIR/stages.tsv
+# lists every stage run: part, name, exit status, seconds, the files it wrote.
+# Exit status: 0 when every stage of the parts run passed (the compile report is informative),
+# 1 otherwise, 2 without a GPU (outside a dry run) or on a wrong option.
 set -uo pipefail
+script=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$0")/.."
 
-out_dir=${1:-${OUT:-out/gpu_check}}
+part=all pack="" out_dir="" only="" device=${GPU_CHECK_DEVICE:-cuda}
+while [ $# -gt 0 ]; do
+    case $1 in
+        --part) part=${2:-}; shift 2 || { echo "gpu_check: --part needs 1, 2 or all" >&2; exit 2; } ;;
+        --pack) pack=${2:-}; shift 2 || { echo "gpu_check: --pack needs a folder" >&2; exit 2; } ;;
+        --dry-run) device=cpu; shift ;;
+        --only) only=${2:-}; shift 2 || exit 2 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "gpu_check: unknown option $1" >&2; exit 2 ;;
+        *) out_dir=$1; shift ;;
+    esac
+done
+case $part in 1|2|all) ;; *) echo "gpu_check: --part must be 1, 2 or all, got '$part'" >&2; exit 2 ;; esac
+case $device in cuda|cpu) ;; *) echo "gpu_check: GPU_CHECK_DEVICE must be cuda or cpu" >&2; exit 2 ;; esac
+[ -z "$pack" ] || mkdir -p "$pack" || exit 2
+out_dir=${out_dir:-out/gpu_check}
 python=${PYTHON:-python3}
-block_sizes=${BLOCK_SIZES:-16,1560,24,64,256,520,32,128}
-mkdir -p "$out_dir"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$out_dir" || exit 2
+manifest=$out_dir/stages.tsv
+[ -s "$manifest" ] || printf 'part\tstage\texit\tseconds\tfiles\n' >"$manifest"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The peers' wheels, installed by bench/peer_wheels.sh into the clone (kept between calls).
+peer_site=out/peer_site
+[ -d "$peer_site" ] && export PYTHONPATH="$PYTHONPATH:$PWD/$peer_site"
 
-echo "== versions and device"
-"$python" - <<'PY' || { echo "gpu_check: no CUDA device is visible to $python" >&2; exit 2; }
+# Per device: the same commands, at the shipped geometry on a GPU and at a tiny one on a CPU.
+if [ "$device" = cuda ]; then
+    export TRITON_INTERPRET=0
+    block_sizes=${BLOCK_SIZES:-16,1560,24,64,256,520,32,128}
+    launch_blocks=1560,256,16,520,64,24
+    geometry=(--preset shipped)
+    probe_geometry=()
+    fp8_blocks=1560,256 dequant_blocks=1560 int8_blocks=1560 peer_blocks=16,1560
+    accuracy_geometry=()
+    rollout_shape=()
+    compile_shape=(--kernels paged_attention --block-sizes 16,1560)
+    test_run=()
+    limits=(VERSIONS=15 TESTS=120 SWEEP=140 LAUNCH=110 CHOOSE=20
+        PEERS_SETUP=20 PROBE=100 CHOOSE2=20 PEERS=80 ROLLOUT=100 ACCURACY=60 COMPILE=25 REPORT=15)
+    sweep_budget=${SWEEP_BUDGET:-95} launch_budget=${LAUNCH_BUDGET:-85}
+else
+    export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    block_sizes=${BLOCK_SIZES:-16}
+    launch_blocks=16
+    tiny=(--device cpu --chunk-sizes 16 --heads 2 --gqa-groups 1 --cpu-reps 1)
+    geometry=(--preset small "${tiny[@]}")
+    probe_geometry=(--preset small --device cpu)
+    fp8_blocks=16 dequant_blocks=16 int8_blocks=16 peer_blocks=16
+    accuracy_geometry=(--device cpu --heads 1 --head-dim 32 --chunk-size 16 --sink-chunks 1
+        --window-chunks 1 --queries 8 --block-size 16 --data random --equalize off)
+    rollout_shape=(--tiny --device cpu --blocks 2)
+    compile_shape=(--kernels write_slots --block-sizes 16)
+    # Every listed test is collected (a wrong id fails here, not in a window); the launch rows run.
+    test_run=(--collect-only -q)
+    limits=(VERSIONS=20 TESTS=120 SWEEP=150 LAUNCH=150 CHOOSE=30
+        PEERS_SETUP=20 PROBE=150 CHOOSE2=30 PEERS=100 ROLLOUT=120 ACCURACY=60 COMPILE=90 REPORT=60)
+    sweep_budget=${SWEEP_BUDGET:-120} launch_budget=${LAUNCH_BUDGET:-120}
+fi
+for pair in "${limits[@]}"; do
+    name=${pair%%=*} var=${pair%%=*}_TIMEOUT
+    declare "limit_${name,,}=${!var:-${pair#*=}}"
+done
+
+part1=(versions peers_setup tests sweep launches choose)
+part2=(versions peers_setup probes choose2 peers rollout accuracy compile report)
+case $part in
+    1) stages=("${part1[@]}") ;;
+    2) stages=("${part2[@]}") ;;
+    all) stages=("${part1[@]}" "${part2[@]:2}") ;;
+esac
+
+limit_of() {
+    case $1 in
+        peers_setup) echo "$limit_peers_setup" ;; launches) echo "$limit_launch" ;;
+        probes) echo "$limit_probe" ;; *) local v="limit_$1"; echo "${!v}" ;;
+    esac
+}
+total=0
+[ -n "$only" ] || echo "== gpu_check part $part on $device, into $out_dir; stages and limits (s):"
+for stage in "${stages[@]}"; do
+    total=$((total + $(limit_of "$stage")))
+    [ -n "$only" ] || printf '   %-12s %4s\n' "$stage" "$(limit_of "$stage")"
+done
+[ -n "$only" ] || echo "   total        $total"
+
+failed=0
+pack_out() {
+    [ -n "$pack" ] || return 0
+    tar czf "$pack/gpu_check-part$part.tgz" -C "$(dirname "$out_dir")" "$(basename "$out_dir")"
+}
+# run_stage NAME FILE...: runs the stage in a child of this script (`--only NAME`) under the
+# stage's limit, records its exit status, its seconds and which of FILE (relative to OUT_DIR)
+# it left non-empty in the manifest, then packs OUT_DIR.
+run_stage() {
+    local name=$1 start=$SECONDS rc limit written=() f
+    shift
+    limit=$(limit_of "$name")
+    echo "== $name (limit ${limit}s)"
+    GPU_CHECK_DEVICE=$device timeout -k 5 "$limit" bash "$script" --only "$name" --part "$part" \
+        "$out_dir"
+    rc=$?
+    [ "$rc" -ne 124 ] || echo "== $name: stopped at its limit"
+    for f in "$@"; do [ -s "$out_dir/$f" ] && written+=("$f"); done
+    echo "== $name: exit $rc after $((SECONDS - start))s"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$part" "$name" "$rc" "$((SECONDS - start))" \
+        "$(IFS=,; echo "${written[*]-}")" >>"$manifest"
+    [ "$rc" -eq 0 ] || [ "$name" = compile ] || failed=1
+    pack_out
+    return "$rc"
+}
+
+stage_versions() {
+    "$python" - "$device" <<'PY'
 import importlib.util
 import platform
 import subprocess
@@ -68,139 +171,199 @@ import sys
 import torch
 import triton
 
+device = sys.argv[1]
 commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
-flash_attn = "importable" if importlib.util.find_spec("flash_attn") else "absent"
+peers = {n: importlib.util.find_spec(n) is not None for n in ("flash_attn", "sageattention")}
+try:
+    peers["flash_attn.cute"] = importlib.util.find_spec("flash_attn.cute") is not None
+except ImportError:
+    peers["flash_attn.cute"] = False
 print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}),"
-      f" triton {triton.__version__}, flash_attn {flash_attn}, commit {commit.stdout.strip()}")
+      f" triton {triton.__version__}, commit {commit.stdout.strip() or 'unknown'}; importable: "
+      + ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in peers.items()))
+if device == "cpu":
+    print("dry run: the CPU and Triton's interpreter, tiny shapes (no figure is a speed)")
+    sys.exit(0)
 if not torch.cuda.is_available():
-    sys.exit(1)
+    sys.exit(2)
 props = torch.cuda.get_device_properties(0)
 print(f"device {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB,"
       f" {props.multi_processor_count} SMs")
 PY
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
-    2>/dev/null || true
+    local rc=$?
+    [ "$device" = cpu ] || nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+        --format=csv,noheader 2>/dev/null || true
+    return $rc
+}
 
-sweep_timeout=${SWEEP_TIMEOUT:-150}
-sweep_budget=${SWEEP_BUDGET:-100}
-echo "== shipped-geometry sweep, block sizes $block_sizes (runs start until ${sweep_budget}s," \
-    "limit ${sweep_timeout}s)"
-start=$SECONDS
-timeout "$sweep_timeout" "$python" -m paged_video.bench sweep --preset shipped \
-    --block-sizes "$block_sizes" ${SWEEP_PROVIDERS:+--providers "$SWEEP_PROVIDERS"} \
-    --time-limit "$sweep_budget" --out "$out_dir" --no-plot --no-progress \
-    >"$out_dir/sweep.log" 2>&1
-sweep_rc=$?
-grep -E "^error" "$out_dir/sweep.log" | cut -c1-400 || true  # the skips come with the table
-[ "$sweep_rc" -eq 0 ] || tail -n 15 "$out_dir/sweep.log"
-echo "== sweep: exit $sweep_rc after $((SECONDS - start))s"
+stage_tests() {
+    local ids workers=()
+    mapfile -t ids < <(grep -vE '^\s*(#|$)' bench/gpu_tests.txt)
+    if [ "$device" = cuda ] && "$python" -c "import xdist" 2>/dev/null; then
+        workers=(-n "${TEST_WORKERS:-12}")
+    fi
+    # One line per test as it ends (-v): a run the limit cuts short still says which passed.
+    "$python" -m pytest "${ids[@]}" ${test_run[@]+"${test_run[@]}"} -v --tb=short -rfE \
+        -p no:cacheprovider ${workers[@]+"${workers[@]}"} >"$out_dir/tests.log" 2>&1
+    local rc=$?
+    if [ "$device" = cpu ] && [ "$rc" -eq 0 ]; then
+        "$python" -m pytest tests/kernels/test_launch_rows.py -q -p no:cacheprovider \
+            >>"$out_dir/tests.log" 2>&1
+        rc=$?
+    fi
+    local failures
+    failures=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" "$out_dir/tests.log" | sort -u)
+    [ -z "$failures" ] || head -n 40 <<<"$failures"
+    if [ "$device" = cpu ]; then
+        echo "collected $(grep -oE "^[0-9]+ tests collected" "$out_dir/tests.log" | cut -d' ' -f1)" \
+            "listed tests; the launch-table rows routed:"
+    else
+        echo "passed $(grep -c " PASSED" "$out_dir/tests.log"), failed $(grep -c . <<<"$failures")"
+    fi
+    tail -n 1 "$out_dir/tests.log"
+    return $rc
+}
 
-# The table's launches first, each beside its scores-ahead twin (the runs of a block size the
-# budget cuts leave that block to the next run).
-launch_timeout=${LAUNCH_TIMEOUT:-115}
-launch_budget=${LAUNCH_BUDGET:-90}
-echo "== launch candidates (runs start until ${launch_budget}s, limit ${launch_timeout}s)"
-start=$SECONDS
-timeout "$launch_timeout" "$python" -m paged_video.bench sweep --preset shipped \
-    --block-sizes 1560,256,16,520,64,24 --kernels paged_attention \
-    --providers triton-tma-n128,triton-tma-n128-ahead,triton-cp_async-n128,triton-cp_async-n128-ahead,triton-tma,triton-tma-ahead,triton-cp_async,triton-cp_async-ahead,triton-ws,triton-ws-n128 \
-    --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
-    >"$out_dir/launches.log" 2>&1
-launch_rc=$?
-[ "$launch_rc" -eq 0 ] || tail -n 15 "$out_dir/launches.log"
-echo "== launch candidates: exit $launch_rc after $((SECONDS - start))s"
+stage_sweep() {
+    "$python" -m paged_video.bench sweep "${geometry[@]}" --block-sizes "$block_sizes" \
+        ${SWEEP_PROVIDERS:+--providers "$SWEEP_PROVIDERS"} --time-limit "$sweep_budget" \
+        --out "$out_dir" --no-plot --no-progress >"$out_dir/sweep.log" 2>&1
+    local rc=$?
+    grep -E "^(error|skipped)" "$out_dir/sweep.log" | cut -c1-300 | head -n 30
+    [ "$rc" -eq 0 ] || tail -n 15 "$out_dir/sweep.log"
+    return $rc
+}
 
-# The quantized loops a launch could take (bench/RESULTS.md, compile figures, Triton 3.6, per
-# 64 keys): FP8-MMA over keys-major pools takes 128-key TMA tiles where a tile lies inside a
-# block (357 at block 1560, 355 at 256), against its 64-key pointer loop (437 at 1560) and its
-# 64-key TMA loop (477) (K's rows in the FP8 MMA's key order, 2026-12-05); so does INT8-MMA
-# (404 at 1560), against its 64-key pointer loop (489) and TMA loop (516). The dequantizing
-# modes over keys-major scales take 128-key TMA tiles too (e4m3 at block 1560: 369; int8 418),
-# against their 64-key pointer loop (451; 500) and e4m3's 64-key TMA loop (475) (float16 V
-# scaled by its rows, 2026-12-05). The launcher's own choice first: the time limit cuts the
-# last runs.
-probe_timeout=${PROBE_TIMEOUT:-100}
-echo "== quantized loop candidates (limit ${probe_timeout}s)"
-start=$SECONDS
+# The table's 128-key launches first, each beside its scores-ahead twin.
+launch_providers=triton-tma-n128,triton-tma-n128-ahead,triton-cp_async-n128,triton-cp_async-n128-ahead,triton-tma,triton-tma-ahead,triton-cp_async,triton-cp_async-ahead,triton-ws,triton-ws-n128
+stage_launches() {
+    "$python" -m paged_video.bench sweep "${geometry[@]}" --block-sizes "$launch_blocks" \
+        --kernels paged_attention --providers "$launch_providers" \
+        --time-limit "$launch_budget" --out "$out_dir/launches" --no-plot --no-progress \
+        >"$out_dir/launches.log" 2>&1
+    local rc=$?
+    [ "$rc" -eq 0 ] || tail -n 15 "$out_dir/launches.log"
+    return $rc
+}
+
+# choose from what is there: the launch sweep (and the main sweep for sdpa-best), the probes.
+# On a GPU it rewrites kernels/launch_choices.json (recording the run is committing it); a dry
+# run chooses from CPU figures (--rehearsal) into OUT_DIR's copy alone.
+stage_choose() {
+    local sources=() table=kernels/launch_choices.json rehearsal=()
+    if [ -s "$out_dir/launches/sweep.csv" ]; then
+        sources=("$out_dir/launches/sweep.csv")
+        [ -s "$out_dir/sweep.csv" ] && sources+=("$out_dir/sweep.csv")
+    fi
+    for probe_csv in "$out_dir"/probe{,_dequant,_int8}/probe.csv; do
+        grep -q ",ok," "$probe_csv" 2>/dev/null && sources+=(--probe "$probe_csv")
+    done
+    if [ "$device" = cpu ]; then
+        cp "$table" "$out_dir/launch_choices.json"
+        table=$out_dir/launch_choices.json rehearsal=(--rehearsal)
+    fi
+    [ ${#sources[@]} -gt 0 ] || { echo "choose: neither the launches nor a probe wrote rows"; return 1; }
+    "$python" -m paged_video.bench choose "${sources[@]}" ${rehearsal[@]+"${rehearsal[@]}"} \
+        --write "$table"
+    local rc=$?
+    [ "$table" = "$out_dir/launch_choices.json" ] || cp "$table" "$out_dir/launch_choices.json"
+    return $rc
+}
+
+stage_peers_setup() {
+    bash bench/peer_wheels.sh install "$peer_site"
+}
+
+# The quantized loops a launch could take: the launcher's own choice first (the time limit cuts
+# the last runs), then its 64-key pointer loop and its 64-key TMA loop (bench/COMPILE.md).
 fp8=triton-e4m3-mma-keys
 int8=triton-int8-mma-keys
 e4m3=triton-e4m3-keys
 dequant_int8=triton-int8-keys
-timeout $((probe_timeout * 36 / 100)) "$python" -m paged_video.bench.launch_probe \
-    --block-sizes 1560,256 --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma" \
-    --time-limit $((probe_timeout * 26 / 100)) --out "$out_dir/probe" 2>&1 | tail -n 6
-timeout $((probe_timeout * 36 / 100)) "$python" -m paged_video.bench.launch_probe \
-    --block-sizes 1560 \
-    --runs "$e4m3@default,$e4m3@128x64w8s4+cp_async,$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$e4m3@128x64w8s4+tma" \
-    --time-limit $((probe_timeout * 26 / 100)) --out "$out_dir/probe_dequant" 2>&1 | tail -n 5
-timeout $((probe_timeout * 28 / 100)) "$python" -m paged_video.bench.launch_probe \
-    --block-sizes 1560 --runs "$int8@default,$int8@128x64w8s3+cp_async,$int8@128x64w8s3+tma" \
-    --time-limit $((probe_timeout * 20 / 100)) --out "$out_dir/probe_int8" 2>&1 | tail -n 3
-echo "== quantized candidates: after $((SECONDS - start))s; the winners:"
+stage_probes() {
+    local each=$((limit_probe * 30 / 100)) rc=0
+    "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
+        --block-sizes "$fp8_blocks" --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma" \
+        --time-limit "$each" --out "$out_dir/probe" 2>&1 | tail -n 6 || rc=1
+    "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
+        --block-sizes "$dequant_blocks" \
+        --runs "$e4m3@default,$e4m3@128x64w8s4+cp_async,$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$e4m3@128x64w8s4+tma" \
+        --time-limit "$each" --out "$out_dir/probe_dequant" 2>&1 | tail -n 5 || rc=1
+    "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
+        --block-sizes "$int8_blocks" --runs "$int8@default,$int8@128x64w8s3+cp_async,$int8@128x64w8s3+tma" \
+        --time-limit "$((each * 2 / 3))" --out "$out_dir/probe_int8" 2>&1 | tail -n 3 || rc=1
+    return $rc
+}
 
-# The launch table from both: 16-bit rows from the launch candidates, quantized rows from the
-# probes (a class keeps its row where nothing was compared).
-choose_rc=1
-sweeps=() probes=()
-if [ -s "$out_dir/launches/sweep.csv" ]; then
-    sweeps=("$out_dir/launches/sweep.csv")
-    [ -s "$out_dir/sweep.csv" ] && sweeps+=("$out_dir/sweep.csv")
-fi
-for probe_csv in "$out_dir"/probe/probe.csv "$out_dir"/probe_{dequant,int8}/probe.csv; do
-    grep -q ",ok," "$probe_csv" 2>/dev/null && probes+=(--probe "$probe_csv")
-done
-if [ ${#sweeps[@]} -gt 0 ] || [ ${#probes[@]} -gt 0 ]; then
-    "$python" -m paged_video.bench choose ${sweeps[@]+"${sweeps[@]}"} \
-        ${probes[@]+"${probes[@]}"} --write kernels/launch_choices.json
-    choose_rc=$?
-    cp kernels/launch_choices.json "$out_dir/launch_choices.json"
-fi
+# The peers a user would pick, in one run: each that cannot run here skips with one line.
+peer_providers=triton,triton-tma-n128,sdpa-best,flex,sageattention,flash-attn-4,sdpa+gather,triton+sdpa
+stage_peers() {
+    "$python" -m paged_video.bench sweep "${geometry[@]}" --block-sizes "$peer_blocks" \
+        --kernels paged_attention,staged --providers "$peer_providers" \
+        --time-limit "$((limit_peers * 3 / 4))" --out "$out_dir/peers" --no-plot --no-progress \
+        >"$out_dir/peers.log" 2>&1
+    local rc=$?
+    [ "$rc" -eq 0 ] || tail -n 15 "$out_dir/peers.log"
+    # Ours over each peer (the ratio table names the fastest alone), the skips' reasons after.
+    "$python" -m paged_video.bench.peers "$out_dir/peers/sweep.csv" | cut -c1-300 || rc=1
+    return $rc
+}
 
-# About 17 kernel compiles (attention per mode, with and without equalization; the writes)
-# take most of the time.
-echo "== accuracy of FP8/INT8 pools (limit ${ACCURACY_TIMEOUT:-60}s)"
-start=$SECONDS
-timeout "${ACCURACY_TIMEOUT:-60}" "$python" -m paged_video.bench accuracy --smoothing on \
-    --out "$out_dir" >"$out_dir/accuracy.log" 2>&1
-accuracy_rc=$?
-grep -vE "^[a-z0-9-]+ .*: cosine" "$out_dir/accuracy.log" | tail -n 50
-echo "== accuracy: exit $accuracy_rc after $((SECONDS - start))s"
+stage_rollout() {
+    "$python" -m paged_video.bench.wan_rollout ${rollout_shape[@]+"${rollout_shape[@]}"} \
+        --kv-dtype bf16 int8-mma --out "$out_dir"
+}
 
-# The compile report with this machine's own Triton and ptxas: ties the timings above to the
-# machine code the CPU-side report describes (the launch table's defaults, blocks 16 and 1560).
-echo "== compile report (limit ${COMPILE_TIMEOUT:-25}s)"
-start=$SECONDS
-timeout "${COMPILE_TIMEOUT:-25}" "$python" -m paged_video.bench compile --kernels paged_attention \
-    --block-sizes 16,1560 --out "$out_dir" >"$out_dir/compile.log" 2>&1
-compile_rc=$?
-tail -n 6 "$out_dir/compile.log"
-echo "== compile report: exit $compile_rc after $((SECONDS - start))s"
+stage_accuracy() {
+    "$python" -m paged_video.bench accuracy --smoothing on \
+        ${accuracy_geometry[@]+"${accuracy_geometry[@]}"} --out "$out_dir" \
+        >"$out_dir/accuracy.log" 2>&1
+    local rc=$?
+    grep -vE "^[a-z0-9-]+ .*: cosine" "$out_dir/accuracy.log" | tail -n 50
+    return $rc
+}
 
-workers=()
-if "$python" -c "import xdist" 2>/dev/null; then
-    workers=(-n "${TEST_WORKERS:-12}")
-fi
-# One line per test as it ends (-v): a run the limit cuts short still says which tests passed
-# and which failed (the console shows the failures and the counts; tests.log has every line).
-echo "== kernel tests (limit ${TEST_TIMEOUT:-120}s)"
-start=$SECONDS
-timeout "${TEST_TIMEOUT:-120}" "$python" -m pytest tests/kernels -v --tb=short -rfE \
-    -p no:cacheprovider ${workers[@]+"${workers[@]}"} >"$out_dir/tests.log" 2>&1
-tests_rc=$?
-failures=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" "$out_dir/tests.log" | sort -u)
-[ -z "$failures" ] || head -n 30 <<<"$failures"
-echo "passed $(grep -c " PASSED" "$out_dir/tests.log"), failed $(grep -c . <<<"$failures")"
-tail -n 1 "$out_dir/tests.log"
-echo "== kernel tests: exit $tests_rc after $((SECONDS - start))s"
+stage_compile() {
+    "$python" -m paged_video.bench compile "${compile_shape[@]}" --out "$out_dir" \
+        >"$out_dir/compile.log" 2>&1
+    local rc=$?
+    tail -n 6 "$out_dir/compile.log"
+    return $rc
+}
 
-if [ -s "$out_dir/sweep.csv" ]; then
-    "$python" -m paged_video.bench plot "$out_dir/sweep.csv" --out "$out_dir"
-    echo "== sweep exit $sweep_rc, launches exit $launch_rc (choose $choose_rc), accuracy exit" \
-        "$accuracy_rc, tests exit $tests_rc; ratio table:"
+stage_report() {
+    [ -s "$out_dir/sweep.csv" ] || { echo "report: the sweep wrote no CSV"; return 1; }
+    "$python" -m paged_video.bench plot "$out_dir/sweep.csv" --out "$out_dir" || return 1
     "$python" -m paged_video.bench table "$out_dir/sweep.csv" --goal
-else
-    echo "== sweep exit $sweep_rc, launches exit $launch_rc (choose $choose_rc), accuracy exit" \
-        "$accuracy_rc, tests exit $tests_rc; the sweep wrote no CSV"
+}
+
+if [ -n "$only" ]; then  # a child of run_stage: the stage alone
+    "stage_${only%2}"
+    exit $?
 fi
-[ "$sweep_rc" -eq 0 ] && [ "$launch_rc" -eq 0 ] && [ "$choose_rc" -eq 0 ] \
-    && [ "$accuracy_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]
+for stage in "${stages[@]}"; do
+    case $stage in
+        versions)
+            run_stage versions
+            rc=$?
+            if [ "$rc" -eq 2 ]; then
+                echo "gpu_check: no CUDA device is visible to $python (--dry-run runs on a CPU)" >&2
+                exit 2
+            fi ;;
+        tests) run_stage tests tests.log ;;
+        sweep) run_stage sweep sweep.csv sweep.log ;;
+        launches) run_stage launches launches/sweep.csv ;;
+        choose|choose2) run_stage "$stage" launch_choices.json ;;
+        peers_setup) run_stage peers_setup ;;
+        probes) run_stage probes probe/probe.csv probe_dequant/probe.csv probe_int8/probe.csv ;;
+        peers) run_stage peers peers/sweep.csv ;;
+        rollout) run_stage rollout rollout.csv ;;
+        accuracy) run_stage accuracy accuracy.csv ;;
+        compile) run_stage compile compile.csv ;;
+        report) run_stage report speedup.png ;;
+    esac
+done
+echo "== gpu_check part $part: $([ "$failed" -eq 0 ] && echo passed || echo "a stage failed");" \
+    "stages in $manifest"
+column -t -s $'\t' "$manifest" 2>/dev/null || cat "$manifest"
+exit "$failed"

@@ -150,8 +150,17 @@ def attention_provider(name: str) -> Provider:
 
 def shipped_geometry() -> Geometry:
     """The sweep's ``--preset shipped`` geometry (it has one)."""
-    [geometry] = _geometries(argparse.ArgumentParser(), PRESETS["shipped"])
-    return geometry
+    return preset_geometry("shipped")
+
+
+def preset_geometry(name: str) -> Geometry:
+    """The first geometry of the sweep's ``--preset NAME``; the small one at 16 tokens a chunk
+    (as ``bench/gpu_check.sh --dry-run`` sweeps it) with fp16 queries, so that each run names
+    its launch-table mode as a GPU run's bf16 ones do (float32 calls have no row)."""
+    settings = dict(PRESETS[name])
+    if name != "shipped":
+        settings.update(chunk_sizes=(16,), dtypes=("fp16",))
+    return _geometries(argparse.ArgumentParser(), settings)[0]
 
 
 COLUMNS = (
@@ -247,8 +256,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", default=None, help="PROVIDER@CONFIG,... instead of the two above")
     parser.add_argument("--time-limit", type=float, default=None)
     parser.add_argument("--out", type=Path, default=Path("out/probe"))
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="shipped",
+        help="the geometry (small: bench/gpu_check.sh --dry-run's, with --device cpu)",
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("launch_probe: no CUDA device", file=sys.stderr)
         return 2
     try:
@@ -263,7 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
-    probe(runs, block_sizes, args.out, time_limit_s=args.time_limit)
+    geometry = shipped_geometry() if args.preset == "shipped" else preset_geometry(args.preset)
+    probe(
+        runs, block_sizes, args.out, time_limit_s=args.time_limit, geometry=geometry,
+        device=args.device,
+    )  # fmt: skip
     return 0
 
 

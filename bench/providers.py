@@ -106,7 +106,8 @@ class Provider:
     sweep, so a run cut short has measured the rest. ``quant``: the pool format of a
     ``quantized`` provider (this project's kernel over FP8/INT8 codes, checked against the
     dequantizing oracle and rated against the bf16 pool). ``on_request``: run only when a
-    sweep names it (the launch table's candidates).
+    sweep names it (the launch table's candidates). ``allowance``: added to the error limit of
+    a peer that quantizes inside (sageattention).
     """
 
     kernel: str
@@ -118,6 +119,7 @@ class Provider:
     late: bool = False
     quant: Quant | None = None
     on_request: bool = False
+    allowance: float = 0.0
 
     @property
     def skippable(self) -> bool:
@@ -558,6 +560,87 @@ def _flash_attn_unsupported(workload: Workload) -> str | None:
     return None
 
 
+# --- the peers a user would pick beside ours: carried wheels (bench/peer_wheels.sh) ------------
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` (dotted: its parents too) can be imported here."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing; a module without a spec
+        return False
+
+
+SAGEATTENTION = "sageattention"
+# SageAttention 1.0.6 rounds Q and K to int8 per block of tokens (K smoothed first) and runs
+# P V in 16 bits: its max error against the float64 oracle is the int8 rounding's, which the
+# bf16 check would refuse. The allowance holds it to attention over the same keys (a lost
+# block or a wrong scale errs by far more); `bench accuracy` measures quantized accuracy.
+SAGEATTENTION_ALLOWANCE = 2**-4
+
+
+def _build_sageattention(workload: Workload, tile: Tile | None) -> Bench:
+    from sageattention import sageattn
+
+    q, k, v = pregathered(workload)
+    return Bench(
+        lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=False),
+        _packed_from_heads_first(workload.geometry),
+        "sageattention 1.0.6 sageattn: int8 Q K^T per block, pre-gathered K/V",
+    )
+
+
+def _sageattention_unsupported(workload: Workload) -> str | None:
+    if not _importable(SAGEATTENTION):
+        return "sageattention is not installed (bench/peer_wheels.sh downloads its wheel)"
+    if workload.q.device.type != "cuda":
+        return "sageattention runs on a GPU only (its launcher asserts CUDA tensors)"
+    if workload.geometry.dtype not in ("fp16", "bf16"):
+        return "sageattention is timed on fp16 and bf16 only"
+    return None
+
+
+FLASH_ATTN_4 = "flash_attn.cute"
+
+
+def _build_flash_attn_4(workload: Workload, tile: Tile | None) -> Bench:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    w = workload
+    g = w.geometry
+    q = w.q.view(g.batch, g.q_tokens, g.heads, g.head_dim)
+    # FA4 reads whole pages by TMA: rows past a sequence's length must be finite (its docs);
+    # the workload's pools hold random values everywhere.
+    k_pages, v_pages = w.k_cache, w.v_cache
+    table = w.block_table.to(torch.int32)
+    seq_lens = w.seq_lens_k.to(torch.int32)
+
+    def run() -> Tensor:
+        out = flash_attn_varlen_func(
+            q, k_pages, v_pages, seqused_k=seq_lens, page_table=table, causal=False
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    return Bench(
+        run,
+        lambda out: out.reshape(g.batch * g.q_tokens, g.heads, g.head_dim),
+        f"flash_attn.cute flash_attn_varlen_func, page_table of {w.block_size}-slot pages",
+    )
+
+
+def _flash_attn_4_unsupported(workload: Workload) -> str | None:
+    if not _importable(FLASH_ATTN_4):
+        return (
+            "flash-attn-4 (flash_attn.cute) is not installed (bench/peer_wheels.sh: its wheels"
+            " are carried over the two calls)"
+        )
+    if workload.q.device.type != "cuda":
+        return "FlashAttention-4 runs on a GPU only (CuTe DSL kernels)"
+    if workload.geometry.dtype not in ("fp16", "bf16"):
+        return "FlashAttention-4 takes fp16 and bf16 only"
+    return None
+
+
 # --- staged: gather the visible blocks, then attend over contiguous K/V -----------------------
 
 
@@ -754,6 +837,17 @@ PROVIDERS: tuple[Provider, ...] = (
     *(_quantized_paged_provider(name, quant) for name, quant in QUANTIZED_PROVIDERS.items()),
     *(_launch_provider(name, launch) for name, launch in LAUNCH_PROVIDERS.items()),
     Provider("paged_attention", "flash_attn", _build_flash_attn, _flash_attn_unsupported, BASELINE),
+    Provider(
+        "paged_attention",
+        "sageattention",
+        _build_sageattention,
+        _sageattention_unsupported,
+        BASELINE,
+        allowance=SAGEATTENTION_ALLOWANCE,
+    ),
+    Provider(
+        "paged_attention", "flash-attn-4", _build_flash_attn_4, _flash_attn_4_unsupported, BASELINE
+    ),
     Provider("paged_attention", "flex", _build_flex, _flex_unsupported, BASELINE, late=True),
     Provider("staged", "triton", _build_staged_triton, tunable=True),
     Provider("staged", "triton+sdpa", _build_staged_sdpa, role=BASELINE),

@@ -93,9 +93,24 @@ def is_64bit_integer(instruction: Instruction) -> bool:
 
 
 def local_bytes(instruction: Instruction) -> int:
-    """Bytes an ``STL``/``LDL`` moves (register spills: Triton's kernels have no local arrays)."""
+    """Bytes an ``STL``/``LDL`` moves (register spills: Triton's kernels have no local arrays),
+    or an ``STG``/``LDG``: its width modifier, else 4."""
     widths = [_LOCAL_WIDTHS[m] for m in instruction.opcode.split(".")[1:] if m in _LOCAL_WIDTHS]
     return widths[0] if widths else 4
+
+
+def global_access_bytes(instructions: Sequence[Instruction]) -> str:
+    """The widths in bytes of the plain global stores and loads (``STG``, ``LDG``; not the
+    ``cp.async`` or TMA copies), each widest first: ``"16/16+8"`` is 16-byte stores, and loads
+    of 16 and 8 bytes (``-`` where there are none). A copy kernel at copy speed moves its data
+    in 16-byte accesses: a narrower store or load there is an alignment or layout the compiler
+    could not prove."""
+
+    def widths(opcode: str) -> str:
+        found = {local_bytes(i) for i in instructions if i.opcode.split(".")[0] == opcode}
+        return "+".join(str(w) for w in sorted(found, reverse=True)) or "-"
+
+    return f"{widths('STG')}/{widths('LDG')}"
 
 
 def spill_bytes(instructions: Sequence[Instruction]) -> tuple[int, int]:
@@ -374,6 +389,7 @@ def analyse(text: str) -> dict[str, object]:
         "spill_loads": loads,
         "mma": mma_kind(instructions),
         "tma_loads": sum(i.opcode.startswith("UTMALDG") for i in instructions),
+        "global_access_bytes": global_access_bytes(instructions),
         "setmaxnreg": setmaxnreg(instructions),
         "key_loops": ",".join(f"{'m' if loop.masked else ''}{loop.size}" for loop in keys),
         "masked_loop_instructions": max((loop.size for loop in masked), default=None),

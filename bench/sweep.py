@@ -292,6 +292,7 @@ def _check_then_time(
     torch_error = oracles.torch_error(provider.kernel, workload)
     error = max_error(output, expected)
     limit = accuracy_limit(provider.kernel, workload.geometry.dtype, torch_error, provider.quant)
+    limit += provider.allowance
     if not error <= limit:
         anchor = "" if torch_error is None else f" (torch SDPA's error {torch_error:.3g})"
         wrong = f"max error {error:.3g} > limit {limit:.3g}{anchor}; not timed"

@@ -16,9 +16,17 @@ accuracy figure).
 ``--kv-dtype`` runs the paged rollout once per pool format given (``bench.formats``): ``bf16``
 keeps the pools unquantized in the model's dtype (bf16 at the 1.3B shape, float32 with
 ``--tiny``: the header and the ``pool`` column print the dtype really used), ``e4m3`` and
-``int8`` quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on); each row also gives
+``int8`` quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on, the dequantizing mode),
+``e4m3-mma`` and ``int8-mma`` attend in the format's MMA mode over keys-major pools (INT8-MMA:
+the fastest quantized mode on the first H200 run, bench/RESULTS.md); each row also gives
 the cache's pool bytes (K/V pools, scales and smoothing means) and its latents' difference from
 the plain rollout (for quantized pools: the quantization's effect, not a bug check).
+
+Each row gives frames per second once the window is full (frames per block over the median
+time per block from then on), printed beside two anchors: Self-Forcing 17 FPS and LongLive
+20.7 FPS, Wan 2.1 1.3B on one H100 as their papers report (their own pipelines: VAE decoding
+and their step counts included; a bound to read ours against, not the same measurement).
+``--out DIR`` writes the rows to ``DIR/rollout.csv``.
 
 ``--tiny`` runs a 2-layer model in seconds on a CPU so the script is known to work; its
 timings are not GPU figures. Needs the ``diffusers`` extra.
@@ -27,9 +35,11 @@ timings are not GPU figures. Needs the ``diffusers`` extra.
 from __future__ import annotations
 
 import argparse
+import csv
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -49,8 +59,21 @@ except ImportError as error:  # no diffusers: one line for the command, the erro
         raise SystemExit(f"error: {error}") from None
     raise
 
-# --kv-dtype: the paged pools' format (bf16: unquantized, in the model's dtype).
+# --kv-dtype: the paged pools' format (bf16: unquantized, in the model's dtype), and the
+# PagingConfig switches of its attention mode (the MMA modes over keys-major pools).
 KV_DTYPES = {UNQUANTIZED: None, **QUANTIZED_FORMATS}
+MODES = {f"{name}-mma": name for name in QUANTIZED_FORMATS}
+MODE_SWITCHES = {
+    "e4m3-mma": {"fp8_mma": True, "keys_major": True},
+    "int8-mma": {"int8_mma": True, "keys_major": True},
+}
+# Frames per second reported for the Wan 2.1 1.3B shape on one H100 (the papers' own figures).
+ANCHORS_FPS = {"Self-Forcing": 17.0, "LongLive": 20.7}
+CSV_COLUMNS = (
+    "provider", "kv_dtype", "pool", "pool_mb", "first_block_ms", "steady_block_ms",
+    "steady_fps", "blocks_timed", "max_diff_vs_plain", "figures", "device", "shape",
+    "frames_per_block", "steps", "block_size",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -281,7 +304,8 @@ def run(
             window_chunks=shape.window_frames,
             max_forward_chunks=shape.frames_per_block,
             exact_window=True,  # the same keys as the plain cache: no boundary tokens
-            kv_dtype=KV_DTYPES[name],
+            kv_dtype=KV_DTYPES[MODES.get(name, name)],
+            **MODE_SWITCHES.get(name, {}),
         )
         with PagedWanRollout(model, config) as rollout:
 
@@ -327,12 +351,19 @@ def run(
 
 
 def _kv_dtype(text: str) -> str:
-    if text not in KV_DTYPES:
+    if text not in KV_DTYPES and text not in MODES:
         refusal = old_spelling(text, KV_DTYPES)
         raise argparse.ArgumentTypeError(
-            refusal or f"{text!r} is not one of {', '.join(KV_DTYPES)}"
+            refusal or f"{text!r} is not one of {', '.join([*KV_DTYPES, *MODES])}"
         )
     return text
+
+
+def steady_fps(times: list[float], full: int, frames_per_block: int) -> tuple[float, int]:
+    """Frames per second once the window is full (blocks ``full`` on; the last block where the
+    run ends sooner) and how many blocks that median is of."""
+    steady = times[full:] or times[-1:]
+    return frames_per_block / statistics.median(steady), len(steady)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=_kv_dtype,
         default=[UNQUANTIZED],
-        help=f"paged pool formats, one paged rollout each: {', '.join(KV_DTYPES)} (bf16: "
-        "unquantized, in the model's dtype)",
+        help=f"paged pool formats, one paged rollout each: {', '.join([*KV_DTYPES, *MODES])} "
+        "(bf16: unquantized, in the model's dtype; -mma: the format's MMA mode, keys-major)",
     )
+    parser.add_argument("--out", type=Path, default=None, help="folder for rollout.csv")
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else WAN_1_3B
     blocks = args.blocks or (3 if args.tiny else 10)
@@ -397,19 +429,51 @@ def main(argv: list[str] | None = None) -> int:
         f"{device} [{figures}]{unquantized}"
     )
     print(
-        "provider  kv_dtype       pool_MB  first_block_ms  steady_block_ms  blocks_timed  "
-        "max_diff_vs_plain"
+        "provider  kv_dtype  pool           pool_MB  first_block_ms  steady_block_ms  "
+        "steady_fps  blocks_timed  max_diff_vs_plain"
     )
+    rows = []
     for name, row in results.items():
         times = row["times"]
-        steady = times[full:] or times[-1:]
-        pool = dtype_name(row["pool"])
+        fps, timed = steady_fps(times, full, shape.frames_per_block)
         megabytes = f"{row['pool_bytes'] / 1e6:.3f}" if "pool_bytes" in row else "-"
-        print(
-            f"{name.split()[0]:8s}  {pool:13s}  {megabytes:>7s}  {times[0] * 1e3:14.1f}  "
-            f"{statistics.median(steady) * 1e3:15.1f}  {len(steady):12d}  "
-            f"{row['max_diff']:17.3e}"
+        provider, _, kv = name.partition(" ")
+        rows.append(
+            {
+                "provider": provider,
+                "kv_dtype": kv or "-",
+                "pool": dtype_name(row["pool"]),
+                "pool_mb": megabytes,
+                "first_block_ms": f"{times[0] * 1e3:.1f}",
+                "steady_block_ms": f"{shape.frames_per_block / fps * 1e3:.1f}",
+                "steady_fps": f"{fps:.3g}",
+                "blocks_timed": timed,
+                "max_diff_vs_plain": f"{row['max_diff']:.3e}",
+            }
         )
+        r = rows[-1]
+        print(
+            f"{provider:8s}  {r['kv_dtype']:8s}  {r['pool']:13s}  {megabytes:>7s}  "
+            f"{r['first_block_ms']:>14s}  {r['steady_block_ms']:>15s}  {r['steady_fps']:>10s}  "
+            f"{timed:12d}  {r['max_diff_vs_plain']:>17s}"
+        )
+    anchors = ", ".join(f"{name} {fps:g} FPS" for name, fps in ANCHORS_FPS.items())
+    print(f"anchors (Wan 2.1 1.3B, one H100, as their papers report): {anchors}")
+    if args.out is not None:
+        shared = {
+            "figures": figures,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "shape": "tiny" if args.tiny else "wan-1.3b",
+            "frames_per_block": shape.frames_per_block,
+            "steps": steps,
+            "block_size": args.block_size,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "rollout.csv", "w", newline="") as stream:
+            writer = csv.DictWriter(stream, CSV_COLUMNS)
+            writer.writeheader()
+            writer.writerows({**row, **shared} for row in rows)
+        print(f"wrote {args.out / 'rollout.csv'}")
     return 0
 
 

@@ -47,7 +47,7 @@ _GPU_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
     (256, False): (64, 32, 4, 2),
 }
 # Quantized caches at head_dim 256 keep 64 x 32 tiles: their loops hold the converted tiles
-# and the scales beside what the 16-bit loop holds (without spills there, bench/RESULTS.md).
+# and the scales beside what the 16-bit loop holds (without spills there, bench/COMPILE.md).
 _QUANTIZED_WIDE_TILES = (64, 32, 8, 2)
 
 
@@ -298,7 +298,7 @@ def _table_row(
     variant keeps the built-in settings for the rest, whatever the table says). A quantized
     ``tma`` row applies only where its tile lies inside a block (its pointer loop at that tile
     is no measured launch: at 128 keys the quantized pointer loops spill 96-120 bytes,
-    bench/RESULTS.md); a 16-bit one runs the pointer loop at its tile there, as the GPU run
+    bench/COMPILE.md); a 16-bit one runs the pointer loop at its tile there, as the GPU run
     that chose it measured (tiles of two whole blocks too: ``_descriptor_tiles``)."""
     row = launch_table.lookup(*table_key(block_size, head_dim), mode)
     if row is None:

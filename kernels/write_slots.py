@@ -436,8 +436,7 @@ def write_slots(
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     flat = all(plane_is_flat(t) for t in (key, value, k_pool, v_pool))
     tiles = copy_tiles(num_tokens, num_kv_heads, head_dim, flat)
-    grid = (triton.cdiv(num_tokens, tiles.block_t), tiles.col_programs)
-    _write_slots_kernel[grid](
+    _write_slots_kernel[tiles.grid(num_tokens)](
         key,
         value,
         k_pool,

@@ -69,6 +69,7 @@ SLOW = (
     "tests/bench/test_cli.py::test_the_readme_main_job_runs_the_small_preset",
     "tests/bench/test_cli_edges.py::test_wan_rollout_refuses_old_spellings_and_a_missing_gpu",
     "tests/bench/test_compile_report.py",
+    "tests/bench/test_gpu_check.py::test_the_dry_run_runs_every_stage_and_writes_what_the_next_reads",
     "tests/kernels/test_fused.py::test_compiles_once_across_changing_values[staged]",
     "tests/kernels/test_fused_quantized.py::test_compiles_once_across_changing_values",
     "tests/kernels/test_masks.py::test_launch_counts_five_segments",

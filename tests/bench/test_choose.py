@@ -452,3 +452,33 @@ def test_a_sweep_that_chooses_nothing_does_not_cost_the_probes_rows(tmp_path, ca
     assert "error: csv: launch rows have cpu figures" in capsys.readouterr().err
     written = launch_table.read_table(table)["choices"]
     assert sum(r["source"] == "gpu run" and r["mode"] != "same" for r in written) == 3
+
+
+def test_the_launches_no_row_picked_are_listed_last() -> None:
+    # After a GPU run the losers go: the list must name exactly what was measured and won
+    # nowhere, the 16-bit launches and the quantized ones alike.
+    choices, lines = choose.choose(_rows())
+    measured = {r["provider"] for r in _rows() if r.get("provider") in LAUNCH_PROVIDERS}
+    fields = ("variant", "block_n", "scores_ahead")
+    chosen = {tuple(c[f] for f in fields) for c in choices}
+    winners = {n for n in measured if tuple(LAUNCH_PROVIDERS[n][f] for f in fields) in chosen}
+    prefix = "not picked by any row (launch providers): "
+    assert lines[-1].startswith(prefix)
+    listed = set(lines[-1].removeprefix(prefix).split(", "))
+    assert listed and listed == measured - winners
+    choices, lines = choose.choose_quantized(_probe_rows())
+    listed = lines[-1].removeprefix("not picked by any row (quantized launches): ").split(", ")
+    picked = {f"{c['mode']} {choose._launch_label(c)}" for c in choices}
+    assert listed == [
+        "fp8_mma_keys cp_async n64 w8 s3",
+        "int8_mma_keys tma n128 w8 s3",
+        "int8_mma_keys tma n64 w8 s3",
+    ]
+    assert not picked & set(listed)
+
+
+def test_a_rehearsal_chooses_from_cpu_figures() -> None:
+    with pytest.raises(ValueError, match="a GPU run only"):
+        choose.choose(_rows(figures="cpu-interpreter"))
+    choices, _ = choose.choose(_rows(figures="cpu-interpreter"), rehearsal=True)
+    assert {c["kv_path"]: (c["variant"], c["block_n"]) for c in choices} == WINNERS

@@ -1,0 +1,130 @@
+"""Every row of the shipped launch table (``kernels/launch_choices.json``), taken as a GPU takes it.
+
+The first stage of ``bench/gpu_check.sh`` runs this file on CUDA: each row at a block size
+whose calls read it, bf16 queries, its K/V format (bf16, e4m3, int8; slot-major or keys-major
+pools), the launch recorded and the output checked against the float64 oracle. On a CPU the
+interpreter ignores the table, so there each row's routing is checked alone (``choose_tiles``
+as a GPU runs it): a row no block size reaches fails here, before a GPU window is spent on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from paged_video import kernels, reference
+from paged_video.kernels import launch_table
+from paged_video.kernels.paged_attention import table_key
+from paged_video.reference.quantize import quantize
+from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
+from tests.kernels.paged_case import make_paged_case
+
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
+
+ROWS = launch_table.read_table()["choices"]
+# Block sizes tried for a row, smallest first (the shipped ones and some of each key path).
+CANDIDATE_BLOCKS = (16, 24, 32, 40, 64, 128, 192, 256, 384, 520, 1024, 1560)
+MODE_FLAGS = {
+    "same": {},
+    "fp8": {"kv_dtype": torch.float8_e4m3fn},
+    "int8": {"kv_dtype": torch.int8},
+    "fp8_mma": {"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True},
+    "int8_mma": {"kv_dtype": torch.int8, "int8_mma": True},
+}
+# Relative max error against the float64 oracle on a GPU (bf16 queries; the MMA modes round
+# P to e4m3 or Q to int8): loose enough for every mode, far below what a wrong block, a
+# poisoned read or a lost tile gives (errors of order 1).
+GPU_RTOL = {"same": 2e-2, "fp8": 3e-2, "int8": 3e-2, "fp8_mma": 1.5e-1, "int8_mma": 8e-2}
+
+
+def _row_id(row: dict) -> str:
+    return f"hd{row['head_dim']}-{row['kv_path']}-{row['mode']}"
+
+
+def _mode(row: dict) -> tuple[str, bool]:
+    """The row's base mode (``MODE_FLAGS``) and whether it reads keys-major pools."""
+    mode = row["mode"]
+    return mode.removesuffix("_keys"), mode.endswith("_keys")
+
+
+def _call_flags(row: dict) -> dict:
+    """``choose_tiles``' K/V arguments of a call the row is for."""
+    base, keys_major = _mode(row)
+    flags = dict(MODE_FLAGS[base])
+    if base != "same":
+        flags.update(dequantize=base in ("fp8", "int8"), tma_ready=keys_major)
+    return flags
+
+
+def _gpu_tiles(monkeypatch: pytest.MonkeyPatch, row: dict, block_size: int) -> dict:
+    """What ``choose_tiles`` gives a shipped-geometry call on a GPU (the table is read)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(launcher, "interpreter_active", lambda: False)
+        return kernels.choose_tiles(
+            block_size=block_size,
+            head_dim=row["head_dim"],
+            max_seqlen_q=4680,
+            dtype=torch.bfloat16,
+            **_call_flags(row),
+        )
+
+
+def _takes_row(tiles: dict, row: dict) -> bool:
+    return (tiles["VARIANT"], tiles["BLOCK_N"]) == (row["variant"], row["block_n"])
+
+
+def block_taking(monkeypatch: pytest.MonkeyPatch, row: dict) -> int | None:
+    """The smallest candidate block size whose calls take the row's own launch."""
+    for block_size in CANDIDATE_BLOCKS:
+        if table_key(block_size, row["head_dim"])[1] != row["kv_path"]:
+            continue
+        if _takes_row(_gpu_tiles(monkeypatch, row, block_size), row):
+            return block_size
+    return None
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_row_id)
+def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> None:
+    block_size = block_taking(monkeypatch, row)
+    assert block_size is not None, f"no block size in {CANDIDATE_BLOCKS} takes {row}"
+    if not ON_GPU:
+        return  # the interpreter takes its own tiles: the routing above is the CPU's part
+    base, keys_major = _mode(row)
+    case = make_paged_case(
+        q_lens=[70, 33],
+        k_lens=[block_size + 2 * row["block_n"] + 9, row["block_n"] + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=row["head_dim"],
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
+    k, v = case.k_cache, case.v_cache
+    kwargs: dict = {"max_seqlen_q": case.max_seqlen_q}
+    if base != "same":
+        dtype = MODE_FLAGS[base]["kv_dtype"]
+        (k, k_scale), (v, v_scale) = (
+            (codes.to(DEVICE), scale.to(DEVICE))
+            for codes, scale in (quantize(c.float().cpu().nan_to_num(0.0), dtype) for c in (k, v))
+        )
+        if keys_major:
+            k_scale, v_scale = kernels.keys_major(k_scale), kernels.keys_major(v_scale)
+            if base == "fp8_mma":
+                v = kernels.keys_major(v)
+        flags = {n: f for n, f in MODE_FLAGS[base].items() if n != "kv_dtype"}
+        kwargs.update(k_scale=k_scale, v_scale=v_scale, **flags)
+    args = (case.q, k, v, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
+    got = kernels.paged_attention(*args, out=nan_like(case.q), **kwargs)
+    ran = [(flags["BLOCK_N"], flags["TMA"]) for flags in launches]
+    assert (row["block_n"], row["variant"] == "tma") in ran, (row, ran)
+    scales = {n: kwargs[n] for n in ("k_scale", "v_scale") if n in kwargs}
+    want = reference.paged_attention(
+        *args, **scales, out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE)
+    )
+    assert not torch.isnan(got).any(), "NaN: a poisoned slot was read or an output left unwritten"
+    error = (got.double() - want).abs().max().item()
+    assert error <= GPU_RTOL[base] * want.abs().max().item(), (row, error)
