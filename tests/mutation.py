@@ -48,6 +48,10 @@ RAW_DRIVER = (
 )
 FUSED_QUANTIZED = "tests/kernels/test_fused_quantized.py"
 SHARD_CODES = "tests/paging/test_shard_attention.py::test_ranks_store_the_single_process_codes"
+UNCHOSEN = (
+    "tests/paging/test_quantized.py::"
+    "test_tokens_committed_under_an_unchosen_state_are_refused_never_attended"
+)
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
 FP8_TMA_DEFAULT = (
     "tests/kernels/test_launch_variants.py::"
@@ -1039,6 +1043,42 @@ MUTANTS = [
         '            kwargs |= {"k_equalizer": self.k_equalizer, "v_equalizer": self.v_equalizer}',
         "            pass",
         RAW_DRIVER,
+    ),
+    _m(
+        "call-skips-layer-state",
+        "paging/forward.py",
+        "        cache.check_layer_state()",
+        "        pass",
+        f"{UNCHOSEN}[mean]",
+    ),
+    _m(
+        "prepare-skips-layer-state",
+        "paging/plan.py",
+        "        self.cache.check_layer_state()\n",
+        "",
+        f"{UNCHOSEN}[mean]",
+    ),
+    _m(
+        "layer-state-mean-only",
+        "paging/cache.py",
+        '            (self.equalizers_chosen, "equalization factors (equalizers_chosen)"),\n',
+        "",
+        f"{UNCHOSEN}[factors]",
+    ),
+    _m(
+        "layer-state-any-layer-chosen",
+        "paging/cache.py",
+        "            if bool(flags.all()):",
+        "            if bool(flags.any()):",
+        f"{UNCHOSEN}[mean]",
+    ),
+    _m(
+        "layer-state-without-commits",
+        "paging/cache.py",
+        "            if not any(sequence.committed for sequence in sequences):",
+        "            if False:",
+        f"{UNCHOSEN}[mean]",
+        "tests/paging/test_shard.py::test_a_refused_first_call_leaves_the_mean_and_factors_unchosen",
     ),
     _m(
         "shard-choice-from-own-tokens",
