@@ -1081,6 +1081,20 @@ MUTANTS = [
         "tests/paging/test_shard.py::test_a_refused_first_call_leaves_the_mean_and_factors_unchosen",
     ),
     _m(
+        "cfg-choice-from-own-branch",
+        "models/parallel.py",
+        "            self.state.choose = self._choose_across_branches\n",
+        "            pass\n",
+        "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
+    ),
+    _m(
+        "cfg-choice-skipped-by-the-stock-launch",
+        "models/wan_paged.py",
+        "            self.state.choose(call, self.layer, key, value)\n        return write_attend(",
+        "            pass\n        return write_attend(",
+        "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
+    ),
+    _m(
         "shard-choice-from-own-tokens",
         "paging/shard.py",
         "            choice_slots=self.inputs.video_slots,\n",
