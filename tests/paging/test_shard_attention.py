@@ -129,18 +129,24 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("degree", "kv_dtype"),
-    [(2, torch.int8), (4, torch.float8_e4m3fn)],
-    ids=["int8-2", "e4m3-4"],
+    ("degree", "kv_dtype", "staged"),
+    [
+        (2, torch.int8, False),
+        (4, torch.int8, True),
+        (2, torch.float8_e4m3fn, True),
+        (4, torch.float8_e4m3fn, False),
+    ],
+    ids=["int8-2", "int8-4-staged", "e4m3-2-staged", "e4m3-4"],
 )
 @pytest.mark.usefixtures("plain")
-def test_ranks_store_the_single_process_codes(degree, kv_dtype):
+def test_ranks_store_the_single_process_codes(degree, kv_dtype, staged):
     # What a model's processor does (``models.parallel``): the fused op with
     # ``call.layer(i)``'s inputs, every token's q/k/v on every rank. Each rank's first write
     # of a layer must freeze the single process's K mean and equalization factors (chosen from
     # every video token, not the rank's own), so every block a rank stores holds the single
     # process's codes and scales, bit for bit; a rank that chose from its own tokens differs.
-    # The first forward has two CFG rows, and its first chunk starts mid-block.
+    # The first forward has two CFG rows (the later ones one: staged where the cache stages),
+    # and chunks of 4 tokens over blocks of 3 start mid-block.
     config = PagingConfig(
         block_size=3,
         chunk_size=4,
@@ -150,6 +156,7 @@ def test_ranks_store_the_single_process_codes(degree, kv_dtype):
         kv_dtype=kv_dtype,
         smooth_keys=True,
         equalize_channels=True,
+        reuse_history_staging=staged,
     )
     geometry = dict(
         num_layers=2, num_kv_heads=KV_HEADS, head_dim=16, branches=("positive", "negative")
