@@ -90,6 +90,10 @@ def run_forks(
         dtype=dtype,
         device="meta",
     )
+    # Nothing is written (meta pools): the layers' first-write state counts as chosen, as a
+    # forward's first write leaves it (a cache refuses committed tokens under no chosen state).
+    cache.k_means_chosen.fill_(True)
+    cache.equalizers_chosen.fill_(True)
     tokens = frames_per_block * config.chunk_size
     peak = PeakTracker(cache)
     copies = []

@@ -27,7 +27,9 @@ Why the odd-looking choices:
   by attention. The first call that writes video keys chooses them from those rows (after the
   mean), and ``equalizers_chosen[layer]``, a CPU flag, freezes them like the mean.
   ``write_slots`` owns both the mean and the factors (``k_smooth_chosen``,
-  ``equalizers_chosen``), so a driver that writes the cache without this op agrees.
+  ``equalizers_chosen``), so a driver that writes the cache without this op agrees. A call that
+  writes only some of the forward's video tokens (one rank of a sequence-sharded window) gets
+  the single process's slots in ``choice_slots`` and chooses from those rows first.
 * Every argument is checked before the first write: a refused call leaves the pools, scales,
   means, flags, the staging buffers and the tags as they were, and names the argument as the
   caller wrote it.
@@ -55,7 +57,7 @@ from paged_video.kernels._attention_checks import check_arguments as check_atten
 from paged_video.kernels.gather_blocks import gather_blocks
 from paged_video.kernels.paged_attention import paged_attention
 from paged_video.kernels.quantize import SCALE_DTYPE, check_scales, is_quantized
-from paged_video.kernels.write_slots import write_slots
+from paged_video.kernels.write_slots import choose_unset, write_slots
 
 NAMESPACE = "paged_video"
 OP_NAME = "write_attend"
@@ -124,7 +126,11 @@ class LayerInputs(NamedTuple):
     without staging; ``stage_tags`` is the cache's record of what each layer's buffers hold
     (mutated); ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` pools only); ``return_lse``
     also returns each query row's log-sum-exp (see ``paged_attention``); ``int8_mma`` attends
-    with an int8 ``Q K^T`` MMA (``int8`` pools only).
+    with an int8 ``Q K^T`` MMA (``int8`` pools only). ``choice_slots`` (``video_slots``'s
+    shape, or None) are the single process's slots of the forward's video tokens where
+    ``video_slots`` writes only some of them (one rank of a sequence-sharded window, ``-1`` for
+    the others'): a layer's first write chooses what it freezes (the K mean, the factors) from
+    the rows these give a slot, so every rank chooses what one process does.
     """
 
     layer: Tensor
@@ -142,6 +148,7 @@ class LayerInputs(NamedTuple):
     fp8_mma: bool = False
     return_lse: bool = False
     int8_mma: bool = False
+    choice_slots: Tensor | None = None
 
 
 MUTATED_ARGS = (*PoolTensors._fields, "stage_tags")
@@ -340,6 +347,14 @@ def _check_inputs(
                 f"{name} must have one row per entry of {slots_name} ({slots.shape[0]}), "
                 f"got {tensor.shape[0]}"
             )
+    if inputs.choice_slots is not None:
+        _checks.check_rank("choice_slots", inputs.choice_slots, 1, "(num_tokens,)")
+        _checks.check_dtype("choice_slots", inputs.choice_slots, _checks.INDEX_DTYPES)
+        if inputs.choice_slots.shape != inputs.video_slots.shape:
+            raise ValueError(
+                f"choice_slots must have video_slots' shape {tuple(inputs.video_slots.shape)}, "
+                f"got {tuple(inputs.choice_slots.shape)}"
+            )
     for name, tensor, like_name, like in (
         ("value", value, "key", key),
         ("action_value", action_value, "action_key", action_key),
@@ -372,6 +387,7 @@ def _check_inputs(
         **dict(zip(KV_ARGS, kv, strict=True)),
         **_on_device(pools),
         video_slots=inputs.video_slots,
+        choice_slots=inputs.choice_slots,
         action_slots=inputs.action_slots,
         block_table=inputs.block_table,
         cu_seqlens_q=inputs.cu_seqlens_q,
@@ -444,6 +460,20 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_equalizer = pools.k_equalizers[layer_index]
             v_equalizer = pools.v_equalizers[layer_index]
             equalizers_chosen = pools.equalizers_chosen[layer_index]
+    if inputs.choice_slots is not None:
+        # This call writes only some of the forward's video tokens (one rank of a sharded
+        # window): whatever a first write freezes is chosen here from all of them, by the rule
+        # write_slots follows, so the write below finds the flags set, as on every other rank.
+        choose_unset(
+            key,
+            value,
+            inputs.choice_slots,
+            k_smooth=k_smooth,
+            k_smooth_chosen=k_smooth_chosen,
+            k_equalizer=k_equalizer,
+            v_equalizer=v_equalizer,
+            equalizers_chosen=equalizers_chosen,
+        )
     # Only video keys choose the mean and the factors; action rows are written with them.
     for k, v, slots, mean_chosen, factors_chosen in (
         (key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen),

@@ -24,7 +24,9 @@ the rank's token shard.
   the same whatever the window's length.
 * **CFG parallel** (``cfg_degree = 2``): each rank holds one branch (positive or negative text)
   in a one-branch cache and runs only that branch; one ``all_gather`` per denoising step
-  combines the guided flow, identically on every rank. The committing forward needs none.
+  combines the guided flow, identically on every rank. The committing forward needs none. Over
+  quantized pools a layer's first forward also all-gathers its K/V in the CFG group, so both
+  ranks freeze the K mean and factors one process chooses from both branches.
 * **Ranks agree or fail together** (``models.fail_fast``): ``generate`` first all-gathers a
   digest per argument (layout, configuration, model config, dtype, blocks, forwards per block,
   frames per block, sigmas, guidance scale, the noise's, prompts' and actions' shapes and
@@ -53,6 +55,7 @@ from torch import Tensor
 
 from paged_video.kernels.fused import write_attend
 from paged_video.kernels.merge_states import merge_stacked_attention_states
+from paged_video.kernels.write_slots import choose_unset
 from paged_video.models.distributed import (
     ParallelGroups,
     ParallelLayout,
@@ -168,6 +171,8 @@ class ShardedPagedWanAttnProcessor(PagedWanAttnProcessor):
     ) -> Tensor:
         """Write this rank's blocks' K/V and attend over its keys: the packed partial states
         (``pack_states``) of every query (``ShardedForwardCall``'s inputs ask for the LSE)."""
+        if self.state.choose is not None:
+            self.state.choose(call, self.layer, key, value)
         inputs = self.state.layer_inputs._replace(layer=self.layer_index)
         out, lse = write_attend(
             query, key, value, action_key, action_value, call.cache.pool_tensors, inputs
@@ -240,6 +245,8 @@ class ParallelWanRollout(PagedWanRollout):
         self.check_plans = check_plans
         self._forwards = 0
         super().__init__(model, config, guidance=guidance, dtype=dtype)
+        if layout.cfg_degree == 2:
+            self.state.choose = self._choose_across_branches
         self._hooks = []
         if layout.sequence_degree > 1:
             self._hooks = [
@@ -286,6 +293,23 @@ class ParallelWanRollout(PagedWanRollout):
                 groups.guard,
             )
         return super()._processor(layer)
+
+    def _choose_across_branches(
+        self, call: ForwardCall, layer: int, key: Tensor, value: Tensor
+    ) -> None:
+        """CFG parallel: a layer's first write freezes what it chooses (over quantized pools:
+        the K mean, the equalization factors) from both branches' rows, as one process's
+        batched forward does: one all-gather of this forward's K/V in the CFG group (positive
+        rows first, one process's order), then the rule ``write_slots`` follows. A layer whose
+        flags are set (every later forward; float pools have none) gathers nothing."""
+        written = call.cache.layer(layer).write_kwargs()
+        state = {name: t for name, t in written.items() if name not in ("k_scale", "v_scale")}
+        if all(bool(flag) for name, flag in state.items() if name.endswith("_chosen")):
+            return
+        kv = all_gather(torch.stack([key, value]), self.groups.cfg, self.guard, "CFG choice")
+        keys, values = (torch.cat(kv[:, i].unbind(0)) for i in range(2))
+        every_row = torch.zeros(keys.shape[0], dtype=torch.int64, device=keys.device)
+        choose_unset(keys, values, every_row, **state)
 
     def _local_text(self, prompt_embeds: Tensor, negative_prompt_embeds: Tensor | None) -> Tensor:
         if self.groups.layout.cfg_degree == 2:

@@ -111,6 +111,10 @@ class ForwardState:
         # change every forward (a recompile per forward).
         self.layer_inputs: LayerInputs | None = None
         self.action_states: Tensor | None = None
+        # Called with (call, layer, key, value) before each layer's write when this process
+        # holds only some rows of the one-process forward (CFG parallel: one branch), to choose
+        # a layer's first-write state from all of them (``models.parallel``); None: from its own.
+        self.choose: Callable[[ForwardCall, int, Tensor, Tensor], None] | None = None
 
 
 class PagedWanAttnProcessor:
@@ -200,6 +204,8 @@ class PagedWanAttnProcessor:
     ) -> Tensor:
         """The fused op for this layer (``ForwardCall.attend(layer, ...)`` with the layer index
         as a tensor): packed ``(tokens, heads, head_dim)`` q/k/v in, the same shape out."""
+        if self.state.choose is not None:
+            self.state.choose(call, self.layer, key, value)
         return write_attend(
             query,
             key,

@@ -396,6 +396,29 @@ class PagedKVCache:
             equalizers_chosen=self.equalizers_chosen[index] if equalized else None,
         )
 
+    def check_layer_state(self) -> None:
+        """``ValueError`` when a layer's pools hold committed tokens but not what a layer's first
+        write chooses (its K mean, its equalization factors): their codes were written without
+        the layer's flags, under a state nobody chose, and the next write would choose one from
+        its own keys and attend the old codes under it. CPU flags: no device sync."""
+        for flags, what in (
+            (self.k_means_chosen, "K mean (k_means_chosen)"),
+            (self.equalizers_chosen, "equalization factors (equalizers_chosen)"),
+        ):
+            if bool(flags.all()):
+                continue
+            sequences = (
+                s for session in self.sessions.values() for s in session.sequences.values()
+            )
+            if not any(sequence.committed for sequence in sequences):
+                return
+            layer = int((~flags).nonzero()[0])
+            raise ValueError(
+                f"layer {layer} holds committed tokens but no chosen {what}: they were written "
+                "without the layer's flags; write with layer.write_kwargs() (its first write "
+                "chooses), or close the sessions that hold them"
+            )
+
     def scratch_blocks(self, session: Session, branch: str) -> range:
         """The scratch blocks of ``session``'s sequence on ``branch``, outside the pool."""
         return self._scratch_lane(session.lane, branch)

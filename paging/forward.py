@@ -68,6 +68,7 @@ class ForwardCall:
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
         if not math.isfinite(softmax_scale):
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        cache.check_layer_state()  # never attend codes written under an unchosen mean/factors
         self.cache = cache
         self.plans = plans
         fresh = list({id(plan): plan for plan in plans if plan.state is PlanState.NEW}.values())

@@ -65,7 +65,8 @@ class PlanState(enum.Enum):
 
 class CacheView(Protocol):
     """What a plan reads of the cache that made it (a ``PagedKVCache``): the configuration,
-    the device its tensors go to and the staging record (None without staging)."""
+    the device its tensors go to, the staging record (None without staging) and whether its
+    layers' first-write state may be written under (``check_layer_state``)."""
 
     @property
     def config(self) -> PagingConfig: ...
@@ -73,6 +74,7 @@ class CacheView(Protocol):
     def device(self) -> torch.device: ...
     @property
     def staging(self) -> HistoryStaging | None: ...
+    def check_layer_state(self) -> None: ...
 
 
 class ForwardPlan:
@@ -197,7 +199,10 @@ class ForwardPlan:
 
         Only while the plan is current (``check_current``): a cancelled, committed or
         overtaken plan refuses, whatever happened before, since its blocks may be free again.
+        Nor over a quantized cache whose committed tokens were written before a layer's mean
+        or factors were chosen (``PagedKVCache.check_layer_state``).
         """
+        self.cache.check_layer_state()
         return self._prepare(copy_tail=True)
 
     def _prepare(self, *, copy_tail: bool) -> AttentionInputs:

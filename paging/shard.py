@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 
 from paged_video.kernels.fused import LayerInputs
-from paged_video.kernels.write_slots import choose_unset
 from paged_video.paging import window
 from paged_video.paging._validate import require_int
 from paged_video.paging.cache import PagedKVCache
@@ -52,11 +51,6 @@ from paged_video.paging.plan import AttentionInputs, ForwardPlan, PlanState
 from paged_video.paging.pool import BlockPool
 from paged_video.paging.session import Session
 from paged_video.paging.transfer import to_device
-
-# A layer's first-write state (``LayerCache.write_kwargs()`` names): the values and their flags.
-CHOSEN_VALUES = ("k_smooth", "k_equalizer", "v_equalizer")
-CHOSEN_FLAGS = ("k_smooth_chosen", "equalizers_chosen")
-LAYER_STATE = (*CHOSEN_VALUES, *CHOSEN_FLAGS)
 
 
 def _share(blocks: int, degree: int) -> int:
@@ -301,6 +295,13 @@ class ShardedForwardCall(ForwardCall):
     The queries (and the K/V handed to the op) are every token of every row. A rank's attention
     is partial, so ``layer`` asks the op for the log-sum-exp too: ``attend`` returns
     ``(out, lse)``, to merge with the other ranks' (``merge_stacked_attention_states``).
+
+    A quantized cache's first write of a layer freezes what it chooses (the K mean, then the
+    channel equalization factors). The op would choose them from the tokens this rank stores;
+    every rank must quantize with the single process's (the partial LSEs merge exactly only
+    then), so ``layer`` also hands the op the single process's slots (``choice_slots``): the op
+    chooses from every video token of the forward, by the rule ``write_slots`` follows, on every
+    rank and whoever calls it (``attend``, or a model's processor with these inputs).
     """
 
     def __init__(
@@ -344,38 +345,5 @@ class ShardedForwardCall(ForwardCall):
             seq_lens_k=local.seq_lens_k,
             stage_from=self._local_stage_from if staged else inputs.stage_from,
             return_lse=True,
+            choice_slots=self.inputs.video_slots,
         )
-
-    def attend(
-        self,
-        index: int,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        action_key: Tensor | None = None,
-        action_value: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """``ForwardCall.attend`` on this rank's share: ``(out, lse)``.
-
-        A quantized cache's first write of a layer chooses its K mean (smoothing) and then its
-        channel equalization factors. The op would choose them from the tokens this rank
-        stores; every rank must quantize with the single process's mean and factors (the
-        partial LSEs merge exactly only then), so they are chosen here from every video token
-        by the same rule (``kernels.write_slots.choose_unset``), and unchosen again, values
-        and flags, if the call is refused.
-        """
-        written = self.cache.layer(index).write_kwargs()
-        state = {name: tensor for name, tensor in written.items() if name in LAYER_STATE}
-        flags = [state[name] for name in CHOSEN_FLAGS if name in state]
-        # Only a layer's first call chooses (CPU flags: no sync); it keeps what it overwrites.
-        unset = [flag for flag in flags if not bool(flag)]
-        before = {name: state[name].clone() for name in CHOSEN_VALUES if unset and name in state}
-        try:
-            choose_unset(key, value, self.inputs.video_slots, **state)
-            return super().attend(index, query, key, value, action_key, action_value)
-        except Exception:
-            for flag in unset:
-                flag.fill_(False)
-            for name, tensor in before.items():
-                state[name].copy_(tensor)
-            raise

@@ -47,6 +47,11 @@ RAW_DRIVER = (
     "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache"
 )
 FUSED_QUANTIZED = "tests/kernels/test_fused_quantized.py"
+SHARD_CODES = "tests/paging/test_shard_attention.py::test_ranks_store_the_single_process_codes"
+UNCHOSEN = (
+    "tests/paging/test_quantized.py::"
+    "test_tokens_committed_under_an_unchosen_state_are_refused_never_attended"
+)
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
 FP8_TMA_DEFAULT = (
     "tests/kernels/test_launch_variants.py::"
@@ -1118,25 +1123,85 @@ MUTANTS = [
         RAW_DRIVER,
     ),
     _m(
-        "shard-factors-from-own-tokens",
+        "call-skips-layer-state",
+        "paging/forward.py",
+        "        cache.check_layer_state()",
+        "        pass",
+        f"{UNCHOSEN}[mean]",
+    ),
+    _m(
+        "prepare-skips-layer-state",
+        "paging/plan.py",
+        "        self.cache.check_layer_state()\n",
+        "",
+        f"{UNCHOSEN}[mean]",
+    ),
+    _m(
+        "layer-state-mean-only",
+        "paging/cache.py",
+        '            (self.equalizers_chosen, "equalization factors (equalizers_chosen)"),\n',
+        "",
+        f"{UNCHOSEN}[factors]",
+    ),
+    _m(
+        "layer-state-any-layer-chosen",
+        "paging/cache.py",
+        "            if bool(flags.all()):",
+        "            if bool(flags.any()):",
+        f"{UNCHOSEN}[mean]",
+    ),
+    _m(
+        "layer-state-without-commits",
+        "paging/cache.py",
+        "            if not any(sequence.committed for sequence in sequences):",
+        "            if False:",
+        f"{UNCHOSEN}[mean]",
+        "tests/paging/test_shard.py::test_a_refused_first_call_leaves_the_mean_and_factors_unchosen",
+    ),
+    _m(
+        "cfg-choice-from-own-branch",
+        "models/parallel.py",
+        "            self.state.choose = self._choose_across_branches\n",
+        "            pass\n",
+        "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
+    ),
+    _m(
+        "cfg-choice-skipped-by-the-stock-launch",
+        "models/wan_paged.py",
+        "            self.state.choose(call, self.layer, key, value)\n        return write_attend(",
+        "            pass\n        return write_attend(",
+        "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
+    ),
+    _m(
+        "shard-choice-from-own-tokens",
         "paging/shard.py",
-        "LAYER_STATE = (*CHOSEN_VALUES, *CHOSEN_FLAGS)",
-        'LAYER_STATE = (*CHOSEN_VALUES, "k_smooth_chosen")',
+        "            choice_slots=self.inputs.video_slots,\n",
+        "",
+        f"{SHARD_CODES}[int8-2]",
+        f"{SHARD_CODES}[e4m3-4]",
         "tests/paging/test_shard_attention.py::test_merged_partials_equal_one_process",
     ),
     _m(
-        "shard-refusal-keeps-the-choice",
-        "paging/shard.py",
-        "            for flag in unset:\n                flag.fill_(False)\n",
-        "",
-        "tests/paging/test_shard.py::test_a_refused_first_call_leaves_the_mean_and_factors_unchosen",
+        "fused-choice-from-written-rows",
+        "kernels/fused.py",
+        "            inputs.choice_slots,\n            k_smooth=k_smooth,",
+        "            inputs.video_slots,\n            k_smooth=k_smooth,",
+        f"{FUSED_QUANTIZED}::test_choice_slots_choose_from_every_video_row_and_write_only_video_slots",
+        f"{SHARD_CODES}[int8-2]",
     ),
     _m(
-        "shard-refusal-keeps-the-values",
-        "paging/shard.py",
-        "                state[name].copy_(tensor)",
-        "                pass",
-        "tests/paging/test_shard.py::test_a_refused_first_call_leaves_the_mean_and_factors_unchosen",
+        "fused-choice-slots-shape-unchecked",
+        "kernels/fused.py",
+        "        if inputs.choice_slots.shape != inputs.video_slots.shape:",
+        "        if False:",
+        f"{FUSED_REFUSALS}[int8-choice-slots-shape]",
+    ),
+    _m(
+        "fused-choice-slots-dtype-unchecked",
+        "kernels/fused.py",
+        '        _checks.check_dtype("choice_slots", inputs.choice_slots, _checks.INDEX_DTYPES)\n',
+        "",
+        f"{FUSED_REFUSALS}[int8-choice-slots-dtype]",
     ),
     _m(
         "fused-factors-never-chosen",

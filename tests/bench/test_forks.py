@@ -49,3 +49,11 @@ def test_the_command_prints_one_row_per_k(capsys: pytest.CaptureFixture[str]) ->
     ]
     with pytest.raises(SystemExit):
         main([*SMALL, "--futures", "0"])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_pools_hold_the_same_blocks(kv_dtype: str, capsys) -> None:
+    # Nothing is written: the run must not stop at a forward over committed tokens whose
+    # layers' mean and factors no write chose (the cache refuses those).
+    assert main([*SMALL, "--futures", "2", "--kv-dtype", kv_dtype]) == 0
+    assert capsys.readouterr().out.splitlines()[3].split()[:5] == ["2", "14", "4", "4", "22"]

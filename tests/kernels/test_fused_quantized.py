@@ -87,9 +87,10 @@ def clone(pools: fused.PoolTensors) -> fused.PoolTensors:
 
 
 def equal(a: fused.PoolTensors, b: fused.PoolTensors) -> bool:
-    """Bitwise, NaN included."""
+    """Bitwise, NaN included (fields None in both are skipped)."""
     return all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+        (x is None and y is None) or torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -240,6 +241,32 @@ def test_the_first_write_chooses_the_factors_and_attention_folds_them(staged: bo
     assert torch.equal(state.v_equalizers[1], chosen[1])
 
 
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_choice_slots_choose_from_every_video_row_and_write_only_video_slots(dtype) -> None:
+    # One rank of a sharded window: video_slots writes some rows (-1 for the others'),
+    # choice_slots are every row's. The layer freezes the mean and factors a call writing every
+    # row freezes (bit for bit), and the rows with a slot hold that call's codes and scales;
+    # the other rows' slots keep what they held.
+    state, whole = make_state(dtype, equalize=True), make_state(dtype, equalize=True)
+    tensors, inputs = forward(0, staged=False, layer=1)
+    fused.write_attend(*tensors, whole, inputs)
+    slots = inputs.video_slots
+    mine = torch.where(torch.arange(slots.numel(), device=slots.device) % 3 == 0, slots, -1)
+    fused.write_attend(*tensors, state, inputs._replace(video_slots=mine, choice_slots=slots))
+    untouched = make_state(dtype, equalize=True)
+    assert (whole.k_equalizers[1] > 1).any()
+    written, skipped = mine[mine >= 0], slots[mine < 0]
+    assert equal(
+        state._replace(k_pools=None, v_pools=None, k_scales=None, v_scales=None),
+        whole._replace(k_pools=None, v_pools=None, k_scales=None, v_scales=None),
+    )
+    for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
+        got, want = getattr(state, name)[1].flatten(0, 1), getattr(whole, name)[1].flatten(0, 1)
+        kept = getattr(untouched, name)[1].flatten(0, 1)
+        assert torch.equal(got[written].view(torch.uint8), want[written].view(torch.uint8))
+        assert torch.equal(got[skipped].view(torch.uint8), kept[skipped].view(torch.uint8))
+
+
 def test_smoothing_off_writes_plain_codes() -> None:
     state = make_state(torch.int8)
     empty = state.k_means.new_empty(0)
@@ -343,6 +370,18 @@ REFUSALS = [
         "action_key",
     ),
     ("stage-from", changed(stage_from=torch.tensor(WIDTH + 1)), ValueError, "stage_from"),
+    (
+        "choice-slots-shape",
+        changed(choice_slots=torch.zeros(1, dtype=torch.int64, device=DEVICE)),
+        ValueError,
+        "choice_slots must have video_slots' shape",
+    ),
+    (
+        "choice-slots-dtype",
+        lambda p, i: (p, i._replace(choice_slots=i.video_slots.float())),
+        TypeError,
+        "choice_slots",
+    ),
 ]
 
 

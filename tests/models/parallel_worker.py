@@ -67,11 +67,28 @@ CFG = dict(
 )
 
 
+CHOSEN = ("k_means", "k_equalizers", "v_equalizers")
+
+
+def widen_channels(model) -> None:
+    """Channels 0-3 of every self-attention head's K and V 16x wider (the outlier channels that
+    channel equalization evens out; pairs of channels, so the rotary turns them alike)."""
+    with torch.no_grad():
+        for block in model.blocks:
+            attn = block.attn1
+            wide = attn.norm_k.weight.unflatten(0, (attn.heads, -1))[:, :4]
+            wide.mul_(16)
+            for tensor in (attn.to_v.weight, attn.to_v.bias):
+                tensor.unflatten(0, (attn.heads, -1))[:, :4].mul_(16)
+
+
 def rollout(case: dict, rollout_factory, on_block=None):
     """Run ``case`` with ``rollout_factory(model, config)``; the latents, reads and pool bytes."""
     from tests.models.tiny import poison, rollout_inputs, tiny_wan
 
     model = tiny_wan(0)
+    if case.get("wide_channels"):
+        widen_channels(model)
     blocks = case.get("blocks", BLOCKS)
     inputs = rollout_inputs(case["frames"], blocks=blocks, action_tokens=max(1, case["actions"]))
     config = paging_config(**case["config"])
@@ -88,7 +105,9 @@ def rollout(case: dict, rollout_factory, on_block=None):
             on_block=on_block,
         )
         cache = paged.cache
-        return {
+        # What a quantized cache chose on each layer's first write (zero-size: nothing).
+        chosen = {name: getattr(cache, name).clone() for name in CHOSEN}
+        return chosen | {
             "latents": result.latents,
             "positions": [
                 [dict(read.positions) for read in block_reads] for block_reads in result.reads

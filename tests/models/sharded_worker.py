@@ -39,6 +39,17 @@ SHARDED_STAGED = dict(
     guidance=False,
     blocks=6,
 )
+# Quantized pools, K smoothing and channel equalization on: every rank must freeze the single
+# process's K mean and factors (chosen from every token of each layer's first forward).
+SHARDED_INT8 = dict(
+    SHARDED, config=dict(SHARDED["config"], kv_dtype=torch.int8), wide_channels=True
+)
+SHARDED_E4M3 = dict(
+    SHARDED,
+    wide_channels=True,
+    config=dict(SHARDED["config"], kv_dtype=torch.float8_e4m3fn, equalize_channels=True),
+    blocks=4,
+)
 FAIL_BLOCK = 2
 
 
@@ -104,6 +115,7 @@ def _two(rank: int, out: Path) -> dict:
         "sharded": rollout(SHARDED, factory),
         "staged": rollout(SHARDED_STAGED, factory),
         "kept": rollout(SHARDED_KEPT, factory),
+        "int8": rollout(SHARDED_INT8, factory),
         "one_more_block": _diverged(rank, groups, blocks=3),
         "other_guidance": _diverged(rank, groups, guidance=GUIDANCE + 1),
         "other_noise_shape": _diverged(rank, groups, height=6),
@@ -113,14 +125,21 @@ def _two(rank: int, out: Path) -> dict:
 
 
 def _four(rank: int, out: Path) -> dict:
-    """Ulysses 2 x window shards 2, CFG 2 x window shards 2; rank 3 killed mid-rollout (last)."""
+    """Ulysses 2 x window shards 2 (float, e4m3), CFG 2 x window shards 2 (float, int8), window
+    shards 4 (int8), Ulysses 2 x CFG 2 (int8); rank 3 killed mid-rollout (last)."""
     from paged_video.models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
 
     by_heads = ParallelGroups(ParallelLayout(ulysses_degree=2, kv_shard_degree=2))
     by_branch = ParallelGroups(ParallelLayout(cfg_degree=2, kv_shard_degree=2))
+    by_window = ParallelGroups(ParallelLayout(kv_shard_degree=4))
+    by_both = ParallelGroups(ParallelLayout(ulysses_degree=2, cfg_degree=2))
     results = {
         "ulysses": rollout(SHARDED, partial(ParallelWanRollout, groups=by_heads)),
         "cfg": rollout(SHARDED, partial(ParallelWanRollout, groups=by_branch)),
+        "ulysses_e4m3": rollout(SHARDED_E4M3, partial(ParallelWanRollout, groups=by_heads)),
+        "shards_int8": rollout(SHARDED_INT8, partial(ParallelWanRollout, groups=by_window)),
+        "cfg_int8": rollout(SHARDED_INT8, partial(ParallelWanRollout, groups=by_branch)),
+        "ulysses_cfg_int8": rollout(SHARDED_INT8, partial(ParallelWanRollout, groups=by_both)),
     }
     results["killed"] = _fail_at(rank, 3, "kill", by_heads, out, results)
     return results

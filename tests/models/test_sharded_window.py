@@ -12,6 +12,9 @@ process runs one online softmax over the same keys in another order: each output
 few float32 roundings (~1e-7 relative), and the rollout's 2 layers and 8 blocks carry that to
 ~2e-6 in the latents (measured: 1.5e-6 to 1.8e-6 over these cases), far inside 5e-5 and far
 below what a wrong key set does (a missing frame or boundary token moves latents by ~1e-2).
+Over quantized pools (int8 over 2 and 4 shards, e4m3 under Ulysses x shards; smoothing and
+equalization on, channels 16x wider) that rounding flips codes, so there the ranks are measured
+against the quantization's own effect (``assert_same_quantized_rollout``).
 """
 
 from __future__ import annotations
@@ -27,9 +30,16 @@ from paged_video.models.parallel import ParallelLayout
 from paged_video.models.wan_paged import PagedWanRollout
 from paged_video.paging import window as paging_window
 from tests.models import ranks, sharded_worker
-from tests.models.parallel_worker import paging_config, rollout
-from tests.models.sharded_worker import FAIL_BLOCK, SHARDED, SHARDED_KEPT, SHARDED_STAGED
-from tests.models.tiny import ATOL, RTOL
+from tests.models.parallel_worker import CHOSEN, paging_config, rollout
+from tests.models.sharded_worker import (
+    FAIL_BLOCK,
+    SHARDED,
+    SHARDED_E4M3,
+    SHARDED_INT8,
+    SHARDED_KEPT,
+    SHARDED_STAGED,
+)
+from tests.models.tiny import ATOL, RTOL, assert_within_flipped_codes
 from tests.paging.twin import plain_torch_kernels
 
 DEADLINE_S = 420.0
@@ -67,6 +77,42 @@ def assert_same_rollout(got: dict, want: dict) -> None:
                 assert positions == reference[branch]
 
 
+def unquantized(case: dict) -> dict:
+    """``case`` over float pools: what its quantization is measured against."""
+    return dict(case, config=dict(case["config"], kv_dtype=None, equalize_channels=None))
+
+
+def quantized_rollouts(case: dict) -> dict:
+    """The single process's rollout of quantized ``case``, and of its float twin."""
+    return {
+        "quantized": rollout(case, PagedWanRollout),
+        "float": rollout(unquantized(case), PagedWanRollout),
+    }
+
+
+def assert_same_quantized_rollout(results: list, want: dict, ulysses: int = 1) -> None:
+    """Quantized pools: each rank froze the single process's K mean and factors (of its heads;
+    the mean up to float32 rounding, its K coming from projections of token shards or of one
+    branch; the ranks of a head shard alike, bit for bit), and its latents are the single
+    process's up to codes that flip on that rounding (``assert_within_flipped_codes``). Ranks
+    that choose from their own tokens or branch miss the mean by 0.5 to 6.
+    (``tests/paging/test_shard_attention.py`` checks the codes bit for bit, from equal K/V.)"""
+    single = want["quantized"]
+    heads = single["k_means"].shape[1] // ulysses
+    assert (single["k_equalizers"] > 1).any() and (single["v_equalizers"] > 1).any()
+    for r, rank in enumerate(results):
+        own = slice(r % ulysses * heads, (r % ulysses + 1) * heads)
+        torch.testing.assert_close(rank["k_means"], single["k_means"][:, own], atol=1e-5, rtol=0)
+        for name in CHOSEN:
+            if name != "k_means":
+                assert torch.equal(rank[name], single[name][:, own]), name
+            assert torch.equal(rank[name], results[r % ulysses][name]), name
+        assert_within_flipped_codes(rank["latents"], single["latents"], want["float"]["latents"])
+        for ours, theirs in zip(rank["positions"], single["positions"], strict=True):
+            for read, reference in zip(ours, theirs, strict=True):
+                assert read == {branch: reference[branch] for branch in read}
+
+
 def shard_blocks(case: dict, degree: int, branches: int) -> int:
     """The physical blocks of one rank's cache (``paging.shard``): its share of each
     sequence's sink and other blocks, of each scratch lane, and the null block."""
@@ -95,6 +141,7 @@ def test_two_window_shards_equal_one_process_and_fail_together(tmp_path, monkeyp
             "sharded": rollout(SHARDED, PagedWanRollout),
             "staged": rollout(SHARDED_STAGED, PagedWanRollout),
             "kept": rollout(SHARDED_KEPT, PagedWanRollout),
+            "int8": quantized_rollouts(SHARDED_INT8),
         }
 
     results, codes, want = spawn("two", 2, tmp_path, monkeypatch, single)
@@ -108,6 +155,7 @@ def test_two_window_shards_equal_one_process_and_fail_together(tmp_path, monkeyp
         # Each committing forward kept the staged history (restaged from a block > 0).
         assert all(commit > 0 for _, commit in rank["kept"]["stage_from"][1:])
         assert rank["sharded"]["num_blocks"] == want["sharded"]["num_blocks"]  # the plans' ids
+    assert_same_quantized_rollout([rank["int8"] for rank in results], want["int8"])
     # Eviction happened: the last forward read the sink and the last three frames only.
     last = want["sharded"]["positions"][-1][0]["positive"]
     assert last == [*range(24), *range(5 * 24, 8 * 24)]
@@ -145,10 +193,27 @@ def test_ulysses_and_cfg_by_window_shards_on_four_ranks(tmp_path, monkeypatch):
     assert by_branch.kv_shard_groups() == [[0, 1], [2, 3]]
     assert by_branch.cfg_groups() == [[0, 2], [1, 3]]
 
-    results, codes, want = spawn(
-        "four", 4, tmp_path, monkeypatch, lambda: rollout(SHARDED, PagedWanRollout)
-    )
+    def single():
+        return {
+            "float": rollout(SHARDED, PagedWanRollout),
+            "int8": quantized_rollouts(SHARDED_INT8),
+            "e4m3": quantized_rollouts(SHARDED_E4M3),
+        }
+
+    results, codes, single_rollouts = spawn("four", 4, tmp_path, monkeypatch, single)
     assert codes[3] == -9 and codes[:3] == [0, 0, 0], codes  # rank 3 was killed
+    want = single_rollouts["float"]
+    # Quantized: the window over 4 shards (int8), CFG 2 x 2 shards (int8: the CFG ranks gather
+    # the first forward's K/V, so they freeze one process's state for both branches), Ulysses
+    # 2 x CFG 2 (int8, no shards) and Ulysses 2 x 2 shards (e4m3, equalized).
+    for name in ("shards_int8", "cfg_int8"):
+        assert_same_quantized_rollout([rank[name] for rank in results], single_rollouts["int8"])
+    assert_same_quantized_rollout(
+        [rank["ulysses_cfg_int8"] for rank in results], single_rollouts["int8"], ulysses=2
+    )
+    assert_same_quantized_rollout(
+        [rank["ulysses_e4m3"] for rank in results], single_rollouts["e4m3"], ulysses=2
+    )
     single_bytes, blocks = want["pool_bytes"], want["num_blocks"]
     for r, rank in enumerate(results):
         assert_same_rollout(rank["ulysses"], want)

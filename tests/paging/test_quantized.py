@@ -510,6 +510,73 @@ def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache(keys_ma
         check(i, q, k, v, call.attend(i, q, k, v))
 
 
+CACHE_STATE = (
+    "k_pools",
+    "v_pools",
+    "k_scales",
+    "v_scales",
+    "k_means",
+    "k_means_chosen",
+    "k_equalizers",
+    "v_equalizers",
+    "equalizers_chosen",
+    "stage_tags",
+)
+
+
+@pytest.mark.usefixtures("plain")
+@pytest.mark.parametrize(
+    ("left_out", "what"),
+    [
+        ("k_smooth_chosen", r"K mean \(k_means_chosen\)"),
+        ("equalizers_chosen", r"equalization factors \(equalizers_chosen\)"),
+    ],
+    ids=["mean", "factors"],
+)
+def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(left_out, what):
+    # A raw driver writes layer 1 with its mean and factors but leaves a flag out of
+    # write_kwargs() (layer 0 as it should): layer 1's codes are written under a state nobody
+    # chose (a zero mean, unit factors). A later forward would choose from its own keys and
+    # attend the old codes under it (max error 1.46 against exact attention); the cache knows
+    # it holds committed tokens and no chosen state, so the forward is refused, naming the
+    # layer and the fix, and changes nothing.
+    c, heads, dim = 8, 2, 8
+    config = PagingConfig(block_size=4, chunk_size=c, window_chunks=2, kv_dtype=torch.int8)
+    cache = PagedKVCache(config, num_layers=LAYERS, num_kv_heads=heads, head_dim=dim)
+    session = cache.open_session()
+    gen = torch.Generator().manual_seed(4)
+    plan = cache.plan(session, "main", c, commit=True)
+    inputs = plan.prepare()
+    for i in range(LAYERS):
+        k, v = torch.randn(2, c, heads, dim, generator=gen) + torch.linspace(-30, 30, dim)
+        layer = cache.layer(i)
+        write = {n: t for n, t in layer.write_kwargs().items() if i == 0 or n != left_out}
+        write_slots(k, v, *layer.write_pools, inputs.video_slots, **write)
+    plan.commit()
+    before = {name: getattr(cache, name).clone() for name in CACHE_STATE}
+    free = cache.pool.num_free
+    match = rf"^layer 1 holds committed tokens but no chosen {what}: .* layer\.write_kwargs\(\)"
+    later = cache.plan(session, "main", c, commit=True)
+    with pytest.raises(ValueError, match=match) as refused:
+        ForwardCall(cache, later, softmax_scale=dim**-0.5)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=match):
+        later.prepare()  # a raw driver's next forward
+    for name, then in before.items():
+        assert torch.equal(getattr(cache, name).view(torch.uint8), then.view(torch.uint8)), name
+    assert cache.pool.num_free == free and later.state.value == "new"
+    assert session.sequences["main"].pending is None
+    # Once no session holds such tokens, the next first write chooses, as in a fresh cache.
+    cache.close_session(session)
+    fresh = cache.open_session()
+    call = ForwardCall(cache, cache.plan(fresh, "main", c, commit=True), softmax_scale=dim**-0.5)
+    for i in range(LAYERS):
+        q, k, v = torch.randn(3, c, heads, dim, generator=gen)
+        call.attend(i, q, k, v)
+    call.commit()
+    assert cache.k_means_chosen.all() and cache.equalizers_chosen.all()
+
+
 @pytest.mark.parametrize(
     "mode",
     [

@@ -102,11 +102,11 @@ def world(request: pytest.FixtureRequest) -> World:
         run(cache, cache.plan(session, "pos", N))  # staged: the record holds its history
     assert (cache.stage_tags >= 0).all()
     if cache.quantized:
-        # Means (and int8's equalization factors) chosen, then unchosen again: a refused call
-        # must choose none.
+        # Means (and int8's equalization factors) chosen. Unchoosing them again would leave
+        # committed tokens under no chosen state, which every forward refuses
+        # (PagedKVCache.check_layer_state); that a refused call chooses nothing is held where no
+        # token is committed: tests/kernels/test_fused_quantized.py and tests/paging/test_shard.py.
         assert cache.k_means_chosen.all() and cache.equalizers_chosen.all()
-        cache.k_means_chosen.fill_(False)
-        cache.equalizers_chosen.fill_(False)
     behind_pending = cache.plan(session, "neg", N)
     behind_pending.prepare()
     pending = cache.plan(session, "neg", N, commit=True)

@@ -226,9 +226,10 @@ def test_project_needs_a_prepared_plan_of_this_cache():
 
 
 def test_a_refused_first_call_leaves_the_mean_and_factors_unchosen():
-    # The sharded call chooses a layer's K mean and equalization factors from every video token
-    # before the op runs; when the op then refuses (a query of the wrong width), the values and
-    # their flags are as before, and the next call chooses them.
+    # The op chooses a layer's K mean and equalization factors from every video token
+    # (choice_slots, the single process's slots) only once every argument passed; when it
+    # refuses (a query of the wrong width), the values and their flags are as before, and the
+    # next call chooses them.
     config = PagingConfig(block_size=4, chunk_size=4, window_chunks=2, kv_dtype=torch.int8)
     cache = ShardedKVCache(
         config, shard_degree=2, shard_index=0, num_layers=1, num_kv_heads=1, head_dim=8

@@ -19,11 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_video.kernels.fused import write_attend
 from paged_video.kernels.merge_states import merge_stacked_attention_states
 from paged_video.paging import PagedKVCache, PagingConfig
 from paged_video.paging.forward import ForwardCall
 from paged_video.paging.shard import ShardedForwardCall, ShardedKVCache
-from tests.paging.twin import poison
+from tests.paging.twin import plain_torch_kernels, poison
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 80
 # (chunks, commit, action tokens, rows): two rows attend in one call with both branches.
@@ -32,7 +33,12 @@ STEPS = [(1, True, 0, 2), (2, False, 3, 2), (2, True, 3, 1), (2, True, 2, 1)]
 
 def widths(tokens: int, generator: torch.Generator) -> torch.Tensor:
     """Per token, the first 8 channels of each KV head 2**U(0, 6) times wider."""
-    gains = torch.ones(tokens, KV_HEADS, HEAD_DIM)
+    return widths_of(tokens, HEAD_DIM, generator)
+
+
+def widths_of(tokens: int, head_dim: int, generator: torch.Generator) -> torch.Tensor:
+    """``widths`` for ``head_dim`` channels."""
+    gains = torch.ones(tokens, KV_HEADS, head_dim)
     gains[..., :8] = torch.exp2(6 * torch.rand(tokens, KV_HEADS, 8, generator=generator))
     return gains
 
@@ -108,3 +114,99 @@ def test_merged_partials_equal_one_process(degree, exact_window, staged, kv_dtyp
             for name in ("k_means", "k_equalizers", "v_equalizers"):
                 assert torch.equal(getattr(cache, name), getattr(single, name)), name
         assert (single.k_equalizers > 1).any() and (single.v_equalizers > 1).any()
+
+
+@pytest.fixture
+def plain():
+    """The kernels' plain-PyTorch path (the rule that chooses is the same on every path)."""
+    with plain_torch_kernels():
+        yield
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as integers: NaN poison compares equal to itself."""
+    return tensor.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("degree", "kv_dtype", "staged"),
+    [
+        (2, torch.int8, False),
+        (4, torch.int8, True),
+        (2, torch.float8_e4m3fn, True),
+        (4, torch.float8_e4m3fn, False),
+    ],
+    ids=["int8-2", "int8-4-staged", "e4m3-2-staged", "e4m3-4"],
+)
+@pytest.mark.usefixtures("plain")
+def test_ranks_store_the_single_process_codes(degree, kv_dtype, staged):
+    # What a model's processor does (``models.parallel``): the fused op with
+    # ``call.layer(i)``'s inputs, every token's q/k/v on every rank. Each rank's first write
+    # of a layer must freeze the single process's K mean and equalization factors (chosen from
+    # every video token, not the rank's own), so every block a rank stores holds the single
+    # process's codes and scales, bit for bit; a rank that chose from its own tokens differs.
+    # The first forward has two CFG rows (the later ones one: staged where the cache stages),
+    # and chunks of 4 tokens over blocks of 3 start mid-block.
+    config = PagingConfig(
+        block_size=3,
+        chunk_size=4,
+        sink_chunks=1,
+        window_chunks=2,
+        max_forward_chunks=2,
+        kv_dtype=kv_dtype,
+        smooth_keys=True,
+        equalize_channels=True,
+        reuse_history_staging=staged,
+    )
+    geometry = dict(
+        num_layers=2, num_kv_heads=KV_HEADS, head_dim=16, branches=("positive", "negative")
+    )
+    single = PagedKVCache(config, dtype=torch.float32, **geometry)
+    shards = [
+        ShardedKVCache(config, shard_degree=degree, shard_index=i, dtype=torch.float32, **geometry)
+        for i in range(degree)
+    ]
+    caches = [single, *shards]
+    for cache in caches:
+        poison(cache)
+    sessions = [cache.open_session() for cache in caches]
+    generator = torch.Generator().manual_seed(7)
+    offsets = 8 * torch.randn(KV_HEADS, 16, generator=generator)  # what smoothing removes
+    for chunks, commit, rows in [(2, False, 2), (2, True, 2), (1, True, 1), (2, True, 1)]:
+        branches = ("positive", "negative")[:rows]
+        n = chunks * config.chunk_size * rows
+        calls = []
+        for cache, session in zip(caches, sessions, strict=True):
+            plans = [cache.plan(session, b, n // rows, commit=commit) for b in branches]
+            kind = ShardedForwardCall if isinstance(cache, ShardedKVCache) else ForwardCall
+            calls.append(kind(cache, plans, softmax_scale=0.25))
+        for layer in range(2):
+            q = torch.randn(n, HEADS, 16, generator=generator)
+            k, v = torch.randn(2, n, KV_HEADS, 16, generator=generator)
+            k = k * widths_of(n, 16, generator) + offsets
+            v = v * widths_of(n, 16, generator)
+            none = k[:0]
+            want = write_attend(q, k, v, none, none, single.pool_tensors, calls[0].layer(layer))
+            outs, lses = zip(
+                *(
+                    write_attend(q, k, v, none, none, call.cache.pool_tensors, call.layer(layer))
+                    for call in calls[1:]
+                ),
+                strict=True,
+            )
+            merged, _ = merge_stacked_attention_states(torch.stack(outs), torch.stack(lses))
+            torch.testing.assert_close(merged, want, atol=2e-5, rtol=2e-5)
+        for call in calls:
+            call.commit()
+    assert (single.k_equalizers > 1).any() and (single.v_equalizers > 1).any()
+    stored = 0
+    for cache in shards:
+        for name in ("k_means", "k_equalizers", "v_equalizers"):
+            assert torch.equal(getattr(cache, name), getattr(single, name)), name
+        for block, physical in cache._physical.items():
+            for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
+                mine, theirs = getattr(cache, name)[:, physical], getattr(single, name)[:, block]
+                assert torch.equal(bits(mine), bits(theirs)), (name, block)
+            stored += 1
+    held = {b for s in sessions[0].sequences.values() for b in s.block_table if b}
+    assert stored == len(held) > degree
