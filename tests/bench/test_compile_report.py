@@ -8,9 +8,9 @@ the compile goals are checked: the table's head_dim 128 rows now hold a GPU run'
 choice, checked on its own), the masked features at block 1560, the quantized modes at blocks
 16/24/64/520/1560, one launch option (``block_n=32``), the key-loop variants forced at blocks
 64/256/1560 and the loop with the scores a tile ahead (``scores_ahead``) at 256/1560, with
-Triton 3.9 (this interpreter) and, where a Triton 3.6 virtual environment exists
-(``TRITON36_VENV``, default ``/work/venvs/triton36``; CI has none), the shipped bf16 launches,
-the variants and the quantized modes with Triton 3.6 as well.
+Triton 3.9 (this interpreter) and, where ``PAGED_VIDEO_TRITON36_PYTHON`` names a Python with
+Triton 3.6 (a side virtual environment's ``bin/python``; CI has none, and without it these cases
+skip), the shipped bf16 launches, the variants and the quantized modes with Triton 3.6 as well.
 
 The parsers are tested on planted SASS and TTGIR: a masked key loop shorter than the unmasked
 one, an mbarrier retry placed after the kernel's exit, 64-bit integer arithmetic, spills, and
@@ -36,7 +36,8 @@ from paged_video.bench.cli import main
 from paged_video.kernels import launch_table
 from paged_video.kernels.paged_attention import block_pieces, table_key
 
-TRITON36_VENV = Path(os.environ.get("TRITON36_VENV", "/work/venvs/triton36"))
+# A Python with Triton 3.6 (the GPU image's), from the environment: no machine's path here.
+TRITON36_PYTHON = "PAGED_VIDEO_TRITON36_PYTHON"
 BLOCK_SIZES = compile_report.SHIPPED_BLOCK_SIZES
 HEAD_DIMS = (64, 128)
 QUANTIZED_BLOCKS = (16, 24, 64, 520, 1560)
@@ -51,10 +52,14 @@ GOAL_VARIANT = compile_report.variant_label(tuple(GOAL_LAUNCH.items()))
 
 
 def _triton36() -> str | None:
-    try:
-        return compile_report.venv_python(TRITON36_VENV)
-    except ValueError:
+    """The Triton 3.6 interpreter ``PAGED_VIDEO_TRITON36_PYTHON`` names; None when unset (a
+    path that is no file is a usage error, never a silent skip)."""
+    python = os.environ.get(TRITON36_PYTHON)
+    if not python:
         return None
+    if not Path(python).is_file():
+        raise pytest.UsageError(f"{TRITON36_PYTHON}={python}: no such interpreter")
+    return python
 
 
 def _configs_39() -> list[compile_report.Config]:
@@ -235,7 +240,7 @@ class Report:
     def version(self, minor: str) -> str:
         found = [v for v in self.versions if v.startswith(minor + ".")]
         if not found:
-            pytest.skip(f"no Triton {minor} in this session (TRITON36_VENV)")
+            pytest.skip(f"no Triton {minor} in this session ({TRITON36_PYTHON})")
         return found[0]
 
     def paged(
@@ -301,7 +306,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
 
 def _version_marks(minor: str) -> list:
     if minor == "3.6" and not _triton36():
-        return [pytest.mark.skip(reason="no Triton 3.6 venv (TRITON36_VENV)")]
+        return [pytest.mark.skip(reason=f"no Triton 3.6 Python ({TRITON36_PYTHON} unset)")]
     return []
 
 
