@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paged_video.bench import accuracy, choose, compile_report
+from paged_video.bench import accuracy, choose, compile_report, extras
 from paged_video.bench.compare import format_compare
 from paged_video.bench.formats import old_spelling
 from paged_video.bench.plot import plot_rows
@@ -403,6 +403,8 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "a CPU run; use --preset small or smaller --chunk-sizes, "
             "--heads, --head-dims"
         )
+    if not args.no_plot:
+        extras.require("matplotlib.figure", "the sweep's plots (--no-plot writes the CSV only)")
     _out_folder(parser, args.out, "the CSV and the PNGs go inside")
     config = SweepConfig(
         geometries=tuple(geometries),
@@ -443,6 +445,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    extras.require("matplotlib.figure", "plots")
     rows = _rows_of(parser, "csv", args.csv)
     out = args.out or args.csv.parent
     _out_folder(parser, out, "the PNGs go inside")
@@ -549,11 +552,15 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; an error reading or writing a file ends it in one line (exit 1)."""
+    """Run one subcommand; an error reading or writing a file, or a missing optional package
+    (the ``bench`` extra's matplotlib), ends it in one line (exit 1)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args.command_parser, args)
+    except extras.MissingExtraError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except OSError as error:
         where = f"{error.filename}: " if error.filename else ""
         print(f"error: {where}{error.strerror or error}", file=sys.stderr)

@@ -17,10 +17,9 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-
+from paged_video.bench.extras import require
 from paged_video.bench.results import (
     ATTENTION_KERNELS,
     GEOMETRY_COLUMNS,
@@ -32,6 +31,10 @@ from paged_video.bench.results import (
     sig3,
 )
 from paged_video.bench.table import geometry_label, quantized_cases, ratio_cases, series_label
+
+if TYPE_CHECKING:  # matplotlib is the bench extra's: imported where a figure is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 # Values spanning more than this factor get a log y axis.
 LOG_SPAN = 10.0
@@ -146,7 +149,7 @@ def draw_speedup(rows: Sequence[Row]) -> Figure:
         if str(row["provider"]) in QUANTIZED_GOALS:
             goals[label] = QUANTIZED_GOALS[str(row["provider"])]
     panels = [p for p in (baseline, quantized) if p]
-    figure = Figure(figsize=(9.0, 3.6 * max(1, len(panels)) + 0.6), layout="constrained")
+    figure = new_figure(figsize=(9.0, 3.6 * max(1, len(panels)) + 0.6), layout="constrained")
     axes = iter(figure.subplots(max(1, len(panels)), 1, squeeze=False).ravel())
     if baseline:
         ax = next(axes)
@@ -184,7 +187,7 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
             groups[tuple(row[c] for c in GEOMETRY_COLUMNS)].append(row)
     columns = min(3, len(groups))
     lines = math.ceil(len(groups) / columns)
-    figure = Figure(figsize=(max(8.0, 6.5 * columns), 4.3 * lines), layout="constrained")
+    figure = new_figure(figsize=(max(8.0, 6.5 * columns), 4.3 * lines), layout="constrained")
     axes = figure.subplots(lines, columns, squeeze=False).ravel()
     for ax, group in zip(axes, groups.values(), strict=False):
         series: dict[str, list[Row]] = defaultdict(list)
@@ -216,10 +219,16 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
     return figure
 
 
+def new_figure(**kwargs: object) -> Figure:
+    """A matplotlib ``Figure`` (no pyplot, no display), or ``MissingExtraError`` in one line."""
+    return require("matplotlib.figure", "plots").Figure(**kwargs)
+
+
 def plot_rows(rows: Sequence[Row], out_dir: str | Path) -> list[Path]:
     """Write ``speedup.png`` (when any kernel has a baseline or a quantized pool) and
     ``<kernel>.png`` for every kernel in ``rows`` into ``out_dir``; returns the paths, the
     headline first."""
+    require("matplotlib.figure", "plots")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     kernels = dict.fromkeys(
