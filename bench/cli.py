@@ -106,6 +106,11 @@ def _choice(allowed: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
+def _switch(text: str) -> tuple[object, ...]:
+    """``off``, ``on`` or ``both`` (also the list ``off,on``): the settings rows run with."""
+    return ("off", "on") if text == "both" else _list_of(_choice(("off", "on")))(text)
+
+
 def _tile(text: str) -> Tile | None:
     if text == "auto":
         return None
@@ -248,15 +253,15 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--smoothing",
-        type=_list_of(_choice(("off", "on"))),
+        type=_switch,
         default=("off", "on"),
-        help="K smoothing: off, on or both",
+        help="K smoothing: off, on or both (default: both)",
     )
     parser.add_argument(
         "--equalize",
-        type=_list_of(_choice(("off", "on"))),
+        type=_switch,
         default=("off", "on"),
-        help="channel equalization of K and V: off, on or both",
+        help="channel equalization of K and V: off, on or both (default: both)",
     )
     parser.add_argument("--heads", type=_positive_int, help="default: 1 on a CPU, 40 on a GPU")
     parser.add_argument("--head-dim", type=_positive_int, default=128)
