@@ -63,6 +63,27 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 # Heads of `bench accuracy` on a CPU by default: one takes ~2.5 CPU-minutes under the interpreter.
 CPU_ACCURACY_HEADS = 1
+# `bench accuracy`'s geometries: `shipped` (the default) is the shipped model's attention, one
+# frame of 1560 queries over sink 9 + window 9 frames (about half an hour of CPU for one head
+# under the interpreter); `small` attends 256 queries over 4 frames of 256 keys (about a minute).
+ACCURACY_PRESETS: dict[str, dict[str, int | None]] = {
+    "shipped": {
+        "head_dim": 128,
+        "chunk_size": 1560,
+        "sink_chunks": 9,
+        "window_chunks": 9,
+        "queries": None,
+        "block_size": 1560,
+    },
+    "small": {
+        "head_dim": 128,
+        "chunk_size": 256,
+        "sink_chunks": 1,
+        "window_chunks": 3,
+        "queries": None,
+        "block_size": 256,
+    },
+}
 # Above this many attention FLOPs per call a CPU run (the interpreter) would take hours.
 CPU_FLOP_LIMIT = 2e10
 
@@ -235,9 +256,17 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
         description="Every row writes K/V with write_slots and attends with paged_attention "
         "(the Triton interpreter on a CPU). Defaults: the shipped geometry (one frame of 1560 "
         "queries over sink 9 + window 9 frames of 1560 keys, head_dim 128) with "
-        f"{CPU_ACCURACY_HEADS} head on a CPU and all {accuracy.SHIPPED_HEADS} on a GPU.",
+        f"{CPU_ACCURACY_HEADS} head on a CPU and all {accuracy.SHIPPED_HEADS} on a GPU: on a "
+        "CPU that is about half an hour; --preset small (256 queries over 4 frames of 256 "
+        "keys) takes about a minute. Options given override the preset's values.",
     )
     parser.set_defaults(handler=_accuracy, command_parser=parser)
+    parser.add_argument(
+        "--preset",
+        choices=sorted(ACCURACY_PRESETS),
+        default="shipped",
+        help="geometry: shipped (default; ~30 CPU-minutes) or small (~1 CPU-minute)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for accuracy.csv")
     parser.add_argument(
         "--data",
@@ -264,14 +293,14 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
         help="channel equalization of K and V: off, on or both (default: both)",
     )
     parser.add_argument("--heads", type=_positive_int, help="default: 1 on a CPU, 40 on a GPU")
-    parser.add_argument("--head-dim", type=_positive_int, default=128)
-    parser.add_argument("--chunk-size", type=_positive_int, default=1560, help="tokens per frame")
-    parser.add_argument("--sink-chunks", type=_non_negative_int, default=9, help="sink frames")
-    parser.add_argument("--window-chunks", type=_positive_int, default=9, help="window frames")
+    parser.add_argument("--head-dim", type=_positive_int, help="channels per head (128)")
+    parser.add_argument("--chunk-size", type=_positive_int, help="tokens per frame")
+    parser.add_argument("--sink-chunks", type=_non_negative_int, help="sink frames")
+    parser.add_argument("--window-chunks", type=_positive_int, help="window frames")
     parser.add_argument(
         "--queries", type=_positive_int, help="attend only the frame's first QUERIES queries"
     )
-    parser.add_argument("--block-size", type=_positive_int, default=1560)
+    parser.add_argument("--block-size", type=_positive_int, help="tokens per cache block")
     parser.add_argument(
         "--dtype",
         choices=("auto", "fp32", "bf16"),
@@ -478,6 +507,9 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    for name, preset_value in ACCURACY_PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, preset_value)
     device = _resolve_device(parser, args.device)
     if args.head_dim > 256:
         parser.error(f"--head-dim {args.head_dim}: the kernels take head_dim up to 256")

@@ -377,3 +377,28 @@ def test_smoothing_and_equalize_take_off_on_and_both_as_help_says():
     one = parse(["accuracy", "--smoothing", "on", "--equalize", "off"])
     assert (one.smoothing, one.equalize) == (("on",), ("off",))
     assert parse(["accuracy", "--equalize", "on,off"]).equalize == ("on", "off")
+
+
+def test_the_small_preset_fills_what_is_not_given_and_options_override_it(
+    monkeypatch, tmp_path, capsys
+):
+    from paged_video.bench import cli
+
+    configs = []
+    monkeypatch.setattr(accuracy, "run_accuracy", lambda config, *a, **k: configs.append(config))
+    monkeypatch.setattr(accuracy, "format_rows", lambda rows, **k: "")
+    out = str(tmp_path)
+    assert cli.main(["accuracy", "--preset", "small", "--out", out, "--device", "cpu"]) == 0
+    assert cli.main(["accuracy", "--preset", "small", "--out", out, "--chunk-size", "64"]) == 0
+    assert cli.main(["accuracy", "--out", out, "--device", "cpu"]) == 0
+    small, overridden, shipped = configs
+    expected = {**cli.ACCURACY_PRESETS["small"], "q_rows": None}
+    del expected["queries"]
+    assert {name: getattr(small, name) for name in expected} == expected
+    assert small.heads == cli.CPU_ACCURACY_HEADS and small.kv_tokens == 4 * 256
+    assert (overridden.chunk_size, overridden.block_size) == (64, 256)
+    assert (shipped.chunk_size, shipped.sink_chunks, shipped.window_chunks) == (1560, 9, 9)
+    with pytest.raises(SystemExit):
+        cli.main(["accuracy", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--preset {shipped,small}" in text and "about half an hour" in text
