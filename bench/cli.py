@@ -15,6 +15,7 @@ import itertools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -344,8 +345,22 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose refusal is one line, the error itself and where the usage is (argparse
+    prints the whole usage first: 19 lines before the error); exit 2, a usage error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
+# Exit statuses (docs/benchmarks.md): a bad argument is refused before any work; an error while
+# working (a file that cannot be written, a wrong result, a missing optional package) ends it.
+USAGE_ERROR = 2
+RUN_ERROR = 1
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m paged_video.bench", description=__doc__.split("\n\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -597,8 +612,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args.command_parser, args)
     except extras.MissingExtraError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return RUN_ERROR
     except OSError as error:
         where = f"{error.filename}: " if error.filename else ""
         print(f"error: {where}{error.strerror or error}", file=sys.stderr)
-        return 1
+        return RUN_ERROR
