@@ -102,6 +102,9 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+DEVICE_HELP = "auto (default): cuda when a GPU is visible, else cpu (Triton's interpreter)"
+SEED_HELP = "seed of the random data (default 0): the same seed, the same data"
+
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
@@ -154,7 +157,13 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         "block sizes in the order given. Options left out take the preset's value.",
     )
     sweep.set_defaults(handler=_sweep, command_parser=sweep)
-    sweep.add_argument("--preset", choices=sorted(PRESETS), default="shipped")
+    sweep.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="shipped",
+        help="geometry defaults: shipped (the model's; refused on a CPU) or small (under a "
+        "minute of CPU)",
+    )
     sweep.add_argument("--out", type=Path, default=Path("out"), help="folder for CSV and PNGs")
     sweep.add_argument(
         "--kernels",
@@ -175,8 +184,13 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--window-chunks", type=ints, help="recent frames kept, own frames included")
     sweep.add_argument("--heads", type=ints, help="query heads")
     sweep.add_argument("--gqa-groups", type=ints, help="query heads per KV head")
-    sweep.add_argument("--head-dims", type=ints)
-    sweep.add_argument("--dtypes", type=_list_of(_choice(tuple(DTYPES))))
+    sweep.add_argument("--head-dims", type=ints, help="channels per head")
+    sweep.add_argument(
+        "--dtypes",
+        type=_list_of(_choice(tuple(DTYPES))),
+        help=f"query and K/V dtypes: {', '.join(DTYPES)} (the interpreter gets bf16 wrong: fp32 "
+        "on a CPU)",
+    )
     sweep.add_argument("--batch", type=_positive_int, help="sequences per call")
     sweep.add_argument(
         "--tiles",
@@ -184,8 +198,10 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         default=(None,),
         help="Triton attention tiles: auto (the launcher's choice) or BLOCK_MxBLOCK_N",
     )
-    sweep.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    sweep.add_argument("--seed", type=_non_negative_int, default=0)
+    sweep.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help=DEVICE_HELP
+    )
+    sweep.add_argument("--seed", type=_non_negative_int, default=0, help=SEED_HELP)
     sweep.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench rep (GPU)")
     sweep.add_argument(
         "--cpu-reps",
@@ -309,8 +325,10 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
         help="queries and the bf16 baseline pool: bf16 on a GPU, fp32 (holding the same "
         "bf16-rounded values) on a CPU by default",
     )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--seed", type=_non_negative_int, default=0)
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help=DEVICE_HELP
+    )
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help=SEED_HELP)
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
 
 
@@ -360,9 +378,7 @@ RUN_ERROR = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="python -m paged_video.bench", description=__doc__.split("\n\n")[0]
-    )
+    parser = OneLineParser(prog="python -m paged_video.bench", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(commands)

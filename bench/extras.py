@@ -26,4 +26,3 @@ def require(module: str, needed_for: str) -> ModuleType:
             f"{needed_for} need {package}, which is not installed ({error.name or package}): "
             f"{INSTALL}"
         ) from error
-

@@ -4,6 +4,7 @@ spelled the old way."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -197,3 +198,15 @@ def test_a_refusal_is_one_line_the_error_first_and_the_exit_codes_are_the_docs(
     monkeypatch.setattr(cli.extras, "require", missing)
     code, lines = _exit_and_stderr(capsys, ["plot", str(a_csv)])
     assert (code, len(lines)) == (1, 1) and "matplotlib" in lines[0]
+
+
+def test_every_option_of_every_subcommand_says_what_it_does():
+    parser = cli.build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    silent = [
+        f"{name} {action.option_strings[0]}"
+        for name, command in commands.choices.items()
+        for action in command._actions
+        if action.option_strings and not action.help
+    ]
+    assert not silent
