@@ -133,7 +133,11 @@ def _choice(allowed: Sequence[str]) -> Callable[[str], str]:
 
 def _switch(text: str) -> tuple[object, ...]:
     """``off``, ``on`` or ``both`` (also the list ``off,on``): the settings rows run with."""
-    return ("off", "on") if text == "both" else _list_of(_choice(("off", "on")))(text)
+    if text == "both":
+        return ("off", "on")
+    if not set(text.split(",")) <= {"off", "on"}:
+        raise argparse.ArgumentTypeError(f"expected off, on or both, got {text!r}")
+    return _list_of(_choice(("off", "on")))(text)
 
 
 def _tile(text: str) -> Tile | None:

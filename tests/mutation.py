@@ -1401,8 +1401,8 @@ MUTANTS = [
     _m(
         "accuracy-switch-refuses-both",
         "bench/cli.py",
-        'return ("off", "on") if text == "both" else',
-        'return ("off", "on") if False else',
+        '    if text == "both":\n        return ("off", "on")',
+        '    if False:\n        return ("off", "on")',
         "tests/bench/test_accuracy.py::test_smoothing_and_equalize_take_off_on_and_both_as_help_says",
     ),
     _m(

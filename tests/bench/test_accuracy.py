@@ -368,7 +368,7 @@ def test_the_int8_floor_holds_the_codes_write_slots_stores_on_float32_ties():
     assert floors.storage == metrics(stored, expected).rel_l1
 
 
-def test_smoothing_and_equalize_take_off_on_and_both_as_help_says():
+def test_smoothing_and_equalize_take_off_on_and_both_as_help_says(capsys):
     from paged_video.bench.cli import build_parser
 
     parse = build_parser().parse_args
@@ -377,6 +377,9 @@ def test_smoothing_and_equalize_take_off_on_and_both_as_help_says():
     one = parse(["accuracy", "--smoothing", "on", "--equalize", "off"])
     assert (one.smoothing, one.equalize) == (("on",), ("off",))
     assert parse(["accuracy", "--equalize", "on,off"]).equalize == ("on", "off")
+    with pytest.raises(SystemExit):
+        parse(["accuracy", "--smoothing", "maybe"])
+    assert "expected off, on or both, got 'maybe'" in capsys.readouterr().err
 
 
 def test_the_small_preset_fills_what_is_not_given_and_options_override_it(
