@@ -9,10 +9,11 @@ each channel divided by its equalization factor when equalizing) and attends wit
 attention on the original K/V: q, K and V are rounded to bf16 first (the model's dtype), then
 everything is float64. The bf16 pool is the baseline row.
 
-Beside each quantized row, float64 quantize-dequantize of the same data (``reference.quantize``,
-``reference.quantized_attention``) gives the floor the kernel cannot beat:
+Beside each quantized row, float64 attention over the quantized rows of the same data
+(``reference.quantized_attention``) gives the floor the kernel cannot beat:
 
-- ``floor``: attention over the rows as the pool stores them (scale ``amax / qmax``);
+- ``floor``: attention over the rows exactly as the pool stores them (``stored_rows``: scale
+  ``amax / qmax`` and codes in float32, as ``write_slots`` computes them);
 - ``best scale``: the same with, per row, the scale of least squared error (no per-row scale
   does better);
 - ``mode floor``: the attention mode's own float64 emulation (``floor`` for the dequantizing
@@ -76,6 +77,7 @@ from paged_video.bench.formats import (
 from paged_video.bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance, sig3
 from paged_video.bench.table import aligned
 from paged_video.bench.timing import figures_kind
+from paged_video.kernels import torch_path
 from paged_video.kernels.equalize import K_SHARE, choose_factors
 from paged_video.reference.quantized_attention import quantized_attention
 
@@ -452,6 +454,25 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepa
     )
 
 
+def stored_rows(
+    x: Tensor,
+    dtype: torch.dtype,
+    *,
+    smooth: Tensor | None = None,
+    factor: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(codes, scale)`` exactly as ``write_slots`` stores ``x``: float32 arithmetic (minus the
+    mean, over the factors, ``x / scale`` rounded ties to even). ``reference.quantize`` rounds
+    the float64 quotient instead, which bf16 data puts on ties float32 rounds the other way
+    (63.4999982 -> 63 in float64, 64 in float32): a floor from it is not the stored rows'."""
+    x32 = x.to(torch.float32)
+    if smooth is not None:
+        x32 = x32 - smooth.to(torch.float32)
+    if factor is not None:
+        x32 = x32 / factor.to(torch.float32)
+    return torch_path.quantize_rows(x32, dtype)
+
+
 class FloorCache:
     """The floors of one data kind, each computed once: storage floors are shared by the
     modes of a format, and e4m3's target is another row's mode floor."""
@@ -476,9 +497,7 @@ class FloorCache:
         data, prepared = self._data, self._prepared
         dtype = FORMATS[variant.format]
         k_factor, v_factor = prepared.factors(variant)
-        quantize = (
-            reference.quantize.quantize_best_scale if best_scale else reference.quantize.quantize
-        )
+        quantize = reference.quantize.quantize_best_scale if best_scale else stored_rows
         k_codes, k_scale = quantize(
             data.keys, dtype, smooth=prepared.smooth(variant), factor=k_factor
         )

@@ -15,10 +15,11 @@ import itertools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-from paged_video.bench import accuracy, choose, compile_report
+from paged_video.bench import accuracy, choose, compile_report, extras
 from paged_video.bench.compare import format_compare
 from paged_video.bench.formats import old_spelling
 from paged_video.bench.plot import plot_rows
@@ -63,6 +64,27 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 # Heads of `bench accuracy` on a CPU by default: one takes ~2.5 CPU-minutes under the interpreter.
 CPU_ACCURACY_HEADS = 1
+# `bench accuracy`'s geometries: `shipped` (the default) is the shipped model's attention, one
+# frame of 1560 queries over sink 9 + window 9 frames (about half an hour of CPU for one head
+# under the interpreter); `small` attends 256 queries over 4 frames of 256 keys (about a minute).
+ACCURACY_PRESETS: dict[str, dict[str, int | None]] = {
+    "shipped": {
+        "head_dim": 128,
+        "chunk_size": 1560,
+        "sink_chunks": 9,
+        "window_chunks": 9,
+        "queries": None,
+        "block_size": 1560,
+    },
+    "small": {
+        "head_dim": 128,
+        "chunk_size": 256,
+        "sink_chunks": 1,
+        "window_chunks": 3,
+        "queries": None,
+        "block_size": 256,
+    },
+}
 # Above this many attention FLOPs per call a CPU run (the interpreter) would take hours.
 CPU_FLOP_LIMIT = 2e10
 
@@ -79,6 +101,9 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
     return parse
 
+
+DEVICE_HELP = "auto (default): cuda when a GPU is visible, else cpu (Triton's interpreter)"
+SEED_HELP = "seed of the random data (default 0): the same seed, the same data"
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
@@ -106,6 +131,15 @@ def _choice(allowed: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
+def _switch(text: str) -> tuple[object, ...]:
+    """``off``, ``on`` or ``both`` (also the list ``off,on``): the settings rows run with."""
+    if text == "both":
+        return ("off", "on")
+    if not set(text.split(",")) <= {"off", "on"}:
+        raise argparse.ArgumentTypeError(f"expected off, on or both, got {text!r}")
+    return _list_of(_choice(("off", "on")))(text)
+
+
 def _tile(text: str) -> Tile | None:
     if text == "auto":
         return None
@@ -127,7 +161,13 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         "block sizes in the order given. Options left out take the preset's value.",
     )
     sweep.set_defaults(handler=_sweep, command_parser=sweep)
-    sweep.add_argument("--preset", choices=sorted(PRESETS), default="shipped")
+    sweep.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="shipped",
+        help="geometry defaults: shipped (the model's; refused on a CPU) or small (under a "
+        "minute of CPU)",
+    )
     sweep.add_argument("--out", type=Path, default=Path("out"), help="folder for CSV and PNGs")
     sweep.add_argument(
         "--kernels",
@@ -148,8 +188,13 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--window-chunks", type=ints, help="recent frames kept, own frames included")
     sweep.add_argument("--heads", type=ints, help="query heads")
     sweep.add_argument("--gqa-groups", type=ints, help="query heads per KV head")
-    sweep.add_argument("--head-dims", type=ints)
-    sweep.add_argument("--dtypes", type=_list_of(_choice(tuple(DTYPES))))
+    sweep.add_argument("--head-dims", type=ints, help="channels per head")
+    sweep.add_argument(
+        "--dtypes",
+        type=_list_of(_choice(tuple(DTYPES))),
+        help=f"query and K/V dtypes: {', '.join(DTYPES)} (the interpreter gets bf16 wrong: fp32 "
+        "on a CPU)",
+    )
     sweep.add_argument("--batch", type=_positive_int, help="sequences per call")
     sweep.add_argument(
         "--tiles",
@@ -157,8 +202,10 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
         default=(None,),
         help="Triton attention tiles: auto (the launcher's choice) or BLOCK_MxBLOCK_N",
     )
-    sweep.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    sweep.add_argument("--seed", type=_non_negative_int, default=0)
+    sweep.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help=DEVICE_HELP
+    )
+    sweep.add_argument("--seed", type=_non_negative_int, default=0, help=SEED_HELP)
     sweep.add_argument("--rep-ms", type=_positive_int, default=100, help="do_bench rep (GPU)")
     sweep.add_argument(
         "--cpu-reps",
@@ -230,9 +277,17 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
         description="Every row writes K/V with write_slots and attends with paged_attention "
         "(the Triton interpreter on a CPU). Defaults: the shipped geometry (one frame of 1560 "
         "queries over sink 9 + window 9 frames of 1560 keys, head_dim 128) with "
-        f"{CPU_ACCURACY_HEADS} head on a CPU and all {accuracy.SHIPPED_HEADS} on a GPU.",
+        f"{CPU_ACCURACY_HEADS} head on a CPU and all {accuracy.SHIPPED_HEADS} on a GPU: on a "
+        "CPU that is about half an hour; --preset small (256 queries over 4 frames of 256 "
+        "keys) takes about a minute. Options given override the preset's values.",
     )
     parser.set_defaults(handler=_accuracy, command_parser=parser)
+    parser.add_argument(
+        "--preset",
+        choices=sorted(ACCURACY_PRESETS),
+        default="shipped",
+        help="geometry: shipped (default; ~30 CPU-minutes) or small (~1 CPU-minute)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for accuracy.csv")
     parser.add_argument(
         "--data",
@@ -248,25 +303,25 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--smoothing",
-        type=_list_of(_choice(("off", "on"))),
+        type=_switch,
         default=("off", "on"),
-        help="K smoothing: off, on or both",
+        help="K smoothing: off, on or both (default: both)",
     )
     parser.add_argument(
         "--equalize",
-        type=_list_of(_choice(("off", "on"))),
+        type=_switch,
         default=("off", "on"),
-        help="channel equalization of K and V: off, on or both",
+        help="channel equalization of K and V: off, on or both (default: both)",
     )
     parser.add_argument("--heads", type=_positive_int, help="default: 1 on a CPU, 40 on a GPU")
-    parser.add_argument("--head-dim", type=_positive_int, default=128)
-    parser.add_argument("--chunk-size", type=_positive_int, default=1560, help="tokens per frame")
-    parser.add_argument("--sink-chunks", type=_non_negative_int, default=9, help="sink frames")
-    parser.add_argument("--window-chunks", type=_positive_int, default=9, help="window frames")
+    parser.add_argument("--head-dim", type=_positive_int, help="channels per head (128)")
+    parser.add_argument("--chunk-size", type=_positive_int, help="tokens per frame")
+    parser.add_argument("--sink-chunks", type=_non_negative_int, help="sink frames")
+    parser.add_argument("--window-chunks", type=_positive_int, help="window frames")
     parser.add_argument(
         "--queries", type=_positive_int, help="attend only the frame's first QUERIES queries"
     )
-    parser.add_argument("--block-size", type=_positive_int, default=1560)
+    parser.add_argument("--block-size", type=_positive_int, help="tokens per cache block")
     parser.add_argument(
         "--dtype",
         choices=("auto", "fp32", "bf16"),
@@ -274,8 +329,10 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
         help="queries and the bf16 baseline pool: bf16 on a GPU, fp32 (holding the same "
         "bf16-rounded values) on a CPU by default",
     )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--seed", type=_non_negative_int, default=0)
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help=DEVICE_HELP
+    )
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help=SEED_HELP)
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
 
 
@@ -315,10 +372,22 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose refusal is one line, the error itself and where the usage is (argparse
+    prints the whole usage first: 19 lines before the error); exit 2, a usage error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
+# Exit statuses (docs/benchmarks.md): a bad argument is refused before any work; an error while
+# working (a file that cannot be written, a wrong result, a missing optional package) ends it.
+USAGE_ERROR = 2
+RUN_ERROR = 1
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_video.bench", description=__doc__.split("\n\n")[0]
-    )
+    parser = OneLineParser(prog="python -m paged_video.bench", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(commands)
@@ -408,6 +477,8 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "a CPU run; use --preset small or smaller --chunk-sizes, "
             "--heads, --head-dims"
         )
+    if not args.no_plot:
+        extras.require("matplotlib.figure", "the sweep's plots (--no-plot writes the CSV only)")
     _out_folder(parser, args.out, "the CSV and the PNGs go inside")
     config = SweepConfig(
         geometries=tuple(geometries),
@@ -448,6 +519,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    extras.require("matplotlib.figure", "plots")
     rows = _rows_of(parser, "csv", args.csv)
     out = args.out or args.csv.parent
     _out_folder(parser, out, "the PNGs go inside")
@@ -475,6 +547,9 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _accuracy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    for name, preset_value in ACCURACY_PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, preset_value)
     device = _resolve_device(parser, args.device)
     if args.head_dim > 256:
         parser.error(f"--head-dim {args.head_dim}: the kernels take head_dim up to 256")
@@ -557,12 +632,16 @@ def _choose(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; an error reading or writing a file ends it in one line (exit 1)."""
+    """Run one subcommand; an error reading or writing a file, or a missing optional package
+    (the ``bench`` extra's matplotlib), ends it in one line (exit 1)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args.command_parser, args)
+    except extras.MissingExtraError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return RUN_ERROR
     except OSError as error:
         where = f"{error.filename}: " if error.filename else ""
         print(f"error: {where}{error.strerror or error}", file=sys.stderr)
-        return 1
+        return RUN_ERROR

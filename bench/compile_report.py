@@ -1104,13 +1104,35 @@ def add_parser(
         description="Defaults are the shipped geometry. Lists are comma-separated.",
     )
     parser.add_argument("--target", default="cuda:90", help="backend:arch, e.g. cuda:90 (sm_90a)")
-    parser.add_argument("--kernels", type=choices(KERNEL_NAMES), default=KERNEL_NAMES)
-    parser.add_argument("--block-sizes", type=ints, default=SHIPPED["block_sizes"])
-    parser.add_argument("--head-dims", type=ints, default=SHIPPED["head_dims"])
-    parser.add_argument("--dtypes", type=choices(("bf16", "fp16", "fp32")), default=("bf16",))
-    parser.add_argument("--heads", type=int, default=SHIPPED["heads"])
+    parser.add_argument(
+        "--kernels",
+        type=choices(KERNEL_NAMES),
+        default=KERNEL_NAMES,
+        help=f"kernels to compile (default: all): {', '.join(KERNEL_NAMES)}",
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=ints,
+        default=SHIPPED["block_sizes"],
+        help="tokens per cache block (default: the shipped sizes)",
+    )
+    parser.add_argument(
+        "--head-dims", type=ints, default=SHIPPED["head_dims"], help="channels per head"
+    )
+    parser.add_argument(
+        "--dtypes",
+        type=choices(("bf16", "fp16", "fp32")),
+        default=("bf16",),
+        help="attention dtypes to compile: bf16 (default), fp16, fp32",
+    )
+    parser.add_argument("--heads", type=int, default=SHIPPED["heads"], help="query heads")
     parser.add_argument("--gqa-group", type=int, default=1, help="query heads per KV head")
-    parser.add_argument("--max-seqlen-q", type=int, default=SHIPPED["max_seqlen_q"])
+    parser.add_argument(
+        "--max-seqlen-q",
+        type=int,
+        default=SHIPPED["max_seqlen_q"],
+        help="queries per sequence the launch is compiled for",
+    )
     parser.add_argument("--causal", action="store_true", help="paged_attention: causal")
     parser.add_argument("--key-limits", action="store_true", help="paged_attention: key_limits")
     parser.add_argument("--gaps", type=int, default=0, help="paged_attention: key gaps per row")

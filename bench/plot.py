@@ -4,23 +4,25 @@ Kept apart from timing: ``python -m paged_video.bench plot out/sweep.csv --out o
 any CSV.
 The headline is ``speedup.png``: one axis per ratio, each with its 1.0 line. The first is the
 fastest baseline's time over ours, per kernel; the second (when the run has quantized pools) is
-our unquantized pool's time over each quantized pool's, with its goal. The title gives the
-ratio at the shipped block sizes (16 and 1560) that the run measured, and the geometry once.
-Per kernel, attention is plotted in TFLOP/s, the copy kernels in GB/s; the bars span the
-throughput at the 80th and 20th percentile times. A y axis whose values span more than a
+our unquantized pool's time over each quantized pool's, with its goal. Each line's legend
+entry gives its ratio at the shipped block sizes (16 and 1560) that the run measured (a title
+would run off the figure with many providers); the figure's title gives the geometry once.
+Per kernel, attention is plotted in TFLOP/s, the copy kernels in GB/s; the error bars span the
+throughput at the 80th and 20th percentile times (on a CPU, where the minimum is the figure,
+they reach down only), and the y label says so. A y axis whose values span more than a
 decade is logarithmic. Legends sit outside the axes, so no line hides behind one.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-
+from paged_video.bench.extras import require
 from paged_video.bench.results import (
     ATTENTION_KERNELS,
     GEOMETRY_COLUMNS,
@@ -33,11 +35,21 @@ from paged_video.bench.results import (
 )
 from paged_video.bench.table import geometry_label, quantized_cases, ratio_cases, series_label
 
+if TYPE_CHECKING:  # matplotlib is the bench extra's: imported where a figure is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 # Values spanning more than this factor get a log y axis.
 LOG_SPAN = 10.0
 # The block sizes the shipped model runs (16: the default; 1560: one frame per block); the
 # headline ratio is read at those the run measured.
 SHIPPED_BLOCK_SIZES = (16, 1560)
+# Entries per legend column (a 3.6-inch axis holds about this many at 8 points).
+LEGEND_ROWS = 12
+# Height of one legend entry at 8 points, in inches.
+LEGEND_ENTRY_INCHES = 0.19
+# Characters per legend line before an entry wraps.
+LEGEND_WIDTH = 48
 
 
 def scale_y(ax: Axes, values: Sequence[float]) -> None:
@@ -56,8 +68,20 @@ def block_axis(ax: Axes, blocks: Sequence[int]) -> None:
     ax.grid(alpha=0.3)
 
 
-def legend_outside(ax: Axes) -> None:
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+def legend_outside(ax: Axes, rows: int = 0) -> None:
+    """The axis's legend beside it, long entries wrapped and more than ``rows`` (default
+    ``LEGEND_ROWS``) in columns, so the constrained layout can keep it on the figure."""
+    handles, labels = ax.get_legend_handles_labels()
+    entries = len(labels)
+    ax.legend(
+        handles,
+        [textwrap.fill(label, LEGEND_WIDTH, subsequent_indent="  ") for label in labels],
+        fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0.0,
+        ncols=max(1, math.ceil(entries / (rows or LEGEND_ROWS))),
+    )
 
 
 def _run_line(rows: Sequence[Row]) -> str:
@@ -77,17 +101,10 @@ def _series_geometry(row: Row, several: bool) -> str:
     return f" ({geometry_label(row)})" if several else ""
 
 
-def _headline(lines: dict[str, list[tuple[int, float]]], only: str | None = None) -> str:
-    """``1.52x at B=16, 0.98x at B=1560``: the ratios of the line ``only`` (else each line's,
-    named) at the shipped block sizes the run measured; empty when it measured none."""
-    parts = []
-    for label, points in lines.items():
-        if only is not None and label.split(" (")[0] != only:
-            continue
-        at = [f"{sig3(v)}x at B={b}" for b, v in sorted(points) if b in SHIPPED_BLOCK_SIZES]
-        if at:
-            parts.append(", ".join(at) if only else f"{label.split(' (')[0]} {', '.join(at)}")
-    return "; ".join(parts)
+def _headline(points: list[tuple[int, float]]) -> str:
+    """``1.52x at B=16, 0.98x at B=1560``: one line's ratios at the shipped block sizes the run
+    measured; empty when it measured none."""
+    return ", ".join(f"{sig3(v)}x at B={b}" for b, v in sorted(points) if b in SHIPPED_BLOCK_SIZES)
 
 
 def _ratio_axis(
@@ -101,7 +118,9 @@ def _ratio_axis(
     values = [1.0]
     for label, points in lines.items():
         points.sort()
-        ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=label)
+        headline = _headline(points)
+        named = f"{label}: {headline}" if headline else label
+        ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=named)
         values += [v for _, v in points]
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=one_label)
     by_goal: dict[float, list[str]] = defaultdict(list)
@@ -125,9 +144,9 @@ def _ratio_axis(
 def draw_speedup(rows: Sequence[Row]) -> Figure:
     """One axis per ratio against block size, each with its 1.0 line: the fastest baseline's
     time over ours (a line per kernel), then our unquantized pool's time over each quantized
-    pool's (dotted: the goals). Each axis's title gives its headline ratio at the shipped block
-    sizes (paged_attention's, and each quantized pool's); the figure's title gives the geometry
-    once, the device, and whether the figures are a speed."""
+    pool's (dotted: the goals). Each line's legend entry gives its ratio at the shipped block
+    sizes; the figure's title gives the geometry once, the device, and whether the figures are
+    a speed."""
     baseline: dict[str, list[tuple[int, float]]] = defaultdict(list)
     cases = [c for c in ratio_cases(rows) if c["speedup"] is not None]
     several = len(_geometries([c["row"] for c in cases])) > 1
@@ -146,14 +165,12 @@ def draw_speedup(rows: Sequence[Row]) -> Figure:
         if str(row["provider"]) in QUANTIZED_GOALS:
             goals[label] = QUANTIZED_GOALS[str(row["provider"])]
     panels = [p for p in (baseline, quantized) if p]
-    figure = Figure(figsize=(9.0, 3.6 * max(1, len(panels)) + 0.6), layout="constrained")
+    figure = new_figure(figsize=(9.0, 3.6 * max(1, len(panels)) + 0.6), layout="constrained")
     axes = iter(figure.subplots(max(1, len(panels)), 1, squeeze=False).ravel())
     if baseline:
         ax = next(axes)
         _ratio_axis(ax, baseline, "fastest baseline time / ours", "1.0: as fast as the baseline")
-        headline = _headline(baseline, only="paged_attention")
-        what = "paged_attention " + (headline if headline else "against the fastest baseline")
-        ax.set_title(what, fontsize=9)
+        ax.set_title("ours against the fastest baseline", fontsize=9)
     if quantized:
         ax = next(axes)
         dtype = q_cases[0]["row"]["dtype"]
@@ -164,8 +181,7 @@ def draw_speedup(rows: Sequence[Row]) -> Figure:
             f"1.0: as fast as our {dtype} pool",
             goals,
         )
-        headline = _headline(quantized)
-        ax.set_title(headline or f"quantized pools against our {dtype} pool", fontsize=9)
+        ax.set_title(f"quantized pools against our {dtype} pool", fontsize=9)
     measured = [c["row"] for c in (*cases, *q_cases)] or list(rows)
     geometry = "; ".join(_geometries(measured)) if not (several or q_several) else ""
     figure.suptitle(
@@ -184,7 +200,10 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
             groups[tuple(row[c] for c in GEOMETRY_COLUMNS)].append(row)
     columns = min(3, len(groups))
     lines = math.ceil(len(groups) / columns)
-    figure = Figure(figsize=(max(8.0, 6.5 * columns), 4.3 * lines), layout="constrained")
+    # Every provider (and tile) a line in one legend column: the axis grows to hold them.
+    entries = max(len({series_label(row) for row in group}) for group in groups.values())
+    height = max(4.3, LEGEND_ENTRY_INCHES * entries + 1.2)
+    figure = new_figure(figsize=(max(8.0, 9.0 * columns), height * lines), layout="constrained")
     axes = figure.subplots(lines, columns, squeeze=False).ravel()
     for ax, group in zip(axes, groups.values(), strict=False):
         series: dict[str, list[Row]] = defaultdict(list)
@@ -203,10 +222,10 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
             ax.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=label)
         block_axis(ax, [r["block_size"] for r in group])
         scale_y(ax, [r[metric] for r in group])
-        ax.set_ylabel(unit)
+        ax.set_ylabel(f"{unit} (bars: 20th-80th percentile time)")
         if len(groups) > 1:
             ax.set_title(geometry_label(group[0]), fontsize=9)
-        legend_outside(ax)
+        legend_outside(ax, rows=entries)
     for ax in axes[len(groups) :]:
         ax.set_visible(False)
     geometry = geometry_label(next(iter(groups.values()))[0]) if len(groups) == 1 else ""
@@ -216,10 +235,16 @@ def draw_kernel(rows: Sequence[Row], kernel: str) -> Figure:
     return figure
 
 
+def new_figure(**kwargs: object) -> Figure:
+    """A matplotlib ``Figure`` (no pyplot, no display), or ``MissingExtraError`` in one line."""
+    return require("matplotlib.figure", "plots").Figure(**kwargs)
+
+
 def plot_rows(rows: Sequence[Row], out_dir: str | Path) -> list[Path]:
     """Write ``speedup.png`` (when any kernel has a baseline or a quantized pool) and
     ``<kernel>.png`` for every kernel in ``rows`` into ``out_dir``; returns the paths, the
     headline first."""
+    require("matplotlib.figure", "plots")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     kernels = dict.fromkeys(

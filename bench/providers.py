@@ -19,6 +19,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from paged_video.kernels.paged_attention import WS_MAX_STAGES
 # Largest float64 score tensor the timed oracle provider may build (it is timed whole).
 ORACLE_TIMING_BYTES = 1 << 28
 
-Output = Tensor | tuple[Tensor, ...]
+Output: TypeAlias = Tensor | tuple[Tensor, ...]
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from paged_video import reference
+from paged_video.bench.extras import MissingExtraError, require
 from paged_video.bench.providers import (
     PROVIDERS,
     SDPA_BACKENDS,
@@ -427,6 +428,35 @@ def _runs(
                 yield geometry, block_size, runs
 
 
+class _NoBar:
+    """What the sweep calls on a progress bar, doing nothing (``--no-progress``, or no tqdm)."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set_postfix_str(self, text: str) -> None:
+        return None
+
+    def update(self) -> None:
+        return None
+
+
+def _progress_bar(total: int, progress: bool) -> object:
+    """tqdm's bar over ``total`` runs when asked for; without tqdm (the ``bench`` extra) the
+    sweep runs without one and says so in one line."""
+    if not progress:
+        return _NoBar()
+    try:
+        tqdm = require("tqdm", "progress bars").tqdm
+    except MissingExtraError as missing:
+        print(f"note: no progress bar: {missing}", file=sys.stderr)
+        return _NoBar()
+    return tqdm(total=total, unit="run")
+
+
 def run_sweep(
     config: SweepConfig,
     csv_path: str | Path,
@@ -469,9 +499,7 @@ def run_sweep(
 
         oracles = _Oracles()
         cases = list(_runs(config, chosen))
-        with tqdm(
-            total=sum(len(runs) for *_, runs in cases), unit="run", disable=not progress
-        ) as bar:
+        with _progress_bar(sum(len(runs) for *_, runs in cases), progress) as bar:
             for geometry, block_size, runs in cases:
                 workload = make_workload(geometry, block_size, device=device, seed=config.seed)
                 case_rows: list[Row] = []

@@ -257,7 +257,8 @@ def quantized_cases(rows: Sequence[Row]) -> list[dict[str, object]]:
 def _format_quantized(cases: Sequence[dict[str, object]], goal: bool) -> list[str]:
     """The quantized pools' table: their time, our unquantized pool's (in the run's dtype, named
     in the header), the speedup and its goal."""
-    goals = ", ".join(f"{name} {sig3(g)}x" for name, g in QUANTIZED_GOALS.items())
+    ran = {str(case["row"]["provider"]) for case in cases}
+    goals = ", ".join(f"{name} {sig3(g)}x" for name, g in QUANTIZED_GOALS.items() if name in ran)
     dtypes = {str(c["row"]["dtype"]) for c in cases}
     pool = dtypes.pop() if len(dtypes) == 1 else "unquantized"
     lines = [

@@ -21,7 +21,7 @@
 # (`reference/wan_rollout.py`) reads the same tokens and gives the same latents.
 #
 # `NOTEBOOK_SMALL=1` generates fewer blocks (CI runs this file as a script that way);
-# `NOTEBOOK_OUT` is where the figures go (default `out/notebooks`).
+# `NOTEBOOK_OUT` is where the figures go (default: the clone's `out/notebooks`).
 
 # %%
 import os
@@ -42,7 +42,10 @@ SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
 # After models.wan_paged: it imports kernels (Triton's interpreter without a GPU) first.
 from diffusers import WanTransformer3DModel
 
-OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
+# The clone's out/notebooks whether this runs as a script (from the clone) or as a notebook
+# (jupytext and Jupyter run it from notebooks/); a relative NOTEBOOK_OUT is the clone's too.
+ROOT = Path.cwd().parent if Path("ar_rollout.py").is_file() else Path.cwd()
+OUT = ROOT / os.environ.get("NOTEBOOK_OUT", "out/notebooks")
 OUT.mkdir(parents=True, exist_ok=True)
 BLOCKS = 5 if SMALL else 10
 SIGMAS = (1.0,) if SMALL else (1.0, 0.6, 0.3)

@@ -14,7 +14,7 @@
 # the float64 oracle and see where the error sits, then the same over FP8 / INT8 pools.
 #
 # `NOTEBOOK_SMALL=1` shrinks everything (CI runs this file as a script that way);
-# `NOTEBOOK_OUT` is where the figures go (default `out/notebooks`).
+# `NOTEBOOK_OUT` is where the figures go (default: the clone's `out/notebooks`).
 
 # %%
 import os
@@ -37,7 +37,10 @@ from paged_video.kernels import launch_table
 from paged_video.kernels.paged_attention import table_key
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
-OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
+# The clone's out/notebooks whether this runs as a script (from the clone) or as a notebook
+# (jupytext and Jupyter run it from notebooks/); a relative NOTEBOOK_OUT is the clone's too.
+ROOT = Path.cwd().parent if Path("kernel_playground.py").is_file() else Path.cwd()
+OUT = ROOT / os.environ.get("NOTEBOOK_OUT", "out/notebooks")
 OUT.mkdir(parents=True, exist_ok=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -185,7 +188,10 @@ ax.set_title(
 bar = figure.colorbar(image, ax=ax, label="log10 relative max error")
 bar.ax.axhline(np.log10(tolerance), color="red", linewidth=2)
 figure.savefig(OUT / "playground_grid.png", dpi=100)
-print(relative)
+print("relative max error against float64, block size by tile:")
+print(f"{'block':>6}  " + "  ".join(f"{label:>8}" for label in labels))
+for block_size, errors in zip(block_sizes, relative, strict=True):
+    print(f"{block_size:>6}  " + "  ".join(f"{value:8.1e}" for value in errors))
 
 # %% [markdown]
 # ## Quantized pools (FP8 / INT8)

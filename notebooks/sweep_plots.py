@@ -15,7 +15,7 @@
 # the paged kernel against the staged path (gather + attention) at each block size.
 #
 # `NOTEBOOK_SMALL=1` makes the fallback sweep tiny (CI runs this file as a script that way);
-# `NOTEBOOK_OUT` is where the figures go (default `out/notebooks`).
+# `NOTEBOOK_OUT` is where the figures go (default: the clone's `out/notebooks`).
 
 # %%
 import os
@@ -32,7 +32,10 @@ from paged_video.bench.timing import TimingSettings
 from paged_video.bench.workload import Geometry
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
-OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
+# The clone's out/notebooks whether this runs as a script (from the clone) or as a notebook
+# (jupytext and Jupyter run it from notebooks/); a relative NOTEBOOK_OUT is the clone's too.
+ROOT = Path.cwd().parent if Path("sweep_plots.py").is_file() else Path.cwd()
+OUT = ROOT / os.environ.get("NOTEBOOK_OUT", "out/notebooks")
 OUT.mkdir(parents=True, exist_ok=True)
 
 # %%

@@ -17,7 +17,7 @@
 #
 # Tiny numbers so every slot is visible: frames of `C = 6` tokens, blocks of `B = 4`, a sink of
 # one frame and a window of three. `NOTEBOOK_SMALL=1` runs fewer ticks (CI runs this file as a
-# script that way); `NOTEBOOK_OUT` is where the figures go (default `out/notebooks`).
+# script that way); `NOTEBOOK_OUT` is where the figures go (default: the clone's `out/notebooks`).
 
 # %%
 import os
@@ -36,7 +36,10 @@ from paged_video.paging import window as paging_window
 from paged_video.reference.attention import gather_sequence
 
 SMALL = os.environ.get("NOTEBOOK_SMALL") == "1"
-OUT = Path(os.environ.get("NOTEBOOK_OUT", "out/notebooks"))
+# The clone's out/notebooks whether this runs as a script (from the clone) or as a notebook
+# (jupytext and Jupyter run it from notebooks/); a relative NOTEBOOK_OUT is the clone's too.
+ROOT = Path.cwd().parent if Path("window_anatomy.py").is_file() else Path.cwd()
+OUT = ROOT / os.environ.get("NOTEBOOK_OUT", "out/notebooks")
 OUT.mkdir(parents=True, exist_ok=True)
 TICKS = 8 if SMALL else 14
 
@@ -122,6 +125,7 @@ COLORS = {
     "scratch": "#8172b3",
 }
 sink_entries = paging_window.sink_blocks(config)
+ID_BOX = {"facecolor": "white", "edgecolor": "none", "pad": 1.5}
 figure, ax = plt.subplots(figsize=(13, 0.45 * TICKS + 1.5), layout="constrained")
 for tick, state in enumerate(tables):
     y = TICKS - 1 - tick
@@ -132,7 +136,17 @@ for tick, state in enumerate(tables):
         ax.add_patch(
             Rectangle((start, y + 0.1), filled, 0.8, facecolor=COLORS[kind], edgecolor="black")
         )
-        ax.text(start + filled / 2, y + 0.5, str(block), ha="center", va="center", fontsize=7)
+        # A white box behind the id: the sink's end line may cross the block's middle.
+        ax.text(
+            start + filled / 2,
+            y + 0.5,
+            str(block),
+            ha="center",
+            va="center",
+            fontsize=7,
+            bbox=ID_BOX,
+            zorder=4,
+        )
     label = f"t{tick}: committed {state['committed']}, compacted {state['compacted']}"
     ax.text(-1, y + 0.5, label, ha="right", va="center", fontsize=8)
 end = max(s["committed"] + s["compacted"] for s in tables)
@@ -382,7 +396,16 @@ for ax, (title, moment) in zip(axes, moments, strict=True):
                 )
             )
             label = "" if block == NULL_BLOCK else str(block)
-            ax.text(start + filled / 2, y + 0.5, label, ha="center", va="center", fontsize=7)
+            ax.text(
+                start + filled / 2,
+                y + 0.5,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                bbox=ID_BOX,
+                zorder=4,
+            )
         ax.text(-1, y + 0.5, name, ha="right", va="center", fontsize=9)
         if name in forked_at:
             parent, position = forked_at[name]

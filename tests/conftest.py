@@ -1,5 +1,6 @@
 """Shared test set-up: the Triton interpreter without a GPU, hypothesis profiles, NaN fixtures,
-and the ``slow`` marker of the quick subset (``python -m pytest -m "not slow"``).
+the ``slow`` marker of the quick subset (``python -m pytest -m "not slow"``) and the ``smoke``
+selection of the iteration loop (``python -m pytest -n 2 -m smoke``).
 
 The interpreter must be switched on before any ``@triton.jit`` function is decorated, so this
 runs before the test modules import ``kernels``.
@@ -13,6 +14,7 @@ variables must be set before numpy or torch is imported (nothing imports them be
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -122,6 +124,69 @@ SLOW = (
 )
 
 
+# The smoke selection, ``python -m pytest -n 2 -m smoke``: the iteration loop, under a minute of
+# CPU. One quick test of every kernel path (contiguous, block tiles, two blocks, rows; the TMA
+# pair loop, warp-specialized, scores ahead, the PyTorch path), every K/V format (float, e4m3,
+# int8, FP8-MMA, INT8-MMA, keys-major pools), every mask kind (causal, key limits, key gaps,
+# spans) and every paging rule (eviction, compaction, the fixed table width, staging, forks,
+# shards, batches). Entries are prefixes like ``SLOW``'s; under ``-m smoke`` an entry that
+# selects nothing is an error, and files with no entry are not even collected.
+SMOKE = (
+    "tests/kernels/test_paged_attention.py::test_key_paths_causal_limits_and_gaps[16-16-permuted]",
+    "tests/kernels/test_paged_attention.py::test_key_paths_causal_limits_and_gaps[7-16-repeated]",
+    "tests/kernels/test_paged_attention.py::test_key_paths_causal_limits_and_gaps[511-256-permuted]",
+    "tests/kernels/test_paged_attention.py::test_key_paths_causal_limits_and_gaps[1-16-permuted]",
+    "tests/kernels/test_launch_variants.py::test_tma_variant_matches_oracle[block-pairs-B16-N32]",
+    "tests/kernels/test_launch_variants.py::test_warp_specialized_variant_matches_oracle[B16-N16-D64]",
+    "tests/kernels/test_scores_ahead.py::test_scores_ahead_matches_oracle[block_tiles-B7-N16-D80-tma]",
+    "tests/kernels/test_torch_path.py::test_attention",
+    "tests/kernels/test_torch_path.py::test_write_and_gather",
+    "tests/kernels/test_masks.py::test_spans_across_query_and_key_tiles[B24-per-row-lookup]",
+    "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B7-int8]",
+    "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B24-e4m3]",
+    "tests/kernels/test_quantized_modes.py::test_int8_mma_against_its_emulation_and_the_oracle[rows-B1-N16]",
+    "tests/kernels/test_write_slots.py::test_chunk_starting_mid_block",
+    "tests/kernels/test_write_slots_quantized.py::test_chunk_starting_mid_block",
+    "tests/kernels/test_write_slots_quantized.py::test_equalized_channels",
+    "tests/kernels/test_gather_blocks.py::test_gather_permuted_blocks[2-B7]",
+    "tests/kernels/test_gather_blocks_quantized.py::test_stages_what_was_written[2-B7-int8]",
+    "tests/kernels/test_fused.py::test_matches_direct_kernel_calls_bit_for_bit[paged]",
+    "tests/kernels/test_merge_states.py::test_split_keys_merge_to_attention_over_all[B1560-2parts]",
+    "tests/paging/test_eviction.py",
+    "tests/paging/test_plan.py",
+    "tests/paging/test_staging.py",
+    "tests/paging/test_pool.py",
+    "tests/paging/test_batch.py",
+    "tests/paging/test_config.py",
+    "tests/paging/test_forks.py::test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies",
+    "tests/paging/test_forks.py::test_eviction_drops_references_and_the_last_holder_frees",
+    "tests/paging/test_shard.py::test_ranks_read_the_single_process_keys_once",
+    "tests/paging/test_attention.py::test_kernel_attention_matches_the_oracle_keys[whole-blocks]",
+    "tests/paging/test_quantized.py::test_keys_major_cache_attends_as_the_slot_major_one[fp8-mma]",
+    "tests/paging/test_quantized.py::test_keys_major_cache_attends_as_the_slot_major_one[int8-mma]",
+    "tests/test_end_to_end.py::test_block_aligned_chunks_reuse_staging",
+)
+SMOKE_FILES = frozenset(entry.partition("::")[0] for entry in SMOKE)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _smoke_only(config: pytest.Config) -> bool:
+    return config.getoption("markexpr", "") == "smoke"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m smoke``, skip importing the test files ``SMOKE`` does not name (collecting the
+    whole suite costs more CPU than the smoke tests themselves)."""
+    if not _smoke_only(config) or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix != ".py":
+        return None
+    path = collection_path.resolve()
+    if not path.is_relative_to(REPO) or path.relative_to(REPO).as_posix() in SMOKE_FILES:
+        return None
+    return True
+
+
 def is_slow(item: pytest.Item) -> bool:
     """Whether ``item`` is left out of the quick subset: listed in ``SLOW``, or a README block
     that builds a diffusers model (blocks are named by line, which moves as the README does)."""
@@ -135,3 +200,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith(SMOKE):
+            item.add_marker(pytest.mark.smoke)
+    if _smoke_only(config):
+        unmatched = [e for e in SMOKE if not any(i.nodeid.startswith(e) for i in items)]
+        if unmatched:
+            raise pytest.UsageError(f"SMOKE entries that select no test: {unmatched}")

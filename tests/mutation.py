@@ -1563,6 +1563,37 @@ MUTANTS = [
         "tests/bench/test_choose.py::test_backend_names_the_launch",
         "tests/bench/test_choose.py::test_a_scores_ahead_winner_writes_its_row",
     ),
+    # -- bench/accuracy.py, bench/cli.py, bench/plot.py: floors, switches, refusals, legends ---
+    _m(
+        "accuracy-floor-rounds-the-float64-quotient",
+        "bench/accuracy.py",
+        "reference.quantize.quantize_best_scale if best_scale else stored_rows",
+        "reference.quantize.quantize_best_scale if best_scale else reference.quantize.quantize",
+        "tests/bench/test_accuracy.py::"
+        "test_the_int8_floor_holds_the_codes_write_slots_stores_on_float32_ties",
+    ),
+    _m(
+        "accuracy-switch-refuses-both",
+        "bench/cli.py",
+        '    if text == "both":\n        return ("off", "on")',
+        '    if False:\n        return ("off", "on")',
+        "tests/bench/test_accuracy.py::test_smoothing_and_equalize_take_off_on_and_both_as_help_says",
+    ),
+    _m(
+        "cli-refusal-prints-the-usage-first",
+        "bench/cli.py",
+        "        self.exit(USAGE_ERROR, f",
+        "        super().error(message)\n        self.exit(USAGE_ERROR, f",
+        "tests/bench/test_cli_edges.py::"
+        "test_a_refusal_is_one_line_the_error_first_and_the_exit_codes_are_the_docs",
+    ),
+    _m(
+        "plot-legend-entries-unwrapped",
+        "bench/plot.py",
+        '[textwrap.fill(label, LEGEND_WIDTH, subsequent_indent="  ") for label in labels]',
+        "labels",
+        "tests/bench/test_plot_fits.py::test_no_text_leaves_any_plot_with_every_provider[cpu-gqa]",
+    ),
     _m(
         "serial-instructions-start-with-nothing-in-flight",
         "bench/sass.py",
@@ -2218,13 +2249,19 @@ def repository_files(root: Path) -> list[str]:
             for p in root.rglob("*")
             if p.is_file() and not skip & set(p.relative_to(root).parts)
         ]
-    return [name for name in listed.decode().split("\0") if name and (root / name).is_file()]
+    names = [name for name in listed.decode().split("\0") if name]
+    return [name for name in names if (root / name).is_symlink() or (root / name).is_file()]
 
 
 def copy_repository(root: Path, target: Path) -> None:
+    """Copy the files, and the links as links (``paged_video/kernels -> ../kernels``: the copy's
+    import name must reach the copy's folders, never the working tree's)."""
     for name in repository_files(root):
         (target / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / name, target / name)
+        if (root / name).is_symlink():
+            os.symlink(os.readlink(root / name), target / name)
+        else:
+            shutil.copy2(root / name, target / name)
 
 
 def check_mutants(mutants: Sequence[Mutant], root: Path) -> None:

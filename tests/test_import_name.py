@@ -137,3 +137,18 @@ def test_a_bare_name_nobody_else_owns_is_not_found(tmp_path: Path):
         f"{name} absent {name}"
         for name in ("kernels", "paging", "reference", "bench", "models", "integrations")
     ]
+
+
+def test_each_top_folder_is_linked_under_the_import_name_and_installed():
+    # Static tools (mypy, editors) and setuptools read `paged_video/<folder>`: a link to the
+    # clone's top folder, one per package the wheel installs.
+    import tomllib
+
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tops = {name.split(".")[1] for name in packages["packages"] if name.count(".") >= 1}
+    for name in tops:
+        link = REPO / "paged_video" / name
+        assert link.is_symlink() and os.readlink(link) == f"../{name}", name
+        assert (link / "__init__.py").is_file(), name
+    assert "package-dir" not in packages
+    assert tops == {"kernels", "paging", "reference", "models", "bench", "integrations"}

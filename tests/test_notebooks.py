@@ -117,3 +117,18 @@ def test_the_decade_check_flags_a_linear_axis_and_passes_a_log_one(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     found = linear_axes_spanning_decades(json.loads(axes_json.read_text()))
     assert found == ["linear.png: y axis 'linear' of 'linear'"]
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_the_output_folder_is_the_clones_as_a_script_and_as_a_notebook(monkeypatch, name):
+    # A script runs from the clone, jupytext and Jupyter from notebooks/: one folder for both.
+    lines = (REPO / "notebooks" / name).read_text().splitlines()
+    setup = "\n".join(line for line in lines if line.startswith(("ROOT = ", "OUT = ")))
+    monkeypatch.delenv("NOTEBOOK_OUT", raising=False)
+    found = []
+    for folder in (REPO, REPO / "notebooks"):
+        monkeypatch.chdir(folder)
+        namespace = {"Path": Path, "os": os}
+        exec(setup, namespace)
+        found.append(namespace["OUT"].resolve())
+    assert found == [REPO / "out" / "notebooks"] * 2

@@ -1,6 +1,6 @@
-"""The quick subset (``-m "not slow"``): its list of slow tests (tests/conftest.py) names tests
-that exist, so a renamed test cannot silently join the quick subset, and the rule marks what
-it says."""
+"""The quick subset (``-m "not slow"``) and the smoke selection (``-m smoke``): their lists
+(tests/conftest.py) name tests that exist, so a renamed test cannot silently join the quick
+subset or leave the smoke loop, and the rules mark what they say."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import SLOW, is_slow
+from paged_video.kernels.paged_attention import kv_path
+from tests.conftest import SLOW, SMOKE, is_slow
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("prefix", SLOW)
-def test_every_slow_entry_names_a_test(prefix):
+@pytest.mark.parametrize("prefix", SLOW + SMOKE)
+def test_every_slow_and_smoke_entry_names_a_test(prefix):
     path, _, name = prefix.partition("::")
     source = REPO / path
     assert source.exists(), f"{prefix}: no such file"
@@ -36,3 +37,35 @@ def test_listed_tests_and_readme_blocks_that_build_a_model_are_slow():
     readme = "tests/test_readme.py::test_readme_block_runs_as_written[README.md:9]"
     assert is_slow(item(readme, "from diffusers import WanTransformer3DModel"))
     assert not is_slow(item(readme, "from paged_video import kernels"))
+
+
+def test_smoke_tests_are_not_slow_and_take_every_key_path_format_and_rule():
+    assert not [entry for entry in SMOKE if entry.startswith(SLOW)]
+    masked = "tests/kernels/test_paged_attention.py::test_key_paths_causal_limits_and_gaps["
+    shapes = [entry.removeprefix(masked).split("-")[:2] for entry in SMOKE if masked in entry]
+    paths = {kv_path(int(block_size), int(block_n)) for block_size, block_n in shapes}
+    assert paths == {"contiguous", "block_tiles", "two_blocks", "rows"}
+    listed = " ".join(SMOKE)
+    for word in (
+        "block-pairs",
+        "warp_specialized",
+        "scores_ahead",
+        "torch_path",
+        "e4m3",
+        "int8]",
+        "fp8-mma",
+        "int8-mma",
+        "keys_major",
+        "spans",
+        "eviction",
+        "test_plan",
+        "staging",
+        "forks",
+        "shard",
+        "batch",
+        "write_slots",
+        "gather_blocks",
+        "fused",
+        "merge_states",
+    ):
+        assert word in listed, word

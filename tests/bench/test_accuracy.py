@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from paged_video import reference
+from paged_video import kernels, reference
 from paged_video.bench import accuracy
 from paged_video.bench.accuracy import (
     ACCURACY_COLUMNS,
@@ -331,3 +331,77 @@ def test_bad_accuracy_arguments_are_rejected_by_name(capsys, argv, named):
         main(["accuracy", *argv])
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_int8_floor_holds_the_codes_write_slots_stores_on_float32_ties():
+    # bf16 K/V land on ties of x / scale in float32 that float64 rounds the other way: the
+    # floor must be attention over what the pool holds, code for code (issue 46, item 5).
+    config = AccuracyConfig(**{**TINY.__dict__, "heads": 4, "head_dim": 64, "chunk_size": 64})
+    data = make_data("random", config)
+    prepared = prepare(data, config)
+    variant = Variant("int8", equalize=True)
+    k_factor, v_factor = prepared.factors(variant)
+    smooth = prepared.smooth(variant)
+    tokens, heads, dim = data.keys.shape
+    pools = [torch.empty(tokens, heads, dim, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.empty(tokens, heads, dtype=torch.float32) for _ in range(2)]
+    kernels.write_slots(
+        data.keys,
+        data.values,
+        *pools,
+        torch.arange(tokens),
+        k_scale=scales[0],
+        v_scale=scales[1],
+        k_smooth=smooth,
+        k_equalizer=k_factor,
+        v_equalizer=v_factor,
+    )
+    k_rows = accuracy.stored_rows(data.keys, torch.int8, smooth=smooth, factor=k_factor)
+    v_rows = accuracy.stored_rows(data.values, torch.int8, factor=v_factor)
+    assert torch.equal(k_rows[0], pools[0]) and torch.equal(k_rows[1], scales[0])
+    assert torch.equal(v_rows[0], pools[1]) and torch.equal(v_rows[1], scales[1])
+    float64 = reference.quantize.quantize(data.values, torch.int8, factor=v_factor)
+    assert not torch.equal(float64[0], pools[1]), "the data must hold float32 ties"
+    expected = reference_output(data)
+    stored = quantized_attention(data.q, *k_rows, *v_rows, k_factor=k_factor, v_factor=v_factor)
+    floors = FloorCache(data, expected, prepared).floors(variant)
+    assert floors.storage == metrics(stored, expected).rel_l1
+
+
+def test_smoothing_and_equalize_take_off_on_and_both_as_help_says(capsys):
+    from paged_video.bench.cli import build_parser
+
+    parse = build_parser().parse_args
+    both = parse(["accuracy", "--smoothing", "both", "--equalize", "both"])
+    assert both.smoothing == both.equalize == ("off", "on")
+    one = parse(["accuracy", "--smoothing", "on", "--equalize", "off"])
+    assert (one.smoothing, one.equalize) == (("on",), ("off",))
+    assert parse(["accuracy", "--equalize", "on,off"]).equalize == ("on", "off")
+    with pytest.raises(SystemExit):
+        parse(["accuracy", "--smoothing", "maybe"])
+    assert "expected off, on or both, got 'maybe'" in capsys.readouterr().err
+
+
+def test_the_small_preset_fills_what_is_not_given_and_options_override_it(
+    monkeypatch, tmp_path, capsys
+):
+    from paged_video.bench import cli
+
+    configs = []
+    monkeypatch.setattr(accuracy, "run_accuracy", lambda config, *a, **k: configs.append(config))
+    monkeypatch.setattr(accuracy, "format_rows", lambda rows, **k: "")
+    out = str(tmp_path)
+    assert cli.main(["accuracy", "--preset", "small", "--out", out, "--device", "cpu"]) == 0
+    assert cli.main(["accuracy", "--preset", "small", "--out", out, "--chunk-size", "64"]) == 0
+    assert cli.main(["accuracy", "--out", out, "--device", "cpu"]) == 0
+    small, overridden, shipped = configs
+    expected = {**cli.ACCURACY_PRESETS["small"], "q_rows": None}
+    del expected["queries"]
+    assert {name: getattr(small, name) for name in expected} == expected
+    assert small.heads == cli.CPU_ACCURACY_HEADS and small.kv_tokens == 4 * 256
+    assert (overridden.chunk_size, overridden.block_size) == (64, 256)
+    assert (shipped.chunk_size, shipped.sink_chunks, shipped.window_chunks) == (1560, 9, 9)
+    with pytest.raises(SystemExit):
+        cli.main(["accuracy", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--preset {shipped,small}" in text and "about half an hour" in text

@@ -4,6 +4,7 @@ spelled the old way."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -80,7 +81,7 @@ def test_a_csv_that_is_not_a_sweeps_is_named_in_one_line(tmp_path, capsys):
     short.write_text("kernel,provider\nx,y\n")
     last = _refused(capsys, ["table", str(short)])
     assert "missing columns block_size, tile, chunk_size, frames and " in last
-    assert last.endswith(" more")
+    assert last.endswith(" more (usage: python -m paged_video.bench table --help)")
     bad_number = tmp_path / "bad.csv"
     write_rows(bad_number, ROWS)
     bad_number.write_text(bad_number.read_text().replace("2,", "two,", 1))
@@ -149,3 +150,63 @@ def test_as_a_new_user_runs_it_no_traceback(tmp_path):
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("python -m paged_video.bench sweep: error: --out here/x: cannot")
+
+
+def _exit_and_stderr(capsys, argv: list[str]) -> tuple[int, list[str]]:
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_refusal_is_one_line_the_error_first_and_the_exit_codes_are_the_docs(
+    tmp_path, capsys, monkeypatch
+):
+    docs = " ".join((REPO / "docs" / "benchmarks.md").read_text().split())
+    bullet = docs.split("**Mistakes end in one line**")[1].split("\n- ")[0]
+    usage, run = bullet.split("**exit 2**")[0], bullet.split("**exit 2**")[1]
+    assert "A bad argument is refused" in usage and "An error while working" in run
+    assert "**exit 1**" in run
+    a_csv = tmp_path / "sweep.csv"
+    write_rows(a_csv, ROWS)
+    # What the docs list under exit 2: an option value, a missing or wrong input file, an
+    # --out that cannot be a folder.
+    for argv in (
+        ["sweep", "--preset", "nope"],
+        ["accuracy", "--smoothing", "maybe"],
+        ["table", str(tmp_path / "absent.csv")],
+        ["plot", str(tmp_path)],
+        ["plot", str(a_csv), "--out", str(a_csv)],
+    ):
+        code, lines = _exit_and_stderr(capsys, argv)
+        assert code == cli.USAGE_ERROR == 2, argv
+        assert len(lines) == 1 and " error: " in lines[0], (argv, lines)
+        assert lines[0].endswith(f"(usage: python -m paged_video.bench {argv[0]} --help)")
+
+    # Under exit 1: a file that cannot be written, a missing optional package.
+    def full_disk(rows, out):
+        raise OSError(28, "No space left on device", str(out / "speedup.png"))
+
+    monkeypatch.setattr(cli, "plot_rows", full_disk)
+    code, lines = _exit_and_stderr(capsys, ["plot", str(a_csv)])
+    assert (code, len(lines)) == (cli.RUN_ERROR, 1) and "speedup.png" in lines[0]
+
+    def missing(module, needed_for):
+        raise cli.extras.MissingExtraError(f"{needed_for} need matplotlib: pip install ...")
+
+    monkeypatch.setattr(cli.extras, "require", missing)
+    code, lines = _exit_and_stderr(capsys, ["plot", str(a_csv)])
+    assert (code, len(lines)) == (1, 1) and "matplotlib" in lines[0]
+
+
+def test_every_option_of_every_subcommand_says_what_it_does():
+    parser = cli.build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    silent = [
+        f"{name} {action.option_strings[0]}"
+        for name, command in commands.choices.items()
+        for action in command._actions
+        if action.option_strings and not action.help
+    ]
+    assert not silent

@@ -170,6 +170,10 @@ def test_the_ratio_table_rates_quantized_rows_against_the_bf16_pool():
         .endswith(f"BELOW {QUANTIZED_GOALS['triton-e4m3-mma']:.2f}x")
     )
     assert "quantized goals: 1 of 2 rows below" in text
+    # The header's goals are those of the providers that ran.
+    [header] = [line for line in text.splitlines() if line.startswith("quantized KV pools")]
+    assert "triton-e4m3-mma 1.80x" in header and "triton-int8 1.30x" in header
+    assert "triton-int8-mma" not in header and "-keys" not in header
 
 
 def test_the_speedup_plot_draws_the_quantized_pools_without_a_baseline(tmp_path):
