@@ -1126,8 +1126,8 @@ MUTANTS = [
     _m(
         "write-flag-without-factors",
         "kernels/write_slots.py",
-        '        "equalizers_chosen",\n        equalizers_chosen,\n',
-        '        "equalizers_chosen",\n        None,\n',
+        '    equalize.check_chosen_flag("equalizers_chosen", equalizers_chosen, chosen_factors)',
+        '    equalize.check_chosen_flag("equalizers_chosen", None, chosen_factors)',
         f"{WRITE_QUANTIZED}::test_the_chosen_flag_needs_the_factors_and_a_cpu_scalar",
     ),
     _m(
@@ -1504,7 +1504,7 @@ MUTANTS = [
     _m(
         "fp8-mma-16-key-tiles-allowed",
         "kernels/paged_attention.py",
-        "    if fp8_mma and tile_n < launch_table.FP8_MIN_KEYS:",
+        "    if (fp8_mma or k8v8) and tile_n < launch_table.FP8_MIN_KEYS:",
         "    if False:",
         "tests/kernels/test_quantized_modes.py::test_fp8_mma_tiles_take_32_keys_at_least",
     ),
@@ -1520,16 +1520,15 @@ MUTANTS = [
     _m(
         "keys-major-v-flag-without-fp8-mma",
         "kernels/paged_attention.py",
-        "        V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),",
+        "        V_KEYS_MAJOR=(fp8_mma or k8v8) and pool_layout.keys_aligned(v_cache),",
         "        V_KEYS_MAJOR=pool_layout.keys_aligned(v_cache),",
         f"{KEYS_MAJOR_FLAG}[dequantizing-padded]",
     ),
     _m(
         "scales-keys-major-flag-ignores-v-scales",
         "kernels/paged_attention.py",
-        "        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale) and "
-        "pool_layout.keys_aligned(v_scale),",
-        "        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale),",
+        "        and (k8v8 or pool_layout.keys_aligned(v_scale)),",
+        "        and True,",
         f"{KEYS_MAJOR_FLAG}[k-scales-only]",
     ),
     _m(
@@ -1551,9 +1550,10 @@ MUTANTS = [
     _m(
         "keys-major-v-read-as-bytes",
         "kernels/_attention_jit.py",
-        "            if not V_KEYS_MAJOR:\n                v = v.to(tl.float8e4nv, bitcast=True)",
-        "            if not V_KEYS_MAJOR:\n                v = v.to(tl.float8e4nv, bitcast=True)\n"
-        "            else:\n                v = v.to(tl.uint8, bitcast=True).to(tl.float8e4nv)",
+        "                v = v.to(tl.float8e4nv, bitcast=True)\n            # The MMA sums",
+        "                v = v.to(tl.float8e4nv, bitcast=True)\n"
+        "            else:\n                v = v.to(tl.uint8, bitcast=True).to(tl.float8e4nv)\n"
+        "            # The MMA sums",
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
     ),
@@ -1614,8 +1614,9 @@ MUTANTS = [
     _m(
         "fp8-query-rows-equalized-twice",
         "kernels/paged_attention.py",
+        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n"
         "        k_equalizer = None\n",
-        "",
+        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n",
         f"{EQUALIZED}[e4m3-fp8-mma]",
     ),
     # -- FP8-MMA's probability unit per sequence (kernels/value_units.py) ----------------------
@@ -1671,8 +1672,8 @@ MUTANTS = [
     _m(
         "dequantizing-output-left-in-the-unit",
         "kernels/_attention_jit.py",
-        "    if QUANTIZED:\n        out = out * p_unit",
-        "    if FP8_MMA:\n        out = out * p_unit",
+        "    elif QUANTIZED:\n        out = out * p_unit",
+        "    elif FP8_MMA:\n        out = out * p_unit",
         f"{FLOAT16_RANGE}[int8-mma]",
     ),
     _m(
@@ -1974,6 +1975,78 @@ MUTANTS = [
         '        "WIDE_SCALES": False,',
         '        "WIDE_SCALES": True,',
         "tests/bench/test_launch_probe.py::test_wide_scales_alone_keep_the_launchers_tile",
+    ),
+    # -- the k8v8 format: its write and its attention loop -------------------------------------
+    _m(
+        "k8v8-probabilities-unbiased",
+        "kernels/_attention_jit.py",
+        "                probs = tl.math.exp2(qk * row_scale - (new_max - LOG2_E4M3_MAX)[:, None])",
+        "                probs = tl.math.exp2(qk * row_scale - new_max[:, None])",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N64]",
+    ),
+    _m(
+        "k8v8-masked-probabilities-unbiased",
+        "kernels/_attention_jit.py",
+        "                probs = tl.math.exp2(scores - (safe_max - LOG2_E4M3_MAX)[:, None])",
+        "                probs = tl.math.exp2(scores - safe_max[:, None])",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B7-N32-repeated]",
+    ),
+    _m(
+        "k8v8-block-scales-skipped",
+        "kernels/_attention_jit.py",
+        "                acc = acc * rescale[:, None] + pv * v_channels[None, :]",
+        "                acc = acc * rescale[:, None] + pv",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_per_block_scales[B64-N64]",
+        "tests/kernels/test_k8v8_attention.py::test_tiny_v_scales_on_the_keys_that_matter",
+    ),
+    _m(
+        "k8v8-frozen-scales-skipped",
+        "kernels/_attention_jit.py",
+        "        out = out * v_channels[None, :]",
+        "        out = out",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B24-N32]",
+    ),
+    _m(
+        "k8v8-lse-unbiased",
+        "kernels/_attention_jit.py",
+        "            lse -= LOG2_E4M3_MAX * LN2",
+        "            lse -= 0.0",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B24-N32]",
+    ),
+    _m(
+        "k8v8-write-saturation-uncounted",
+        "kernels/write_slots.py",
+        "            over = mask & ((tl.abs(ratio) > V_QMAX) | (~positive & (value != 0.0)))",
+        "            over = mask & (tl.abs(ratio) > 2 * V_QMAX)",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_against_float64[frozen-B7]",
+    ),
+    _m(
+        "k8v8-write-every-block-rechosen",
+        "kernels/value_channels.py",
+        "    firsts = (used & (slots % block_size == 0)).to(torch.int32)",
+        "    firsts = used.to(torch.int32)",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_against_float64[per-block-B24]",
+    ),
+    _m(
+        "k8v8-per-block-tiles-across-blocks",
+        "kernels/paged_attention.py",
+        "    if v_block_scales and block_size % tile_n:",
+        "    if False:",
+        "tests/kernels/test_k8v8_attention.py::test_per_block_scales_need_tiles_inside_a_block",
+    ),
+    _m(
+        "fp8-mma-scale-range-unchecked",
+        "kernels/_attention_checks.py",
+        "        if bool((smallest < largest * FP8_MMA_SCALE_RANGE).any()):",
+        "        if False:",
+        "tests/kernels/test_k8v8_attention.py::test_fp8_mma_refuses_v_scales_it_would_round_away",
+    ),
+    _m(
+        "fp8-mma-scale-range-reads-gap-keys",
+        "kernels/_attention_checks.py",
+        "                seen &= (positions < lo) | (positions >= hi)",
+        "                pass",
+        "tests/kernels/test_k8v8_attention.py::test_fp8_mma_refuses_v_scales_it_would_round_away",
     ),
 ]
 
