@@ -395,8 +395,14 @@ MUTANTS = [
     _m(
         "cache-raw-writes-skip-the-flag",
         "paging/cache.py",
-        '{"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}',
-        '{"k_smooth": self.k_mean}',
+        "        if self.k_mean is not None:\n"
+        '            kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}\n'
+        "        if self.k_equalizer is not None:\n"
+        "            kwargs |= {\n",
+        "        if self.k_mean is not None:\n"
+        '            kwargs |= {"k_smooth": self.k_mean}\n'
+        "        if self.k_equalizer is not None:\n"
+        "            kwargs |= {\n",
         RAW_DRIVER,
     ),
     # -- forks: reference counts, copy-on-write, fork ------------------------------------------
@@ -709,8 +715,8 @@ MUTANTS = [
     _m(
         "fused-mean-never-chosen",
         "kernels/fused.py",
-        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen)",
-        "(key, value, inputs.video_slots, None, equalizers_chosen)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen, v_chosen)",
+        "(key, value, inputs.video_slots, None, equalizers_chosen, v_chosen)",
         "tests/kernels/test_fused_quantized.py::test_non_finite_keys_are_left_out_of_the_mean",
     ),
     _m(
@@ -744,7 +750,7 @@ MUTANTS = [
     _m(
         "fused-pools-dtypes-differ",
         "kernels/fused.py",
-        "    if v_pools.dtype != k_pools.dtype:",
+        "    if v_pools.dtype != k_pools.dtype and not _k8v8(pools):",
         "    if False:",
         f"{FUSED_REFUSALS}[int8-v-pools-dtype]",
     ),
@@ -1013,7 +1019,7 @@ MUTANTS = [
     _m(
         "config-equalizes-float-pools",
         "paging/config.py",
-        "if self.equalize_channels and self.kv_dtype is None:",
+        'if self.equalize_channels and self.kv_dtype is None and self.kv_format != "k8v8":',
         "if False:",
         "tests/paging/test_config.py::"
         "test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype",
@@ -1063,8 +1069,8 @@ MUTANTS = [
     _m(
         "fused-factors-never-chosen",
         "kernels/fused.py",
-        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen)",
-        "(key, value, inputs.video_slots, k_smooth_chosen, None)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen, v_chosen)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, None, v_chosen)",
         f"{FUSED_QUANTIZED}::test_the_first_write_chooses_the_factors_and_attention_folds_them",
     ),
     _m(
@@ -1177,8 +1183,8 @@ MUTANTS = [
     _m(
         "cache-flat-views-of-keys-major-pools",
         "paging/cache.py",
-        "            k_flat=None if self.config.keys_major else k.flatten(0, 1),",
-        "            k_flat=k.flatten(0, 1),",
+        "        flat = not (self.config.keys_major or k8v8)",
+        "        flat = True",
         "tests/paging/test_quantized.py::"
         "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache[keys-major]",
     ),
@@ -2047,6 +2053,27 @@ MUTANTS = [
         "                seen &= (positions < lo) | (positions >= hi)",
         "                pass",
         "tests/kernels/test_k8v8_attention.py::test_fp8_mma_refuses_v_scales_it_would_round_away",
+    ),
+    _m(
+        "config-kv-format-with-old-switches",
+        "paging/config.py",
+        "        if implied:",
+        "        if False:",
+        "tests/paging/test_k8v8_cache.py::test_kv_format_refuses_what_it_implies",
+    ),
+    _m(
+        "cache-k8v8-v-slot-major",
+        "paging/cache.py",
+        "            keys_major=(keys_major and self.config.fp8_mma) or k8v8,",
+        "            keys_major=keys_major and self.config.fp8_mma,",
+        "tests/paging/test_k8v8_cache.py::test_k8v8_cache_tensors",
+    ),
+    _m(
+        "fused-k8v8-v-scales-never-chosen",
+        "kernels/fused.py",
+        "    v_chosen = pools.v_scales_chosen[layer_index] if k8v8 else None",
+        "    v_chosen = None",
+        "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v8_near_the_float_cache_and_equal_to_a_raw_driver",
     ),
 ]
 
