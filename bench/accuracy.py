@@ -31,6 +31,14 @@ Data kinds (``make_data``; all values rounded to bf16):
 - ``v-token-outliers``: the same channels-and-gains pattern on V.
 - ``k-drift``: K's per-(head, channel) mean drifts as a video's does: ``DRIFT_BASE`` spread at
   the first frame, then a random walk of ``DRIFT_STEP`` per frame.
+- ``k-outliers-q-unscaled``: ``k-token-outliers`` with q as drawn (the logits' spread grows
+  with K's outlier channels, so q's matching channels matter).
+- ``k-grows`` / ``v-grows``: from the second frame on (after the first write, which chooses
+  what is frozen), ``OUTLIER_CHANNELS`` channels of K / V per head are ``GROWTH`` times wider,
+  varying per token; ``k-grows`` divides q by the later keys' RMS channel gain.
+- ``v-small``: the first ``SMALL_V_KEYS`` keys carry the softmax mass (q and those keys share a
+  direction per head: logits ~``SMALL_V_ALIGN * sqrt(head_dim)`` above the rest) and have V
+  times ``SMALL_V_SCALE`` (issue 46's small V scales).
 
 K smoothing subtracts a per-(head, channel) mean before quantizing; softmax does not change (a
 query's scores all shift by ``q . mean``). Equalization divides each (head, channel) by a power
@@ -71,7 +79,17 @@ from paged_video.bench.timing import figures_kind
 from paged_video.kernels.equalize import K_SHARE, choose_factors
 from paged_video.reference.quantized_attention import quantized_attention
 
-DATA_KINDS = ("random", "k-outliers", "k-token-outliers", "v-token-outliers", "k-drift")
+DATA_KINDS = (
+    "random",
+    "k-outliers",
+    "k-token-outliers",
+    "v-token-outliers",
+    "k-drift",
+    "k-outliers-q-unscaled",
+    "k-grows",
+    "v-grows",
+    "v-small",
+)
 # Quantized formats by their one spelling (bench.formats); "bf16" (the baseline pool) is always
 # measured.
 FORMATS: dict[str, torch.dtype] = QUANTIZED_FORMATS
@@ -86,6 +104,13 @@ TOKEN_OUTLIER_GAIN = (20.0, 50.0)
 # k-drift: the spread of the first frame's per-channel means, and of their change per frame.
 DRIFT_BASE = 2.0
 DRIFT_STEP = 0.5
+# k-grows / v-grows: the outlier channels' width after the first frame.
+GROWTH = 100.0
+# v-small: the keys that carry the mass, their V's factor, and how far q and they align (3:
+# logits ~34 above the rest, whose share is then ~1e-10 at 28,080 keys, far under 1e-6).
+SMALL_V_KEYS = 64
+SMALL_V_SCALE = 1e-6
+SMALL_V_ALIGN = 3.0
 # Goals: within 2% of the mode's floor; int8 at most 1.5% rel L1; the baseline's own goal.
 RELATIVE_GOAL = 1.02
 INT8_REL_L1 = 0.015
@@ -247,7 +272,7 @@ def make_data(kind: str, config: AccuracyConfig) -> Data:
             sign = torch.randint(0, 2, (OUTLIER_CHANNELS,), generator=generator) * 2 - 1
             offset[head, channels] = magnitude * sign
         keys = keys + offset
-    elif kind in ("k-token-outliers", "v-token-outliers"):
+    elif kind in ("k-token-outliers", "v-token-outliers", "k-outliers-q-unscaled"):
         channels, magnitude = _outlier_channels(generator, c.heads, c.head_dim, *TOKEN_OUTLIER_GAIN)
         gain = torch.ones(shape)
         gain[heads, channels] = magnitude
@@ -255,8 +280,25 @@ def make_data(kind: str, config: AccuracyConfig) -> Data:
             keys = keys * gain
             # Every logit's spread grows by K's RMS gain: divide it out of q.
             q = q / gain.square().mean(dim=-1).sqrt()[:, None]
+        elif kind == "k-outliers-q-unscaled":
+            keys = keys * gain
         else:
             values = values * gain
+    elif kind in ("k-grows", "v-grows"):
+        channels, _ = _outlier_channels(generator, c.heads, c.head_dim, GROWTH, GROWTH)
+        gain = torch.ones(shape)
+        gain[heads, channels] = GROWTH
+        later = slice(c.chunk_size, None)
+        if kind == "k-grows":
+            keys[later] = keys[later] * gain
+            q = q / gain.square().mean(dim=-1).sqrt()[:, None]
+        else:
+            values[later] = values[later] * gain
+    elif kind == "v-small":
+        direction = torch.randn(shape, generator=generator)
+        q = q / 2 + direction
+        keys[:SMALL_V_KEYS] = keys[:SMALL_V_KEYS] / 2 + SMALL_V_ALIGN * direction
+        values[:SMALL_V_KEYS] = values[:SMALL_V_KEYS] * SMALL_V_SCALE
     elif kind == "k-drift":
         frames = c.sink_chunks + c.window_chunks
         steps = DRIFT_STEP * torch.randn(frames, *shape, generator=generator)
@@ -594,6 +636,9 @@ def describe(config: AccuracyConfig) -> list[str]:
         f"per head; k-/v-token-outliers: {OUTLIER_CHANNELS} channels per head U"
         f"{TOKEN_OUTLIER_GAIN} times wider, varying per token; k-drift: per-channel K means "
         f"N(0, {DRIFT_BASE}) at the first frame, random walk N(0, {DRIFT_STEP}) per frame; "
+        f"k-/v-grows: {OUTLIER_CHANNELS} channels per head {GROWTH:g} times wider after the "
+        f"first frame; v-small: the first {SMALL_V_KEYS} keys carry the mass with V times "
+        f"{SMALL_V_SCALE:g}; "
         "smoothing mean and equalization factors from the first frame (the cache's first write)",
         "floor: float64 attention over the stored rows; best scale: with each row's "
         "least-squares scale; mode floor: the mode's float64 emulation (q and P roundings)",

@@ -64,6 +64,7 @@ FLOAT16_RANGE = (
     "tests/kernels/test_quantized_modes.py::test_float16_operands_over_v_scales_from_1e_30_to_1e30"
 )
 AHEAD = "tests/kernels/test_scores_ahead.py"
+EIGHT_BIT = "tests/reference/test_eight_bit_attention.py"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -1201,6 +1202,37 @@ MUTANTS = [
         "        if factor is not None and not quantize.is_quantized(cache.dtype):",
         "        if False:",
         "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[float-caches]",
+    ),
+    # -- reference/eight_bit_attention.py: the 8-bit format's float64 emulation ---------------
+    _m(
+        "eight-bit-float64-quotient",
+        "reference/eight_bit_attention.py",
+        "    return Codes(round_codes(ratio, dtype), scale)",
+        "    exact = x32.double() / divisor.double().clamp_min(1e-300)\n"
+        "    return Codes(torch.round(exact.clamp(-127, 127)).to(dtype), scale)",
+        f"{EIGHT_BIT}::test_int8_codes_round_the_float32_quotient_half_to_even",
+    ),
+    _m(
+        "eight-bit-accumulator-exact",
+        "reference/eight_bit_attention.py",
+        "acc = truncate_mantissa(acc + partials[..., step, :], bits)",
+        "acc = acc + partials[..., step, :]",
+        f"{EIGHT_BIT}::test_the_accumulator_loses_what_its_bits_and_flushes_predict",
+        f"{EIGHT_BIT}::test_e4m3_scores_go_through_the_accumulator",
+    ),
+    _m(
+        "eight-bit-normalizer-always-unrounded",
+        "reference/eight_bit_attention.py",
+        'normalizer = probs if fmt.normalizer == "unrounded" else weights * unit[..., :1]',
+        "normalizer = probs",
+        f"{EIGHT_BIT}::test_the_rounded_normalizer_makes_a_constant_v_exact",
+    ),
+    _m(
+        "eight-bit-block-scales-shifted",
+        "reference/eight_bit_attention.py",
+        "per_flush[:, None, : flushed.shape[-2]]",
+        "per_flush[:, None, 1 : flushed.shape[-2] + 1]",
+        f"{EIGHT_BIT}::test_exact_p_and_accumulator_leave_only_v_codes[block]",
     ),
     # -- the launchers' argument checks --------------------------------------------------------
     _m(

@@ -1,0 +1,112 @@
+"""``bench.eight_bit_choice``: today's rows are ``bench accuracy``'s floors, the candidates are
+the emulation of their format, the verdicts are the issue's goals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_video.bench import eight_bit_choice as choice
+from paged_video.bench.accuracy import (
+    AccuracyConfig,
+    FloorCache,
+    Variant,
+    make_data,
+    prepare,
+    reference_output,
+)
+from paged_video.reference import eight_bit_attention as eba
+
+# Two frames of 64 keys, 64 queries (one Q block), 1 head of 128.
+TINY = AccuracyConfig(
+    heads=1, head_dim=128, chunk_size=64, sink_chunks=1, window_chunks=1, q_rows=64
+)
+
+
+def test_today_rows_are_bench_accuracys_floors_and_candidates_their_emulation() -> None:
+    config = AccuracyConfig(**{**TINY.__dict__, "data": ("k-token-outliers",)})
+    name = "int8-slot/frozen16/e4m3/acc13"
+    table = choice.measure(config, {name: choice.candidates()[name]})
+    data = make_data("k-token-outliers", config)
+    expected, prepared = reference_output(data), prepare(data, config)
+    floors = FloorCache(data, expected, prepared)
+    for row, variant in (
+        ("today e4m3 pool", Variant("e4m3", "dequant", True, False)),
+        ("today INT8-MMA", Variant("int8", "int8-mma", True, True)),
+    ):
+        assert table[row]["k-token-outliers"] == pytest.approx(floors.floors(variant).mode)
+    fmt = eba.EightBitFormat(v_headroom=16.0)
+    out = eba.eight_bit_attention(
+        data.q,
+        data.keys,
+        data.values,
+        fmt,
+        first_write=64,
+        smooth=prepared.mean,
+        k_factor=prepared.smoothed_k_factor,
+    )
+    rel_l1 = float((out - expected).abs().sum() / expected.abs().sum())
+    assert table[name]["k-token-outliers"] == pytest.approx(rel_l1, rel=1e-12)
+
+
+def test_candidate_names_spell_their_format() -> None:
+    every = choice.candidates()
+    fmt = every["e4m3-tile64/block256/e4m3/acc13"].format
+    assert (fmt.k_dtype, fmt.k_keys_per_scale, fmt.v_scales) == (torch.float8_e4m3fn, 64, "block")
+    assert (fmt.v_keys_per_scale, fmt.p_dtype, fmt.acc_bits) == (256, torch.float8_e4m3fn, 13)
+    fmt = every["int8-slot/frozen256/e4m3/acc13/flush8"].format
+    assert (fmt.v_scales, fmt.v_headroom, fmt.flush_tiles) == ("frozen", 256.0, 8)
+    fmt = every["int8-slot/bf16/fp16/exact"].format
+    assert (fmt.v_scales, fmt.p_dtype, fmt.acc_bits) == ("none", torch.float16, None)
+    assert not every["e4m3-slot/block64/e4m3/acc13"].equalize_k
+    assert not every["int8-slot/block64/e4m3/acc13/no-equalize"].equalize_k
+
+
+def test_verdicts_are_the_issues_goals() -> None:
+    today = {"random": 0.037, "v-grows": 0.03}
+    table = {name: dict(today) for name in choice.TODAY}
+    table |= {
+        "fast": {"random": 0.039, "v-grows": 0.033},  # 1.1x today's e4m3 pool at most
+        "too slow on a kind": {"random": 0.039, "v-grows": 0.0331},
+        "over 4% on random": {"random": 0.0401, "v-grows": 0.01},
+        "both": {"random": 0.015, "v-grows": 0.001},
+    }
+    assert choice.verdicts(table) == {
+        "fast": "fast",
+        "too slow on a kind": "-",
+        "over 4% on random": "-",
+        "both": "fast accurate",
+    }
+    printed = choice.format_table(table, markdown=True)
+    assert "| fast | 3.90 | 3.30 | fast |" in printed
+
+
+# The formats docs/quantization.md chose ("Choosing the 8-bit format") and, per data kind, how
+# far over today's pool's error each may be: the fast one 1.1x today's e4m3 pool (the issue's
+# goal) where it meets it, with margins where it measured over it (v-token-outliers and v-grows
+# 1.03-1.13x, k-grows 1.16-1.29x: int8 K under outlier channels that appear after the first
+# write); the accurate one <= 1.5%, or 1.1x today's int8 pool where that misses 1.5% too.
+FAST = "int8-slot/block64/e4m3/acc13/q-row"
+ACCURATE = "int8-slot/bf16/bf16/exact/q-row"
+FAST_OVER = {"v-token-outliers": 1.2, "v-grows": 1.2, "k-grows": 1.35}
+INT8_BOUND = ("k-outliers-q-unscaled", "k-grows", "v-small")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_chosen_formats_meet_their_goals_on_small_data(seed: int) -> None:
+    """Every data kind on 512-key frames (2 of them) and 64 queries, against today's pools'
+    float64 emulations, so an oracle change that breaks a goal is caught here."""
+    config = AccuracyConfig(
+        heads=1, head_dim=128, chunk_size=512, sink_chunks=1, window_chunks=1, q_rows=64, seed=seed
+    )
+    every = choice.candidates()
+    assert every[FAST].format == eba.FAST_FORMAT and every[FAST].equalize_k
+    assert every[ACCURATE].format == eba.ACCURATE_FORMAT and every[ACCURATE].equalize_k
+    table = choice.measure(config, {name: every[name] for name in (FAST, ACCURATE)})
+    fast, accurate = table[FAST], table[ACCURATE]
+    assert fast["random"] <= choice.FAST_RANDOM_GOAL
+    for kind, e4m3 in table[choice.E4M3_POOL].items():
+        assert fast[kind] <= FAST_OVER.get(kind, choice.FAST_VS_E4M3) * e4m3, kind
+        bound = 1.1 * table["today int8 pool"][kind] if kind in INT8_BOUND else 0.015
+        assert accurate[kind] <= bound, kind
+        assert fast[kind] >= 1.5 * accurate[kind], kind
