@@ -10,7 +10,8 @@ The scale tensor is shaped ``(num_blocks, num_kv_heads, head_dim)`` in both of i
 * **frozen** (block stride 0, ``frozen_channel_scales``): one scale per (layer, KV head,
   channel), chosen by the layer's first write from the rows it writes, times ``headroom`` (a
   later value up to ``headroom`` times the first write's largest is stored unsaturated), and
-  never changed (the CPU flag ``v_scale_chosen``, the K mean's one-owner rule). Attention
+  never changed (a channel zero at the choice takes its head's largest scale; the CPU flag
+  ``v_scale_chosen``, the K mean's one-owner rule). Attention
   applies it once, to the output.
 * **per block**: a block's scales are chosen by the write that writes the block's first slot,
   from the rows it writes into that block, times ``headroom``; later writes into the block
@@ -33,9 +34,6 @@ from paged_video.kernels.quantize import QMAX, SCALE_DTYPE
 # A frozen scale's room above the first write's largest value (issue 45's float64 sketch: 256
 # keeps V growing 100x after the first write at 4.0% rel L1, 16 gave 46%).
 V_HEADROOM = 256.0
-# A channel's amax is floored at its head's largest times this, so a channel that was all zeros
-# at the choice (or nearly) still stores later values of the head's magnitude.
-CHANNEL_FLOOR = 2.0**-10
 E4M3_MAX = QMAX[torch.float8_e4m3fn]
 
 
@@ -74,22 +72,28 @@ def check_channel_scales(name: str, scales: Tensor, pool_name: str, pool: Tensor
 
 def choose_frozen(scales: Tensor, value: Tensor, slot_mapping: Tensor, headroom: float) -> None:
     """Set the frozen ``scales`` from ``value``'s rows with a slot: per (KV head, channel) the
-    largest finite magnitude (floored at the head's largest times ``CHANNEL_FLOOR``) times
-    ``headroom`` / 448. No device sync."""
+    largest finite magnitude times ``headroom`` / 448 (``_nonzero``). No device sync."""
     used = (slot_mapping >= 0)[:, None, None]
     values = value.to(SCALE_DTYPE).abs()
     values = torch.where(used & values.isfinite(), values, 0.0)
     amax = values.amax(dim=0) if values.shape[0] else values.new_zeros(values.shape[1:])
-    amax = torch.maximum(amax, amax.amax(dim=-1, keepdim=True) * CHANNEL_FLOOR)
-    scales[:1].copy_((amax * (headroom / E4M3_MAX))[None])
+    scales[:1].copy_(_nonzero(amax * (headroom / E4M3_MAX))[None])
+
+
+def _nonzero(scale: Tensor) -> Tensor:
+    """``scale (..., head_dim)`` with a zero channel's scale its head's largest, and a head
+    all zero 1 (``reference.eight_bit_attention``'s rule), so later values of a channel that
+    was zero at the choice are stored."""
+    head = scale.amax(dim=-1, keepdim=True)
+    return torch.where(scale > 0, scale, torch.where(head > 0, head, 1.0))
 
 
 def choose_per_block(
     scales: Tensor, value: Tensor, slot_mapping: Tensor, block_size: int, headroom: float
 ) -> None:
     """Set the scales of the blocks whose first slot this write writes, from the rows it writes
-    into each (the largest finite magnitude per KV head and channel, floored as in
-    ``choose_frozen``, times ``headroom`` / 448). No device sync."""
+    into each (the largest finite magnitude per KV head and channel times ``headroom`` / 448,
+    ``_nonzero``). No device sync."""
     slots = slot_mapping.long()
     used = slots >= 0
     blocks = torch.where(used, slots // block_size, 0)
@@ -98,8 +102,8 @@ def choose_per_block(
     amax = torch.zeros(scales.shape, dtype=SCALE_DTYPE, device=scales.device)
     index = blocks[:, None, None].expand_as(values)
     amax.scatter_reduce_(0, index, values, reduce="amax")
-    amax = torch.maximum(amax, amax.amax(dim=-1, keepdim=True) * CHANNEL_FLOOR)
     firsts = (used & (slots % block_size == 0)).to(torch.int32)
     starts = torch.zeros(scales.shape[0], dtype=torch.int32, device=scales.device)
     starts = starts.index_add_(0, blocks, firsts) > 0
-    scales.copy_(torch.where(starts[:, None, None], amax * (headroom / E4M3_MAX), scales))
+    chosen = _nonzero(amax * (headroom / E4M3_MAX))
+    scales.copy_(torch.where(starts[:, None, None], chosen, scales))

@@ -11,6 +11,7 @@ outside what the tables point at, outputs NaN-poisoned before the launch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -279,3 +280,47 @@ def test_fp8_mma_refuses_v_scales_it_would_round_away() -> None:
     # Hidden by a gap, the tiny keys are not attended: accepted.
     gap = torch.tensor([[[0, 32]]], dtype=torch.int32, device=DEVICE)
     kernels.paged_attention(*args, v_scale=tiny.to(DEVICE), key_gap=gap, **scales)
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["frozen", "per-block"])
+def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
+    # reference.eight_bit_attention (written apart, on the quantref branch) over the codes the
+    # pools hold, in sequence order through a permuted table: int8 query rows per row, exact
+    # int32 scores, P at 448 in e4m3, the unrounded normalizer, a flush every 64-key tile (block
+    # 64: V's scales per 64 keys, its fast format, or frozen), an exact accumulator (the
+    # interpreter's float32). Tile 0's keys are 3x longer, so every row's maximum lies in the
+    # first tile the kernel attends and its running max is the final one: the emulation then
+    # rounds the same probabilities, and the two agree to float32 accuracy.
+    from paged_video.reference import eight_bit_attention as eight_bit
+
+    block, keys, heads, kv_heads, dim = 64, 256, 4, 2, 80
+    case = make_paged_case(
+        q_lens=[9], k_lens=[keys], block_size=block, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=dim, device=DEVICE, seed=4,
+    )  # fmt: skip
+    first = case.block_table[0, 0].item()
+    case.k_cache[first] *= 3
+    pools = k8v8_pools(case, per_block=per_block)
+    k_codes, v_codes, k_scale, scales = pools
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    got = kernels.paged_attention(
+        *args, max_seqlen_q=9, k_scale=k_scale, v_channel_scale=scales, block_n=64,
+        out=nan_like(case.q),
+    )  # fmt: skip
+    fmt = dataclasses.replace(
+        eight_bit.FAST_FORMAT, v_scales="block" if per_block else "frozen", acc_bits=None
+    )
+    blocks = case.block_table[0, : keys // block].long().cpu()
+    in_order = lambda pool: pool.cpu()[blocks].flatten(0, 1)
+    queries = eight_bit.quantize_queries(case.q.cpu(), fmt)
+    key_codes = eight_bit.Codes(in_order(k_codes), in_order(k_scale))
+    value_scale = scales.cpu()[blocks] if per_block else scales.cpu()[0]
+    values = eight_bit.Codes(in_order(v_codes), value_scale)
+    want = eight_bit.attend_codes(queries, key_codes, values, fmt)
+    # Every row's maximum is in the first tile (the premise of the float32 agreement).
+    q_rows = queries.codes.double() * queries.scale.double()[..., None]
+    k_rows = key_codes.codes.double() * key_codes.scale.double()[..., None]
+    scores = torch.einsum("qhd,khd->hqk", q_rows, k_rows.repeat_interleave(2, dim=1))
+    assert (scores.argmax(dim=-1) < block).all()
+    size = want.abs().max().item()
+    assert (got.double().cpu() - want).abs().max().item() <= 1e-5 * size

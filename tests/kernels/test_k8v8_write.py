@@ -42,10 +42,10 @@ def poisoned(blocks: int, block_size: int, heads: int, dim: int):
 
 def first_write_scales(value: Tensor, slots: Tensor, headroom: float) -> Tensor:
     """The frozen scales, float64: per (head, channel) the largest magnitude of the rows with a
-    slot, floored at the head's largest / 1024, times headroom / 448."""
-    amax = value[slots >= 0].double().abs().amax(dim=0)
-    amax = torch.maximum(amax, amax.amax(dim=-1, keepdim=True) / 1024)
-    return amax * headroom / 448
+    slot times headroom / 448; a zero channel's its head's largest, a zero head's 1."""
+    scale = value[slots >= 0].double().abs().amax(dim=0) * headroom / 448
+    head = scale.amax(dim=-1, keepdim=True)
+    return torch.where(scale > 0, scale, torch.where(head > 0, head, 1.0))
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 24, 1560], ids=lambda b: f"B{b}")
