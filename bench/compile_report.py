@@ -55,7 +55,8 @@ KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale pools, and for FP8-MMA
 # V as well. ``k8v8``: int8 K (an int8 Q K^T MMA) and keys-major e4m3 V of frozen channel scales
 # (an FP8 P V MMA), ``k8v8_keys`` with K's scales keys-major too, ``k8v8_blocks`` with V's
-# scales per block as well.
+# scales per block as well. ``k8v16``: int8 K and V in the query dtype (a 16-bit P V MMA),
+# ``k8v16_keys`` with K's scales keys-major.
 KV_MODES = (
     "same",
     "fp8",
@@ -69,6 +70,8 @@ KV_MODES = (
     "k8v8",
     "k8v8_keys",
     "k8v8_blocks",
+    "k8v16",
+    "k8v16_keys",
 )
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The K/V modes weighed against the FP8 anchor (the anchor kernel on e4m3 codes, an ``anchor``
@@ -571,6 +574,13 @@ def _paged_launches(config: Config) -> list[_Launch]:
         if config.kv_mode == "k8v8_blocks":
             channels = empty(2, config.kv_heads, d, dt=torch.float32)
         scales = {"k_scale": k_scale, "v_channel_scale": channels}
+    elif config.kv_mode.startswith("k8v16"):
+        kv_dtype = torch.int8
+        v_cache = empty(2, bs, config.kv_heads, d)
+        k_scale = empty(2, bs, config.kv_heads, dt=torch.float32)
+        if config.kv_mode == "k8v16_keys":
+            k_scale = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
+        scales = {"k_scale": k_scale}
     elif config.kv_mode.endswith("_keys"):
         for name in ("k_scale", "v_scale"):
             scales[name] = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
@@ -1119,7 +1129,8 @@ def add_parser(
         "Q K^T MMA (int8_mma); a _keys suffix: the mode over keys-major pools, as "
         "PagingConfig(keys_major=True) lays them out (the scales; fp8_mma's V too); k8v8: "
         "int8 K and keys-major e4m3 V with frozen channel scales (k8v8_keys: K's scales "
-        "keys-major, k8v8_blocks: V's scales per block too)",
+        "keys-major, k8v8_blocks: V's scales per block too; k8v16: int8 K and V in the query "
+        "dtype, k8v16_keys: K's scales keys-major)",
     )
     parser.add_argument(
         "--launch",

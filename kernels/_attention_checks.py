@@ -59,9 +59,12 @@ def check_arguments(
         v_channel_scale=v_channel_scale,
     )
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
+    k8v16 = is_k8v16(k_cache, v_cache)
     if v_channel_scale is not None:
         _check_k8v8(k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale, fp8_mma,
                     int8_mma)  # fmt: skip
+    elif k8v16:
+        _check_k8v16(q, v_cache, k_scale, v_scale, v_equalizer, fp8_mma, int8_mma)
     else:
         _check_cache_dtypes(q, k_cache, v_cache, fp8_mma, int8_mma)
     for name, factor, cache_name, cache in (
@@ -72,7 +75,7 @@ def check_arguments(
             raise ValueError(f"{name} is only for quantized caches; {cache_name} is {cache.dtype}")
         equalize.check_factor(name, factor, cache_name, cache)
     quantize.check_scales("k_scale", k_scale, "k_cache", k_cache)
-    if v_channel_scale is None:
+    if v_channel_scale is None and not k8v16:
         quantize.check_scales("v_scale", v_scale, "v_cache", v_cache)
     for name, index in (
         ("block_table", block_table),
@@ -155,6 +158,36 @@ def _check_cache_dtypes(
         raise ValueError(f"fp8_mma needs float8_e4m3fn caches, got {k_cache.dtype}")
     if int8_mma and k_cache.dtype != torch.int8:
         raise ValueError(f"int8_mma needs int8 caches, got {k_cache.dtype}")
+
+
+def is_k8v16(k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the caches are the k8v16 format's: int8 K codes, V in a float dtype."""
+    return k_cache.dtype == torch.int8 and v_cache.dtype.is_floating_point
+
+
+def _check_k8v16(
+    q: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    v_equalizer: Tensor | None,
+    fp8_mma: object,
+    int8_mma: object,
+) -> None:
+    """The k8v16 format's caches: int8 K with ``k_scale``, V stored as q's dtype, unscaled."""
+    if fp8_mma is not False or int8_mma is not False:
+        raise ValueError("an int8 k_cache with a float v_cache (k8v16) takes no fp8_mma, int8_mma")
+    if v_cache.dtype != q.dtype:
+        raise TypeError(
+            f"v_cache beside an int8 k_cache (k8v16) must have q's dtype {q.dtype}, got "
+            f"{v_cache.dtype}"
+        )
+    if k_scale is None:
+        raise ValueError("an int8 k_cache with a float v_cache (k8v16) needs k_scale")
+    if v_scale is not None or v_equalizer is not None:
+        raise ValueError(
+            "a float v_cache (k8v16) is stored unscaled: pass no v_scale or v_equalizer"
+        )
 
 
 def _check_k8v8(

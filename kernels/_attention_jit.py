@@ -472,6 +472,7 @@ def _attend_tiles(
     INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
@@ -616,7 +617,7 @@ def _attend_tiles(
         if SCALE_ROWS:
             # (k8v8 has no V scale per key: its second rows are K's again, never read.)
             ks_rows, vs_rows = _tile_rows_pair(
-                id0, id1, ids, n_start, k_scales, k_scales if K8V8 else v_scales, BLOCK_N,
+                id0, id1, ids, n_start, k_scales, k_scales if K8V8 or K8V16 else v_scales, BLOCK_N,
                 BLOCK_SIZE, KV_PATH,
                 OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, SCALES_KEYS_MAJOR,
                 False, SHARE_ROWS,
@@ -633,7 +634,7 @@ def _attend_tiles(
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             if QUANTIZED:
                 k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, False, BLOCK_N)
-                if not K8V8:
+                if not (K8V8 or K8V16):
                     v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, False, BLOCK_N)
         else:
             if DESCRIPTOR_LOADS:
@@ -675,10 +676,10 @@ def _attend_tiles(
                 # (V's scales first: in the other order Triton 3.9's FP8-MMA loop kept 4 values
                 # in local memory across it, 12-16 bytes at blocks 256, 520, 1560; the other
                 # modes' loops are as long this way, or 2-4 instructions shorter.)
-                if not K8V8:
+                if not (K8V8 or K8V16):
                     v_col = descs[5].load([id0 * v_scales[1] + descs[7] + slot])
                 k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])
-            elif K8V8:
+            elif K8V8 or K8V16:
                 k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
             elif QUANTIZED and not WIDE_SCALES and BLOCK_N == 64:
                 k_col, v_col = _load_scale_pair(k_scales[0], ks_rows, v_scales[0], vs_rows)
@@ -695,9 +696,11 @@ def _attend_tiles(
                 k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
         if FP8_MMA:
             qk = tl.dot(q, tl.trans(k))
-        elif K8V8:
+        elif K8V8 or K8V16:
             # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
+            if K8V16 and UPCAST:
+                v = v.to(tl.float32)
         elif INT8_MMA:
             # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
@@ -773,7 +776,7 @@ def _attend_tiles(
             # keep about 14 bits, so the sequence's sum stays float32 (do not pass acc in).
             acc = acc * rescale[:, None] + tl.dot(p_codes, v)
         else:
-            if QUANTIZED and MASKED:
+            if QUANTIZED and MASKED and not K8V16:
                 probs = probs * (v_col * (1.0 / p_unit))[None, :]
             pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * rescale[:, None] + pv
@@ -1062,6 +1065,7 @@ def _attend_piece(
     INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
@@ -1179,6 +1183,7 @@ def _attend_piece(
                 INT8_MMA,
                 K8V8,
                 V_BLOCK_SCALES,
+                K8V16,
                 PV_DTYPE,
                 INTERPRETED,
                 TMA,
@@ -1220,6 +1225,7 @@ def _attend_run(
     INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
@@ -1269,6 +1275,7 @@ def _attend_run(
             INT8_MMA,
             K8V8,
             V_BLOCK_SCALES,
+            K8V16,
             PV_DTYPE,
             INTERPRETED,
             TMA,
@@ -1367,6 +1374,7 @@ def _paged_attention_kernel(
     INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
@@ -1402,7 +1410,7 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if INT8_MMA or (UPCAST and not FP8_MMA and not K8V8):
+    if INT8_MMA or (UPCAST and not FP8_MMA and not K8V8 and not K8V16):
         q = q.to(tl.float32)
     # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows). Not past 128
     # channels: at head_dim 256 the e4m3 loop then spilled 20-108 bytes on Triton 3.6 (its
@@ -1421,8 +1429,8 @@ def _paged_attention_kernel(
             other=1.0,
         )
         q = (q.to(tl.float32) * k_factor[None, :]).to(q.dtype)
-    if FP8_MMA or K8V8:
-        # q holds the rows' e4m3 (FP8-MMA) or int8 (k8v8) codes (kernels/query_codes.py, K's
+    if FP8_MMA or K8V8 or K8V16:
+        # q holds the rows' e4m3 (FP8-MMA) or int8 (k8v8, k8v16) codes (query_codes.py, K's
         # channel factors folded in); each row's scale folds into the softmax scale.
         q_scale = tl.load(
             q_scale_ptr + q_rows * stride_qs_tok + head * stride_qs_head, mask=m_mask, other=0.0
@@ -1456,7 +1464,7 @@ def _paged_attention_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     p_unit = 1.0
-    if QUANTIZED and not K8V8:
+    if QUANTIZED and not K8V8 and not K8V16:
         # acc is the output in units of p_unit (value_units.probability_units).
         p_unit = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)
     table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
@@ -1519,7 +1527,7 @@ def _paged_attention_kernel(
             k_scale_desc = tl.make_tensor_descriptor(
                 k_scale_ptr, [scales_end * stride_ks_block], [1], [BLOCK_N]
             )
-            if K8V8:  # no V scale per key
+            if K8V8 or K8V16:  # no V scale per key
                 descs += (k_scale_desc, 0, kv_head * stride_ks_head, 0)
             else:
                 descs += (
@@ -1578,6 +1586,7 @@ def _paged_attention_kernel(
                 INT8_MMA,
                 K8V8,
                 V_BLOCK_SCALES,
+                K8V16,
                 PV_DTYPE,
                 INTERPRETED,
                 TMA,
@@ -1619,6 +1628,7 @@ def _paged_attention_kernel(
             INT8_MMA,
             K8V8,
             V_BLOCK_SCALES,
+            K8V16,
             PV_DTYPE,
             INTERPRETED,
             TMA,

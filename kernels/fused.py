@@ -219,6 +219,8 @@ def _check_quantized_pools(pools: PoolTensors) -> tuple[bool, bool]:
     if _k8v8(pools):
         _check_zero_size(("v_scales", "stage_v_scales"), pools, "for k8v8 pools")
         _check_k8v8_state(pools)
+    elif _k8v16(pools):
+        _check_zero_size(("v_scales", "stage_v_scales", *K8V8_FIELDS), pools, "for k8v16 pools")
     else:
         _check_zero_size(K8V8_FIELDS, pools, f"for {v_pools.dtype} V pools")
         check_scales("v_scales", pools.v_scales, "v_pools", v_pools)
@@ -235,6 +237,11 @@ K8V8_FIELDS = ("v_channel_scales", "v_scales_chosen", "v_saturated")
 def _k8v8(pools: PoolTensors) -> bool:
     """Whether the pools hold the k8v8 format: V's channel scales given."""
     return pools.v_channel_scales.numel() > 0
+
+
+def _k8v16(pools: PoolTensors) -> bool:
+    """Whether the pools hold the k8v16 format: int8 K codes, V in a float dtype."""
+    return pools.k_pools.dtype == torch.int8 and pools.v_pools.dtype.is_floating_point
 
 
 def _check_k8v8_state(pools: PoolTensors) -> None:
@@ -351,7 +358,7 @@ def _check_inputs(
         )
     if k_pools.data_ptr() == v_pools.data_ptr() and k_pools.numel() > 0:
         raise ValueError("k_pools and v_pools must be separate tensors, not the same memory")
-    if v_pools.dtype != k_pools.dtype and not _k8v8(pools):
+    if v_pools.dtype != k_pools.dtype and not (_k8v8(pools) or _k8v16(pools)):
         raise TypeError(f"v_pools must have k_pools' dtype {k_pools.dtype}, got {v_pools.dtype}")
     num_layers, _, _, num_kv_heads, head_dim = k_pools.shape
     layer_index = _check_scalar("layer", inputs.layer)
@@ -417,8 +424,9 @@ def _check_inputs(
     if inputs.int8_mma and k_pools.dtype != torch.int8:
         raise ValueError(f"int8_mma needs int8 pools, got {k_pools.dtype}")
     k8v8 = _k8v8(pools)
-    if k8v8 and first_block >= 0:
-        raise ValueError("k8v8 pools take no history staging yet: stage_from must be -1")
+    v_unscaled = k8v8 or _k8v16(pools)  # (no V scale per slot, no V factors)
+    if v_unscaled and first_block >= 0:
+        raise ValueError("k8v8 and k8v16 pools take no history staging yet: stage_from must be -1")
     _checks.check_same_device(
         **dict(zip(KV_ARGS, kv, strict=True)),
         **_on_device(pools),
@@ -431,7 +439,7 @@ def _check_inputs(
     )
     _checks.check_softmax_scale(inputs.softmax_scale)
     k_scale = pools.k_scales[layer_index] if quantized else None
-    v_scale = pools.v_scales[layer_index] if quantized and not k8v8 else None
+    v_scale = pools.v_scales[layer_index] if quantized and not v_unscaled else None
     check_attention_arguments(
         query,
         k_pools[layer_index],
@@ -449,7 +457,7 @@ def _check_inputs(
         fp8_mma=inputs.fp8_mma,
         int8_mma=inputs.int8_mma,
         k_equalizer=pools.k_equalizers[layer_index] if equalized else None,
-        v_equalizer=pools.v_equalizers[layer_index] if equalized and not k8v8 else None,
+        v_equalizer=pools.v_equalizers[layer_index] if equalized and not v_unscaled else None,
         v_channel_scale=pools.v_channel_scales[layer_index] if k8v8 else None,
     )
     if first_block >= 0:
@@ -483,6 +491,7 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
     k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = k_smooth_chosen = None
     k_equalizer = v_equalizer = equalizers_chosen = None
     k8v8 = _k8v8(pools)
+    v_unscaled = k8v8 or _k8v16(pools)
     # k8v8: V's channel scales (chosen on the layer's first write, as the mean), no V scale per
     # slot or V factors.
     channels = {}
@@ -490,7 +499,7 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         channels = {"v_channel_scale": pools.v_channel_scales[layer_index]}
     if is_quantized(k_cache.dtype):
         k_scale = pools.k_scales[layer_index]
-        v_scale = None if k8v8 else pools.v_scales[layer_index]
+        v_scale = None if v_unscaled else pools.v_scales[layer_index]
         stage_k_scale = pools.stage_k_scales[layer_index] if first_block >= 0 else None
         stage_v_scale = pools.stage_v_scales[layer_index] if first_block >= 0 else None
         if smoothed:
@@ -501,7 +510,7 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         if equalized:
             # Likewise the factors, from the same rows (after the mean).
             k_equalizer = pools.k_equalizers[layer_index]
-            v_equalizer = None if k8v8 else pools.v_equalizers[layer_index]
+            v_equalizer = None if v_unscaled else pools.v_equalizers[layer_index]
             equalizers_chosen = pools.equalizers_chosen[layer_index]
     # Only video keys choose the mean and the factors (and k8v8's V scales); action rows are
     # written with them.

@@ -321,11 +321,12 @@ def table_mode(
     int8_mma: bool = False,
     tma_ready: bool = False,
     k8v8: bool = False,
+    k8v16: bool = False,
 ) -> str | None:
     """The launch table's K/V mode of a call (``choose_tiles``' arguments of the same names), or
     None where the table has no row for it: float32 queries, and dequantizing calls that do not
     name their codes' dtype."""
-    quantized = dequantize or fp8_mma or int8_mma or k8v8
+    quantized = dequantize or fp8_mma or int8_mma or k8v8 or k8v16
     if dtype == torch.float32 or (dequantize and kv_dtype is None):
         return None
     return launch_table.kv_mode(
@@ -334,6 +335,7 @@ def table_mode(
         int8_mma=int8_mma,
         keys_major=quantized and tma_ready,
         k8v8=k8v8,
+        k8v16=k8v16,
     )
 
 
@@ -365,6 +367,7 @@ def choose_tiles(
     kv_dtype: torch.dtype | None = None,
     k8v8: bool = False,
     v_block_scales: bool = False,
+    k8v16: bool = False,
 ) -> dict[str, int | str | bool]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
@@ -394,12 +397,13 @@ def choose_tiles(
     another tile or variant.
     ``k8v8``: the k8v8 format (int8 ``Q K^T``, FP8 ``P V``); with ``v_block_scales`` (V's
     scales per block) every key tile must lie inside one block: the key tile is the largest
-    that divides the block (at least 32 keys, else a ``ValueError``).
+    that divides the block (at least 32 keys, else a ``ValueError``). ``k8v16``: int8 ``Q K^T``,
+    16-bit ``P V`` over V as stored.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-    quantized = dequantize or fp8_mma or int8_mma or k8v8
+    quantized = dequantize or fp8_mma or int8_mma or k8v8 or k8v16
     if variant is not None and variant not in launch_table.VARIANTS:
         raise ValueError(
             f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
@@ -421,7 +425,7 @@ def choose_tiles(
         stages += dequantize
         mode = table_mode(
             dtype=dtype, kv_dtype=kv_dtype, dequantize=dequantize, fp8_mma=fp8_mma,
-            int8_mma=int8_mma, tma_ready=tma_ready, k8v8=k8v8,
+            int8_mma=int8_mma, tma_ready=tma_ready, k8v8=k8v8, k8v16=k8v16,
         )  # fmt: skip
         row = None
         if mode is not None:
@@ -478,7 +482,7 @@ def choose_tiles(
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
-        "BLOCK_D": _block_d(head_dim, fp8_mma or int8_mma or k8v8),
+        "BLOCK_D": _block_d(head_dim, fp8_mma or int8_mma or k8v8 or k8v16),
         "KV_PATH": path,
         "PIECES": block_pieces(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
@@ -600,11 +604,13 @@ def paged_attention(
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     k8v8 = v_channel_scale is not None
+    # k8v16: int8 K with its scales, V as stored (16-bit), no V scales.
+    k8v16 = k_scale is not None and v_scale is None and not k8v8
     v_block_scales = k8v8 and not value_channels.is_frozen(v_channel_scale)
     scales = (k_scale, v_scale) if k_scale is not None else None
-    if k8v8:
+    if k8v8 or k8v16:
         scales = (k_scale,)  # (V's scales are per channel: no descriptor reads them)
-    block_d = _block_d(head_dim, fp8_mma or int8_mma or k8v8)
+    block_d = _block_d(head_dim, fp8_mma or int8_mma or k8v8 or k8v16)
     tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, fp8_mma or k8v8)
     tiles = choose_tiles(
         block_size=block_size,
@@ -614,7 +620,7 @@ def paged_attention(
         block_m=block_m,
         block_n=block_n,
         heads_per_kv_head=group,
-        dequantize=k_scale is not None and not fp8_mma and not int8_mma and not k8v8,
+        dequantize=v_scale is not None and not fp8_mma and not int8_mma,
         fp8_mma=fp8_mma,
         int8_mma=int8_mma,
         variant=variant,
@@ -623,6 +629,7 @@ def paged_attention(
         kv_dtype=k_cache.dtype,
         k8v8=k8v8,
         v_block_scales=v_block_scales,
+        k8v16=k8v16,
     )
     chosen_variant = tiles.pop("VARIANT")
     if tiles["TMA"] and not tma_ready:
@@ -667,6 +674,7 @@ def paged_attention(
             v_equalizer=v_equalizer,
             lse=lse,
             v_channel_scale=v_channel_scale,
+            k8v16=k8v16,
         )
         return (out, lse) if return_lse else out
     if scale < 0:
@@ -694,11 +702,15 @@ def paged_attention(
         channel_strides = v_scale.stride()
         scale_strides = (*k_scale.stride(), *channel_strides[::2], channel_strides[1])
         same_strides = k_cache.stride() == v_cache.stride()
+    elif k8v16:
+        v_scale = k_scale  # a placeholder: K8V16 reads no V scale
+        scale_strides = (*k_scale.stride(), 0, 0, 0)
+        same_strides = False
     elif k_scale is not None:
         scale_strides = (*k_scale.stride(), *v_scale.stride())
     else:
         scale_strides = (0,) * 6
-    if not k8v8:
+    if not (k8v8 or k8v16):
         same_strides = (
             k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
         )
@@ -713,7 +725,7 @@ def paged_attention(
     if fp8_mma:
         query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)
         k_equalizer = None
-    if k8v8:
+    if k8v8 or k8v16:
         # int8 query rows (a scale per row, folded into the softmax's per-row factor).
         query, query_scales = query_codes.int8_query_rows(q, k_equalizer, group)
         k_equalizer = None
@@ -768,10 +780,11 @@ def paged_attention(
         FP8_MMA=fp8_mma,
         V_KEYS_MAJOR=(fp8_mma or k8v8) and pool_layout.keys_aligned(v_cache),
         SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale)
-        and (k8v8 or pool_layout.keys_aligned(v_scale)),
+        and (k8v8 or k8v16 or pool_layout.keys_aligned(v_scale)),
         INT8_MMA=int8_mma,
         K8V8=k8v8,
         V_BLOCK_SCALES=v_block_scales,
+        K8V16=k8v16,
         PV_DTYPE=tl.float32 if upcast else tl.float16,  # quantized P V (value_units.py)
         INTERPRETED=interpreter_active(),
         UPCAST=upcast,

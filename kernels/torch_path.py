@@ -65,6 +65,9 @@ def write_slots(
     if v_equalizer is not None:
         value = value / v_equalizer
     k_pool[slots], k_scale[slots] = quantize_rows(key, k_pool.dtype)
+    if v_scale is None and v_channel_scale is None:  # k8v16: V as it is
+        v_pool[slots] = value.to(v_pool.dtype)
+        return
     if v_channel_scale is None:
         v_pool[slots], v_scale[slots] = quantize_rows(value, v_pool.dtype)
         return
@@ -121,6 +124,7 @@ def paged_attention(
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     v_channel_scale: Tensor | None = None,
+    k8v16: bool = False,
 ) -> Tensor:
     """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
     scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
@@ -131,7 +135,8 @@ def paged_attention(
     receives each row's log-sum-exp of its visible scores, -inf for a row that sees none.
     ``v_channel_scale`` (k8v8): int8 query rows, the probabilities (a row's largest 448) rounded
     to e4m3 after the final row max (the whole sequence one key tile), V's codes times their
-    block's channel scales."""
+    block's channel scales. ``k8v16``: int8 query rows, V as stored.
+    """
     k8v8 = v_channel_scale is not None
     block_size = k_cache.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
@@ -139,7 +144,7 @@ def paged_attention(
     queries = q.float()
     if k_equalizer is not None:
         queries = queries * k_equalizer.repeat_interleave(group, dim=0)
-    if fp8_mma or int8_mma or k8v8:
+    if fp8_mma or int8_mma or k8v8 or k8v16:
         dtype = torch.float8_e4m3fn if fp8_mma else torch.int8
         codes, row_scale = quantize_rows(queries, dtype)
         queries = (codes.float(), row_scale)
@@ -177,7 +182,7 @@ def paged_attention(
                 outside_gaps &= (positions < gap_lo) | (positions >= gap_hi)
             visible &= outside_gaps[None, :]
         scores = torch.einsum("qhd,khd->hqk", queries[0][lo:hi], keys) * scale
-        if fp8_mma or int8_mma or k8v8:
+        if fp8_mma or int8_mma or k8v8 or k8v16:
             scores = scores * queries[1][lo:hi].T[:, :, None]
         if k_scale is not None:
             scores = scores * k_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]

@@ -156,6 +156,7 @@ def _write_slots_quantized_kernel(
     V_CHANNEL: tl.constexpr,
     CHANNEL_BLOCK: tl.constexpr,
     COUNT_SATURATED: tl.constexpr,
+    V_PLAIN: tl.constexpr,
 ):
     # Program (t, h) quantizes BLOCK_T tokens x BLOCK_H whole heads of K and of V. The tile is
     # 3-D [tokens, heads, BLOCK_D] rather than the copy tiles' flat plane chunk: each scale is
@@ -231,6 +232,8 @@ def _write_slots_quantized_kernel(
         ratio = tl.minimum(tl.maximum(ratio, -V_QMAX), V_QMAX)
         v_codes = round_to_code_grid(ratio, True)
         v_scale = k_scale  # (unused: no V scale per slot)
+    elif V_PLAIN:
+        v_codes, v_scale = value, k_scale  # k8v16: V as it is (no V scale)
     else:
         v_codes, v_scale = quantize_rows(value, V_QMAX, V_FP8)
 
@@ -250,7 +253,7 @@ def _write_slots_quantized_kernel(
     vs_slot = _slot_offsets(slot, stride_vs_block, stride_vs_slot, POOL_BLOCK)[:, None]
     head2 = head[None, :]
     tl.store(k_scale_ptr + ks_slot + head2 * stride_ks_head, k_scale, mask=row_mask)
-    if not V_CHANNEL:
+    if not V_CHANNEL and not V_PLAIN:
         tl.store(v_scale_ptr + vs_slot + head2 * stride_vs_head, v_scale, mask=row_mask)
 
 
@@ -286,7 +289,9 @@ def _check_arguments(
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
     _checks.check_dtype("slot_mapping", slot_mapping, _checks.INDEX_DTYPES)
     quantized = quantize.is_quantized(k_pool.dtype)
-    if quantize.is_quantized(v_pool.dtype) != quantized:
+    # k8v16: int8 K codes beside V stored as it is (no V scale).
+    k8v16 = k_pool.dtype == torch.int8 and v_pool.dtype.is_floating_point and v_scale is None
+    if quantize.is_quantized(v_pool.dtype) != quantized and not k8v16:
         raise TypeError(
             f"v_pool is {v_pool.dtype} but k_pool is {k_pool.dtype}: both pools must be "
             "quantized or neither"
@@ -321,9 +326,10 @@ def _check_arguments(
         if factor is not None and not quantized:
             raise ValueError(f"{name} is only for quantized pools; {pool_name} is {pool.dtype}")
         equalize.check_factor(name, factor, pool_name, pool)
-    # (k8v8 pools have no V factors: V's channel scales take what they would.)
+    # (k8v8 pools have no V factors: V's channel scales take what they would; k8v16's V is
+    # stored as it is.)
     chosen_factors = {"k_equalizer": k_equalizer}
-    if v_channel_scale is None:
+    if v_channel_scale is None and not k8v16:
         chosen_factors["v_equalizer"] = v_equalizer
     equalize.check_chosen_flag("equalizers_chosen", equalizers_chosen, chosen_factors)
     _checks.check_same_device(
@@ -607,8 +613,9 @@ def _launch_quantized(
     """One launch quantizes K and V and writes their codes and scales (k8v8: V's codes of its
     channel scales, no V scale per slot)."""
     block_size = k_pool.shape[1] if k_pool.dim() == 4 else 1
-    if v_channel_scale is not None:
-        v_scale = k_scale  # a placeholder, never written with V_CHANNEL
+    v_plain = v_scale is None and v_channel_scale is None  # k8v16
+    if v_channel_scale is not None or v_plain:
+        v_scale = k_scale  # a placeholder, never written with V_CHANNEL or V_PLAIN
     (k_pool, v_pool, k_scale, v_scale), pool_block = _slot_views(k_pool, v_pool, k_scale, v_scale)
     num_tokens = slot_mapping.shape[0]
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -655,13 +662,14 @@ def _launch_quantized(
         HAS_K_EQUALIZER=k_equalizer is not None,
         HAS_V_EQUALIZER=v_equalizer is not None,
         K_QMAX=quantize.QMAX[k_pool.dtype],
-        V_QMAX=quantize.QMAX[v_pool.dtype],
+        V_QMAX=quantize.QMAX.get(v_pool.dtype, 1.0),
         K_FP8=k_pool.dtype == torch.float8_e4m3fn,
         V_FP8=v_pool.dtype == torch.float8_e4m3fn,
         POOL_BLOCK=pool_block,
         V_CHANNEL=v_channel_scale is not None,
         CHANNEL_BLOCK=block_size,
         COUNT_SATURATED=v_saturated is not None,
+        V_PLAIN=v_plain,
     )
 
 

@@ -92,6 +92,10 @@ class LayerCache(NamedTuple):
                 "v_scale_chosen": self.v_scale_chosen,
                 "v_saturated": self.v_saturated,
             }
+        if self.v_scale is None:  # k8v16: V stored as it is
+            kwargs = self._k8v8_kwargs()
+            kwargs.pop("v_channel_scale")
+            return kwargs
         k_scale, v_scale = self.k_scale, self.v_scale
         if self.k_flat is not None:
             k_scale, v_scale = k_scale.flatten(0, 1), v_scale.flatten(0, 1)
@@ -111,8 +115,10 @@ class LayerCache(NamedTuple):
         equalization factors (float: none)."""
         if self.k_scale is None:
             return {}
-        if self.v_channel_scale is not None:
-            kwargs = {"k_scale": self.k_scale, "v_channel_scale": self.v_channel_scale}
+        if self.v_channel_scale is not None or self.v_scale is None:  # k8v8, k8v16
+            kwargs = {"k_scale": self.k_scale}
+            if self.v_channel_scale is not None:
+                kwargs["v_channel_scale"] = self.v_channel_scale
             if self.k_equalizer is not None:
                 kwargs["k_equalizer"] = self.k_equalizer
             return kwargs
@@ -229,6 +235,7 @@ class PagedKVCache:
         self.branches = branches
         self.session_capacity = session_capacity
         self.device = device
+        self._dtype = dtype  # (k8v16 stores V in it)
         b = config.block_size
 
         self.pool = BlockPool(pool_blocks, copy_contents=self._copy_block)
@@ -238,8 +245,8 @@ class PagedKVCache:
 
         shape = (num_layers, self.num_blocks, b, num_kv_heads, head_dim)
         kv_dtype = config.kv_dtype if config.kv_dtype is not None else dtype
-        if config.k8v8:
-            kv_dtype = torch.int8  # K's codes; V's are e4m3 (_allocate)
+        if config.k8v8 or config.k8v16:
+            kv_dtype = torch.int8  # K's codes; V's are e4m3 or the cache's dtype (_allocate)
         self.quantized = kv_dtype in KV_DTYPES
         try:
             self._allocate(shape, kv_dtype)
@@ -275,16 +282,19 @@ class PagedKVCache:
         # Keys-major: the scales, and FP8-MMA's V codes (its P V MMA reduces over keys). K's
         # codes stay slot-major: Q K^T reduces over channels, and the TMA loop reads K so.
         keys_major = self.config.keys_major
-        k8v8 = self.config.k8v8
+        k8v8, k8v16 = self.config.k8v8, self.config.k8v16
         self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=False)
+        v_dtype = torch.float8_e4m3fn if k8v8 else self._dtype if k8v16 else kv_dtype
         self.v_pools = empty_pool(
             *shape,
-            dtype=torch.float8_e4m3fn if k8v8 else kv_dtype,
+            dtype=v_dtype,
             keys_major=(keys_major and self.config.fp8_mma) or k8v8,
         )
         if quantized:
-            self.k_scales = empty_pool(*shape[:-1], keys_major=keys_major or k8v8)
-            self.v_scales = empty(0) if k8v8 else empty_pool(*shape[:-1], keys_major=keys_major)
+            self.k_scales = empty_pool(*shape[:-1], keys_major=keys_major or k8v8 or k8v16)
+            self.v_scales = (
+                empty(0) if k8v8 or k8v16 else empty_pool(*shape[:-1], keys_major=keys_major)
+            )
         else:
             self.k_scales, self.v_scales = empty(0), empty(0)
         # k8v8: V's scales per (layer, KV head, channel), frozen at the layer's first write
@@ -419,8 +429,8 @@ class PagedKVCache:
         k, v = self.k_pools[index], self.v_pools[index]
         staged = self.staging is not None
         equalized = self.equalizers_chosen.numel() > 0
-        k8v8 = self.config.k8v8
-        flat = not (self.config.keys_major or k8v8)
+        k8v8, v_scaled = self.config.k8v8, not (self.config.k8v8 or self.config.k8v16)
+        flat = not (self.config.keys_major or k8v8 or self.config.k8v16)
         return LayerCache(
             k=k,
             v=v,
@@ -430,7 +440,7 @@ class PagedKVCache:
             stage_k=self.stage_k[index] if staged else None,
             stage_v=self.stage_v[index] if staged else None,
             k_scale=self.k_scales[index] if self.quantized else None,
-            v_scale=self.v_scales[index] if self.quantized and not k8v8 else None,
+            v_scale=self.v_scales[index] if self.quantized and v_scaled else None,
             k_mean=self.k_means[index] if self.k_means.numel() else None,
             k_mean_chosen=self.k_means_chosen[index] if self.k_means.numel() else None,
             k_equalizer=self.k_equalizers[index] if equalized else None,

@@ -20,7 +20,7 @@ MAX_KEYS = 2**31 - 1
 KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
 # The one switch's formats (``kv_format``): the pools in the model's dtype, or k8v8 (int8 K, e4m3
 # V with channel scales: both products on 8-bit tensor cores, docs/quantization.md).
-KV_FORMATS = ("bf16", "k8v8")
+KV_FORMATS = ("bf16", "k8v8", "k8v16")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,9 @@ class PagingConfig:
     codes (smoothed and equalized per ``smooth_keys``/``equalize_channels``, its scales
     keys-major) and V as keys-major e4m3 codes of a float32 scale per (layer, KV head, channel)
     frozen at the layer's first write with headroom 256 (``kernels.value_channels``), attended
-    with an int8 ``Q K^T`` MMA and an FP8 ``P V`` MMA. With a format, ``kv_dtype``,
+    with an int8 ``Q K^T`` MMA and an FP8 ``P V`` MMA; ``"k8v16"`` stores K so and V in the
+    cache's dtype, attended with the int8 ``Q K^T`` MMA and a 16-bit ``P V``. With a format,
+    ``kv_dtype``,
     ``fp8_mma``, ``int8_mma`` and ``keys_major`` stay unset.
     """
 
@@ -124,7 +126,7 @@ class PagingConfig:
                 f"int8_mma needs kv_dtype=torch.int8 (int8 MMAs read int8 codes), got "
                 f"kv_dtype={self.kv_dtype}"
             )
-        if self.equalize_channels and self.kv_dtype is None and self.kv_format != "k8v8":
+        if self.equalize_channels and self.kv_dtype is None and self.kv_format in (None, "bf16"):
             raise ValueError(
                 "equalize_channels=True needs a quantized kv_dtype (torch.int8 or "
                 "torch.float8_e4m3fn): float pools store K/V as they are"
@@ -166,10 +168,10 @@ class PagingConfig:
             )
         if self.kv_format == "bf16" and self.equalize_channels:
             raise ValueError("equalize_channels=True needs a quantized kv_format ('k8v8')")
-        if self.kv_format == "k8v8" and self.reuse_history_staging:
+        if self.kv_format in ("k8v8", "k8v16") and self.reuse_history_staging:
             raise ValueError(
-                "kv_format='k8v8' does not take reuse_history_staging yet (the staging buffers "
-                "hold slot-major codes with a V scale per token)"
+                f"kv_format={self.kv_format!r} does not take reuse_history_staging yet (the "
+                "staging buffers hold slot-major codes with a V scale per token)"
             )
 
     @property
@@ -177,10 +179,15 @@ class PagingConfig:
         """Whether the pools hold the k8v8 format (``kv_format="k8v8"``)."""
         return self.kv_format == "k8v8"
 
+    @property
+    def k8v16(self) -> bool:
+        """Whether the pools hold the k8v16 format (``kv_format="k8v16"``)."""
+        return self.kv_format == "k8v16"
+
     def channel_equalization(self, kv_dtype: torch.dtype | None = None) -> bool:
         """Whether a cache of ``kv_dtype`` pools (default: ``self.kv_dtype``) equalizes channels:
         ``equalize_channels`` when given, else for int8 pools only; never for float pools."""
-        if self.k8v8:  # K's factors (V has channel scales instead)
+        if self.k8v8 or self.k8v16:  # K's factors (V has channel scales, or is unscaled)
             return self.equalize_channels is not False
         kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
         if not any(kv_dtype is d for d in KV_DTYPES):

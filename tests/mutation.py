@@ -751,7 +751,7 @@ MUTANTS = [
     _m(
         "fused-pools-dtypes-differ",
         "kernels/fused.py",
-        "    if v_pools.dtype != k_pools.dtype and not _k8v8(pools):",
+        "    if v_pools.dtype != k_pools.dtype and not (_k8v8(pools) or _k8v16(pools)):",
         "    if False:",
         f"{FUSED_REFUSALS}[int8-v-pools-dtype]",
     ),
@@ -1020,7 +1020,7 @@ MUTANTS = [
     _m(
         "config-equalizes-float-pools",
         "paging/config.py",
-        'if self.equalize_channels and self.kv_dtype is None and self.kv_format != "k8v8":',
+        'if self.equalize_channels and self.kv_dtype is None and self.kv_format in (None, "bf16"):',
         "if False:",
         "tests/paging/test_config.py::"
         "test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype",
@@ -1184,7 +1184,7 @@ MUTANTS = [
     _m(
         "cache-flat-views-of-keys-major-pools",
         "paging/cache.py",
-        "        flat = not (self.config.keys_major or k8v8)",
+        "        flat = not (self.config.keys_major or k8v8 or self.config.k8v16)",
         "        flat = True",
         "tests/paging/test_quantized.py::"
         "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache[keys-major]",
@@ -1565,7 +1565,7 @@ MUTANTS = [
     _m(
         "scales-keys-major-flag-ignores-v-scales",
         "kernels/paged_attention.py",
-        "        and (k8v8 or pool_layout.keys_aligned(v_scale)),",
+        "        and (k8v8 or k8v16 or pool_layout.keys_aligned(v_scale)),",
         "        and True,",
         f"{KEYS_MAJOR_FLAG}[k-scales-only]",
     ),
@@ -1703,7 +1703,8 @@ MUTANTS = [
     _m(
         "masked-probabilities-unscaled",
         "kernels/_attention_jit.py",
-        "            if QUANTIZED and MASKED:\n                probs = probs * (v_col",
+        "            if QUANTIZED and MASKED and not K8V16:\n"
+        "                probs = probs * (v_col",
         "            if False:\n                probs = probs * (v_col",
         f"{FLOAT16_RANGE}[int8-mma]",
     ),
@@ -2106,6 +2107,35 @@ MUTANTS = [
         "    v_chosen = pools.v_scales_chosen[layer_index] if k8v8 else None",
         "    v_chosen = None",
         "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v8_near_the_float_cache_and_equal_to_a_raw_driver",
+    ),
+    _m(
+        "k8v16-masked-probabilities-v-scaled",
+        "kernels/_attention_jit.py",
+        "            if QUANTIZED and MASKED and not K8V16:",
+        "            if QUANTIZED and MASKED:",
+        "tests/kernels/test_k8v16.py::test_k8v16_against_the_oracle_over_rounded_queries[block_tiles-B7-N16]",
+    ),
+    _m(
+        "k8v16-query-rows-unrounded",
+        "kernels/paged_attention.py",
+        "    if k8v8 or k8v16:\n        # int8 query rows",
+        "    if k8v8:\n        # int8 query rows",
+        "tests/kernels/test_k8v16.py::test_k8v16_against_the_oracle_over_rounded_queries[contiguous-B64-N64]",
+    ),
+    _m(
+        "k8v16-v-scale-accepted",
+        "kernels/_attention_checks.py",
+        "    if v_scale is not None or v_equalizer is not None:\n        raise ValueError(\n"
+        '            "a float v_cache (k8v16)',
+        '    if False:\n        raise ValueError(\n            "a float v_cache (k8v16)',
+        "tests/kernels/test_k8v16.py::test_k8v16_refuses_v_scales_and_mma_flags",
+    ),
+    _m(
+        "cache-k8v16-v-as-codes",
+        "paging/cache.py",
+        "self._dtype if k8v16 else kv_dtype",
+        "kv_dtype if k8v16 else kv_dtype",
+        "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v16_near_the_float_cache",
     ),
 ]
 

@@ -120,3 +120,33 @@ def test_forward_calls_over_k8v8_near_the_float_cache_and_equal_to_a_raw_driver(
         a, b = (getattr(cache, name) for cache in (fused, raw))
         bits = torch.uint8 if a.element_size() == 1 else torch.int32  # (NaN poison included)
         assert torch.equal(a.view(bits), b.view(bits)), name
+
+
+def test_forward_calls_over_k8v16_near_the_float_cache() -> None:
+    # kv_format="k8v16": int8 K codes, V in the cache's dtype; the fused op while the window
+    # slides, against the same forwards over a float cache (K's and the query rows' roundings
+    # only).
+    config = dataclasses.replace(CONFIG, kv_format="k8v16")
+    geometry = dict(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32)
+    k8v16, exact = PagedKVCache(config, **geometry), PagedKVCache(CONFIG, **geometry)
+    assert k8v16.k_pools.dtype == torch.int8 and k8v16.v_pools.dtype == torch.float32
+    assert k8v16.v_scales.numel() == 0 and k8v16.layer(0).v_scale is None
+    sessions = [cache.open_session() for cache in (k8v16, exact)]
+    gen = torch.Generator().manual_seed(9)
+    n, actions = CONFIG.chunk_size, 2
+    for _ in range(4):
+        calls = [
+            ForwardCall(cache, cache.plan(s, "main", n, action_tokens=actions), softmax_scale=0.3)
+            for cache, s in zip((k8v16, exact), sessions, strict=True)
+        ]
+        for layer in range(LAYERS):
+            q = torch.randn(n, HEADS, DIM, generator=gen)
+            sizes = (n, n, actions, actions)
+            kv = [torch.randn(t, KV_HEADS, DIM, generator=gen) + 3 for t in sizes]
+            got, want = (call.attend(layer, q, *kv) for call in calls)
+            assert not got.isnan().any()
+            rel = ((got - want).abs().sum() / want.abs().sum()).item()
+            assert 0 < rel < 0.02, rel
+        for call in calls:
+            call.commit()
+    assert k8v16.k_means_chosen.all()
