@@ -2137,6 +2137,13 @@ MUTANTS = [
         "kv_dtype if k8v16 else kv_dtype",
         "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v16_near_the_float_cache",
     ),
+    _m(
+        "shard-takes-k8v8",
+        "paging/shard.py",
+        "        if isinstance(config, PagingConfig) and config.k8v8:",
+        "        if False:",
+        "tests/paging/test_k8v8_cache.py::test_sharded_cache_refuses_k8v8",
+    ),
 ]
 
 
