@@ -53,7 +53,10 @@ KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``), or int8
 # codes with an int8 Q K^T MMA (``int8_mma=True``). ``_keys``: the mode over keys-major pools
 # (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale pools, and for FP8-MMA
-# V as well.
+# V as well. ``k8v8``: int8 K (an int8 Q K^T MMA) and keys-major e4m3 V of frozen channel scales
+# (an FP8 P V MMA), ``k8v8_keys`` with K's scales keys-major too, ``k8v8_blocks`` with V's
+# scales per block as well. ``k8v16``: int8 K and V in the query dtype (a 16-bit P V MMA),
+# ``k8v16_keys`` with K's scales keys-major.
 KV_MODES = (
     "same",
     "fp8",
@@ -64,11 +67,16 @@ KV_MODES = (
     "int8_keys",
     "fp8_mma_keys",
     "int8_mma_keys",
+    "k8v8",
+    "k8v8_keys",
+    "k8v8_blocks",
+    "k8v16",
+    "k8v16_keys",
 )
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The K/V modes weighed against the FP8 anchor (the anchor kernel on e4m3 codes, an ``anchor``
 # row whose ``kv_mode`` says ``fp8_mma``) rather than the 16-bit one.
-FP8_ANCHOR_MODES = ("fp8_mma", "fp8_mma_keys")
+FP8_ANCHOR_MODES = ("fp8_mma", "fp8_mma_keys", "k8v8", "k8v8_keys", "k8v8_blocks")
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
 SHIPPED_BLOCK_SIZES = (16, 24, 64, 256, 520, 1560)
 SHIPPED = {
@@ -255,7 +263,7 @@ def check_launch_options(options: dict[str, object]) -> None:
     parameters = inspect.signature(paged_attention).parameters
     fixed = {"q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k"}
     fixed |= {"max_seqlen_q", "causal", "key_limits", "key_gap", "check_values"}
-    fixed |= {"k_scale", "v_scale", "fp8_mma", "int8_mma", "out"}
+    fixed |= {"k_scale", "v_scale", "fp8_mma", "int8_mma", "out", "v_channel_scale"}
     for name in options:
         if name not in parameters:
             raise ValueError(f"paged_attention takes no keyword {name!r}")
@@ -555,7 +563,25 @@ def _paged_launches(config: Config) -> list[_Launch]:
             "int8_mma": config.kv_mode.startswith("int8_mma"),
         }
     v_cache = empty(2, bs, config.kv_heads, d, dt=kv_dtype)
-    if config.kv_mode.endswith("_keys"):
+    k8v8 = config.kv_mode.startswith("k8v8")
+    if k8v8:
+        kv_dtype = torch.int8
+        v_cache = pool_layout.empty_keys_major(2, bs, config.kv_heads, d, dtype=torch.float8_e4m3fn)
+        k_scale = empty(2, bs, config.kv_heads, dt=torch.float32)
+        if config.kv_mode != "k8v8":
+            k_scale = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
+        channels = empty(1, config.kv_heads, d, dt=torch.float32).expand(2, -1, -1)
+        if config.kv_mode == "k8v8_blocks":
+            channels = empty(2, config.kv_heads, d, dt=torch.float32)
+        scales = {"k_scale": k_scale, "v_channel_scale": channels}
+    elif config.kv_mode.startswith("k8v16"):
+        kv_dtype = torch.int8
+        v_cache = empty(2, bs, config.kv_heads, d)
+        k_scale = empty(2, bs, config.kv_heads, dt=torch.float32)
+        if config.kv_mode == "k8v16_keys":
+            k_scale = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
+        scales = {"k_scale": k_scale}
+    elif config.kv_mode.endswith("_keys"):
         for name in ("k_scale", "v_scale"):
             scales[name] = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
         if scales["fp8_mma"]:
@@ -1143,7 +1169,10 @@ def add_parser(
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
         "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
         "Q K^T MMA (int8_mma); a _keys suffix: the mode over keys-major pools, as "
-        "PagingConfig(keys_major=True) lays them out (the scales; fp8_mma's V too)",
+        "PagingConfig(keys_major=True) lays them out (the scales; fp8_mma's V too); k8v8: "
+        "int8 K and keys-major e4m3 V with frozen channel scales (k8v8_keys: K's scales "
+        "keys-major, k8v8_blocks: V's scales per block too; k8v16: int8 K and V in the query "
+        "dtype, k8v16_keys: K's scales keys-major)",
     )
     parser.add_argument(
         "--launch",

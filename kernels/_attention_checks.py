@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from paged_video.kernels import _checks, equalize, quantize
+from paged_video.kernels import _checks, equalize, quantize, value_channels
 
 
 def check_arguments(
@@ -30,6 +30,7 @@ def check_arguments(
     int8_mma: bool = False,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
+    v_channel_scale: Tensor | None = None,
 ) -> None:
     _checks.check_rank("q", q, 3, "(total_q, num_heads, head_dim)")
     layout = "(num_blocks, block_size, num_kv_heads, head_dim)"
@@ -55,9 +56,17 @@ def check_arguments(
         v_scale=v_scale,
         k_equalizer=k_equalizer,
         v_equalizer=v_equalizer,
+        v_channel_scale=v_channel_scale,
     )
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
-    _check_cache_dtypes(q, k_cache, v_cache, fp8_mma, int8_mma)
+    k8v16 = is_k8v16(k_cache, v_cache)
+    if v_channel_scale is not None:
+        _check_k8v8(k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale, fp8_mma,
+                    int8_mma)  # fmt: skip
+    elif k8v16:
+        _check_k8v16(q, v_cache, k_scale, v_scale, v_equalizer, fp8_mma, int8_mma)
+    else:
+        _check_cache_dtypes(q, k_cache, v_cache, fp8_mma, int8_mma)
     for name, factor, cache_name, cache in (
         ("k_equalizer", k_equalizer, "k_cache", k_cache),
         ("v_equalizer", v_equalizer, "v_cache", v_cache),
@@ -66,7 +75,8 @@ def check_arguments(
             raise ValueError(f"{name} is only for quantized caches; {cache_name} is {cache.dtype}")
         equalize.check_factor(name, factor, cache_name, cache)
     quantize.check_scales("k_scale", k_scale, "k_cache", k_cache)
-    quantize.check_scales("v_scale", v_scale, "v_cache", v_cache)
+    if v_channel_scale is None and not k8v16:
+        quantize.check_scales("v_scale", v_scale, "v_cache", v_cache)
     for name, index in (
         ("block_table", block_table),
         ("cu_seqlens_q", cu_seqlens_q),
@@ -119,6 +129,8 @@ def check_arguments(
             )
     if check_values:
         _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
+        if fp8_mma:
+            _check_fp8_mma_scale_range(v_scale, block_table, seq_lens_k, key_gap)
 
 
 def _check_cache_dtypes(
@@ -146,6 +158,96 @@ def _check_cache_dtypes(
         raise ValueError(f"fp8_mma needs float8_e4m3fn caches, got {k_cache.dtype}")
     if int8_mma and k_cache.dtype != torch.int8:
         raise ValueError(f"int8_mma needs int8 caches, got {k_cache.dtype}")
+
+
+def is_k8v16(k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the caches are the k8v16 format's: int8 K codes, V in a float dtype."""
+    return k_cache.dtype == torch.int8 and v_cache.dtype.is_floating_point
+
+
+def _check_k8v16(
+    q: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    v_equalizer: Tensor | None,
+    fp8_mma: object,
+    int8_mma: object,
+) -> None:
+    """The k8v16 format's caches: int8 K with ``k_scale``, V stored as q's dtype, unscaled."""
+    if fp8_mma is not False or int8_mma is not False:
+        raise ValueError("an int8 k_cache with a float v_cache (k8v16) takes no fp8_mma, int8_mma")
+    if v_cache.dtype != q.dtype:
+        raise TypeError(
+            f"v_cache beside an int8 k_cache (k8v16) must have q's dtype {q.dtype}, got "
+            f"{v_cache.dtype}"
+        )
+    if k_scale is None:
+        raise ValueError("an int8 k_cache with a float v_cache (k8v16) needs k_scale")
+    if v_scale is not None or v_equalizer is not None:
+        raise ValueError(
+            "a float v_cache (k8v16) is stored unscaled: pass no v_scale or v_equalizer"
+        )
+
+
+def _check_k8v8(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    v_equalizer: Tensor | None,
+    v_channel_scale: Tensor,
+    fp8_mma: object,
+    int8_mma: object,
+) -> None:
+    """The k8v8 format's caches: int8 K with ``k_scale``, e4m3 V with its channel scales only."""
+    if fp8_mma is not False or int8_mma is not False:
+        raise ValueError("v_channel_scale (k8v8) is a mode of its own: leave fp8_mma, int8_mma off")
+    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.float8_e4m3fn:
+        raise TypeError(
+            "v_channel_scale (k8v8) needs an int8 k_cache and a float8_e4m3fn v_cache, got "
+            f"{k_cache.dtype} and {v_cache.dtype}"
+        )
+    if k_scale is None:
+        raise ValueError("v_channel_scale (k8v8) needs k_scale, K's scale per slot")
+    if v_scale is not None or v_equalizer is not None:
+        raise ValueError("v_channel_scale (k8v8) replaces v_scale and v_equalizer: pass neither")
+    value_channels.check_channel_scales("v_channel_scale", v_channel_scale, "v_cache", v_cache)
+
+
+# FP8-MMA rounds each probability times its key's V scale in a unit of the sequence's largest
+# V scale / 448 to e4m3, whose smallest step is 2**-9: a key whose scale is below the largest
+# times this keeps under 5 significant bits even at probability 1, and at 2**-18 or less it
+# rounds to zero (issue 46: V x 1e-6 on the keys that carry the softmax zeroed 13 of 16 rows).
+FP8_MMA_SCALE_RANGE = 2.0**-12
+
+
+def _check_fp8_mma_scale_range(
+    v_scale: Tensor, block_table: Tensor, seq_lens_k: Tensor, key_gap: Tensor | None
+) -> None:
+    """FP8-MMA refuses a sequence whose nonzero V scales (keys outside its gaps, per KV head)
+    span more than ``1 / FP8_MMA_SCALE_RANGE``: its probability unit would round those keys'
+    values away. Reads values (one device sync)."""
+    block_size = v_scale.shape[1]
+    for row, length in enumerate(seq_lens_k.tolist()):
+        if length <= 0:
+            continue
+        positions = torch.arange(length, device=v_scale.device)
+        blocks = block_table[row, positions // block_size].long()
+        scales = v_scale[blocks, positions % block_size]
+        seen = torch.ones(length, dtype=torch.bool, device=v_scale.device)
+        if key_gap is not None:
+            for lo, hi in key_gap[row].reshape(-1, 2).tolist():
+                seen &= (positions < lo) | (positions >= hi)
+        scales = torch.where(seen[:, None] & torch.isfinite(scales), scales, 0.0)
+        largest = scales.amax(dim=0)
+        smallest = torch.where(scales > 0, scales, float("inf")).amin(dim=0)
+        if bool((smallest < largest * FP8_MMA_SCALE_RANGE).any()):
+            raise ValueError(
+                f"fp8_mma: sequence {row}'s V scales span more than 2**12 (a key's scale under "
+                "the largest / 4096), which FP8-MMA's probability unit rounds away; use the "
+                "k8v8 format (v_channel_scale, V scales per block) or the dequantizing mode"
+            )
 
 
 def _check_values(

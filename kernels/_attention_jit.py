@@ -65,6 +65,8 @@ from paged_video.kernels._quantize_jit import int8_to_float16, quantize_rows, to
 
 # ln 2 for the kernel (a global a jit function reads must be a constexpr).
 LN2 = tl.constexpr(0.6931471805599453)
+# log2(448): k8v8's probabilities are exp2(score - row max + this), at most 448.
+LOG2_E4M3_MAX = tl.constexpr(8.807354922057604)
 
 
 @triton.jit
@@ -468,6 +470,9 @@ def _attend_tiles(
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
+    K8V8: tl.constexpr,
+    V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
@@ -523,7 +528,7 @@ def _attend_tiles(
     # shared memory and feeds the MMA as loaded. A slot-major one is read as bytes, prefetched
     # like K, and transposed through shared memory every tile (Triton does not prefetch an e4m3
     # load that needs the transpose: it read V synchronously in the loop).
-    if FP8_MMA and not V_KEYS_MAJOR:
+    if (FP8_MMA or K8V8) and not V_KEYS_MAJOR:
         v_head = v_cache[0].to(tl.pointer_type(tl.uint8))
     else:
         v_head = v_cache[0]
@@ -540,7 +545,7 @@ def _attend_tiles(
     # FP8-MMA's unmasked loops read K's rows and the scales in the order that lets the
     # probabilities feed P V from registers (``_fp8_mma_key_order``); masked tiles keep
     # position order, in which their masks are.
-    MMA_ORDER: tl.constexpr = FP8_MMA and not MASKED
+    MMA_ORDER: tl.constexpr = (FP8_MMA or K8V8) and not MASKED
     # Their unmasked pointer loads: loop-invariant pointer tiles plus the tile's scalar base,
     # one wide multiply-add per address as in a plain loop (pointers plus per-row offsets took
     # an add and a 64-bit add per address, 3 instructions).
@@ -610,8 +615,10 @@ def _attend_tiles(
                 OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, V_KEYS_MAJOR, MMA_ORDER, SHARE_ROWS,
             )  # fmt: skip
         if SCALE_ROWS:
+            # (k8v8 has no V scale per key: its second rows are K's again, never read.)
             ks_rows, vs_rows = _tile_rows_pair(
-                id0, id1, ids, n_start, k_scales, v_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                id0, id1, ids, n_start, k_scales, k_scales if K8V8 or K8V16 else v_scales, BLOCK_N,
+                BLOCK_SIZE, KV_PATH,
                 OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, SCALES_KEYS_MAJOR,
                 False, SHARE_ROWS,
             )  # fmt: skip
@@ -627,7 +634,8 @@ def _attend_tiles(
             v = tl.load(v_dims + v_rows[:, None], mask=n_mask[:, None] & d_mask, other=0.0)
             if QUANTIZED:
                 k_col = _load_scales(k_scales[0], ks_rows, n_mask, True, False, BLOCK_N)
-                v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, False, BLOCK_N)
+                if not (K8V8 or K8V16):
+                    v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, False, BLOCK_N)
         else:
             if DESCRIPTOR_LOADS:
                 slot = PIECE_OFFSET + n_start % PIECE_SIZE
@@ -668,8 +676,11 @@ def _attend_tiles(
                 # (V's scales first: in the other order Triton 3.9's FP8-MMA loop kept 4 values
                 # in local memory across it, 12-16 bytes at blocks 256, 520, 1560; the other
                 # modes' loops are as long this way, or 2-4 instructions shorter.)
-                v_col = descs[5].load([id0 * v_scales[1] + descs[7] + slot])
+                if not (K8V8 or K8V16):
+                    v_col = descs[5].load([id0 * v_scales[1] + descs[7] + slot])
                 k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])
+            elif K8V8 or K8V16:
+                k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
             elif QUANTIZED and not WIDE_SCALES and BLOCK_N == 64:
                 k_col, v_col = _load_scale_pair(k_scales[0], ks_rows, v_scales[0], vs_rows)
             elif QUANTIZED:
@@ -680,10 +691,16 @@ def _attend_tiles(
                 # read from shared memory in K's: four contiguous ones a thread. (Loaded in K's
                 # order they were copied 8 or 4 bytes at a time: head_dim 256, 32-key tiles,
                 # Triton 3.6: 393 instructions a tile against 339.)
-                v_col = _in_fp8_mma_key_order(v_col, BLOCK_N)
+                if not K8V8:
+                    v_col = _in_fp8_mma_key_order(v_col, BLOCK_N)
                 k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
         if FP8_MMA:
             qk = tl.dot(q, tl.trans(k))
+        elif K8V8 or K8V16:
+            # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
+            qk = tl.dot(q, tl.trans(k)).to(tl.float32)
+            if K8V16 and UPCAST:
+                v = v.to(tl.float32)
         elif INT8_MMA:
             # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
@@ -707,16 +724,44 @@ def _attend_tiles(
             # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of
             # -inf so exp2 gives 0, not NaN.
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            probs = tl.math.exp2(scores - safe_max[:, None])
+            if K8V8:
+                probs = tl.math.exp2(scores - (safe_max - LOG2_E4M3_MAX)[:, None])
+            else:
+                probs = tl.math.exp2(scores - safe_max[:, None])
             rescale = tl.math.exp2(row_max - safe_max)
         else:
             # scale_log2 >= 0 (the launcher makes it so): max(qk) * scale is the scaled max,
             # and qk * scale - max is one FFMA per score.
             new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
-            probs = tl.math.exp2(qk * row_scale - new_max[:, None])
+            if K8V8:
+                probs = tl.math.exp2(qk * row_scale - (new_max - LOG2_E4M3_MAX)[:, None])
+            else:
+                probs = tl.math.exp2(qk * row_scale - new_max[:, None])
             rescale = tl.math.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        if FP8_MMA:
+        if K8V8:
+            # The probabilities are biased by log2(448) (in the row's subtrahend: no
+            # instruction more), so the row's largest is 448, e4m3's largest: rounded to e4m3
+            # as they are, they feed P V with no multiply. V's codes are of its channel scales:
+            # a frozen one multiplies the output once (the epilogue), a block's this tile's
+            # MMA sum as it is added into acc (the tile lies inside the block), one FFMA per
+            # element as bf16's acc * rescale + pv.
+            p_codes = to_e4m3(probs, INTERPRETED)
+            if MMA_ORDER:
+                p_codes = _fp8_operand(p_codes, BLOCK_N)
+            if not V_KEYS_MAJOR:
+                v = v.to(tl.float8e4nv, bitcast=True)
+            pv = tl.dot(p_codes, v)
+            if V_BLOCK_SCALES:
+                v_channels = tl.load(
+                    v_scales[0] + id0.to(tl.int64) * v_scales[1] + offs_d * v_scales[2],
+                    mask=offs_d < HEAD_DIM,
+                    other=0.0,
+                )
+                acc = acc * rescale[:, None] + pv * v_channels[None, :]
+            else:
+                acc = acc * rescale[:, None] + pv
+        elif FP8_MMA:
             # acc holds the output in units of p_unit (the sequence's largest V scale / 448):
             # the tile's V-scaled probabilities are rounded in that unit, so the MMA accumulates
             # in place (no multiply per output element). A fixed unit takes no tile maximum of
@@ -731,7 +776,7 @@ def _attend_tiles(
             # keep about 14 bits, so the sequence's sum stays float32 (do not pass acc in).
             acc = acc * rescale[:, None] + tl.dot(p_codes, v)
         else:
-            if QUANTIZED and MASKED:
+            if QUANTIZED and MASKED and not K8V16:
                 probs = probs * (v_col * (1.0 / p_unit))[None, :]
             pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * rescale[:, None] + pv
@@ -1018,6 +1063,9 @@ def _attend_piece(
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
+    K8V8: tl.constexpr,
+    V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
@@ -1133,6 +1181,9 @@ def _attend_piece(
                 SCALES_KEYS_MAJOR,
                 WIDE_SCALES,
                 INT8_MMA,
+                K8V8,
+                V_BLOCK_SCALES,
+                K8V16,
                 PV_DTYPE,
                 INTERPRETED,
                 TMA,
@@ -1172,6 +1223,9 @@ def _attend_run(
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
+    K8V8: tl.constexpr,
+    V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
@@ -1219,6 +1273,9 @@ def _attend_run(
             SCALES_KEYS_MAJOR,
             WIDE_SCALES,
             INT8_MMA,
+            K8V8,
+            V_BLOCK_SCALES,
+            K8V16,
             PV_DTYPE,
             INTERPRETED,
             TMA,
@@ -1315,6 +1372,9 @@ def _paged_attention_kernel(
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
     INT8_MMA: tl.constexpr,
+    K8V8: tl.constexpr,
+    V_BLOCK_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     HAS_LSE: tl.constexpr,
@@ -1350,7 +1410,7 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if INT8_MMA or (UPCAST and not FP8_MMA):
+    if INT8_MMA or (UPCAST and not FP8_MMA and not K8V8 and not K8V16):
         q = q.to(tl.float32)
     # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows). Not past 128
     # channels: at head_dim 256 the e4m3 loop then spilled 20-108 bytes on Triton 3.6 (its
@@ -1369,9 +1429,9 @@ def _paged_attention_kernel(
             other=1.0,
         )
         q = (q.to(tl.float32) * k_factor[None, :]).to(q.dtype)
-    if FP8_MMA:
-        # q holds the rows' e4m3 codes (query_codes.e4m3_query_rows, K's channel factors folded
-        # in); each row's scale (amax / 448) folds into the softmax scale.
+    if FP8_MMA or K8V8 or K8V16:
+        # q holds the rows' e4m3 (FP8-MMA) or int8 (k8v8, k8v16) codes (query_codes.py, K's
+        # channel factors folded in); each row's scale folds into the softmax scale.
         q_scale = tl.load(
             q_scale_ptr + q_rows * stride_qs_tok + head * stride_qs_head, mask=m_mask, other=0.0
         )
@@ -1404,7 +1464,7 @@ def _paged_attention_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     p_unit = 1.0
-    if QUANTIZED:
+    if QUANTIZED and not K8V8 and not K8V16:
         # acc is the output in units of p_unit (value_units.probability_units).
         p_unit = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)
     table = (block_table_ptr + seq.to(tl.int64) * stride_table_row, stride_table_col)
@@ -1433,7 +1493,7 @@ def _paged_attention_kernel(
             TMA and not QUANTIZED and KV_PATH == "rows" and BLOCK_N == 2 * BLOCK_SIZE
         )
         TMA_ROWS: tl.constexpr = BLOCK_SIZE if BLOCK_PAIRS else BLOCK_N
-        if FP8_MMA:
+        if FP8_MMA or K8V8:
             # K's rows as (run of 16, j, q, b), element (r, j, q, b) at row 16 r + 2j + 4q + b:
             # a box's rows, stored in (j, q, b) order, are each run's in _fp8_mma_key_order. A
             # tile's first row gives the run and b's start (a tile may start mid-run: block
@@ -1464,16 +1524,20 @@ def _paged_attention_kernel(
             # The keys-major scale pools (the launcher checked) as one run of (block, KV head,
             # slot) scales: a tile's scales are one descriptor load of BLOCK_N contiguous ones.
             scales_end = pool_rows // BLOCK_SIZE
-            descs += (
-                tl.make_tensor_descriptor(
-                    k_scale_ptr, [scales_end * stride_ks_block], [1], [BLOCK_N]
-                ),
-                tl.make_tensor_descriptor(
-                    v_scale_ptr, [scales_end * stride_vs_block], [1], [BLOCK_N]
-                ),
-                kv_head * stride_ks_head,
-                kv_head * stride_vs_head,
+            k_scale_desc = tl.make_tensor_descriptor(
+                k_scale_ptr, [scales_end * stride_ks_block], [1], [BLOCK_N]
             )
+            if K8V8 or K8V16:  # no V scale per key
+                descs += (k_scale_desc, 0, kv_head * stride_ks_head, 0)
+            else:
+                descs += (
+                    k_scale_desc,
+                    tl.make_tensor_descriptor(
+                        v_scale_ptr, [scales_end * stride_vs_block], [1], [BLOCK_N]
+                    ),
+                    kv_head * stride_ks_head,
+                    kv_head * stride_vs_head,
+                )
     else:
         descs = (0, 0, 0, 0)
 
@@ -1520,6 +1584,9 @@ def _paged_attention_kernel(
                 SCALES_KEYS_MAJOR,
                 WIDE_SCALES,
                 INT8_MMA,
+                K8V8,
+                V_BLOCK_SCALES,
+                K8V16,
                 PV_DTYPE,
                 INTERPRETED,
                 TMA,
@@ -1559,6 +1626,9 @@ def _paged_attention_kernel(
             SCALES_KEYS_MAJOR,
             WIDE_SCALES,
             INT8_MMA,
+            K8V8,
+            V_BLOCK_SCALES,
+            K8V16,
             PV_DTYPE,
             INTERPRETED,
             TMA,
@@ -1567,7 +1637,15 @@ def _paged_attention_kernel(
 
     # A query with no visible key outputs zeros, as FlashAttention does.
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-    if QUANTIZED:
+    if K8V8 and not V_BLOCK_SCALES:
+        # A frozen V scale per (KV head, channel): applied once, here.
+        v_channels = tl.load(
+            v_scale_ptr + kv_head * stride_vs_head + offs_d * stride_vs_slot,
+            mask=d_mask,
+            other=0.0,
+        )
+        out = out * v_channels[None, :]
+    elif QUANTIZED:
         out = out * p_unit  # after the division: acc * p_unit alone may overflow
     if HAS_V_EQUALIZER:
         # V was stored divided by these factors.
@@ -1600,6 +1678,8 @@ def _paged_attention_kernel(
         # A row that saw no key kept row_max -inf (and sum 0, read as 1 here so that no log of
         # 0 is taken): its LSE is -inf, its output zeros.
         lse = (row_max + tl.math.log2(tl.where(row_sum > 0.0, row_sum, 1.0))) * LN2
+        if K8V8:
+            lse -= LOG2_E4M3_MAX * LN2  # its row sums are of probabilities 448 times larger
         lse_rows = query.to(tl.int64) * stride_lse_tok + head.to(tl.int64) * stride_lse_head
         tl.store(
             lse_ptr + q_start.to(tl.int64) * stride_lse_tok + lse_rows,

@@ -76,7 +76,10 @@ class PoolTensors(NamedTuple):
     ``(L, T, H)`` float32; ``k_means`` ``(L, H, D)`` float32 and ``k_means_chosen`` ``(L,)`` bool
     on the CPU (both zero-size when keys are not smoothed); ``k_equalizers``/``v_equalizers``
     ``(L, H, D)`` float32 and ``equalizers_chosen`` ``(L,)`` bool on the CPU (all zero-size
-    without channel equalization).
+    without channel equalization). The k8v8 format (int8 ``k_pools``, e4m3 ``v_pools``, no
+    ``v_scales``) only, zero-size otherwise: ``v_channel_scales`` ``(L, N, H, D)`` float32
+    (V's scales per block and channel: frozen ones with block stride 0), ``v_scales_chosen``
+    ``(L,)`` bool on the CPU, ``v_saturated`` ``(L,)`` int32 (V elements written saturated).
     """
 
     k_pools: Tensor
@@ -92,6 +95,9 @@ class PoolTensors(NamedTuple):
     k_equalizers: Tensor
     v_equalizers: Tensor
     equalizers_chosen: Tensor
+    v_channel_scales: Tensor
+    v_scales_chosen: Tensor
+    v_saturated: Tensor
 
     @classmethod
     def build(
@@ -109,8 +115,10 @@ class PoolTensors(NamedTuple):
         _checks.check_tensor("k_pools", k_pools)
 
         def empty(name: str) -> Tensor:
-            if name in ("k_means_chosen", "equalizers_chosen"):
+            if name in CPU_FLAGS:
                 return torch.empty(0, dtype=torch.bool)
+            if name == "v_saturated":
+                return k_pools.new_empty(0, dtype=torch.int32)
             return k_pools.new_empty(0, dtype=SCALE_DTYPE)
 
         rest = [quantized[name] if name in quantized else empty(name) for name in cls._fields[4:]]
@@ -154,7 +162,7 @@ class LayerInputs(NamedTuple):
 MUTATED_ARGS = (*PoolTensors._fields, "stage_tags")
 # Pool tensors that are flags read on the host (as the tags are): they live on the CPU,
 # whatever device the pools are on.
-CPU_FLAGS = ("k_means_chosen", "equalizers_chosen")
+CPU_FLAGS = ("k_means_chosen", "equalizers_chosen", "v_scales_chosen")
 
 
 def _on_device(pools: PoolTensors) -> dict[str, Tensor]:
@@ -215,12 +223,59 @@ def _check_quantized_pools(pools: PoolTensors) -> tuple[bool, bool]:
         _check_zero_size(PoolTensors._fields[4:], pools, f"for {k_pools.dtype} pools")
         return False, False
     check_scales("k_scales", pools.k_scales, "k_pools", k_pools)
-    check_scales("v_scales", pools.v_scales, "v_pools", v_pools)
+    if _k8v8(pools):
+        _check_zero_size(("v_scales", "stage_v_scales"), pools, "for k8v8 pools")
+        _check_k8v8_state(pools)
+    elif _k8v16(pools):
+        _check_zero_size(("v_scales", "stage_v_scales", *K8V8_FIELDS), pools, "for k8v16 pools")
+    else:
+        _check_zero_size(K8V8_FIELDS, pools, f"for {v_pools.dtype} V pools")
+        check_scales("v_scales", pools.v_scales, "v_pools", v_pools)
     smoothed = _check_layer_state(pools, ("k_means",), "k_means_chosen", "keys not smoothed")
     equalized = _check_layer_state(
         pools, ("k_equalizers", "v_equalizers"), "equalizers_chosen", "channels not equalized"
     )
     return smoothed, equalized
+
+
+K8V8_FIELDS = ("v_channel_scales", "v_scales_chosen", "v_saturated")
+
+
+def _k8v8(pools: PoolTensors) -> bool:
+    """Whether the pools hold the k8v8 format: V's channel scales given."""
+    return pools.v_channel_scales.numel() > 0
+
+
+def _k8v16(pools: PoolTensors) -> bool:
+    """Whether the pools hold the k8v16 format: int8 K codes, V in a float dtype."""
+    return pools.k_pools.dtype == torch.int8 and pools.v_pools.dtype.is_floating_point
+
+
+def _check_k8v8_state(pools: PoolTensors) -> None:
+    """The k8v8 pools' dtypes, V's channel scales, their CPU flags and the saturation counts."""
+    if pools.k_pools.dtype != torch.int8 or pools.v_pools.dtype != torch.float8_e4m3fn:
+        raise TypeError(
+            "v_channel_scales (k8v8) need int8 k_pools and float8_e4m3fn v_pools, got "
+            f"{pools.k_pools.dtype} and {pools.v_pools.dtype}"
+        )
+    num_layers, num_blocks, _, num_kv_heads, head_dim = pools.k_pools.shape
+    wanted = (num_layers, num_blocks, num_kv_heads, head_dim)
+    _checks.check_dtype("v_channel_scales", pools.v_channel_scales, (SCALE_DTYPE,))
+    if tuple(pools.v_channel_scales.shape) != wanted:
+        raise ValueError(
+            f"v_channel_scales must have shape {wanted} (layers, num_blocks, num_kv_heads, "
+            f"head_dim), got {tuple(pools.v_channel_scales.shape)}"
+        )
+    chosen, counts = pools.v_scales_chosen, pools.v_saturated
+    _checks.check_dtype("v_scales_chosen", chosen, (torch.bool,))
+    if chosen.shape != (num_layers,) or chosen.device.type != "cpu":
+        raise ValueError(
+            f"v_scales_chosen must be a CPU tensor of shape ({num_layers},), got "
+            f"{tuple(chosen.shape)} on {chosen.device}"
+        )
+    _checks.check_dtype("v_saturated", counts, (torch.int32,))
+    if counts.shape != (num_layers,):
+        raise ValueError(f"v_saturated must have shape ({num_layers},), got {tuple(counts.shape)}")
 
 
 def _check_layer_state(
@@ -310,7 +365,7 @@ def _check_inputs(
         )
     if k_pools.data_ptr() == v_pools.data_ptr() and k_pools.numel() > 0:
         raise ValueError("k_pools and v_pools must be separate tensors, not the same memory")
-    if v_pools.dtype != k_pools.dtype:
+    if v_pools.dtype != k_pools.dtype and not (_k8v8(pools) or _k8v16(pools)):
         raise TypeError(f"v_pools must have k_pools' dtype {k_pools.dtype}, got {v_pools.dtype}")
     num_layers, _, _, num_kv_heads, head_dim = k_pools.shape
     layer_index = _check_scalar("layer", inputs.layer)
@@ -383,6 +438,10 @@ def _check_inputs(
         raise ValueError(f"fp8_mma needs float8_e4m3fn pools, got {k_pools.dtype}")
     if inputs.int8_mma and k_pools.dtype != torch.int8:
         raise ValueError(f"int8_mma needs int8 pools, got {k_pools.dtype}")
+    k8v8 = _k8v8(pools)
+    v_unscaled = k8v8 or _k8v16(pools)  # (no V scale per slot, no V factors)
+    if v_unscaled and first_block >= 0:
+        raise ValueError("k8v8 and k8v16 pools take no history staging yet: stage_from must be -1")
     _checks.check_same_device(
         **dict(zip(KV_ARGS, kv, strict=True)),
         **_on_device(pools),
@@ -396,7 +455,7 @@ def _check_inputs(
     )
     _checks.check_softmax_scale(inputs.softmax_scale)
     k_scale = pools.k_scales[layer_index] if quantized else None
-    v_scale = pools.v_scales[layer_index] if quantized else None
+    v_scale = pools.v_scales[layer_index] if quantized and not v_unscaled else None
     check_attention_arguments(
         query,
         k_pools[layer_index],
@@ -414,7 +473,8 @@ def _check_inputs(
         fp8_mma=inputs.fp8_mma,
         int8_mma=inputs.int8_mma,
         k_equalizer=pools.k_equalizers[layer_index] if equalized else None,
-        v_equalizer=pools.v_equalizers[layer_index] if equalized else None,
+        v_equalizer=pools.v_equalizers[layer_index] if equalized and not v_unscaled else None,
+        v_channel_scale=pools.v_channel_scales[layer_index] if k8v8 else None,
     )
     if first_block >= 0:
         _check_staging(query, pools, inputs.block_table, first_block)
@@ -446,8 +506,16 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
     # no factors without equalization).
     k_scale = v_scale = stage_k_scale = stage_v_scale = k_smooth = k_smooth_chosen = None
     k_equalizer = v_equalizer = equalizers_chosen = None
+    k8v8 = _k8v8(pools)
+    v_unscaled = k8v8 or _k8v16(pools)
+    # k8v8: V's channel scales (chosen on the layer's first write, as the mean), no V scale per
+    # slot or V factors.
+    channels = {}
+    if k8v8:
+        channels = {"v_channel_scale": pools.v_channel_scales[layer_index]}
     if is_quantized(k_cache.dtype):
-        k_scale, v_scale = pools.k_scales[layer_index], pools.v_scales[layer_index]
+        k_scale = pools.k_scales[layer_index]
+        v_scale = None if v_unscaled else pools.v_scales[layer_index]
         stage_k_scale = pools.stage_k_scales[layer_index] if first_block >= 0 else None
         stage_v_scale = pools.stage_v_scales[layer_index] if first_block >= 0 else None
         if smoothed:
@@ -458,7 +526,7 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         if equalized:
             # Likewise the factors, from the same rows (after the mean).
             k_equalizer = pools.k_equalizers[layer_index]
-            v_equalizer = pools.v_equalizers[layer_index]
+            v_equalizer = None if v_unscaled else pools.v_equalizers[layer_index]
             equalizers_chosen = pools.equalizers_chosen[layer_index]
     if inputs.choice_slots is not None:
         # This call writes only some of the forward's video tokens (one rank of a sharded
@@ -474,11 +542,19 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             v_equalizer=v_equalizer,
             equalizers_chosen=equalizers_chosen,
         )
-    # Only video keys choose the mean and the factors; action rows are written with them.
-    for k, v, slots, mean_chosen, factors_chosen in (
-        (key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen),
-        (action_key, action_value, inputs.action_slots, None, None),
+    # Only video keys choose the mean and the factors (and k8v8's V scales); action rows are
+    # written with them.
+    v_chosen = pools.v_scales_chosen[layer_index] if k8v8 else None
+    for k, v, slots, mean_chosen, factors_chosen, channels_chosen in (
+        (key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen, v_chosen),
+        (action_key, action_value, inputs.action_slots, None, None, None),
     ):
+        write_channels = channels
+        if k8v8:
+            write_channels = channels | {
+                "v_scale_chosen": channels_chosen,
+                "v_saturated": pools.v_saturated[layer_index : layer_index + 1],
+            }
         write_slots(
             k,
             v,
@@ -493,6 +569,7 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             v_equalizer=v_equalizer,
             equalizers_chosen=factors_chosen,
             check_values=False,
+            **write_channels,
         )
     attend = {
         "max_seqlen_q": inputs.max_seqlen_q,
@@ -504,6 +581,7 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         "k_equalizer": k_equalizer,
         "v_equalizer": v_equalizer,
         "check_values": False,
+        **channels,
     }
     table, cu_seqlens_q, seq_lens_k = inputs.block_table, inputs.cu_seqlens_q, inputs.seq_lens_k
     if first_block < 0:

@@ -18,6 +18,7 @@ from paged_video.kernels import (
     pool_layout,
     query_codes,
     torch_path,
+    value_channels,
     value_units,
 )
 from paged_video.kernels._attention_checks import check_arguments
@@ -61,15 +62,16 @@ def _descriptor_layout(
     v_cache: Tensor,
     block_d: int,
     head_dim: int,
-    scales: tuple[Tensor, Tensor] | None = None,
+    scales: tuple[Tensor, ...] | None = None,
     fp8_mma: bool = False,
 ) -> bool:
     """True when each pool reads as the tensor the TMA loop's descriptors describe, within TMA's
     limits: codes as (block, slot) rows of (KV head, channel) columns; quantized ``scales`` (K's
     and V's) keys-major and aligned (``kernels.keys_major``), each a run of (block, KV head,
     slot) scales (slot-major, a tile's scales of one head are 4 bytes apart: too narrow for a
-    descriptor's rows); with ``fp8_mma`` V keys-major too, read as (block, KV head, channel)
-    rows of slots (its P V MMA reads V keys-contiguous, a transpose no descriptor gives)."""
+    descriptor's rows); with ``fp8_mma`` (an 8-bit V: FP8-MMA, k8v8) V keys-major too, read
+    as (block, KV head, channel) rows of slots (its P V MMA reads V keys-contiguous, a
+    transpose no descriptor gives)."""
     if block_d != head_dim:
         return False  # a tile's columns would run into the next head's
     pools = (k_cache,) if fp8_mma else (k_cache, v_cache)
@@ -318,11 +320,13 @@ def table_mode(
     fp8_mma: bool = False,
     int8_mma: bool = False,
     tma_ready: bool = False,
+    k8v8: bool = False,
+    k8v16: bool = False,
 ) -> str | None:
     """The launch table's K/V mode of a call (``choose_tiles``' arguments of the same names), or
     None where the table has no row for it: float32 queries, and dequantizing calls that do not
     name their codes' dtype."""
-    quantized = dequantize or fp8_mma or int8_mma
+    quantized = dequantize or fp8_mma or int8_mma or k8v8 or k8v16
     if dtype == torch.float32 or (dequantize and kv_dtype is None):
         return None
     return launch_table.kv_mode(
@@ -330,6 +334,8 @@ def table_mode(
         fp8_mma=fp8_mma,
         int8_mma=int8_mma,
         keys_major=quantized and tma_ready,
+        k8v8=k8v8,
+        k8v16=k8v16,
     )
 
 
@@ -359,6 +365,9 @@ def choose_tiles(
     scores_ahead: bool | None = None,
     tma_ready: bool = False,
     kv_dtype: torch.dtype | None = None,
+    k8v8: bool = False,
+    v_block_scales: bool = False,
+    k8v16: bool = False,
 ) -> dict[str, int | str | bool]:
     """Tile sizes, key path and launch settings for one call, with the caller's overrides.
 
@@ -386,11 +395,15 @@ def choose_tiles(
     over such pools at head_dim 128 take 128-key TMA tiles where a tile lies inside a block
     (FP8-MMA 6.1 instructions per key, e4m3 6.8-7.0, int8 7.2-7.4), unless the caller sets
     another tile or variant.
+    ``k8v8``: the k8v8 format (int8 ``Q K^T``, FP8 ``P V``); with ``v_block_scales`` (V's
+    scales per block) every key tile must lie inside one block: the key tile is the largest
+    that divides the block (at least 32 keys, else a ``ValueError``). ``k8v16``: int8 ``Q K^T``,
+    16-bit ``P V`` over V as stored.
     """
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-    quantized = dequantize or fp8_mma or int8_mma
+    quantized = dequantize or fp8_mma or int8_mma or k8v8 or k8v16
     if variant is not None and variant not in launch_table.VARIANTS:
         raise ValueError(
             f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
@@ -412,7 +425,7 @@ def choose_tiles(
         stages += dequantize
         mode = table_mode(
             dtype=dtype, kv_dtype=kv_dtype, dequantize=dequantize, fp8_mma=fp8_mma,
-            int8_mma=int8_mma, tma_ready=tma_ready,
+            int8_mma=int8_mma, tma_ready=tma_ready, k8v8=k8v8, k8v16=k8v16,
         )  # fmt: skip
         row = None
         if mode is not None:
@@ -431,14 +444,25 @@ def choose_tiles(
             default_m, warps = short_q, 4
     tile_m = block_m or default_m
     tile_n = block_n or default_n
-    if fp8_mma and tile_n < launch_table.FP8_MIN_KEYS:
+    if (fp8_mma or k8v8) and tile_n < launch_table.FP8_MIN_KEYS:
         # The FP8 P V MMA reduces over the tile's keys; Hopper's FP8 wgmma takes 32 at least
         # (a 16-key tile fails to compile on a GPU, though the interpreter runs it).
         if block_n is not None:
             raise ValueError(
-                f"block_n must be >= {launch_table.FP8_MIN_KEYS} with fp8_mma, got {block_n}"
+                f"block_n must be >= {launch_table.FP8_MIN_KEYS} with fp8_mma or k8v8, got "
+                f"{block_n}"
             )
         tile_n = launch_table.FP8_MIN_KEYS
+    if v_block_scales and block_size % tile_n:
+        # A block's V scales multiply its tiles' P V sums: a tile must lie inside one block.
+        fits = [n for n in (128, 64, 32) if n <= tile_n and block_size % n == 0]
+        if block_n is not None or not fits:
+            raise ValueError(
+                f"V scales per block need key tiles inside one block (block_size a multiple "
+                f"of the tile, >= {launch_table.FP8_MIN_KEYS}): block_size {block_size}, tile "
+                f"{tile_n}; use a frozen v_channel_scale (block stride 0)"
+            )
+        tile_n = fits[0]
     path = kv_path(block_size, tile_n)
     # Descriptor loads are for tiles inside one block (block_tiles: the whole-tile piece, when
     # its keys fill tiles) and, when the caller asks for "tma", 16-bit tiles of two whole
@@ -458,7 +482,7 @@ def choose_tiles(
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
-        "BLOCK_D": _block_d(head_dim, fp8_mma or int8_mma),
+        "BLOCK_D": _block_d(head_dim, fp8_mma or int8_mma or k8v8 or k8v16),
         "KV_PATH": path,
         "PIECES": block_pieces(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
@@ -496,6 +520,7 @@ def paged_attention(
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     return_lse: bool = False,
+    v_channel_scale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of packed queries ``q (total_q, H, D)`` over a paged cache.
 
@@ -525,6 +550,13 @@ def paged_attention(
     ``(num_kv_heads, head_dim)``, as ``write_slots`` divided K and V by them): q's channels are
     multiplied by K's and the output's by V's, so the result is attention over the undivided
     rows.
+    ``v_channel_scale`` (float32 ``(num_blocks, num_kv_heads, head_dim)``): the k8v8 format
+    (``kernels.value_channels``; int8 ``k_cache`` with ``k_scale``, e4m3 ``v_cache``, no
+    ``v_scale``): each query row rounded to int8 codes (scale ``amax / 127``), ``Q K^T`` an
+    int8 MMA, the probabilities (a row's largest 448) rounded to e4m3 and ``P V`` an FP8 MMA
+    over V's codes; V's channel scales multiply each tile's ``P V`` (per block: key tiles
+    inside one block) or, frozen (block stride 0), the output. ``k_equalizer`` as above; no
+    ``v_equalizer``.
 
     A query that sees no key (every key masked by ``causal``, ``key_limits`` or ``key_gap``, or
     ``seq_lens_k`` 0) outputs zeros, as FlashAttention does.
@@ -555,6 +587,7 @@ def paged_attention(
         int8_mma=int8_mma,
         k_equalizer=k_equalizer,
         v_equalizer=v_equalizer,
+        v_channel_scale=v_channel_scale,
     )
     _checks.check_softmax_scale(softmax_scale)
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
@@ -570,9 +603,15 @@ def paged_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
+    k8v8 = v_channel_scale is not None
+    # k8v16: int8 K with its scales, V as stored (16-bit), no V scales.
+    k8v16 = k_scale is not None and v_scale is None and not k8v8
+    v_block_scales = k8v8 and not value_channels.is_frozen(v_channel_scale)
     scales = (k_scale, v_scale) if k_scale is not None else None
-    block_d = _block_d(head_dim, fp8_mma or int8_mma)
-    tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, fp8_mma)
+    if k8v8 or k8v16:
+        scales = (k_scale,)  # (V's scales are per channel: no descriptor reads them)
+    block_d = _block_d(head_dim, fp8_mma or int8_mma or k8v8 or k8v16)
+    tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, fp8_mma or k8v8)
     tiles = choose_tiles(
         block_size=block_size,
         head_dim=head_dim,
@@ -581,13 +620,16 @@ def paged_attention(
         block_m=block_m,
         block_n=block_n,
         heads_per_kv_head=group,
-        dequantize=k_scale is not None and not fp8_mma and not int8_mma,
+        dequantize=v_scale is not None and not fp8_mma and not int8_mma,
         fp8_mma=fp8_mma,
         int8_mma=int8_mma,
         variant=variant,
         scores_ahead=scores_ahead,
         tma_ready=tma_ready,
         kv_dtype=k_cache.dtype,
+        k8v8=k8v8,
+        v_block_scales=v_block_scales,
+        k8v16=k8v16,
     )
     chosen_variant = tiles.pop("VARIANT")
     if tiles["TMA"] and not tma_ready:
@@ -631,6 +673,8 @@ def paged_attention(
             k_equalizer=k_equalizer,
             v_equalizer=v_equalizer,
             lse=lse,
+            v_channel_scale=v_channel_scale,
+            k8v16=k8v16,
         )
         return (out, lse) if return_lse else out
     if scale < 0:
@@ -652,8 +696,24 @@ def paged_attention(
     rows = max_seqlen_q * group
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch, k_cache.shape[2])
     # Unquantized: no scale pointers (QUANTIZED is then False and the kernel is the plain one).
-    scale_strides = (*k_scale.stride(), *v_scale.stride()) if k_scale is not None else (0,) * 6
-    same_strides = k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
+    if k8v8:
+        # V's scale pool is its channel scales, passed as (block, channel, KV head) strides.
+        v_scale = v_channel_scale
+        channel_strides = v_scale.stride()
+        scale_strides = (*k_scale.stride(), *channel_strides[::2], channel_strides[1])
+        same_strides = k_cache.stride() == v_cache.stride()
+    elif k8v16:
+        v_scale = k_scale  # a placeholder: K8V16 reads no V scale
+        scale_strides = (*k_scale.stride(), 0, 0, 0)
+        same_strides = False
+    elif k_scale is not None:
+        scale_strides = (*k_scale.stride(), *v_scale.stride())
+    else:
+        scale_strides = (0,) * 6
+    if not (k8v8 or k8v16):
+        same_strides = (
+            k_cache.stride() == v_cache.stride() and scale_strides[:3] == scale_strides[3:]
+        )
     # int32 row offsets when every offset into the pools (and their scale pools) fits.
     pools = [pool for pool in (k_cache, v_cache, k_scale, v_scale) if pool is not None]
     offsets_32 = max(map(_largest_offset, pools)) < 2**31
@@ -665,7 +725,11 @@ def paged_attention(
     if fp8_mma:
         query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)
         k_equalizer = None
-    if k_scale is not None:
+    if k8v8 or k8v16:
+        # int8 query rows (a scale per row, folded into the softmax's per-row factor).
+        query, query_scales = query_codes.int8_query_rows(q, k_equalizer, group)
+        k_equalizer = None
+    elif k_scale is not None:
         largest = value_units.E4M3_LARGEST if fp8_mma else value_units.FLOAT16_LARGEST
         units = value_units.probability_units(
             v_scale, block_table, seq_lens_k, key_gap, largest=largest
@@ -714,9 +778,13 @@ def paged_attention(
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
         FP8_MMA=fp8_mma,
-        V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),
-        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale) and pool_layout.keys_aligned(v_scale),
+        V_KEYS_MAJOR=(fp8_mma or k8v8) and pool_layout.keys_aligned(v_cache),
+        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale)
+        and (k8v8 or k8v16 or pool_layout.keys_aligned(v_scale)),
         INT8_MMA=int8_mma,
+        K8V8=k8v8,
+        V_BLOCK_SCALES=v_block_scales,
+        K8V16=k8v16,
         PV_DTYPE=tl.float32 if upcast else tl.float16,  # quantized P V (value_units.py)
         INTERPRETED=interpreter_active(),
         UPCAST=upcast,

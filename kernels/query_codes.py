@@ -1,5 +1,9 @@
-"""FP8-MMA query rows: each (token, head) row of ``q`` as e4m3 codes and a float32 scale, made
-before the attention kernel, which then loads them.
+"""Query rows as 8-bit codes: each (token, head) row of ``q`` as e4m3 codes (FP8-MMA) or int8
+codes (k8v8) and a float32 scale, made before the attention kernel, which then loads them.
+
+Int8 rows take a scale per row (``amax / 127``, rounded as ``write_slots`` rounds), not one per
+block of rows as SageAttention does: the kernel folds each row's scale into the per-row factor
+of its softmax either way (no instruction more), and a row's own scale is never coarser.
 
 Why a pass of its own: Triton's Hopper MMA takes its A operand from shared memory (by
 descriptor) only when that operand is loaded. Rows the attention kernel rounded itself stayed a
@@ -17,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels._quantize_jit import E4M3_MAX, to_e4m3
+from paged_video.kernels._quantize_jit import E4M3_MAX, quantize_rows, to_e4m3
 from paged_video.kernels._runtime import interpreter_active
 
 ROWS_PER_PROGRAM = 64
@@ -43,6 +47,7 @@ def _e4m3_query_rows_kernel(
     GROUP: tl.constexpr,
     HAS_EQUALIZER: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """Rows ``r`` = token * heads + head of a program: codes ``q / scale`` and ``scale = amax /
     448`` (a zero row: scale 0, codes 0), the arithmetic the attention kernel once did itself."""
@@ -70,8 +75,12 @@ def _e4m3_query_rows_kernel(
             other=1.0,
         )
         q = q * factor
-    scale = tl.max(tl.abs(q), axis=1) / E4M3_MAX
-    codes = to_e4m3(q / tl.where(scale > 0.0, scale, 1.0)[:, None], INTERPRETED)
+    if INT8:
+        codes, scale = quantize_rows(q, 127.0, False)
+        codes = codes.to(tl.int8)
+    else:
+        scale = tl.max(tl.abs(q), axis=1) / E4M3_MAX
+        codes = to_e4m3(q / tl.where(scale > 0.0, scale, 1.0)[:, None], INTERPRETED)
     rows_i64 = offs_r.to(tl.int64)
     tl.store(codes_ptr + rows_i64[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=mask)
     tl.store(scales_ptr + rows_i64, scale, mask=r_mask)
@@ -84,8 +93,22 @@ def e4m3_query_rows(
     and float32 scales ``(total_q, H)``, with ``codes * scale`` the row ``q * k_equalizer`` (of
     its KV head, ``heads_per_kv_head`` query heads each) rounded to e4m3. The launcher's checks
     have run: nothing is checked here."""
+    return _query_rows(q, k_equalizer, heads_per_kv_head, torch.float8_e4m3fn)
+
+
+def int8_query_rows(
+    q: Tensor, k_equalizer: Tensor | None, heads_per_kv_head: int
+) -> tuple[Tensor, Tensor]:
+    """``e4m3_query_rows`` with int8 codes: ``scale = amax / 127``, codes ``q / scale`` rounded
+    to the nearest integer (ties to even; a zero row: scale 0, codes 0)."""
+    return _query_rows(q, k_equalizer, heads_per_kv_head, torch.int8)
+
+
+def _query_rows(
+    q: Tensor, k_equalizer: Tensor | None, heads_per_kv_head: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     tokens, heads, head_dim = q.shape
-    codes = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+    codes = torch.empty(q.shape, dtype=dtype, device=q.device)
     scales = torch.empty((tokens, heads), dtype=torch.float32, device=q.device)
     rows = tokens * heads
     equalizer_strides = k_equalizer.stride() if k_equalizer is not None else (0, 0)
@@ -104,6 +127,7 @@ def e4m3_query_rows(
         BLOCK_R=ROWS_PER_PROGRAM,
         GROUP=heads_per_kv_head,
         INTERPRETED=interpreter_active(),
+        INT8=dtype == torch.int8,
         num_warps=4,
     )
     return codes, scales

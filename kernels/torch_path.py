@@ -44,6 +44,8 @@ def write_slots(
     k_smooth: Tensor | None = None,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
+    v_channel_scale: Tensor | None = None,
+    v_saturated: Tensor | None = None,
 ) -> None:
     mapped = slot_mapping.shape[0]
     keep = slot_mapping >= 0
@@ -63,7 +65,20 @@ def write_slots(
     if v_equalizer is not None:
         value = value / v_equalizer
     k_pool[slots], k_scale[slots] = quantize_rows(key, k_pool.dtype)
-    v_pool[slots], v_scale[slots] = quantize_rows(value, v_pool.dtype)
+    if v_scale is None and v_channel_scale is None:  # k8v16: V as it is
+        v_pool[slots] = value.to(v_pool.dtype)
+        return
+    if v_channel_scale is None:
+        v_pool[slots], v_scale[slots] = quantize_rows(value, v_pool.dtype)
+        return
+    # k8v8: V's codes of its (block, KV head, channel) scales, saturating (counted).
+    scale = v_channel_scale[slots[0]]
+    positive = scale > 0
+    ratio = torch.where(positive, value / torch.where(positive, scale, 1.0), 0.0)
+    if v_saturated is not None:
+        over = (ratio.abs() > QMAX[v_pool.dtype]) | (~positive & (value != 0))
+        v_saturated += over.sum().to(v_saturated.dtype)
+    v_pool[slots] = _to_codes(ratio.clamp(-QMAX[v_pool.dtype], QMAX[v_pool.dtype]), v_pool.dtype)
 
 
 def gather_blocks(
@@ -108,6 +123,8 @@ def paged_attention(
     int8_mma: bool = False,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
+    v_channel_scale: Tensor | None = None,
+    k8v16: bool = False,
 ) -> Tensor:
     """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
     scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
@@ -115,14 +132,19 @@ def paged_attention(
     largest V scale of the sequence's keys outside its gaps / 448 (the whole sequence one key
     tile); ``int8_mma`` rounds each query row to int8 codes. ``k_equalizer`` multiplies q's
     channels first, ``v_equalizer`` the output's last. ``lse`` (float32 ``(total_q, H)``)
-    receives each row's log-sum-exp of its visible scores, -inf for a row that sees none."""
+    receives each row's log-sum-exp of its visible scores, -inf for a row that sees none.
+    ``v_channel_scale`` (k8v8): int8 query rows, the probabilities (a row's largest 448) rounded
+    to e4m3 after the final row max (the whole sequence one key tile), V's codes times their
+    block's channel scales. ``k8v16``: int8 query rows, V as stored.
+    """
+    k8v8 = v_channel_scale is not None
     block_size = k_cache.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     group = q.shape[1] // k_cache.shape[2]
     queries = q.float()
     if k_equalizer is not None:
         queries = queries * k_equalizer.repeat_interleave(group, dim=0)
-    if fp8_mma or int8_mma:
+    if fp8_mma or int8_mma or k8v8 or k8v16:
         dtype = torch.float8_e4m3fn if fp8_mma else torch.int8
         codes, row_scale = quantize_rows(queries, dtype)
         queries = (codes.float(), row_scale)
@@ -144,7 +166,10 @@ def paged_attention(
         blocks = block_table[row, positions // block_size].long()
         slots = positions % block_size
         keys = k_cache[blocks, slots].float().repeat_interleave(group, dim=1)
-        values = v_cache[blocks, slots].float().repeat_interleave(group, dim=1)
+        values = v_cache[blocks, slots].float()
+        if k8v8:
+            values = values * v_channel_scale[blocks]
+        values = values.repeat_interleave(group, dim=1)
         cols = positions[None, :]
         visible = torch.ones(hi - lo, k_len, dtype=torch.bool)
         if causal:
@@ -157,7 +182,7 @@ def paged_attention(
                 outside_gaps &= (positions < gap_lo) | (positions >= gap_hi)
             visible &= outside_gaps[None, :]
         scores = torch.einsum("qhd,khd->hqk", queries[0][lo:hi], keys) * scale
-        if fp8_mma or int8_mma:
+        if fp8_mma or int8_mma or k8v8 or k8v16:
             scores = scores * queries[1][lo:hi].T[:, :, None]
         if k_scale is not None:
             scores = scores * k_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
@@ -169,6 +194,8 @@ def paged_attention(
         if lse is not None:
             # (H, q, 1) -> (q, H); log(0) is the -inf of a row that sees nothing.
             lse[lo:hi] = (safe_max + torch.log(row_sum)).squeeze(-1).T
+        if k8v8:
+            probs = _to_codes(probs * 448.0, torch.float8_e4m3fn).float() / 448.0
         if v_scale is not None:
             col_scale = v_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
             if fp8_mma:

@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import _checks, equalize, quantize, torch_path
+from paged_video.kernels import _checks, equalize, quantize, torch_path, value_channels
 from paged_video.kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
-from paged_video.kernels._quantize_jit import quantize_rows
+from paged_video.kernels._quantize_jit import quantize_rows, round_to_code_grid
 from paged_video.kernels._runtime import use_torch_path
 
 
@@ -107,6 +107,8 @@ def _write_slots_quantized_kernel(
     k_smooth_ptr,
     k_equalizer_ptr,
     v_equalizer_ptr,
+    v_channel_ptr,
+    saturated_ptr,
     slot_mapping_ptr,
     num_tokens,
     num_kv_heads,
@@ -137,6 +139,9 @@ def _write_slots_quantized_kernel(
     stride_keq_dim,
     stride_veq_head,
     stride_veq_dim,
+    stride_vc_block,
+    stride_vc_head,
+    stride_vc_dim,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -148,6 +153,10 @@ def _write_slots_quantized_kernel(
     K_FP8: tl.constexpr,
     V_FP8: tl.constexpr,
     POOL_BLOCK: tl.constexpr,
+    V_CHANNEL: tl.constexpr,
+    CHANNEL_BLOCK: tl.constexpr,
+    COUNT_SATURATED: tl.constexpr,
+    V_PLAIN: tl.constexpr,
 ):
     # Program (t, h) quantizes BLOCK_T tokens x BLOCK_H whole heads of K and of V. The tile is
     # 3-D [tokens, heads, BLOCK_D] rather than the copy tiles' flat plane chunk: each scale is
@@ -203,7 +212,30 @@ def _write_slots_quantized_kernel(
         )
         value = tl.div_rn(value, tl.broadcast_to(v_factor[None, :, :], value.shape))
     k_codes, k_scale = quantize_rows(key, K_QMAX, K_FP8)
-    v_codes, v_scale = quantize_rows(value, V_QMAX, V_FP8)
+    if V_CHANNEL:
+        # k8v8: e4m3 codes of V over its (block, head, channel) scales (kernels.value_channels;
+        # a frozen tensor's block stride is 0), saturating, the saturated ones counted.
+        channel_scale = tl.load(
+            v_channel_ptr
+            + (slot // CHANNEL_BLOCK)[:, None, None] * stride_vc_block
+            + head3 * stride_vc_head
+            + dim3 * stride_vc_dim,
+            mask=mask,
+            other=0.0,
+        )
+        positive = channel_scale > 0.0
+        ratio = tl.div_rn(value, tl.where(positive, channel_scale, 1.0))
+        ratio = tl.where(positive, ratio, 0.0)
+        if COUNT_SATURATED:
+            over = mask & ((tl.abs(ratio) > V_QMAX) | (~positive & (value != 0.0)))
+            tl.atomic_add(saturated_ptr, tl.sum(tl.sum(tl.sum(over.to(tl.int32), 2), 1), 0))
+        ratio = tl.minimum(tl.maximum(ratio, -V_QMAX), V_QMAX)
+        v_codes = round_to_code_grid(ratio, True)
+        v_scale = k_scale  # (unused: no V scale per slot)
+    elif V_PLAIN:
+        v_codes, v_scale = value, k_scale  # k8v16: V as it is (no V scale)
+    else:
+        v_codes, v_scale = quantize_rows(value, V_QMAX, V_FP8)
 
     kp_slot = _slot_offsets(slot, stride_kp_block, stride_kp_slot, POOL_BLOCK)[:, None, None]
     vp_slot = _slot_offsets(slot, stride_vp_block, stride_vp_slot, POOL_BLOCK)[:, None, None]
@@ -221,7 +253,8 @@ def _write_slots_quantized_kernel(
     vs_slot = _slot_offsets(slot, stride_vs_block, stride_vs_slot, POOL_BLOCK)[:, None]
     head2 = head[None, :]
     tl.store(k_scale_ptr + ks_slot + head2 * stride_ks_head, k_scale, mask=row_mask)
-    tl.store(v_scale_ptr + vs_slot + head2 * stride_vs_head, v_scale, mask=row_mask)
+    if not V_CHANNEL and not V_PLAIN:
+        tl.store(v_scale_ptr + vs_slot + head2 * stride_vs_head, v_scale, mask=row_mask)
 
 
 def _check_arguments(
@@ -238,6 +271,7 @@ def _check_arguments(
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     equalizers_chosen: Tensor | None = None,
+    v_channel_scale: Tensor | None = None,
 ) -> None:
     _checks.check_rank("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
     _checks.check_rank("value", value, 3, "(num_tokens, num_kv_heads, head_dim)")
@@ -255,13 +289,16 @@ def _check_arguments(
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
     _checks.check_dtype("slot_mapping", slot_mapping, _checks.INDEX_DTYPES)
     quantized = quantize.is_quantized(k_pool.dtype)
-    if quantize.is_quantized(v_pool.dtype) != quantized:
+    # k8v16: int8 K codes beside V stored as it is (no V scale).
+    k8v16 = k_pool.dtype == torch.int8 and v_pool.dtype.is_floating_point and v_scale is None
+    if quantize.is_quantized(v_pool.dtype) != quantized and not k8v16:
         raise TypeError(
             f"v_pool is {v_pool.dtype} but k_pool is {k_pool.dtype}: both pools must be "
             "quantized or neither"
         )
     quantize.check_scales("k_scale", k_scale, "k_pool", k_pool)
-    quantize.check_scales("v_scale", v_scale, "v_pool", v_pool)
+    if v_channel_scale is None:
+        quantize.check_scales("v_scale", v_scale, "v_pool", v_pool)
     if k_smooth is not None:
         if not quantized:
             raise ValueError(f"k_smooth is only for quantized pools; k_pool is {k_pool.dtype}")
@@ -289,11 +326,12 @@ def _check_arguments(
         if factor is not None and not quantized:
             raise ValueError(f"{name} is only for quantized pools; {pool_name} is {pool.dtype}")
         equalize.check_factor(name, factor, pool_name, pool)
-    equalize.check_chosen_flag(
-        "equalizers_chosen",
-        equalizers_chosen,
-        {"k_equalizer": k_equalizer, "v_equalizer": v_equalizer},
-    )
+    # (k8v8 pools have no V factors: V's channel scales take what they would; k8v16's V is
+    # stored as it is.)
+    chosen_factors = {"k_equalizer": k_equalizer}
+    if v_channel_scale is None and not k8v16:
+        chosen_factors["v_equalizer"] = v_equalizer
+    equalize.check_chosen_flag("equalizers_chosen", equalizers_chosen, chosen_factors)
     _checks.check_same_device(
         key=key,
         value=value,
@@ -326,7 +364,7 @@ def _check_arguments(
         )
     if k_pool.data_ptr() == v_pool.data_ptr() and k_pool.numel() > 0:
         raise ValueError("k_pool and v_pool must be separate tensors, not the same memory")
-    if quantized and k_scale.data_ptr() == v_scale.data_ptr() and k_scale.numel() > 0:
+    if v_scale is not None and k_scale.data_ptr() == v_scale.data_ptr() and k_scale.numel() > 0:
         raise ValueError("k_scale and v_scale must be separate tensors, not the same memory")
     if check_values and slot_mapping.numel():
         slots = slot_mapping[slot_mapping >= 0]
@@ -356,6 +394,10 @@ def write_slots(
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     equalizers_chosen: Tensor | None = None,
+    v_channel_scale: Tensor | None = None,
+    v_scale_chosen: Tensor | None = None,
+    v_headroom: float = value_channels.V_HEADROOM,
+    v_saturated: Tensor | None = None,
     check_values: bool = True,
 ) -> None:
     """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
@@ -373,8 +415,18 @@ def write_slots(
     False first sets ``k_smooth`` to the mean of the keys it writes (per KV head, over finite
     values of rows with a slot) and sets it True; with ``equalizers_chosen`` likewise, after the
     mean, both factors (``choose_equalizers``).
+
+    The k8v8 format (``v_channel_scale`` given: int8 ``k_pool`` with ``k_scale`` as above, e4m3
+    ``v_pool``, no ``v_scale``, no ``v_equalizer``; paged pools): V is stored as codes of its
+    float32 scales per (block, KV head, channel), ``v_channel_scale (num_blocks, num_kv_heads,
+    head_dim)`` (``kernels.value_channels``): frozen (block stride 0), chosen by the write that
+    finds ``v_scale_chosen`` (0-dim bool, CPU) False, or per block, chosen by the write of a
+    block's first slot; either from the rows written, times ``v_headroom``. V elements stored
+    saturated are added to ``v_saturated`` (int32 ``(1,)``, the pools' device) when given.
     ``check_values=False`` skips the checks that read values (no device sync).
     """
+    if v_channel_scale is None and (v_scale_chosen is not None or v_saturated is not None):
+        raise ValueError("v_scale_chosen and v_saturated are for v_channel_scale (k8v8) pools")
     _check_arguments(
         key,
         value,
@@ -389,7 +441,13 @@ def write_slots(
         k_equalizer,
         v_equalizer,
         equalizers_chosen,
+        v_channel_scale,
     )
+    if v_channel_scale is not None:
+        _check_channel_format(
+            k_pool, v_pool, k_scale, v_scale, v_equalizer, v_channel_scale, v_scale_chosen,
+            v_headroom, v_saturated,
+        )  # fmt: skip
     slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -404,6 +462,11 @@ def write_slots(
         v_equalizer=v_equalizer,
         equalizers_chosen=equalizers_chosen,
     )
+    if v_channel_scale is not None:
+        _choose_channel_scales(
+            value[:num_tokens], slot_mapping, v_pool.shape[1], v_channel_scale, v_scale_chosen,
+            v_headroom,
+        )  # fmt: skip
     if use_torch_path(key):
         torch_path.write_slots(
             key,
@@ -416,6 +479,8 @@ def write_slots(
             k_smooth,
             k_equalizer,
             v_equalizer,
+            v_channel_scale,
+            v_saturated,
         )
         return
     if k_scale is not None:
@@ -430,6 +495,8 @@ def write_slots(
             k_smooth,
             k_equalizer,
             v_equalizer,
+            v_channel_scale,
+            v_saturated,
         )
         return
     (k_pool, v_pool), pool_block = _slot_views(k_pool, v_pool)
@@ -499,7 +566,7 @@ def choose_k_mean(mean: Tensor, key: Tensor, slot_mapping: Tensor) -> None:
 
 def choose_equalizers(
     k_equalizer: Tensor,
-    v_equalizer: Tensor,
+    v_equalizer: Tensor | None,
     key: Tensor,
     value: Tensor,
     slot_mapping: Tensor,
@@ -513,7 +580,8 @@ def choose_equalizers(
     """
     used = slot_mapping >= 0
     k_equalizer.copy_(equalize.choose_factors(key, k_smooth, used, equalize.K_SHARE))
-    v_equalizer.copy_(equalize.choose_factors(value, None, used, equalize.V_SHARE))
+    if v_equalizer is not None:  # (None: a k8v8 pool's, whose V has channel scales)
+        v_equalizer.copy_(equalize.choose_factors(value, None, used, equalize.V_SHARE))
 
 
 def _slot_views(*pools: Tensor) -> tuple[list[Tensor], int]:
@@ -538,8 +606,15 @@ def _launch_quantized(
     k_smooth: Tensor | None,
     k_equalizer: Tensor | None,
     v_equalizer: Tensor | None,
+    v_channel_scale: Tensor | None = None,
+    v_saturated: Tensor | None = None,
 ) -> None:
-    """One launch quantizes K and V and writes their codes and scales."""
+    """One launch quantizes K and V and writes their codes and scales (k8v8: V's codes of its
+    channel scales, no V scale per slot)."""
+    block_size = k_pool.shape[1] if k_pool.dim() == 4 else 1
+    v_plain = v_scale is None and v_channel_scale is None  # k8v16
+    if v_channel_scale is not None or v_plain:
+        v_scale = k_scale  # a placeholder, never written with V_CHANNEL or V_PLAIN
     (k_pool, v_pool, k_scale, v_scale), pool_block = _slot_views(k_pool, v_pool, k_scale, v_scale)
     num_tokens = slot_mapping.shape[0]
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -563,6 +638,8 @@ def _launch_quantized(
         k_smooth if has_smooth else k_scale,  # a placeholder, never read without HAS_SMOOTH
         k_equalizer_arg,
         v_equalizer_arg,
+        v_channel_scale if v_channel_scale is not None else k_scale,
+        v_saturated if v_saturated is not None else slot_mapping,
         slot_mapping,
         num_tokens,
         num_kv_heads,
@@ -576,6 +653,7 @@ def _launch_quantized(
         *(k_smooth.stride() if has_smooth else (0, 0)),
         *k_equalizer_strides,
         *v_equalizer_strides,
+        *(v_channel_scale.stride() if v_channel_scale is not None else (0, 0, 0)),
         BLOCK_T=tiles.block_t,
         BLOCK_H=tiles.block_c // tiles.block_d,
         BLOCK_D=tiles.block_d,
@@ -583,8 +661,73 @@ def _launch_quantized(
         HAS_K_EQUALIZER=k_equalizer is not None,
         HAS_V_EQUALIZER=v_equalizer is not None,
         K_QMAX=quantize.QMAX[k_pool.dtype],
-        V_QMAX=quantize.QMAX[v_pool.dtype],
+        V_QMAX=quantize.QMAX.get(v_pool.dtype, 1.0),
         K_FP8=k_pool.dtype == torch.float8_e4m3fn,
         V_FP8=v_pool.dtype == torch.float8_e4m3fn,
         POOL_BLOCK=pool_block,
+        V_CHANNEL=v_channel_scale is not None,
+        CHANNEL_BLOCK=block_size,
+        COUNT_SATURATED=v_saturated is not None,
+        V_PLAIN=v_plain,
     )
+
+
+def _check_channel_format(
+    k_pool: Tensor,
+    v_pool: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    v_equalizer: Tensor | None,
+    v_channel_scale: Tensor,
+    v_scale_chosen: Tensor | None,
+    v_headroom: object,
+    v_saturated: Tensor | None,
+) -> None:
+    """The k8v8 write's own arguments (``write_slots``' docstring)."""
+    if k_pool.dtype != torch.int8 or v_pool.dtype != torch.float8_e4m3fn:
+        raise TypeError(
+            "v_channel_scale (k8v8) needs an int8 k_pool and a float8_e4m3fn v_pool, got "
+            f"{k_pool.dtype} and {v_pool.dtype}"
+        )
+    if k_scale is None:
+        raise ValueError("v_channel_scale (k8v8) needs k_scale, K's scale per slot")
+    if v_scale is not None or v_equalizer is not None:
+        raise ValueError("v_channel_scale (k8v8) replaces v_scale and v_equalizer: pass neither")
+    value_channels.check_channel_scales("v_channel_scale", v_channel_scale, "v_pool", v_pool)
+    frozen = value_channels.is_frozen(v_channel_scale)
+    if v_scale_chosen is not None:
+        if not frozen:
+            raise ValueError("v_scale_chosen is for a frozen v_channel_scale (block stride 0)")
+        equalize.check_chosen_flag("v_scale_chosen", v_scale_chosen, {})
+    if isinstance(v_headroom, bool) or not isinstance(v_headroom, int | float):
+        raise TypeError(f"v_headroom must be a number, got {type(v_headroom).__name__}")
+    if not 1.0 <= v_headroom < float("inf"):
+        raise ValueError(f"v_headroom must be finite and >= 1, got {v_headroom}")
+    if v_saturated is not None:
+        _checks.check_tensor("v_saturated", v_saturated)
+        _checks.check_dtype("v_saturated", v_saturated, (torch.int32,))
+        if v_saturated.shape != (1,) or v_saturated.device != v_pool.device:
+            raise ValueError(
+                f"v_saturated must be int32 of shape (1,) on {v_pool.device}, got shape "
+                f"{tuple(v_saturated.shape)} on {v_saturated.device}"
+            )
+    _checks.check_same_device(v_pool=v_pool, v_channel_scale=v_channel_scale)
+
+
+def _choose_channel_scales(
+    value: Tensor,
+    slot_mapping: Tensor,
+    block_size: int,
+    scales: Tensor,
+    chosen: Tensor | None,
+    headroom: float,
+) -> None:
+    """What a k8v8 write chooses before it quantizes: a frozen tensor's scales while its flag
+    is unset (then set), a per-block tensor's scales of the blocks whose first slot it
+    writes."""
+    if value_channels.is_frozen(scales):
+        if chosen is not None and not bool(chosen):
+            value_channels.choose_frozen(scales, value, slot_mapping, headroom)
+            chosen.fill_(True)
+    else:
+        value_channels.choose_per_block(scales, value, slot_mapping, block_size, headroom)

@@ -69,6 +69,9 @@ class LayerCache(NamedTuple):
     k_equalizer: Tensor | None = None
     v_equalizer: Tensor | None = None
     equalizers_chosen: Tensor | None = None
+    v_channel_scale: Tensor | None = None
+    v_scale_chosen: Tensor | None = None
+    v_saturated: Tensor | None = None
 
     @property
     def write_pools(self) -> tuple[Tensor, Tensor]:
@@ -84,6 +87,15 @@ class LayerCache(NamedTuple):
         factors and their flags (none for a float cache)."""
         if self.k_scale is None:
             return {}
+        if self.v_channel_scale is not None:
+            return self._k8v8_kwargs() | {
+                "v_scale_chosen": self.v_scale_chosen,
+                "v_saturated": self.v_saturated,
+            }
+        if self.v_scale is None:  # k8v16: V stored as it is
+            kwargs = self._k8v8_kwargs()
+            kwargs.pop("v_channel_scale")
+            return kwargs
         k_scale, v_scale = self.k_scale, self.v_scale
         if self.k_flat is not None:
             k_scale, v_scale = k_scale.flatten(0, 1), v_scale.flatten(0, 1)
@@ -103,9 +115,26 @@ class LayerCache(NamedTuple):
         equalization factors (float: none)."""
         if self.k_scale is None:
             return {}
+        if self.v_channel_scale is not None or self.v_scale is None:  # k8v8, k8v16
+            kwargs = {"k_scale": self.k_scale}
+            if self.v_channel_scale is not None:
+                kwargs["v_channel_scale"] = self.v_channel_scale
+            if self.k_equalizer is not None:
+                kwargs["k_equalizer"] = self.k_equalizer
+            return kwargs
         kwargs = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         if self.k_equalizer is not None:
             kwargs |= {"k_equalizer": self.k_equalizer, "v_equalizer": self.v_equalizer}
+        return kwargs
+
+    def _k8v8_kwargs(self) -> dict[str, Tensor]:
+        """A k8v8 layer's ``write_slots`` keywords but the V flag and counter: K's scales,
+        mean and factors, V's channel scales (no V factors: the channel scales take theirs)."""
+        kwargs = {"k_scale": self.k_scale, "v_channel_scale": self.v_channel_scale}
+        if self.k_mean is not None:
+            kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}
+        if self.k_equalizer is not None:
+            kwargs |= {"k_equalizer": self.k_equalizer, "equalizers_chosen": self.equalizers_chosen}
         return kwargs
 
 
@@ -206,6 +235,7 @@ class PagedKVCache:
         self.branches = branches
         self.session_capacity = session_capacity
         self.device = device
+        self._dtype = dtype  # (k8v16 stores V in it)
         b = config.block_size
 
         self.pool = BlockPool(pool_blocks, copy_contents=self._copy_block)
@@ -215,6 +245,8 @@ class PagedKVCache:
 
         shape = (num_layers, self.num_blocks, b, num_kv_heads, head_dim)
         kv_dtype = config.kv_dtype if config.kv_dtype is not None else dtype
+        if config.k8v8 or config.k8v16:
+            kv_dtype = torch.int8  # K's codes; V's are e4m3 or the cache's dtype (_allocate)
         self.quantized = kv_dtype in KV_DTYPES
         try:
             self._allocate(shape, kv_dtype)
@@ -250,15 +282,32 @@ class PagedKVCache:
         # Keys-major: the scales, and FP8-MMA's V codes (its P V MMA reduces over keys). K's
         # codes stay slot-major: Q K^T reduces over channels, and the TMA loop reads K so.
         keys_major = self.config.keys_major
+        k8v8, k8v16 = self.config.k8v8, self.config.k8v16
         self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=False)
+        v_dtype = torch.float8_e4m3fn if k8v8 else self._dtype if k8v16 else kv_dtype
         self.v_pools = empty_pool(
-            *shape, dtype=kv_dtype, keys_major=keys_major and self.config.fp8_mma
+            *shape,
+            dtype=v_dtype,
+            keys_major=(keys_major and self.config.fp8_mma) or k8v8,
         )
         if quantized:
-            self.k_scales = empty_pool(*shape[:-1], keys_major=keys_major)
-            self.v_scales = empty_pool(*shape[:-1], keys_major=keys_major)
+            self.k_scales = empty_pool(*shape[:-1], keys_major=keys_major or k8v8 or k8v16)
+            self.v_scales = (
+                empty(0) if k8v8 or k8v16 else empty_pool(*shape[:-1], keys_major=keys_major)
+            )
         else:
             self.k_scales, self.v_scales = empty(0), empty(0)
+        # k8v8: V's scales per (layer, KV head, channel), frozen at the layer's first write
+        # (block stride 0: kernels.value_channels), their CPU flags, and a device count per
+        # layer of V elements written saturated.
+        num_blocks = shape[1]
+        if k8v8:
+            channels = torch.zeros(num_layers, 1, num_kv_heads, head_dim, device=device)
+            self.v_channel_scales = channels.expand(-1, num_blocks, -1, -1)
+        else:
+            self.v_channel_scales = empty(0)
+        self.v_scales_chosen = torch.zeros(num_layers if k8v8 else 0, dtype=torch.bool)
+        self.v_saturated = torch.zeros(num_layers if k8v8 else 0, dtype=torch.int32, device=device)
         smoothed = quantized and self.config.smooth_keys
         self.k_means = empty(*((num_layers, num_kv_heads, head_dim) if smoothed else (0,)))
         self.k_means.zero_()
@@ -319,6 +368,7 @@ class PagedKVCache:
             self.k_means,
             self.k_equalizers,
             self.v_equalizers,
+            self.v_channel_scales,
         )
         return sum(t.untyped_storage().nbytes() for t in stored)
 
@@ -379,31 +429,38 @@ class PagedKVCache:
         k, v = self.k_pools[index], self.v_pools[index]
         staged = self.staging is not None
         equalized = self.equalizers_chosen.numel() > 0
+        k8v8, v_scaled = self.config.k8v8, not (self.config.k8v8 or self.config.k8v16)
+        flat = not (self.config.keys_major or k8v8 or self.config.k8v16)
         return LayerCache(
             k=k,
             v=v,
             # Keys-major scales (and FP8-MMA's V) have no flat view: flatten would copy them.
-            k_flat=None if self.config.keys_major else k.flatten(0, 1),
-            v_flat=None if self.config.keys_major else v.flatten(0, 1),
+            k_flat=k.flatten(0, 1) if flat else None,
+            v_flat=v.flatten(0, 1) if flat else None,
             stage_k=self.stage_k[index] if staged else None,
             stage_v=self.stage_v[index] if staged else None,
             k_scale=self.k_scales[index] if self.quantized else None,
-            v_scale=self.v_scales[index] if self.quantized else None,
+            v_scale=self.v_scales[index] if self.quantized and v_scaled else None,
             k_mean=self.k_means[index] if self.k_means.numel() else None,
             k_mean_chosen=self.k_means_chosen[index] if self.k_means.numel() else None,
             k_equalizer=self.k_equalizers[index] if equalized else None,
             v_equalizer=self.v_equalizers[index] if equalized else None,
             equalizers_chosen=self.equalizers_chosen[index] if equalized else None,
+            v_channel_scale=self.v_channel_scales[index] if k8v8 else None,
+            v_scale_chosen=self.v_scales_chosen[index] if k8v8 else None,
+            v_saturated=self.v_saturated[index : index + 1] if k8v8 else None,
         )
 
     def check_layer_state(self) -> None:
         """``ValueError`` when a layer's pools hold committed tokens but not what a layer's first
-        write chooses (its K mean, its equalization factors): their codes were written without
-        the layer's flags, under a state nobody chose, and the next write would choose one from
-        its own keys and attend the old codes under it. CPU flags: no device sync."""
+        write chooses (its K mean, its equalization factors, k8v8's V channel scales): their
+        codes were written without the layer's flags, under a state nobody chose, and the next
+        write would choose one from its own keys and attend the old codes under it. CPU flags:
+        no device sync."""
         for flags, what in (
             (self.k_means_chosen, "K mean (k_means_chosen)"),
             (self.equalizers_chosen, "equalization factors (equalizers_chosen)"),
+            (self.v_scales_chosen, "V channel scales (v_scales_chosen)"),
         ):
             if bool(flags.all()):
                 continue

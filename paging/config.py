@@ -18,6 +18,9 @@ MAX_CHUNKS = 2**16
 MAX_KEYS = 2**31 - 1
 # Quantized pool dtypes (kernels.quantize.QUANT_DTYPES; not imported: kernels load Triton).
 KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
+# The one switch's formats (``kv_format``): the pools in the model's dtype, or k8v8 (int8 K, e4m3
+# V with channel scales: both products on 8-bit tensor cores, docs/quantization.md).
+KV_FORMATS = ("bf16", "k8v8", "k8v16")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,16 @@ class PagingConfig:
     the scale pools, and with ``fp8_mma`` V's codes, out keys-major (``kernels.pool_layout``):
     a block's keys contiguous per KV head (and channel), which feeds FP8-MMA's ``P V`` as
     prefetched and lets the scales load two at a time, at the cost of rows padded to 16 keys.
+
+    ``kv_format`` (``None``: the switches above) is the one switch that implies them:
+    ``"bf16"`` stores the pools in the cache's dtype, unquantized; ``"k8v8"`` stores K as int8
+    codes (smoothed and equalized per ``smooth_keys``/``equalize_channels``, its scales
+    keys-major) and V as keys-major e4m3 codes of a float32 scale per (layer, KV head, channel)
+    frozen at the layer's first write with headroom 256 (``kernels.value_channels``), attended
+    with an int8 ``Q K^T`` MMA and an FP8 ``P V`` MMA; ``"k8v16"`` stores K so and V in the
+    cache's dtype, attended with the int8 ``Q K^T`` MMA and a 16-bit ``P V``. With a format,
+    ``kv_dtype``,
+    ``fp8_mma``, ``int8_mma`` and ``keys_major`` stay unset.
     """
 
     block_size: int
@@ -71,6 +84,7 @@ class PagingConfig:
     int8_mma: bool = False
     equalize_channels: bool | None = None
     keys_major: bool = False
+    kv_format: str | None = None
 
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, minimum=1, maximum=MAX_TOKENS)
@@ -100,6 +114,8 @@ class PagingConfig:
             raise TypeError(
                 f"kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got {self.kv_dtype!r}"
             )
+        if self.kv_format is not None:
+            self._check_kv_format()
         if self.fp8_mma and self.kv_dtype != torch.float8_e4m3fn:
             raise ValueError(
                 f"fp8_mma needs kv_dtype=torch.float8_e4m3fn (FP8 MMAs read e4m3 codes), got "
@@ -110,7 +126,7 @@ class PagingConfig:
                 f"int8_mma needs kv_dtype=torch.int8 (int8 MMAs read int8 codes), got "
                 f"kv_dtype={self.kv_dtype}"
             )
-        if self.equalize_channels and self.kv_dtype is None:
+        if self.equalize_channels and self.kv_dtype is None and self.kv_format in (None, "bf16"):
             raise ValueError(
                 "equalize_channels=True needs a quantized kv_dtype (torch.int8 or "
                 "torch.float8_e4m3fn): float pools store K/V as they are"
@@ -130,9 +146,49 @@ class PagingConfig:
                 f"block_size={self.block_size}, max_action_tokens={self.max_action_tokens}"
             )
 
+    def _check_kv_format(self) -> None:
+        if not isinstance(self.kv_format, str) or self.kv_format not in KV_FORMATS:
+            raise ValueError(
+                f"kv_format must be None or one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}"
+            )
+        implied = [
+            name
+            for name, value in (
+                ("kv_dtype", self.kv_dtype is not None),
+                ("fp8_mma", self.fp8_mma),
+                ("int8_mma", self.int8_mma),
+                ("keys_major", self.keys_major),
+            )
+            if value
+        ]
+        if implied:
+            raise ValueError(
+                f"kv_format={self.kv_format!r} implies the pools' dtypes, layout and MMAs: "
+                f"leave {', '.join(implied)} unset"
+            )
+        if self.kv_format == "bf16" and self.equalize_channels:
+            raise ValueError("equalize_channels=True needs a quantized kv_format ('k8v8')")
+        if self.kv_format in ("k8v8", "k8v16") and self.reuse_history_staging:
+            raise ValueError(
+                f"kv_format={self.kv_format!r} does not take reuse_history_staging yet (the "
+                "staging buffers hold slot-major codes with a V scale per token)"
+            )
+
+    @property
+    def k8v8(self) -> bool:
+        """Whether the pools hold the k8v8 format (``kv_format="k8v8"``)."""
+        return self.kv_format == "k8v8"
+
+    @property
+    def k8v16(self) -> bool:
+        """Whether the pools hold the k8v16 format (``kv_format="k8v16"``)."""
+        return self.kv_format == "k8v16"
+
     def channel_equalization(self, kv_dtype: torch.dtype | None = None) -> bool:
         """Whether a cache of ``kv_dtype`` pools (default: ``self.kv_dtype``) equalizes channels:
         ``equalize_channels`` when given, else for int8 pools only; never for float pools."""
+        if self.k8v8 or self.k8v16:  # K's factors (V has channel scales, or is unscaled)
+            return self.equalize_channels is not False
         kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
         if not any(kv_dtype is d for d in KV_DTYPES):
             return False

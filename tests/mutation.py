@@ -404,8 +404,14 @@ MUTANTS = [
     _m(
         "cache-raw-writes-skip-the-flag",
         "paging/cache.py",
-        '{"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}',
-        '{"k_smooth": self.k_mean}',
+        "        if self.k_mean is not None:\n"
+        '            kwargs |= {"k_smooth": self.k_mean, "k_smooth_chosen": self.k_mean_chosen}\n'
+        "        if self.k_equalizer is not None:\n"
+        "            kwargs |= {\n",
+        "        if self.k_mean is not None:\n"
+        '            kwargs |= {"k_smooth": self.k_mean}\n'
+        "        if self.k_equalizer is not None:\n"
+        "            kwargs |= {\n",
         RAW_DRIVER,
     ),
     # -- forks: reference counts, copy-on-write, fork ------------------------------------------
@@ -792,8 +798,8 @@ MUTANTS = [
     _m(
         "fused-mean-never-chosen",
         "kernels/fused.py",
-        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen)",
-        "(key, value, inputs.video_slots, None, equalizers_chosen)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen, v_chosen)",
+        "(key, value, inputs.video_slots, None, equalizers_chosen, v_chosen)",
         "tests/kernels/test_fused_quantized.py::test_non_finite_keys_are_left_out_of_the_mean",
     ),
     _m(
@@ -827,7 +833,7 @@ MUTANTS = [
     _m(
         "fused-pools-dtypes-differ",
         "kernels/fused.py",
-        "    if v_pools.dtype != k_pools.dtype:",
+        "    if v_pools.dtype != k_pools.dtype and not (_k8v8(pools) or _k8v16(pools)):",
         "    if False:",
         f"{FUSED_REFUSALS}[int8-v-pools-dtype]",
     ),
@@ -1096,7 +1102,7 @@ MUTANTS = [
     _m(
         "config-equalizes-float-pools",
         "paging/config.py",
-        "if self.equalize_channels and self.kv_dtype is None:",
+        'if self.equalize_channels and self.kv_dtype is None and self.kv_format in (None, "bf16"):',
         "if False:",
         "tests/paging/test_config.py::"
         "test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype",
@@ -1142,6 +1148,13 @@ MUTANTS = [
         '            (self.equalizers_chosen, "equalization factors (equalizers_chosen)"),\n',
         "",
         f"{UNCHOSEN}[factors]",
+    ),
+    _m(
+        "layer-state-without-v-channel-scales",
+        "paging/cache.py",
+        '            (self.v_scales_chosen, "V channel scales (v_scales_chosen)"),\n',
+        "",
+        f"{UNCHOSEN}[k8v8-v-scales]",
     ),
     _m(
         "layer-state-any-layer-chosen",
@@ -1206,8 +1219,8 @@ MUTANTS = [
     _m(
         "fused-factors-never-chosen",
         "kernels/fused.py",
-        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen)",
-        "(key, value, inputs.video_slots, k_smooth_chosen, None)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, equalizers_chosen, v_chosen)",
+        "(key, value, inputs.video_slots, k_smooth_chosen, None, v_chosen)",
         f"{FUSED_QUANTIZED}::test_the_first_write_chooses_the_factors_and_attention_folds_them",
     ),
     _m(
@@ -1269,8 +1282,8 @@ MUTANTS = [
     _m(
         "write-flag-without-factors",
         "kernels/write_slots.py",
-        '        "equalizers_chosen",\n        equalizers_chosen,\n',
-        '        "equalizers_chosen",\n        None,\n',
+        '    equalize.check_chosen_flag("equalizers_chosen", equalizers_chosen, chosen_factors)',
+        '    equalize.check_chosen_flag("equalizers_chosen", None, chosen_factors)',
         f"{WRITE_QUANTIZED}::test_the_chosen_flag_needs_the_factors_and_a_cpu_scalar",
     ),
     _m(
@@ -1320,8 +1333,8 @@ MUTANTS = [
     _m(
         "cache-flat-views-of-keys-major-pools",
         "paging/cache.py",
-        "            k_flat=None if self.config.keys_major else k.flatten(0, 1),",
-        "            k_flat=k.flatten(0, 1),",
+        "        flat = not (self.config.keys_major or k8v8 or self.config.k8v16)",
+        "        flat = True",
         "tests/paging/test_quantized.py::"
         "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache[keys-major]",
     ),
@@ -1758,7 +1771,7 @@ MUTANTS = [
     _m(
         "fp8-mma-16-key-tiles-allowed",
         "kernels/paged_attention.py",
-        "    if fp8_mma and tile_n < launch_table.FP8_MIN_KEYS:",
+        "    if (fp8_mma or k8v8) and tile_n < launch_table.FP8_MIN_KEYS:",
         "    if False:",
         "tests/kernels/test_quantized_modes.py::test_fp8_mma_tiles_take_32_keys_at_least",
     ),
@@ -1774,16 +1787,15 @@ MUTANTS = [
     _m(
         "keys-major-v-flag-without-fp8-mma",
         "kernels/paged_attention.py",
-        "        V_KEYS_MAJOR=fp8_mma and pool_layout.keys_aligned(v_cache),",
+        "        V_KEYS_MAJOR=(fp8_mma or k8v8) and pool_layout.keys_aligned(v_cache),",
         "        V_KEYS_MAJOR=pool_layout.keys_aligned(v_cache),",
         f"{KEYS_MAJOR_FLAG}[dequantizing-padded]",
     ),
     _m(
         "scales-keys-major-flag-ignores-v-scales",
         "kernels/paged_attention.py",
-        "        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale) and "
-        "pool_layout.keys_aligned(v_scale),",
-        "        SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale),",
+        "        and (k8v8 or k8v16 or pool_layout.keys_aligned(v_scale)),",
+        "        and True,",
         f"{KEYS_MAJOR_FLAG}[k-scales-only]",
     ),
     _m(
@@ -1805,9 +1817,10 @@ MUTANTS = [
     _m(
         "keys-major-v-read-as-bytes",
         "kernels/_attention_jit.py",
-        "            if not V_KEYS_MAJOR:\n                v = v.to(tl.float8e4nv, bitcast=True)",
-        "            if not V_KEYS_MAJOR:\n                v = v.to(tl.float8e4nv, bitcast=True)\n"
-        "            else:\n                v = v.to(tl.uint8, bitcast=True).to(tl.float8e4nv)",
+        "                v = v.to(tl.float8e4nv, bitcast=True)\n            # The MMA sums",
+        "                v = v.to(tl.float8e4nv, bitcast=True)\n"
+        "            else:\n                v = v.to(tl.uint8, bitcast=True).to(tl.float8e4nv)\n"
+        "            # The MMA sums",
         "tests/kernels/test_paged_attention_quantized.py::"
         "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
     ),
@@ -1868,8 +1881,9 @@ MUTANTS = [
     _m(
         "fp8-query-rows-equalized-twice",
         "kernels/paged_attention.py",
+        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n"
         "        k_equalizer = None\n",
-        "",
+        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n",
         f"{EQUALIZED}[e4m3-fp8-mma]",
     ),
     # -- FP8-MMA's probability unit per sequence (kernels/value_units.py) ----------------------
@@ -1918,15 +1932,16 @@ MUTANTS = [
     _m(
         "masked-probabilities-unscaled",
         "kernels/_attention_jit.py",
-        "            if QUANTIZED and MASKED:\n                probs = probs * (v_col",
+        "            if QUANTIZED and MASKED and not K8V16:\n"
+        "                probs = probs * (v_col",
         "            if False:\n                probs = probs * (v_col",
         f"{FLOAT16_RANGE}[int8-mma]",
     ),
     _m(
         "dequantizing-output-left-in-the-unit",
         "kernels/_attention_jit.py",
-        "    if QUANTIZED:\n        out = out * p_unit",
-        "    if FP8_MMA:\n        out = out * p_unit",
+        "    elif QUANTIZED:\n        out = out * p_unit",
+        "    elif FP8_MMA:\n        out = out * p_unit",
         f"{FLOAT16_RANGE}[int8-mma]",
     ),
     _m(
@@ -2228,6 +2243,135 @@ MUTANTS = [
         '        "WIDE_SCALES": False,',
         '        "WIDE_SCALES": True,',
         "tests/bench/test_launch_probe.py::test_wide_scales_alone_keep_the_launchers_tile",
+    ),
+    # -- the k8v8 format: its write and its attention loop -------------------------------------
+    _m(
+        "k8v8-probabilities-unbiased",
+        "kernels/_attention_jit.py",
+        "                probs = tl.math.exp2(qk * row_scale - (new_max - LOG2_E4M3_MAX)[:, None])",
+        "                probs = tl.math.exp2(qk * row_scale - new_max[:, None])",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N64]",
+    ),
+    _m(
+        "k8v8-masked-probabilities-unbiased",
+        "kernels/_attention_jit.py",
+        "                probs = tl.math.exp2(scores - (safe_max - LOG2_E4M3_MAX)[:, None])",
+        "                probs = tl.math.exp2(scores - safe_max[:, None])",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B7-N32-repeated]",
+    ),
+    _m(
+        "k8v8-block-scales-skipped",
+        "kernels/_attention_jit.py",
+        "                acc = acc * rescale[:, None] + pv * v_channels[None, :]",
+        "                acc = acc * rescale[:, None] + pv",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_per_block_scales[B64-N64]",
+        "tests/kernels/test_k8v8_attention.py::test_tiny_v_scales_on_the_keys_that_matter",
+    ),
+    _m(
+        "k8v8-frozen-scales-skipped",
+        "kernels/_attention_jit.py",
+        "        out = out * v_channels[None, :]",
+        "        out = out",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B24-N32]",
+    ),
+    _m(
+        "k8v8-lse-unbiased",
+        "kernels/_attention_jit.py",
+        "            lse -= LOG2_E4M3_MAX * LN2",
+        "            lse -= 0.0",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B24-N32]",
+    ),
+    _m(
+        "k8v8-write-saturation-uncounted",
+        "kernels/write_slots.py",
+        "            over = mask & ((tl.abs(ratio) > V_QMAX) | (~positive & (value != 0.0)))",
+        "            over = mask & (tl.abs(ratio) > 2 * V_QMAX)",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_against_float64[frozen-B7]",
+    ),
+    _m(
+        "k8v8-write-every-block-rechosen",
+        "kernels/value_channels.py",
+        "    firsts = (used & (slots % block_size == 0)).to(torch.int32)",
+        "    firsts = used.to(torch.int32)",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_against_float64[per-block-B24]",
+    ),
+    _m(
+        "k8v8-per-block-tiles-across-blocks",
+        "kernels/paged_attention.py",
+        "    if v_block_scales and block_size % tile_n:",
+        "    if False:",
+        "tests/kernels/test_k8v8_attention.py::test_per_block_scales_need_tiles_inside_a_block",
+    ),
+    _m(
+        "fp8-mma-scale-range-unchecked",
+        "kernels/_attention_checks.py",
+        "        if bool((smallest < largest * FP8_MMA_SCALE_RANGE).any()):",
+        "        if False:",
+        "tests/kernels/test_k8v8_attention.py::test_fp8_mma_refuses_v_scales_it_would_round_away",
+    ),
+    _m(
+        "fp8-mma-scale-range-reads-gap-keys",
+        "kernels/_attention_checks.py",
+        "                seen &= (positions < lo) | (positions >= hi)",
+        "                pass",
+        "tests/kernels/test_k8v8_attention.py::test_fp8_mma_refuses_v_scales_it_would_round_away",
+    ),
+    _m(
+        "config-kv-format-with-old-switches",
+        "paging/config.py",
+        "        if implied:",
+        "        if False:",
+        "tests/paging/test_k8v8_cache.py::test_kv_format_refuses_what_it_implies",
+    ),
+    _m(
+        "cache-k8v8-v-slot-major",
+        "paging/cache.py",
+        "            keys_major=(keys_major and self.config.fp8_mma) or k8v8,",
+        "            keys_major=keys_major and self.config.fp8_mma,",
+        "tests/paging/test_k8v8_cache.py::test_k8v8_cache_tensors",
+    ),
+    _m(
+        "fused-k8v8-v-scales-never-chosen",
+        "kernels/fused.py",
+        "    v_chosen = pools.v_scales_chosen[layer_index] if k8v8 else None",
+        "    v_chosen = None",
+        "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v8_near_the_float_cache_and_equal_to_a_raw_driver",
+    ),
+    _m(
+        "k8v16-masked-probabilities-v-scaled",
+        "kernels/_attention_jit.py",
+        "            if QUANTIZED and MASKED and not K8V16:",
+        "            if QUANTIZED and MASKED:",
+        "tests/kernels/test_k8v16.py::test_k8v16_against_the_oracle_over_rounded_queries[block_tiles-B7-N16]",
+    ),
+    _m(
+        "k8v16-query-rows-unrounded",
+        "kernels/paged_attention.py",
+        "    if k8v8 or k8v16:\n        # int8 query rows",
+        "    if k8v8:\n        # int8 query rows",
+        "tests/kernels/test_k8v16.py::test_k8v16_against_the_oracle_over_rounded_queries[contiguous-B64-N64]",
+    ),
+    _m(
+        "k8v16-v-scale-accepted",
+        "kernels/_attention_checks.py",
+        "    if v_scale is not None or v_equalizer is not None:\n        raise ValueError(\n"
+        '            "a float v_cache (k8v16)',
+        '    if False:\n        raise ValueError(\n            "a float v_cache (k8v16)',
+        "tests/kernels/test_k8v16.py::test_k8v16_refuses_v_scales_and_mma_flags",
+    ),
+    _m(
+        "cache-k8v16-v-as-codes",
+        "paging/cache.py",
+        "self._dtype if k8v16 else kv_dtype",
+        "kv_dtype if k8v16 else kv_dtype",
+        "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v16_near_the_float_cache",
+    ),
+    _m(
+        "shard-takes-k8v8",
+        "paging/shard.py",
+        "        if isinstance(config, PagingConfig) and config.k8v8:",
+        "        if False:",
+        "tests/paging/test_k8v8_cache.py::test_sharded_cache_refuses_k8v8",
     ),
 ]
 

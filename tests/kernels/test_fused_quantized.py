@@ -63,7 +63,13 @@ def make_state(dtype: torch.dtype, seed: int = 0, equalize: bool = False) -> fus
     factor_shape = (LAYERS, KV_HEADS, DIM) if equalize else (0,)
     factors = [torch.full(factor_shape, float("nan"), device=DEVICE) for _ in range(2)]
     equalized = torch.zeros(LAYERS if equalize else 0, dtype=torch.bool)
-    return fused.PoolTensors(*(t.to(DEVICE) for t in on_device), flags, *factors, equalized)
+    # No k8v8 state (V's channel scales, their flags and saturation counts): zero-size.
+    k8v8 = (
+        torch.empty(0, device=DEVICE),
+        torch.empty(0, dtype=torch.bool),
+        torch.empty(0, dtype=torch.int32, device=DEVICE),
+    )
+    return fused.PoolTensors(*(t.to(DEVICE) for t in on_device), flags, *factors, equalized, *k8v8)
 
 
 def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False, int8_mma: bool = False):

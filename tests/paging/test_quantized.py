@@ -496,6 +496,7 @@ def test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache(keys_ma
                 history[i] += [k, v]
         plan.commit()
     assert cache.k_means_chosen.all() and cache.equalizers_chosen.all()
+    assert cache.v_scales_chosen.all()
     mean = first_keys.mean(dim=0)
     torch.testing.assert_close(cache.k_means[0], mean)
     # The factors of the first write (K's after the mean): the wide channels' exceed 1 (K takes
@@ -522,18 +523,25 @@ CACHE_STATE = (
     "equalizers_chosen",
     "stage_tags",
 )
+# k8v8's V channel scales, chosen on a layer's first write as the mean (empty for other pools).
+K8V8_STATE = ("v_channel_scales", "v_scales_chosen")
 
 
 @pytest.mark.usefixtures("plain")
 @pytest.mark.parametrize(
-    ("left_out", "what"),
+    ("pool", "left_out", "what"),
     [
-        ("k_smooth_chosen", r"K mean \(k_means_chosen\)"),
-        ("equalizers_chosen", r"equalization factors \(equalizers_chosen\)"),
+        ({"kv_dtype": torch.int8}, "k_smooth_chosen", r"K mean \(k_means_chosen\)"),
+        (
+            {"kv_dtype": torch.int8},
+            "equalizers_chosen",
+            r"equalization factors \(equalizers_chosen\)",
+        ),
+        ({"kv_format": "k8v8"}, "v_scale_chosen", r"V channel scales \(v_scales_chosen\)"),
     ],
-    ids=["mean", "factors"],
+    ids=["mean", "factors", "k8v8-v-scales"],
 )
-def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(left_out, what):
+def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(pool, left_out, what):
     # A raw driver writes layer 1 with its mean and factors but leaves a flag out of
     # write_kwargs() (layer 0 as it should): layer 1's codes are written under a state nobody
     # chose (a zero mean, unit factors). A later forward would choose from its own keys and
@@ -541,7 +549,7 @@ def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(lef
     # it holds committed tokens and no chosen state, so the forward is refused, naming the
     # layer and the fix, and changes nothing.
     c, heads, dim = 8, 2, 8
-    config = PagingConfig(block_size=4, chunk_size=c, window_chunks=2, kv_dtype=torch.int8)
+    config = PagingConfig(block_size=4, chunk_size=c, window_chunks=2, **pool)
     cache = PagedKVCache(config, num_layers=LAYERS, num_kv_heads=heads, head_dim=dim)
     session = cache.open_session()
     gen = torch.Generator().manual_seed(4)
@@ -553,7 +561,7 @@ def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(lef
         write = {n: t for n, t in layer.write_kwargs().items() if i == 0 or n != left_out}
         write_slots(k, v, *layer.write_pools, inputs.video_slots, **write)
     plan.commit()
-    before = {name: getattr(cache, name).clone() for name in CACHE_STATE}
+    before = {name: getattr(cache, name).contiguous().clone() for name in CACHE_STATE + K8V8_STATE}
     free = cache.pool.num_free
     match = rf"^layer 1 holds committed tokens but no chosen {what}: .* layer\.write_kwargs\(\)"
     later = cache.plan(session, "main", c, commit=True)
@@ -563,7 +571,8 @@ def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(lef
     with pytest.raises(ValueError, match=match):
         later.prepare()  # a raw driver's next forward
     for name, then in before.items():
-        assert torch.equal(getattr(cache, name).view(torch.uint8), then.view(torch.uint8)), name
+        now = getattr(cache, name).contiguous()  # k8v8's frozen scales: a block-stride-0 view
+        assert torch.equal(now.view(torch.uint8), then.view(torch.uint8)), name
     assert cache.pool.num_free == free and later.state.value == "new"
     assert session.sequences["main"].pending is None
     # Once no session holds such tokens, the next first write chooses, as in a fresh cache.

@@ -1,0 +1,326 @@
+"""paged_attention over k8v8 pools (int8 K per slot, e4m3 V per block and channel) against a
+float64 emulation of the format's arithmetic and the dequantizing float64 oracle.
+
+The kernel rounds each query row to int8 (``Q K^T`` then exact int32 sums) and the
+probabilities (a row's largest 448) to e4m3, per key tile after a running row max, where the
+emulation rounds them after the final one: element by element its rounding errors differ, not
+in size. So the kernel is held to the oracle within twice the emulation's error (the FP8-MMA
+rule), and its LSE, of the scores it computed, to float32 accuracy. Pools are NaN-poisoned
+outside what the tables point at, outputs NaN-poisoned before the launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from paged_video import kernels, reference
+from paged_video.kernels import pool_layout
+from paged_video.kernels.paged_attention import choose_tiles
+from paged_video.reference.quantize import dequantize, quantize
+from tests.helpers import DEVICE, nan_like
+from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
+
+E4M3_NAN = 0x7F
+MARGIN = 2.0
+FP32_ATOL = 2e-5
+LSE_RTOL = 2e-6
+
+
+def k8v8_pools(
+    case: PagedCase, *, per_block: bool, keys_major: bool = True, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(k_codes, v_codes, k_scale, v_channel_scale)`` of the case's pools: K's int8 codes per
+    row, V's e4m3 codes of channel scales (frozen: the written values' amax per (head,
+    channel) times a random factor in [1, 4]; per block: each block's own, so blocks differ by
+    up to 2**6); unwritten slots poisoned."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = case.k_cache.cpu(), case.v_cache.cpu()
+    written = ~torch.isnan(k_cache[..., 0])
+    k_codes, k_scale = quantize(k_cache.nan_to_num(0.0), torch.int8)
+    k_codes[~written] = -128
+    k_scale[~written] = float("nan")
+    blocks, _, heads, dim = v_cache.shape
+    values = v_cache.nan_to_num(0.0).abs()
+    if per_block:
+        amax = values.amax(dim=1).clamp_min(1e-3)
+        amax = amax * torch.exp2(torch.randint(-3, 4, (blocks, 1, 1), generator=gen).float())
+        scales = amax * torch.empty(amax.shape).uniform_(1, 4, generator=gen) / 448
+    else:
+        amax = values.flatten(0, 1).amax(dim=0).clamp_min(1e-3)
+        shared = amax * torch.empty(amax.shape).uniform_(1, 4, generator=gen) / 448
+        scales = shared[None].expand(blocks, heads, dim)
+    ratio = v_cache.nan_to_num(0.0) / scales[:, None]
+    v_codes = ratio.clamp(-448, 448).to(torch.float8_e4m3fn)
+    v_codes.view(torch.uint8)[~written] = E4M3_NAN
+    if keys_major:
+        v_codes = pool_layout.keys_major(v_codes)
+    if not per_block:
+        scales = scales[:1].to(DEVICE).expand(blocks, heads, dim)
+    return k_codes.to(DEVICE), v_codes.to(DEVICE), k_scale.to(DEVICE), scales.to(DEVICE)
+
+
+def dequantized(pools: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """The float64 K and V the codes stand for (NaN where unwritten)."""
+    k_codes, v_codes, k_scale, scales = (t.cpu() for t in pools)
+    k = k_codes.double() * k_scale.double()[..., None]
+    k[k_codes == -128] = float("nan")
+    v = v_codes.double() * scales.double()[:, None]
+    return k, v
+
+
+def oracle(case: PagedCase, pools: tuple, q: Tensor | None = None, **kwargs):
+    k, v = dequantized(pools)
+    q = (case.q if q is None else q).cpu().double()
+    args = (q, k, v, case.block_table.cpu(), case.cu_seqlens_q.cpu(), case.seq_lens_k.cpu())
+    masks = {
+        name: value.cpu() if isinstance(value, Tensor) else value for name, value in kwargs.items()
+    }
+    out = torch.empty(q.shape, dtype=torch.float64)
+    return reference.paged_attention(*args, max_seqlen_q=case.max_seqlen_q, out=out, **masks)
+
+
+def emulate(case: PagedCase, pools: tuple, **kwargs) -> Tensor:
+    """Float64 k8v8 arithmetic: int8 query rows (``reference.quantize``'s rounding, the
+    kernel's), exact int32 ``Q K^T``, probabilities ``exp(s - max) * 448`` rounded to e4m3
+    (after the final row max), row sums of the unrounded ones, ``P V`` over V's codes times
+    their channel scales (a block's, or the frozen one)."""
+    q = dequantize(*quantize(case.q.cpu().double(), torch.int8))
+    k, v = dequantized(pools)
+    scale = 1.0 / math.sqrt(case.q.shape[2])
+    mask_kwargs = {
+        name: value.cpu() if isinstance(value, Tensor) else value for name, value in kwargs.items()
+    }
+    group = case.q.shape[1] // k.shape[2]
+    out = torch.zeros(case.q.shape, dtype=torch.float64)
+    starts = case.cu_seqlens_q.tolist()
+    block_size = k.shape[1]
+    for row, k_len in enumerate(case.seq_lens_k.tolist()):
+        lo, hi = starts[row], starts[row + 1]
+        if hi == lo or k_len == 0:
+            continue
+        blocks = case.block_table.cpu()[row, : math.ceil(k_len / block_size)].long()
+        keys = k[blocks].flatten(0, 1)[:k_len].repeat_interleave(group, dim=1)
+        values = v[blocks].flatten(0, 1)[:k_len].repeat_interleave(group, dim=1)
+        gap, limits = mask_kwargs.get("key_gap"), mask_kwargs.get("key_limits")
+        mask = reference.attention_mask(
+            hi - lo,
+            k_len,
+            causal=mask_kwargs.get("causal", False),
+            key_limits=None if limits is None else limits[lo:hi],
+            key_gap=None if gap is None else [tuple(g) for g in gap[row].reshape(-1, 2).tolist()],
+        )
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi], keys.nan_to_num(0.0)) * scale
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True)
+        row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+        probs = torch.exp(scores - row_max) * 448
+        codes = probs.float().to(torch.float8_e4m3fn).double()
+        sums = probs.sum(dim=-1, keepdim=True)
+        rows = torch.einsum("hqk,khd->qhd", codes, values.nan_to_num(0.0))
+        out[lo:hi] = rows / torch.where(sums == 0, 1.0, sums).permute(1, 0, 2)
+    return out
+
+
+def check(case: PagedCase, pools: tuple, *, block_n: int | None, **kwargs) -> None:
+    k_codes, v_codes, k_scale, scales = pools
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    got, lse = kernels.paged_attention(
+        *args,
+        max_seqlen_q=case.max_seqlen_q,
+        k_scale=k_scale,
+        v_channel_scale=scales,
+        out=nan_like(case.q),
+        block_m=16,
+        block_n=block_n,
+        return_lse=True,
+        **kwargs,
+    )
+    assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
+    want = oracle(case, pools, **kwargs)
+    emulated = emulate(case, pools, **kwargs)
+    size = max(1.0, want.abs().max().item())
+    emulation_error = (emulated - want).abs().max().item()
+    assert emulation_error > 10 * FP32_ATOL * size  # the roundings really happened
+    error = (got.double().cpu() - want).abs().max().item()
+    assert error <= MARGIN * emulation_error, f"{error:.3e} > {MARGIN} x {emulation_error:.3e}"
+    # The LSE is of the scores the kernel used: those of the int8-rounded query rows.
+    q_rows = dequantize(*quantize(case.q.cpu(), torch.int8))
+    want_lse = oracle(case, pools, q=q_rows, return_lse=True, **kwargs)[1]
+    assert_lse_close(lse.cpu(), want_lse, LSE_RTOL)
+
+
+def masked_case(block_size: int, block_n: int, table_order: str = "permuted", seed: int = 0):
+    """GQA 2, head_dim 80, a chunk starting mid-block (causal), per-row limits and a gap, a row
+    with no queries: unmasked and masked tiles both run."""
+    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 4 * block_n + 9
+    case = make_paged_case(
+        q_lens=[7, 0, 3],
+        k_lens=[k_len, 5, 2 * block_n + 5],
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=80,
+        table_order=table_order,
+        device=DEVICE,
+        seed=seed,
+    )
+    key_limits = torch.arange(10, dtype=torch.int32) % 5 + k_len - 4
+    key_gap = torch.tensor([[(block_n + 3, 2 * block_n + 1)], [(0, 0)], [(1, 2)]])
+    kwargs = dict(
+        causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE, torch.int32)
+    )
+    return case, kwargs
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n, table_order",
+    [
+        pytest.param(1, 32, "permuted", id="rows-B1-N32"),
+        pytest.param(7, 32, "repeated", id="block_tiles-B7-N32-repeated"),
+        pytest.param(24, 32, "permuted", id="block_tiles-B24-N32"),
+        pytest.param(1560, 64, "permuted", id="block_tiles-B1560-N64"),
+        pytest.param(1560, 128, "permuted", id="block_tiles-B1560-N128"),
+    ],
+)
+def test_k8v8_frozen_scales(block_size: int, block_n: int, table_order: str) -> None:
+    case, kwargs = masked_case(block_size, block_n, table_order)
+    check(case, k8v8_pools(case, per_block=False), block_n=block_n, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "block_size, block_n",
+    [
+        pytest.param(32, 32, id="B32-N32"),
+        pytest.param(64, 64, id="B64-N64"),
+        pytest.param(256, 128, id="B256-N128"),
+    ],
+)
+def test_k8v8_per_block_scales(block_size: int, block_n: int) -> None:
+    case, kwargs = masked_case(block_size, block_n, "repeated" if block_size == 64 else "permuted")
+    check(case, k8v8_pools(case, per_block=True), block_n=block_n, **kwargs)
+
+
+def test_k8v8_slot_major_v_and_default_tiles() -> None:
+    # V slot-major (transposed in the loop), the interpreter's default tiles, no masks.
+    case = make_paged_case(
+        q_lens=[5, 9], k_lens=[70, 131], block_size=24, num_heads=2, num_kv_heads=1,
+        head_dim=80, device=DEVICE,
+    )  # fmt: skip
+    check(case, k8v8_pools(case, per_block=False, keys_major=False), block_n=None)
+
+
+def test_per_block_scales_need_tiles_inside_a_block() -> None:
+    case = make_paged_case(q_lens=[3], k_lens=[40], block_size=24, device=DEVICE)
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=True)
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    with pytest.raises(ValueError, match="frozen v_channel_scale"):
+        kernels.paged_attention(
+            *args, max_seqlen_q=3, k_scale=k_scale, v_channel_scale=scales.contiguous()
+        )
+    tiles = choose_tiles(
+        block_size=96, head_dim=64, max_seqlen_q=3, dtype=torch.float32, k8v8=True,
+        v_block_scales=True,
+    )  # fmt: skip
+    assert tiles["BLOCK_N"] == 32 and tiles["KV_PATH"] == "contiguous"
+
+
+def test_tiny_v_scales_on_the_keys_that_matter() -> None:
+    # Issue 46 item 3: 1024 keys, the first 64 with V x 1e-6 and K aligned with q, so the
+    # softmax's mass sits on them. Per-block V scales give those keys their own scale: every
+    # row right (FP8-MMA's probability unit zeroed 13 of 16 rows).
+    heads, dim, keys, block = 1, 64, 1024, 64
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(16, heads, dim, generator=gen)
+    k = torch.randn(keys, heads, dim, generator=gen) * 0.1
+    k[:64] = q[:1].expand(64, heads, dim) * 0.5 + k[:64] * 0.1
+    v = torch.randn(keys, heads, dim, generator=gen)
+    v[:64] *= 1e-6
+    k_pool = torch.empty(keys // block, block, heads, dim).copy_(k.reshape(-1, block, heads, dim))
+    v_pool = v.reshape(-1, block, heads, dim)
+    case = PagedCase(
+        q=q.to(DEVICE),
+        k_cache=k_pool.to(DEVICE),
+        v_cache=v_pool.to(DEVICE),
+        block_table=torch.arange(keys // block, dtype=torch.int32)[None].to(DEVICE),
+        cu_seqlens_q=torch.tensor([0, 16], dtype=torch.int32, device=DEVICE),
+        seq_lens_k=torch.tensor([keys], dtype=torch.int32, device=DEVICE),
+        max_seqlen_q=16,
+    )
+    pools = k8v8_pools(case, per_block=True)
+    k_codes, v_codes, k_scale, scales = pools
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    got = kernels.paged_attention(
+        *args, max_seqlen_q=16, k_scale=k_scale, v_channel_scale=scales, block_n=64
+    )
+    want = oracle(case, pools)
+    assert (got.abs().amax(dim=-1) > 0).all(), "rows zeroed"
+    rel = ((got.double().cpu() - want).abs().sum() / want.abs().sum()).item()
+    assert rel < 0.05, f"rel L1 {rel:.3f}"
+
+
+def test_fp8_mma_refuses_v_scales_it_would_round_away() -> None:
+    # Issue 46 item 3 under FP8-MMA: its probability unit (the sequence's largest V scale /
+    # 448) would round the tiny-scale keys' values to zero: a clear error, not zeroed rows.
+    case = make_paged_case(q_lens=[4], k_lens=[128], block_size=32, device=DEVICE)
+    codes, v_scale = quantize(case.v_cache.cpu().nan_to_num(0.0), torch.float8_e4m3fn)
+    k_codes, k_scale = quantize(case.k_cache.cpu().nan_to_num(0.0), torch.float8_e4m3fn)
+    args = (case.q, k_codes.to(DEVICE), codes.to(DEVICE), case.block_table,
+            case.cu_seqlens_q, case.seq_lens_k)  # fmt: skip
+    scales = dict(max_seqlen_q=4, k_scale=k_scale.to(DEVICE), fp8_mma=True)
+    kernels.paged_attention(*args, v_scale=v_scale.to(DEVICE), **scales)  # a narrow range
+    tiny = v_scale.clone()
+    tiny[case.block_table[0, 0].item()] *= 1e-6
+    with pytest.raises(ValueError, match="V scales span more than 2\\*\\*12"):
+        kernels.paged_attention(*args, v_scale=tiny.to(DEVICE), **scales)
+    # Hidden by a gap, the tiny keys are not attended: accepted.
+    gap = torch.tensor([[[0, 32]]], dtype=torch.int32, device=DEVICE)
+    kernels.paged_attention(*args, v_scale=tiny.to(DEVICE), key_gap=gap, **scales)
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["frozen", "per-block"])
+def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
+    # reference.eight_bit_attention (written apart, on the quantref branch) over the codes the
+    # pools hold, in sequence order through a permuted table: int8 query rows per row, exact
+    # int32 scores, P at 448 in e4m3, the unrounded normalizer, a flush every 64-key tile (block
+    # 64: V's scales per 64 keys, its fast format, or frozen), an exact accumulator (the
+    # interpreter's float32). Tile 0's keys are 3x longer, so every row's maximum lies in the
+    # first tile the kernel attends and its running max is the final one: the emulation then
+    # rounds the same probabilities, and the two agree to float32 accuracy.
+    from paged_video.reference import eight_bit_attention as eight_bit
+
+    block, keys, heads, kv_heads, dim = 64, 256, 4, 2, 80
+    case = make_paged_case(
+        q_lens=[9], k_lens=[keys], block_size=block, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=dim, device=DEVICE, seed=4,
+    )  # fmt: skip
+    first = case.block_table[0, 0].item()
+    case.k_cache[first] *= 3
+    pools = k8v8_pools(case, per_block=per_block)
+    k_codes, v_codes, k_scale, scales = pools
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    got = kernels.paged_attention(
+        *args, max_seqlen_q=9, k_scale=k_scale, v_channel_scale=scales, block_n=64,
+        out=nan_like(case.q),
+    )  # fmt: skip
+    fmt = dataclasses.replace(
+        eight_bit.FAST_FORMAT, v_scales="block" if per_block else "frozen", acc_bits=None
+    )
+    blocks = case.block_table[0, : keys // block].long().cpu()
+    in_order = lambda pool: pool.cpu()[blocks].flatten(0, 1)
+    queries = eight_bit.quantize_queries(case.q.cpu(), fmt)
+    key_codes = eight_bit.Codes(in_order(k_codes), in_order(k_scale))
+    value_scale = scales.cpu()[blocks] if per_block else scales.cpu()[0]
+    values = eight_bit.Codes(in_order(v_codes), value_scale)
+    want = eight_bit.attend_codes(queries, key_codes, values, fmt)
+    # Every row's maximum is in the first tile (the premise of the float32 agreement).
+    q_rows = queries.codes.double() * queries.scale.double()[..., None]
+    k_rows = key_codes.codes.double() * key_codes.scale.double()[..., None]
+    scores = torch.einsum("qhd,khd->hqk", q_rows, k_rows.repeat_interleave(2, dim=1))
+    assert (scores.argmax(dim=-1) < block).all()
+    size = want.abs().max().item()
+    assert (got.double().cpu() - want).abs().max().item() <= 1e-5 * size

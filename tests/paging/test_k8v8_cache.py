@@ -1,0 +1,167 @@
+"""PagingConfig(kv_format=...): the one switch, and a k8v8 cache through ForwardCall (the fused
+op) against the same forwards over a float cache and over a raw driver of the same format."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from paged_video.kernels import paged_attention, write_slots
+from paged_video.kernels.value_channels import V_HEADROOM
+from paged_video.paging import PagedKVCache
+from paged_video.paging.forward import ForwardCall
+from tests.paging.test_quantized import CONFIG, DIM, HEADS, KV_HEADS, LAYERS, storage_of
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        ({"kv_format": "fp8"}, ValueError, "kv_format must be None or one of bf16, k8v8"),
+        ({"kv_format": "k8v8", "kv_dtype": torch.int8}, ValueError, "leave kv_dtype unset"),
+        ({"kv_format": "k8v8", "fp8_mma": True}, ValueError, "leave fp8_mma unset"),
+        ({"kv_format": "bf16", "keys_major": True}, ValueError, "leave keys_major unset"),
+        ({"kv_format": "bf16", "equalize_channels": True}, ValueError, "quantized kv_format"),
+        ({"kv_format": "k8v8", "reuse_history_staging": True}, ValueError, "staging"),
+    ],
+)
+def test_kv_format_refuses_what_it_implies(fields: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        dataclasses.replace(CONFIG, **fields)
+
+
+def k8v8_cache(**kwargs) -> PagedKVCache:
+    cache = PagedKVCache(
+        dataclasses.replace(CONFIG, kv_format="k8v8"),
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        dtype=torch.float32,
+        **kwargs,
+    )
+    storage_of(cache.k_pools, torch.int8).fill_(-128)
+    storage_of(cache.v_pools, torch.int8).fill_(0x7F)  # e4m3 NaN
+    storage_of(cache.k_scales, torch.float32).fill_(float("nan"))
+    return cache
+
+
+def test_k8v8_cache_tensors() -> None:
+    cache = k8v8_cache()
+    assert cache.k_pools.dtype == torch.int8 and cache.v_pools.dtype == torch.float8_e4m3fn
+    assert cache.v_pools.stride(2) == 1 and cache.k_scales.stride(2) == 1  # keys-major
+    assert cache.v_scales.numel() == 0 and cache.v_channel_scales.stride(1) == 0
+    assert cache.v_channel_scales.shape == (LAYERS, cache.num_blocks, KV_HEADS, DIM)
+    assert cache.v_scales_chosen.device.type == "cpu" and not cache.v_scales_chosen.any()
+    layer = cache.layer(0)
+    assert layer.k_flat is None and layer.v_scale is None
+    assert set(layer.attention_kwargs()) == {"k_scale", "v_channel_scale", "k_equalizer"}
+    # The frozen channel scales count once per layer (block stride 0).
+    channels = cache.v_channel_scales.untyped_storage().nbytes()
+    assert channels == LAYERS * KV_HEADS * DIM * 4
+
+
+def test_forward_calls_over_k8v8_near_the_float_cache_and_equal_to_a_raw_driver() -> None:
+    # Forwards with action tokens while the window slides: the fused op over a k8v8 cache, a
+    # raw driver (write_slots and paged_attention with the layer's keywords) over another, and
+    # the fused op over a float cache. The two k8v8 caches store and attend alike; the float
+    # cache within the format's error.
+    fused, raw = k8v8_cache(), k8v8_cache()
+    exact = PagedKVCache(
+        CONFIG, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32
+    )
+    caches = (fused, raw, exact)
+    sessions = [cache.open_session() for cache in caches]
+    gen = torch.Generator().manual_seed(7)
+    n, actions = CONFIG.chunk_size, 2
+    first_values = []
+    for step in range(4):
+        plans = [
+            cache.plan(s, "main", n, action_tokens=actions)
+            for cache, s in zip(caches, sessions, strict=True)
+        ]
+        calls = [
+            ForwardCall(cache, plan, softmax_scale=0.3)
+            for cache, plan in zip(caches, plans, strict=True)
+        ]
+        raw_inputs = plans[1].prepare()
+        for layer in range(LAYERS):
+            q = torch.randn(n, HEADS, DIM, generator=gen)
+            kv = [
+                torch.randn(t, KV_HEADS, DIM, generator=gen) + 3 for t in (n, n, actions, actions)
+            ]
+            if step == 0 and layer == 0:
+                first_values.append(kv[1])
+            got = calls[0].attend(layer, q, *kv)
+            want = calls[2].attend(layer, q, *kv)
+            cache_layer = raw.layer(layer)
+            for k, v, slots in ((kv[0], kv[1], raw_inputs.video_slots),
+                                (kv[2], kv[3], raw_inputs.action_slots)):  # fmt: skip
+                kwargs = cache_layer.write_kwargs()
+                if slots is raw_inputs.action_slots:
+                    kwargs.pop("v_scale_chosen"), kwargs.pop("k_smooth_chosen")
+                    kwargs.pop("equalizers_chosen")
+                write_slots(k, v, *cache_layer.write_pools, slots, **kwargs)
+            raw_out = paged_attention(
+                q, cache_layer.k, cache_layer.v, softmax_scale=0.3,
+                **(raw_inputs.attention_kwargs() | cache_layer.attention_kwargs()),
+            )  # fmt: skip
+            assert not got.isnan().any()
+            torch.testing.assert_close(raw_out, got, rtol=0, atol=0)
+            rel = ((got - want).abs().sum() / want.abs().sum()).item()
+            assert rel < 0.06, f"step {step} layer {layer}: rel L1 {rel:.3f}"
+        for call in calls:
+            call.commit()
+    assert fused.v_scales_chosen.all() and int(fused.v_saturated.sum()) == 0
+    # Layer 0's frozen scales: the first write's V amax per channel times 256 / 448.
+    amax = first_values[0].abs().amax(dim=0)
+    torch.testing.assert_close(fused.v_channel_scales[0, 0], amax * V_HEADROOM / 448)
+    for name in ("k_pools", "v_pools", "k_scales", "v_channel_scales"):
+        a, b = (getattr(cache, name) for cache in (fused, raw))
+        bits = torch.uint8 if a.element_size() == 1 else torch.int32  # (NaN poison included)
+        assert torch.equal(a.view(bits), b.view(bits)), name
+
+
+def test_forward_calls_over_k8v16_near_the_float_cache() -> None:
+    # kv_format="k8v16": int8 K codes, V in the cache's dtype; the fused op while the window
+    # slides, against the same forwards over a float cache (K's and the query rows' roundings
+    # only).
+    config = dataclasses.replace(CONFIG, kv_format="k8v16")
+    geometry = dict(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32)
+    k8v16, exact = PagedKVCache(config, **geometry), PagedKVCache(CONFIG, **geometry)
+    assert k8v16.k_pools.dtype == torch.int8 and k8v16.v_pools.dtype == torch.float32
+    assert k8v16.v_scales.numel() == 0 and k8v16.layer(0).v_scale is None
+    sessions = [cache.open_session() for cache in (k8v16, exact)]
+    gen = torch.Generator().manual_seed(9)
+    n, actions = CONFIG.chunk_size, 2
+    for _ in range(4):
+        calls = [
+            ForwardCall(cache, cache.plan(s, "main", n, action_tokens=actions), softmax_scale=0.3)
+            for cache, s in zip((k8v16, exact), sessions, strict=True)
+        ]
+        for layer in range(LAYERS):
+            q = torch.randn(n, HEADS, DIM, generator=gen)
+            sizes = (n, n, actions, actions)
+            kv = [torch.randn(t, KV_HEADS, DIM, generator=gen) + 3 for t in sizes]
+            got, want = (call.attend(layer, q, *kv) for call in calls)
+            assert not got.isnan().any()
+            rel = ((got - want).abs().sum() / want.abs().sum()).item()
+            assert 0 < rel < 0.02, rel
+        for call in calls:
+            call.commit()
+    assert k8v16.k_means_chosen.all()
+
+
+def test_sharded_cache_refuses_k8v8() -> None:
+    # Each rank writes only its tokens: the frozen V scales would be chosen per rank.
+    from paged_video.paging.shard import ShardedKVCache
+
+    geometry = dict(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32)
+    with pytest.raises(ValueError, match="kv_format='k8v8' is not sharded yet"):
+        ShardedKVCache(
+            dataclasses.replace(CONFIG, kv_format="k8v8"), shard_degree=2, shard_index=0,
+            **geometry,
+        )  # fmt: skip
+    ShardedKVCache(
+        dataclasses.replace(CONFIG, kv_format="k8v16"), shard_degree=2, shard_index=1, **geometry
+    )
