@@ -916,6 +916,183 @@ def _attend_tiles_ahead(
 
 
 @triton.jit
+def _attend_k8v8_ahead(
+    state,
+    q,
+    caches,
+    descs,
+    table,
+    first_tile,
+    num_tiles,
+    positions_end,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
+    V_KEYS_MAJOR: tl.constexpr,
+    SCALES_KEYS_MAJOR: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
+    V_BLOCK_SCALES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    TMA: tl.constexpr,
+    PIECE_OFFSET: tl.constexpr,
+    PIECE_SIZE: tl.constexpr,
+):
+    """``_attend_tiles``' unmasked loop over k8v8 caches (tile j at ``first_tile + j * BLOCK_N``)
+    with the scores one tile ahead, as ``_attend_tiles_ahead``: iteration j issues tile j + 1's
+    int8 ``Q K^T`` MMA, then takes tile j's step (``_k8v8_step``: its scores, converted to float
+    in the last iteration, times K's scales, the softmax, the FP8 ``P V`` MMA and its flush into
+    the float32 acc), so the softmax issues while the score MMA runs. Iteration j reads K's rows
+    of tile ``min(j, last)``, V's rows and K's scales of tile ``max(j - 1, 0)``; iteration 0
+    takes no step (``num_tiles + 1`` iterations). The flush still waits for its own MMA: a
+    ``P V`` sum carried to the next iteration (flushed under the next MMA) needs a third
+    accumulator tile of registers beside acc and two tiles of scores (docs/quantization.md)."""
+    acc, row_max, row_sum = state
+    k_cache = caches[0]
+    v_cache = caches[1]
+    k_scales = caches[2]
+    v_scales = caches[3]
+    table_row, stride_table_col = table
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < HEAD_DIM
+    SCALAR_BASE: tl.constexpr = KV_PATH != "two_blocks" and PIECE_SIZE % BLOCK_N == 0
+    DESCRIPTOR_LOADS: tl.constexpr = TMA and SCALAR_BASE
+    # A slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the loop.
+    v_head = v_cache[0] if V_KEYS_MAJOR else v_cache[0].to(tl.pointer_type(tl.uint8))
+    k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
+    v_dims = v_head + offs_d[None, :] * v_cache[3]
+    if SCALAR_BASE:
+        k_offs = _fp8_mma_key_order(offs_n)
+        k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
+        v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    last = num_tiles - 1
+    qk = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
+    k_id0, k_id1, k_ids = _tile_block_ids(
+        table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH,
+        PIECE_OFFSET, PIECE_SIZE, False, False,
+    )  # fmt: skip
+    v_id0, v_id1, v_ids = k_id0, k_id1, k_ids
+    for j in range(num_tiles + (num_tiles > 0)):
+        k_start = first_tile + tl.minimum(j, last) * BLOCK_N
+        v_start = first_tile + BLOCK_N * tl.maximum(j - 1, 0)
+        next_k_id0, next_k_id1, next_k_ids = _tile_block_ids(
+            table_row, stride_table_col, first_tile + tl.minimum(j + 1, last) * BLOCK_N,
+            positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, False,
+        )  # fmt: skip
+        v_next = first_tile + j * BLOCK_N
+        next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(
+            table_row, stride_table_col, v_next, positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH,
+            PIECE_OFFSET, PIECE_SIZE, False, False,
+        )  # fmt: skip
+        if DESCRIPTOR_LOADS:
+            k_slot = PIECE_OFFSET + k_start % PIECE_SIZE
+            v_slot = PIECE_OFFSET + v_start % PIECE_SIZE
+            first_row = k_id0 * BLOCK_SIZE + k_slot
+            k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])
+            k = tl.reshape(k, (BLOCK_N, BLOCK_D))
+            if V_KEYS_MAJOR:
+                v = tl.trans(descs[1].load([v_id0 * descs[3] + descs[2], v_slot]))
+            else:
+                v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])
+            k_col = descs[4].load([v_id0 * k_scales[1] + descs[6] + v_slot])
+        else:
+            if SCALAR_BASE:
+                k_base = _tile_base(
+                    k_id0, k_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
+                )
+                v_base = _tile_base(
+                    v_id0, v_start, v_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR
+                )
+                k_ptrs = k_tile + k_base
+                v_ptrs = v_tile + v_base
+            else:
+                k_rows = _tile_rows(
+                    k_id0, k_id1, k_ids, k_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                    OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, True,
+                )  # fmt: skip
+                v_rows = _tile_rows(
+                    v_id0, v_id1, v_ids, v_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                    OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR, False,
+                )  # fmt: skip
+                k_ptrs = k_dims + k_rows[:, None]
+                v_ptrs = v_dims + v_rows[:, None]
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+            ks_rows = _tile_rows(
+                v_id0, v_id1, v_ids, v_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, False,
+            )  # fmt: skip
+            k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
+        k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
+        if not V_KEYS_MAJOR:
+            v = v.to(tl.float8e4nv, bitcast=True)
+        next_qk = tl.dot(q, tl.trans(k))
+        if V_BLOCK_SCALES:
+            v_channels = tl.load(
+                v_scales[0] + v_id0.to(tl.int64) * v_scales[1] + offs_d * v_scales[2],
+                mask=offs_d < HEAD_DIM,
+                other=0.0,
+            )
+        else:
+            v_channels = 1.0
+        acc, row_max, row_sum, qk = _k8v8_step(
+            (acc, row_max, row_sum), qk, next_qk, k_col, v, v_channels, scale_log2, j == 0,
+            BLOCK_N, V_BLOCK_SCALES, INTERPRETED,
+        )  # fmt: skip
+        k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
+        v_id0, v_id1, v_ids = (next_v_id0, next_v_id1, next_v_ids)
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _k8v8_step(
+    state,
+    qk,
+    next_qk,
+    k_col,
+    v,
+    v_channels,
+    scale_log2,
+    skip,
+    BLOCK_N: tl.constexpr,
+    V_BLOCK_SCALES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """An unmasked k8v8 tile's online-softmax step (``_attend_tiles``' k8v8 arithmetic) from
+    its float scores (int8 sums, K in ``_fp8_mma_key_order``), K's scales by score column, V's
+    e4m3 tile and (``V_BLOCK_SCALES``) its block's channel scales; where the scalar
+    ``skip`` holds, none (as ``_pv_step``). Returns the state and ``next_qk`` (the next tile's
+    int32 scores) in float, converted after the ``P V`` MMA is issued and before its flush
+    (carried as int32 and converted at the step, 8 instructions more issued with no MMA in
+    flight at block 1560)."""
+    acc, row_max, row_sum = state
+    scores = qk * k_col[None, :]
+    new_max = tl.where(skip, row_max, tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2))
+    # Subtracting +inf makes every probability 0 (scale_log2 >= 0, as in _attend_tiles).
+    bias = tl.where(skip, float("inf"), new_max - LOG2_E4M3_MAX)
+    probs = tl.math.exp2(scores * scale_log2[:, None] - bias[:, None])
+    rescale = tl.math.exp2(tl.where(skip, 0.0, row_max - new_max))
+    row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+    p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)
+    pv = tl.dot(p_codes, v)
+    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
+    next_scores = next_qk.to(tl.float32)
+    if V_BLOCK_SCALES:
+        acc = acc * rescale[:, None] + pv * v_channels[None, :]
+    else:
+        acc = acc * rescale[:, None] + pv
+    return acc, new_max, row_sum, next_scores
+
+
+@triton.jit
 def _pv_step(state, qk, v, scale_log2, skip, DOT_PRECISION: tl.constexpr):
     """An unmasked 16-bit tile's online-softmax step from its scores ``qk`` and V tile; where
     the scalar ``skip`` holds, none: the state comes back as it was (``qk`` and ``v`` finite,
@@ -1086,6 +1263,10 @@ def _attend_piece(
     )
     # The scores one tile ahead (_attend_tiles_ahead): unmasked 16-bit tiles.
     AHEAD: tl.constexpr = SCORES_AHEAD and not QUANTIZED
+    # k8v8's unmasked tiles, always (_attend_k8v8_ahead), but tiles gathered from pieces smaller
+    # than the tile: block 24 (16 + 8) spilled 16-40 bytes so (64- and 128-key tiles), none in
+    # _attend_tiles' loop.
+    K8V8_AHEAD: tl.constexpr = K8V8 and (KV_PATH != "block_tiles" or PIECE_SIZE % BLOCK_N == 0)
     lo = _piece_position(run_lo, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     hi = _piece_position(run_hi, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     full = lo if MASKED_ONLY else _piece_position(full_end, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
@@ -1141,6 +1322,13 @@ def _attend_piece(
             state = _attend_block_pairs(
                 state, q, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_SIZE, UPCAST, DOT_PRECISION, AHEAD,
+            )  # fmt: skip
+        elif not masked and K8V8_AHEAD:
+            state = _attend_k8v8_ahead(
+                state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, V_KEYS_MAJOR,
+                SCALES_KEYS_MAJOR, WIDE_SCALES, V_BLOCK_SCALES, INTERPRETED, TMA, PIECE_OFFSET,
+                PIECE_SIZE,
             )  # fmt: skip
         elif not masked and AHEAD:
             state = _attend_tiles_ahead(

@@ -12,6 +12,7 @@ outside what the tables point at, outputs NaN-poisoned before the launch.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -22,9 +23,10 @@ from paged_video import kernels, reference
 from paged_video.kernels import pool_layout
 from paged_video.kernels.paged_attention import choose_tiles
 from paged_video.reference.quantize import dequantize, quantize
-from tests.helpers import DEVICE, nan_like
+from tests.helpers import DEVICE, nan_like, record_launches
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
 
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
 E4M3_NAN = 0x7F
 MARGIN = 2.0
 FP32_ATOL = 2e-5
@@ -126,7 +128,11 @@ def emulate(case: PagedCase, pools: tuple, **kwargs) -> Tensor:
     return out
 
 
-def check(case: PagedCase, pools: tuple, *, block_n: int | None, **kwargs) -> None:
+def check(
+    case: PagedCase, pools: tuple, *, block_n: int | None, launch: dict | None = None, **kwargs
+) -> None:
+    """The kernel's output within ``MARGIN`` times the emulation's error of float64 attention,
+    its LSE of the int8-rounded query rows (``launch``: more launcher keywords)."""
     k_codes, v_codes, k_scale, scales = pools
     args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
     got, lse = kernels.paged_attention(
@@ -138,6 +144,7 @@ def check(case: PagedCase, pools: tuple, *, block_n: int | None, **kwargs) -> No
         block_m=16,
         block_n=block_n,
         return_lse=True,
+        **(launch or {}),
         **kwargs,
     )
     assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
@@ -154,7 +161,9 @@ def check(case: PagedCase, pools: tuple, *, block_n: int | None, **kwargs) -> No
     assert_lse_close(lse.cpu(), want_lse, LSE_RTOL)
 
 
-def masked_case(block_size: int, block_n: int, table_order: str = "permuted", seed: int = 0):
+def masked_case(
+    block_size: int, block_n: int, table_order: str = "permuted", seed: int = 0, head_dim: int = 80
+):
     """GQA 2, head_dim 80, a chunk starting mid-block (causal), per-row limits and a gap, a row
     with no queries: unmasked and masked tiles both run."""
     k_len = block_size + 2 * block_n + 9 if block_size > 64 else 4 * block_n + 9
@@ -164,7 +173,7 @@ def masked_case(block_size: int, block_n: int, table_order: str = "permuted", se
         block_size=block_size,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=80,
+        head_dim=head_dim,
         table_order=table_order,
         device=DEVICE,
         seed=seed,
@@ -203,6 +212,33 @@ def test_k8v8_frozen_scales(block_size: int, block_n: int, table_order: str) -> 
 def test_k8v8_per_block_scales(block_size: int, block_n: int) -> None:
     case, kwargs = masked_case(block_size, block_n, "repeated" if block_size == 64 else "permuted")
     check(case, k8v8_pools(case, per_block=True), block_n=block_n, **kwargs)
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["frozen", "per-block"])
+def test_k8v8_descriptor_loop(monkeypatch: pytest.MonkeyPatch, per_block: bool) -> None:
+    # K's scales keys-major: the TMA loop (descriptor loads of K's rows in the MMA's key order,
+    # V's keys-major tile, K's scales), runs of 8 and 2 unmasked tiles (K's a tile ahead of V's)
+    # behind masked tails; head_dim a power of two, as a descriptor's.
+    case = make_paged_case(
+        q_lens=[7, 3], k_lens=[1100, 300], block_size=256, num_heads=4, num_kv_heads=2,
+        head_dim=64, device=DEVICE,
+    )  # fmt: skip
+    kwargs: dict = {}
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=per_block)
+    pools = (k_codes, v_codes, pool_layout.keys_major(k_scale), scales)
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
+    check(case, pools, block_n=128, launch=dict(variant="tma"), **kwargs)
+    assert [flags["TMA"] for flags in launches] == [True]
+
+
+def test_k8v8_tiles_across_block_pieces() -> None:
+    # Block 24 at 128-key tiles: pieces of 16 and 8 slots, each piece's unmasked tiles
+    # gathered from 8 or 16 blocks (_attend_tiles' unmasked loop, not the scores ahead).
+    case = make_paged_case(
+        q_lens=[5, 3], k_lens=[900, 300], block_size=24, num_heads=4, num_kv_heads=2,
+        head_dim=80, device=DEVICE,
+    )  # fmt: skip
+    check(case, k8v8_pools(case, per_block=False), block_n=128)
 
 
 def test_k8v8_slot_major_v_and_default_tiles() -> None:
@@ -284,7 +320,7 @@ def test_fp8_mma_refuses_v_scales_it_would_round_away() -> None:
 
 @pytest.mark.parametrize("per_block", [False, True], ids=["frozen", "per-block"])
 def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
-    # reference.eight_bit_attention (written apart, on the quantref branch) over the codes the
+    # reference.eight_bit_attention (written apart from the kernel) over the codes the
     # pools hold, in sequence order through a permuted table: int8 query rows per row, exact
     # int32 scores, P at 448 in e4m3, the unrounded normalizer, a flush every 64-key tile (block
     # 64: V's scales per 64 keys, its fast format, or frozen), an exact accumulator (the
