@@ -20,6 +20,8 @@ from paged_video.kernels.paged_attention import table_key
 from paged_video.reference.quantize import quantize
 from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
 from tests.kernels.paged_case import make_paged_case
+from tests.kernels.test_k8v8_attention import dequantized, k8v8_pools
+from tests.kernels.test_k8v16 import k8v16_pools
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 
@@ -32,11 +34,21 @@ MODE_FLAGS = {
     "int8": {"kv_dtype": torch.int8},
     "fp8_mma": {"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True},
     "int8_mma": {"kv_dtype": torch.int8, "int8_mma": True},
+    "k8v8": {"kv_dtype": torch.int8, "k8v8": True},
+    "k8v16": {"kv_dtype": torch.int8, "k8v16": True},
 }
 # Relative max error against the float64 oracle on a GPU (bf16 queries; the MMA modes round
 # P to e4m3 or Q to int8): loose enough for every mode, far below what a wrong block, a
 # poisoned read or a lost tile gives (errors of order 1).
-GPU_RTOL = {"same": 2e-2, "fp8": 3e-2, "int8": 3e-2, "fp8_mma": 1.5e-1, "int8_mma": 8e-2}
+GPU_RTOL = {
+    "same": 2e-2,
+    "fp8": 3e-2,
+    "int8": 3e-2,
+    "fp8_mma": 1.5e-1,
+    "int8_mma": 8e-2,
+    "k8v8": 1.5e-1,
+    "k8v16": 8e-2,
+}
 
 
 def _row_id(row: dict) -> str:
@@ -104,7 +116,17 @@ def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> No
     )
     k, v = case.k_cache, case.v_cache
     kwargs: dict = {"max_seqlen_q": case.max_seqlen_q}
-    if base != "same":
+    want_kv = (case.k_cache, case.v_cache)
+    if base == "k8v8":
+        # V as e4m3 codes of frozen channel scales, keys-major as the cache stores it.
+        pools = k8v8_pools(case, per_block=False, keys_major=keys_major)
+        k, v, k_scale, v_channel_scale = pools
+        kwargs.update(k_scale=k_scale, v_channel_scale=v_channel_scale)
+        want_kv = tuple(t.to(DEVICE) for t in dequantized(pools))
+    elif base == "k8v16":
+        k, v, k_scale = k8v16_pools(case)
+        kwargs.update(k_scale=kernels.keys_major(k_scale) if keys_major else k_scale)
+    elif base != "same":
         dtype = MODE_FLAGS[base]["kv_dtype"]
         (k, k_scale), (v, v_scale) = (
             (codes.to(DEVICE), scale.to(DEVICE))
@@ -121,10 +143,20 @@ def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> No
     got = kernels.paged_attention(*args, out=nan_like(case.q), **kwargs)
     ran = [(flags["BLOCK_N"], flags["TMA"]) for flags in launches]
     assert (row["block_n"], row["variant"] == "tma") in ran, (row, ran)
-    scales = {n: kwargs[n] for n in ("k_scale", "v_scale") if n in kwargs}
-    want = reference.paged_attention(
-        *args, **scales, out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE)
-    )
+    if base in ("k8v8", "k8v16"):
+        # The oracle over the values the codes stand for (k8v16: K's codes, V as stored).
+        if base == "k8v16":
+            codes = k.double() * k_scale.double()[..., None]
+            want_kv = (codes.masked_fill(k == -128, float("nan")), v)
+        oracle_args = (case.q, *want_kv, *args[3:])
+        want = reference.paged_attention(
+            *oracle_args, out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE)
+        )
+    else:
+        scales = {n: kwargs[n] for n in ("k_scale", "v_scale") if n in kwargs}
+        want = reference.paged_attention(
+            *args, **scales, out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE)
+        )
     assert not torch.isnan(got).any(), "NaN: a poisoned slot was read or an output left unwritten"
     error = (got.double() - want).abs().max().item()
     assert error <= GPU_RTOL[base] * want.abs().max().item(), (row, error)
