@@ -30,7 +30,7 @@ from paged_video.bench.formats import DEQUANT, MMA_MODES, dtype_name
 from paged_video.bench.results import QUANTIZED_GOALS
 from paged_video.bench.workload import EightBitPools, Geometry, QuantizedPools, Workload
 from paged_video.kernels.paged_attention import WS_MAX_STAGES
-from paged_video.kernels.value_channels import frozen_channel_scales
+from paged_video.kernels.value_channels import V_HEADROOM, choose_frozen, frozen_channel_scales
 
 # The one-switch formats of the sweep (``PagingConfig(kv_format=...)``), what each stores.
 EIGHT_BIT_FORMATS = {"k8v8": "int8 K, e4m3 V per channel", "k8v16": "int8 K, 16-bit V"}
@@ -347,8 +347,8 @@ def quantized_pools(workload: Workload, dtype: torch.dtype) -> QuantizedPools:
 def eight_bit_pools(workload: Workload, kv_format: str) -> EightBitPools:
     """The workload's whole pools written in ``kv_format`` by ``kernels.write_slots`` in one
     write (slot-major; no K smoothing): int8 K codes and scales per slot; for ``k8v8`` e4m3 V
-    codes under frozen channel scales chosen by that write (``kernels.value_channels``, its
-    headroom), for ``k8v16`` V as it is. Made once per workload and format, shared by the
+    codes under frozen channel scales chosen from the sequences' V (``kernels.value_channels``,
+    its headroom), for ``k8v16`` V as it is. Made once per workload and format, shared by the
     providers and the oracle."""
     w = workload
     if kv_format not in w.quantized:
@@ -365,7 +365,12 @@ def eight_bit_pools(workload: Workload, kv_format: str) -> EightBitPools:
             v_channel_scale = frozen_channel_scales(
                 w.v_cache.shape[0], g.kv_heads, g.head_dim, device
             )
-            chosen = {"v_channel_scale": v_channel_scale, "v_scale_chosen": torch.tensor(False)}
+            # Chosen from the sequences' V alone, not the spare blocks: the same scales at every
+            # block size, so one oracle serves them all.
+            logical = w.values.reshape(flat)
+            unused = torch.zeros(logical.shape[0], dtype=torch.int32, device=device)
+            choose_frozen(v_channel_scale, logical, unused, V_HEADROOM)
+            chosen = {"v_channel_scale": v_channel_scale, "v_scale_chosen": torch.tensor(True)}
         else:
             v_cache = w.v_cache.clone()
             chosen = {}

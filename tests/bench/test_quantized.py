@@ -124,6 +124,12 @@ def test_the_one_switch_oracles_are_their_formats_arithmetic():
     table = workload.block_table[0]
     logical = gather_sequence(values, table, workload.geometry.kv_tokens)[None]
     exact_p = oracle_attention(workload, q=q, keys=keys, values=logical)
+    # Chosen from the sequences' V, not the spare blocks: every block size's pools share them,
+    # and so the oracle the sweep keeps per geometry.
+    other = eight_bit_pools(make_workload(TINY, 4), "k8v8").v_channel_scale
+    assert torch.equal(other[0], k8v8.v_channel_scale[0])
+    amax = workload.values.abs().flatten(0, 1).amax(dim=0)
+    assert torch.allclose(k8v8.v_channel_scale[0], amax * 256 / 448, rtol=1e-6, atol=0)
     emulated = _dequantizing_oracle(workload, QUANTIZED_PROVIDERS["triton-k8v8"])
     error = (emulated - exact_p).abs().max()
     assert 1e-4 * exact_p.abs().max() < error < 0.1 * exact_p.abs().max()
