@@ -19,6 +19,14 @@ Beside each quantized row, float64 attention over the quantized rows of the same
 - ``mode floor``: the attention mode's own float64 emulation (``floor`` for the dequantizing
   mode; the FP8-MMA and INT8-MMA modes also round the queries, and FP8-MMA the probabilities).
 
+The one-switch formats (``EIGHT_BIT_FORMATS``: ``k8v8``, int8 K per slot and e4m3 V under
+frozen channel scales chosen by the first write; ``k8v16``, int8 K and V as stored) have one
+mode each, named as the format, and no equalization rows. Their mode floor is their float64
+emulation (``reference.eight_bit_attention``: int8 query rows, exact int32 ``Q K^T``; k8v8's P
+at 448 rounded to e4m3, and on a GPU the FP8 MMA's 13-bit accumulator, never flushed as the
+loop runs it; k8v16's P in bf16 on a GPU, float32 under the interpreter); they have no
+storage or best-scale floor of their own (``-``).
+
 Data kinds (``make_data``; all values rounded to bf16):
 
 - ``random``: q, K, V standard normal.
@@ -49,7 +57,9 @@ factors) and the output (V's). Both are chosen as the cache chooses them: from t
 
 Goal of a quantized row: rel L1 (``sum|o - r| / sum|r|``) within ``RELATIVE_GOAL`` x its mode
 floor, and an absolute target: int8 <= ``INT8_REL_L1``; e4m3 no worse than today's pool (the
-mode floor of the same row without equalization, times ``RELATIVE_GOAL``). The bf16 baseline
+mode floor of the same row without equalization, times ``RELATIVE_GOAL``); k8v8 no worse than
+``K8V8_VS_E4M3`` x today's e4m3 pool (its dequantizing floor, same smoothing); k8v16 <=
+``K8V16_REL_L1`` (issue 45). The bf16 baseline
 has no floor: cosine >= ``GOAL_COSINE`` and rel L1 <= ``GOAL_REL_L1``.
 """
 
@@ -79,6 +89,12 @@ from paged_video.bench.table import aligned
 from paged_video.bench.timing import figures_kind
 from paged_video.kernels import torch_path
 from paged_video.kernels.equalize import K_SHARE, choose_factors
+from paged_video.kernels.value_channels import V_HEADROOM, frozen_channel_scales
+from paged_video.reference.eight_bit_attention import (
+    FP8_MMA_ACC_BITS,
+    EightBitFormat,
+    eight_bit_attention,
+)
 from paged_video.reference.quantized_attention import quantized_attention
 
 DATA_KINDS = (
@@ -95,10 +111,18 @@ DATA_KINDS = (
 # Quantized formats by their one spelling (bench.formats); "bf16" (the baseline pool) is always
 # measured.
 FORMATS: dict[str, torch.dtype] = QUANTIZED_FORMATS
+# The one-switch formats (``PagingConfig(kv_format=...)``) and what their V pool holds (None:
+# the model's dtype); K is int8 in both.
+EIGHT_BIT_FORMATS: dict[str, torch.dtype | None] = {"k8v8": torch.float8_e4m3fn, "k8v16": None}
+FORMAT_CHOICES = (*FORMATS, *EIGHT_BIT_FORMATS)
 BASELINE = UNQUANTIZED
 FP8_MMA, INT8_MMA = MMA_MODES["e4m3"], MMA_MODES["int8"]
-# Attention modes per format: the dequantizing one, then the MMA mode the format has.
-MODES: dict[str, tuple[str, ...]] = {name: (DEQUANT, MMA_MODES[name]) for name in FORMATS}
+# Attention modes per format: the dequantizing one, then the MMA mode the format has; a
+# one-switch format's one mode is its name.
+MODES: dict[str, tuple[str, ...]] = {
+    **{name: (DEQUANT, MMA_MODES[name]) for name in FORMATS},
+    **{name: (name,) for name in EIGHT_BIT_FORMATS},
+}
 # Channels per head with an outlier pattern; k-outliers' offsets; the token outliers' gains.
 OUTLIER_CHANNELS = 4
 OUTLIER_OFFSET = (10.0, 20.0)
@@ -118,6 +142,9 @@ RELATIVE_GOAL = 1.02
 INT8_REL_L1 = 0.015
 GOAL_COSINE = 0.9995
 GOAL_REL_L1 = 0.02
+# Issue 45's targets: k8v8 no worse than 1.1x today's e4m3 pool; k8v16 at most 1.5% rel L1.
+K8V8_VS_E4M3 = 1.1
+K8V16_REL_L1 = 0.015
 # The shipped model: 40 heads of 128, frames of 1,560 tokens, sink 9 + window 9 frames.
 SHIPPED_HEADS = 40
 # Queries per float64 reference call (bounds its score matrix: rows x keys x 8 bytes).
@@ -186,14 +213,16 @@ def variants(
     formats: Sequence[str], smoothing: Sequence[bool], equalizing: Sequence[bool] = (False,)
 ) -> list[Variant]:
     """The bf16 baseline, then per quantized format its modes (``MODES``), each with and
-    without K smoothing and channel equalization as asked."""
+    without K smoothing and channel equalization as asked (the one-switch formats: without
+    equalization alone)."""
     rows = [Variant(BASELINE)]
     for name in formats:
+        equalize_rows = (False,) if name in EIGHT_BIT_FORMATS else equalizing
         rows += [
             Variant(name, mode, smooth, equalize)
             for mode in MODES[name]
             for smooth in smoothing
-            for equalize in equalizing
+            for equalize in equalize_rows
         ]
     return rows
 
@@ -350,10 +379,10 @@ def metrics(output: Tensor, expected: Tensor) -> Metrics:
 @dataclass(frozen=True)
 class Floors:
     """Float64 rel L1 of a quantized row's data (see the module docstring): the stored rows,
-    the best per-row scales, the mode's emulation."""
+    the best per-row scales (None: a one-switch format's), the mode's emulation."""
 
-    storage: float
-    best_scale: float
+    storage: float | None
+    best_scale: float | None
     mode: float
 
 
@@ -396,12 +425,13 @@ def prepare(data: Data, config: AccuracyConfig) -> Prepared:
 def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepared) -> Tensor:
     """Write ``data``'s K/V into a pool of ``variant``'s format with ``kernels.write_slots``
     (frame by frame, as the cache writes), then attend with ``kernels.paged_attention``."""
+    if variant.format in EIGHT_BIT_FORMATS:
+        return _attend_eight_bit(variant, data, config, prepared)
     c = config
     device = data.q.device
     heads, dim = c.heads, c.head_dim
     block = c.block_size
-    used = math.ceil(c.kv_tokens / block)
-    num_blocks = used + 1  # block 0 stays unused, as the cache's null block
+    num_blocks, block_table, slots = _slots(c, device)
     quantized = variant.format != BASELINE
     pool_dtype = FORMATS[variant.format] if quantized else c.q_dtype
     k_cache = torch.zeros(num_blocks, block, heads, dim, dtype=pool_dtype, device=device)
@@ -413,10 +443,6 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepa
             "k_scale": torch.zeros(scale_shape, dtype=torch.float32, device=device),
             "v_scale": torch.zeros(scale_shape, dtype=torch.float32, device=device),
         }
-    order = torch.randperm(used, generator=torch.Generator().manual_seed(c.seed)) + 1
-    block_table = order.to(device=device, dtype=torch.int32).view(1, used)
-    positions = torch.arange(c.kv_tokens, device=device)
-    slots = block_table[0].long()[positions // block] * block + positions % block
 
     flat = (-1, heads, dim)
     write_extra: dict[str, Tensor] = {name: s.view(-1, heads) for name, s in scales.items()}
@@ -454,6 +480,86 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepa
     )
 
 
+def _slots(config: AccuracyConfig, device: torch.device) -> tuple[int, Tensor, Tensor]:
+    """The pool's block count, a permuted block table (block 0 unused, as the cache's null
+    block) and each key's slot."""
+    c = config
+    used = math.ceil(c.kv_tokens / c.block_size)
+    order = torch.randperm(used, generator=torch.Generator().manual_seed(c.seed)) + 1
+    block_table = order.to(device=device, dtype=torch.int32).view(1, used)
+    positions = torch.arange(c.kv_tokens, device=device)
+    slots = block_table[0].long()[positions // c.block_size] * c.block_size
+    return used + 1, block_table, slots + positions % c.block_size
+
+
+def _attend_eight_bit(
+    variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepared
+) -> Tensor:
+    """``attend`` for a one-switch format: paged pools of int8 K codes (and scales), V as e4m3
+    codes under frozen channel scales chosen by the first frame's write (k8v8) or as it is
+    (k8v16); K smoothed when the row says."""
+    if variant.equalize:
+        raise ValueError(f"{variant.format} has no equalization rows (the format implies none)")
+    c = config
+    device = data.q.device
+    num_blocks, block_table, slots = _slots(c, device)
+    paged = (num_blocks, c.block_size, c.heads, c.head_dim)
+    k_cache = torch.zeros(paged, dtype=torch.int8, device=device)
+    v_dtype = EIGHT_BIT_FORMATS[variant.format] or c.q_dtype
+    v_cache = torch.zeros(paged, dtype=v_dtype, device=device)
+    k_scale = torch.zeros(paged[:-1], dtype=torch.float32, device=device)
+    write_extra: dict[str, Tensor] = {"k_scale": k_scale}
+    attend_extra: dict[str, Tensor] = {"k_scale": k_scale}
+    if variant.format == "k8v8":
+        channels = frozen_channel_scales(num_blocks, c.heads, c.head_dim, device)
+        write_extra |= {"v_channel_scale": channels, "v_scale_chosen": torch.tensor(False)}
+        attend_extra["v_channel_scale"] = channels
+    if variant.smooth:
+        write_extra["k_smooth"] = prepared.mean
+    for start in range(0, c.kv_tokens, c.chunk_size):
+        frame = slice(start, start + c.chunk_size)
+        kernels.write_slots(
+            data.keys[frame].to(c.q_dtype),
+            data.values[frame].to(c.q_dtype),
+            k_cache,
+            v_cache,
+            slots[frame].to(torch.int32),
+            **write_extra,
+        )
+    rows = data.q.shape[0]
+    return kernels.paged_attention(
+        data.q.to(c.q_dtype),
+        k_cache,
+        v_cache,
+        block_table,
+        torch.tensor([0, rows], dtype=torch.int32, device=device),
+        torch.tensor([c.kv_tokens], dtype=torch.int32, device=device),
+        max_seqlen_q=rows,
+        **attend_extra,
+    )
+
+
+def eight_bit_emulation(variant: Variant, config: AccuracyConfig) -> EightBitFormat:
+    """The arithmetic of ``variant``'s one-switch format as the kernel does it on
+    ``config.device`` (the module docstring)."""
+    on_gpu = torch.device(config.device).type == "cuda"
+    if variant.format == "k8v8":
+        keys_per_flush = math.ceil(config.kv_tokens / 64)  # one flush: the loop never flushes
+        return EightBitFormat(
+            q_rows_per_scale=1,
+            v_scales="frozen",
+            v_headroom=V_HEADROOM,
+            acc_bits=FP8_MMA_ACC_BITS if on_gpu else None,
+            flush_tiles=keys_per_flush,
+        )
+    return EightBitFormat(
+        q_rows_per_scale=1,
+        v_scales="none",
+        p_dtype=torch.bfloat16 if on_gpu else None,
+        acc_bits=None,
+    )
+
+
 def stored_rows(
     x: Tensor,
     dtype: torch.dtype,
@@ -477,11 +583,20 @@ class FloorCache:
     """The floors of one data kind, each computed once: storage floors are shared by the
     modes of a format, and e4m3's target is another row's mode floor."""
 
-    def __init__(self, data: Data, expected: Tensor, prepared: Prepared) -> None:
+    def __init__(
+        self,
+        data: Data,
+        expected: Tensor,
+        prepared: Prepared,
+        config: AccuracyConfig | None = None,
+    ) -> None:
         self._data, self._expected, self._prepared = data, expected, prepared
+        self._config = config
         self._rel_l1: dict[tuple[Variant, str], float] = {}
 
     def floors(self, variant: Variant) -> Floors:
+        if variant.format in EIGHT_BIT_FORMATS:
+            return Floors(None, None, self._floor(variant, "emulation"))
         storage = self._floor(variant.storage, "amax")
         mode = storage if variant.mode == DEQUANT else self._floor(variant, "amax")
         return Floors(storage, self._floor(variant.storage, "best"), mode)
@@ -495,6 +610,18 @@ class FloorCache:
 
     def _emulate(self, variant: Variant, *, best_scale: bool) -> Tensor:
         data, prepared = self._data, self._prepared
+        if variant.format in EIGHT_BIT_FORMATS:
+            if self._config is None:
+                raise ValueError(f"{variant.format}'s floor needs the config (its first write)")
+            fmt = eight_bit_emulation(variant, self._config)
+            smooth = prepared.smooth(variant)
+            first_write = self._config.chunk_size
+            return _by_rows(
+                data.q,
+                lambda q: eight_bit_attention(
+                    q, data.keys, data.values, fmt, first_write=first_write, smooth=smooth
+                ),
+            )
         dtype = FORMATS[variant.format]
         k_factor, v_factor = prepared.factors(variant)
         quantize = reference.quantize.quantize_best_scale if best_scale else stored_rows
@@ -519,9 +646,15 @@ class FloorCache:
 
 def target_rel_l1(variant: Variant, cache: FloorCache) -> float | None:
     """A quantized row's absolute target: ``INT8_REL_L1`` for int8; for e4m3, today's pool
-    (the same row unequalized: its mode floor, times ``RELATIVE_GOAL``)."""
+    (the same row unequalized: its mode floor, times ``RELATIVE_GOAL``); for k8v8
+    ``K8V8_VS_E4M3`` x today's e4m3 pool (its dequantizing floor, the row's smoothing); for
+    k8v16 ``K8V16_REL_L1``."""
     if variant.format == BASELINE:
         return None
+    if variant.format == "k8v8":
+        return K8V8_VS_E4M3 * cache.floors(Variant("e4m3", DEQUANT, variant.smooth)).mode
+    if variant.format == "k8v16":
+        return K8V16_REL_L1
     if FORMATS[variant.format] == torch.int8:
         return INT8_REL_L1
     return RELATIVE_GOAL * cache.floors(variant.today).mode
@@ -561,7 +694,7 @@ def run_accuracy(
             data = make_data(kind, config)
             expected = reference_output(data)
             prepared = prepare(data, config)
-            floors = FloorCache(data, expected, prepared)
+            floors = FloorCache(data, expected, prepared, config)
             for variant in cases:
                 started = time.monotonic()
                 measured = metrics(attend_fn(variant, data, config, prepared), expected)

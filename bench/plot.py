@@ -138,7 +138,15 @@ def _ratio_axis(
     block_axis(ax, [b for points in lines.values() for b, _ in points] or [1])
     scale_y(ax, values)
     ax.set_ylabel(ylabel)
-    legend_outside(ax)
+    # One legend column: the figure grows to hold it (``draw_speedup``), never wider than 9".
+    legend_outside(ax, rows=len(ax.get_legend_handles_labels()[1]))
+
+
+def _legend_inches(ax: Axes) -> float:
+    """The height an axis needs beside its legend: its wrapped lines plus the axis' margins."""
+    legend = ax.get_legend()
+    lines = sum(text.get_text().count("\n") + 1 for text in legend.get_texts()) if legend else 0
+    return max(3.6, LEGEND_ENTRY_INCHES * lines + 1.2)
 
 
 def draw_speedup(rows: Sequence[Row]) -> Figure:
@@ -182,6 +190,8 @@ def draw_speedup(rows: Sequence[Row]) -> Figure:
             goals,
         )
         ax.set_title(f"quantized pools against our {dtype} pool", fontsize=9)
+    panel_axes = figure.axes[: len(panels)]
+    figure.set_size_inches(9.0, sum(_legend_inches(ax) for ax in panel_axes) + 0.6)
     measured = [c["row"] for c in (*cases, *q_cases)] or list(rows)
     geometry = "; ".join(_geometries(measured)) if not (several or q_several) else ""
     figure.suptitle(

@@ -28,9 +28,12 @@ from torch import Tensor
 from paged_video import kernels, reference
 from paged_video.bench.formats import DEQUANT, MMA_MODES, dtype_name
 from paged_video.bench.results import QUANTIZED_GOALS
-from paged_video.bench.workload import Geometry, QuantizedPools, Workload
+from paged_video.bench.workload import EightBitPools, Geometry, QuantizedPools, Workload
 from paged_video.kernels.paged_attention import WS_MAX_STAGES
+from paged_video.kernels.value_channels import V_HEADROOM, choose_frozen, frozen_channel_scales
 
+# The one-switch formats of the sweep (``PagingConfig(kv_format=...)``), what each stores.
+EIGHT_BIT_FORMATS = {"k8v8": "int8 K, e4m3 V per channel", "k8v16": "int8 K, 16-bit V"}
 # Largest float64 score tensor the timed oracle provider may build (it is timed whole).
 ORACLE_TIMING_BYTES = 1 << 28
 
@@ -71,7 +74,9 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 @dataclass(frozen=True)
 class Quant:
     """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
-    neither: dequantizing); ``keys_major``: both scale pools stored keys-major
+    neither: dequantizing), or one of the one-switch formats (``kv_format``: ``k8v8``, int8 K
+    per slot and e4m3 V with frozen channel scales; ``k8v16``, int8 K and V as stored; ``dtype``
+    is then K's, int8); ``keys_major``: both scale pools stored keys-major
     (``kernels.keys_major``), and in the FP8-MMA mode V's codes too, the layout its P V MMA
     reads without a transpose (and the TMA loop reads them: the FP8-MMA mode's default at
     head_dim 128 takes it where a tile lies inside a block; the dequantizing modes' table rows
@@ -81,15 +86,21 @@ class Quant:
     fp8_mma: bool = False
     int8_mma: bool = False
     keys_major: bool = False
+    kv_format: str | None = None
 
     @property
     def mode(self) -> str:
-        """The mode's name (``bench.formats``: ``dequant`` or the format's MMA mode)."""
+        """The mode's name (``bench.formats``: ``dequant``, the format's MMA mode, or the
+        one-switch format's name)."""
+        if self.kv_format is not None:
+            return self.kv_format
         if self.fp8_mma or self.int8_mma:
             return MMA_MODES[dtype_name(self.dtype)]
         return DEQUANT
 
     def __str__(self) -> str:
+        if self.kv_format is not None:
+            return f"{self.kv_format} ({EIGHT_BIT_FORMATS[self.kv_format]})"
         layout = ", keys-major" if self.keys_major else ""
         return f"{dtype_name(self.dtype)} {self.mode}{layout}"
 
@@ -328,7 +339,98 @@ def quantized_pools(workload: Workload, dtype: torch.dtype) -> QuantizedPools:
             check_values=False,
         )
         w.quantized[dtype] = QuantizedPools(k_codes, v_codes, k_scale, v_scale)
-    return w.quantized[dtype]
+    pools = w.quantized[dtype]
+    assert isinstance(pools, QuantizedPools)
+    return pools
+
+
+def eight_bit_pools(workload: Workload, kv_format: str) -> EightBitPools:
+    """The workload's whole pools written in ``kv_format`` by ``kernels.write_slots`` in one
+    write (slot-major; no K smoothing): int8 K codes and scales per slot; for ``k8v8`` e4m3 V
+    codes under frozen channel scales chosen from the sequences' V (``kernels.value_channels``,
+    its headroom), for ``k8v16`` V as it is. Made once per workload and format, shared by the
+    providers and the oracle."""
+    w = workload
+    if kv_format not in w.quantized:
+        g = w.geometry
+        device = w.k_cache.device
+        num_slots = w.k_cache.shape[0] * w.k_cache.shape[1]
+        slots = torch.arange(num_slots, dtype=torch.int32, device=device)
+        flat = (-1, g.kv_heads, g.head_dim)
+        k_codes = torch.empty(w.k_cache.shape, dtype=torch.int8, device=device)
+        k_scale = torch.empty(w.k_cache.shape[:-1], dtype=torch.float32, device=device)
+        v_channel_scale = None
+        if kv_format == "k8v8":
+            v_cache = torch.empty(w.v_cache.shape, dtype=torch.float8_e4m3fn, device=device)
+            v_channel_scale = frozen_channel_scales(
+                w.v_cache.shape[0], g.kv_heads, g.head_dim, device
+            )
+            # Chosen from the sequences' V alone, not the spare blocks: the same scales at every
+            # block size, so one oracle serves them all.
+            logical = w.values.reshape(flat)
+            unused = torch.zeros(logical.shape[0], dtype=torch.int32, device=device)
+            choose_frozen(v_channel_scale, logical, unused, V_HEADROOM)
+            chosen = {"v_channel_scale": v_channel_scale, "v_scale_chosen": torch.tensor(True)}
+        else:
+            v_cache = w.v_cache.clone()
+            chosen = {}
+        kernels.write_slots(
+            w.k_cache.reshape(flat), w.v_cache.reshape(flat), k_codes, v_cache, slots,
+            k_scale=k_scale,
+            check_values=False, **chosen,
+        )  # fmt: skip
+        w.quantized[kv_format] = EightBitPools(k_codes, v_cache, k_scale, v_channel_scale)
+    pools = w.quantized[kv_format]
+    assert isinstance(pools, EightBitPools)
+    return pools
+
+
+def _eight_bit_paged_provider(name: str, quant: Quant) -> Provider:
+    """Our paged attention over the workload's pools in ``quant.kv_format``, in the cache's
+    layout (``paging.cache``): K's scales keys-major, k8v8's V codes keys-major."""
+    assert quant.kv_format is not None
+    kv_format = quant.kv_format
+
+    def build(workload: Workload, tile: Tile | None) -> Bench:
+        w = workload
+        pools = eight_bit_pools(w, kv_format)
+        v_cache = pools.v_cache
+        if kv_format == "k8v8":
+            v_cache = kernels.keys_major(v_cache)
+        k_scale = kernels.keys_major(pools.k_scale)
+        out = torch.empty_like(w.q)
+        tiles = _tile_arguments(tile)
+
+        def run() -> Tensor:
+            return kernels.paged_attention(
+                w.q,
+                pools.k_cache,
+                v_cache,
+                w.block_table,
+                w.cu_seqlens_q,
+                w.seq_lens_k,
+                max_seqlen_q=w.geometry.q_tokens,
+                out=out,
+                k_scale=k_scale,
+                v_channel_scale=pools.v_channel_scale,
+                check_values=False,
+                **tiles,
+            )
+
+        return Bench(run, backend=f"triton paged_attention {quant}")
+
+    def unsupported(workload: Workload) -> str | None:
+        device = workload.q.device
+        if kv_format == "k8v8" and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 9):
+                sm = f"sm_{capability[0]}{capability[1]}"
+                return f"k8v8's FP8 MMA needs sm_89 or newer, this GPU is {sm}"
+        return None
+
+    return Provider(
+        "paged_attention", name, build, unsupported, "quantized", tunable=True, quant=quant
+    )
 
 
 def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
@@ -820,6 +922,8 @@ QUANTIZED_PROVIDERS = {
     "triton-int8-mma-keys": Quant(torch.int8, int8_mma=True, keys_major=True),
     "triton-e4m3-keys": Quant(torch.float8_e4m3fn, keys_major=True),
     "triton-int8-keys": Quant(torch.int8, keys_major=True),
+    "triton-k8v8": Quant(torch.int8, kv_format="k8v8"),
+    "triton-k8v16": Quant(torch.int8, kv_format="k8v16"),
 }
 assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)
 # Run only when named (the GPU check's launch probe does): the dequantizing loops over
@@ -835,7 +939,12 @@ PROVIDERS: tuple[Provider, ...] = (
     ),
     *(_forced_sdpa_provider(name) for name in SDPA_BACKENDS),
     Provider("paged_attention", "sdpa+gather", _build_sdpa_with_gather, role=BASELINE),
-    *(_quantized_paged_provider(name, quant) for name, quant in QUANTIZED_PROVIDERS.items()),
+    *(
+        (_quantized_paged_provider if quant.kv_format is None else _eight_bit_paged_provider)(
+            name, quant
+        )
+        for name, quant in QUANTIZED_PROVIDERS.items()
+    ),
     *(_launch_provider(name, launch) for name, launch in LAUNCH_PROVIDERS.items()),
     Provider("paged_attention", "flash_attn", _build_flash_attn, _flash_attn_unsupported, BASELINE),
     Provider(

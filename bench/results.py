@@ -47,6 +47,9 @@ QUANTIZED_GOALS = {
     "triton-int8-mma-keys": 1.3,
     "triton-e4m3-keys": 1.3,
     "triton-int8-keys": 1.3,
+    # Issue 45: the fast format at least 1.5x the bf16 pool; the accurate one at least as fast.
+    "triton-k8v8": 1.5,
+    "triton-k8v16": 1.0,
 }
 # Provider names of CSVs written before the formats were spelled one way everywhere (bf16, e4m3,
 # int8); reading an old CSV renames them, so ``compare`` matches its cases with new runs.

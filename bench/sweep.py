@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from paged_video import reference
 from paged_video.bench.extras import MissingExtraError, require
@@ -37,6 +38,7 @@ from paged_video.bench.providers import (
     Provider,
     Quant,
     Tile,
+    eight_bit_pools,
     quantized_pools,
     torch_sdpa_output,
 )
@@ -62,6 +64,7 @@ from paged_video.bench.timing import (
 )
 from paged_video.bench.workload import (
     DTYPES,
+    ORACLE_CHUNK_BYTES,
     Geometry,
     Workload,
     dequantized_sequences,
@@ -70,6 +73,8 @@ from paged_video.bench.workload import (
     oracle_pools,
     oracle_stage,
 )
+from paged_video.reference.attention import gather_sequence
+from paged_video.reference.eight_bit_attention import Codes, EightBitFormat, attend_codes
 
 # An attention result passes when its error (relative to the oracle's largest magnitude) is at
 # most TORCH_ERROR_FACTOR times torch SDPA's error in the same dtype plus this floor: about one
@@ -85,6 +90,16 @@ ERROR_FLOOR = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 4e-3}
 # relative to its largest magnitude, measured ~0.04 off on the small preset: the allowance is
 # twice the per-probability bound, 2**-3.
 FP8_MMA_ALLOWANCE = 0.125
+# The one-switch formats are checked against their own arithmetic: k8v16 against float64
+# attention over its int8-rounded query rows and dequantized keys (nothing else rounds: the
+# bf16 pool's limit); k8v8 against its float64 emulation (``reference.eight_bit_attention``:
+# int8 query rows, exact int32 Q K^T, P = exp(s - rowmax) * 448 rounded to e4m3, V codes times
+# their frozen channel scales). The kernel rounds P per key tile after a running row max, the
+# emulation after the final one: where the row max rises in a later tile, single
+# probabilities differ by up to 2**-4 of themselves, as in the FP8-MMA mode (small preset: 3e-7
+# at blocks 8-128 but 24, 0.021 at 24; a GPU's 13-bit P V accumulator adds to it). The same
+# allowance, 2**-3.
+K8V8_ALLOWANCE = FP8_MMA_ALLOWANCE
 
 
 # The skip reason of a run of ours whose result disagreed with the oracle.
@@ -139,13 +154,22 @@ def accuracy_limit(
 ) -> float:
     """Largest error a ``kernel`` result in ``dtype`` may have: ``2 * torch_error + floor`` for
     attention (``torch_error``: torch SDPA's error on the same inputs; plus
-    ``FP8_MMA_ALLOWANCE`` in the FP8-MMA mode), 0 for the copies."""
+    ``rounding_allowance``), 0 for the copies."""
     if kernel not in ATTENTION_KERNELS:
         return 0.0
     if torch_error is None or not math.isfinite(torch_error):
         raise ValueError(f"torch_error must be a finite error for {kernel}, got {torch_error}")
-    allowance = FP8_MMA_ALLOWANCE if quant is not None and quant.fp8_mma else 0.0
-    return TORCH_ERROR_FACTOR * torch_error + ERROR_FLOOR[dtype] + allowance
+    return TORCH_ERROR_FACTOR * torch_error + ERROR_FLOOR[dtype] + rounding_allowance(quant)
+
+
+def rounding_allowance(quant: Quant | None) -> float:
+    """What a quantized mode's limit adds for roundings its oracle cannot repeat: the FP8-MMA
+    mode's and k8v8's probabilities, rounded per key tile; 0 for the rest."""
+    if quant is not None and quant.fp8_mma:
+        return FP8_MMA_ALLOWANCE
+    if quant is not None and quant.kv_format == "k8v8":
+        return K8V8_ALLOWANCE
+    return 0.0
 
 
 def max_error(actual: Output, expected: Output) -> float:
@@ -175,8 +199,12 @@ def bytes_moved(kernel: str, workload: Workload, quant: Quant | None = None) -> 
     item = torch.empty((), dtype=g.torch_dtype).element_size()
     kv_token = g.kv_heads * g.head_dim * item
     attention = 2 * g.batch * g.q_tokens * g.heads * g.head_dim * item
-    pool_token = kv_token if quant is None else g.kv_heads * (g.head_dim + 4)
-    attention += 2 * g.batch * g.kv_tokens * pool_token
+    k_token = v_token = kv_token if quant is None else g.kv_heads * (g.head_dim + 4)
+    if quant is not None and quant.kv_format == "k8v8":
+        v_token = g.kv_heads * g.head_dim  # its channel scales: per layer, not per token
+    elif quant is not None and quant.kv_format == "k8v16":
+        v_token = kv_token
+    attention += g.batch * g.kv_tokens * (k_token + v_token)
     staging = 2 * 2 * g.batch * workload.staged_tokens * kv_token
     chunk_write = 2 * 2 * g.batch * g.q_tokens * kv_token
     return {
@@ -230,13 +258,62 @@ class _Oracles:
 
 def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
     """Float64 attention over the dequantized pools; the MMA modes' query rows rounded as they
-    round them (the INT8-MMA mode's oracle is then its float64 emulation: Q K^T is exact)."""
+    round them (the INT8-MMA mode's oracle is then its float64 emulation: Q K^T is exact). A
+    one-switch format's: its own arithmetic (``eight_bit_oracle``)."""
+    if quant.kv_format is not None:
+        return eight_bit_oracle(workload, quant.kv_format)
     keys, values = dequantized_sequences(workload, quantized_pools(workload, quant.dtype))
     q = None
     if quant.fp8_mma or quant.int8_mma:
         dtype = torch.float8_e4m3fn if quant.fp8_mma else torch.int8
         q = reference.quantize.round_rows(workload.q, dtype)
     return oracle_attention(workload, q=q, keys=keys, values=values)
+
+
+# The k8v8 format's arithmetic as the kernel does it, P V's accumulator exact (the interpreter's
+# float32; the GPU's FP8 MMA keeps ~22 bits, inside the allowance).
+K8V8_EMULATION = EightBitFormat(q_rows_per_scale=1, v_scales="frozen", acc_bits=None)
+
+
+def eight_bit_oracle(workload: Workload, kv_format: str) -> Tensor:
+    """Float64 ``(total_q, heads, head_dim)``: k8v16 as float64 attention over the int8-rounded
+    query rows, the dequantized keys and V as stored; k8v8 as its emulation over the pool's own
+    codes and frozen channel scales (``reference.eight_bit_attention.attend_codes``), per
+    sequence, KV head and slice of queries so the float64 scores stay under
+    ``ORACLE_CHUNK_BYTES``."""
+    w = workload
+    g = w.geometry
+    pools = eight_bit_pools(w, kv_format)
+    q_rows = reference.quantize.round_rows(w.q, torch.int8)
+    sequences = range(g.batch)
+    k_codes = [gather_sequence(pools.k_cache, w.block_table[s], g.kv_tokens) for s in sequences]
+    k_scales = [gather_sequence(pools.k_scale, w.block_table[s], g.kv_tokens) for s in sequences]
+    if kv_format == "k8v16":
+        keys = torch.stack(
+            [reference.quantize.dequantize(c, s) for c, s in zip(k_codes, k_scales, strict=True)]
+        )
+        return oracle_attention(w, q=q_rows, keys=keys, values=w.values)
+    assert pools.v_channel_scale is not None
+    channel_scale = pools.v_channel_scale[0].cpu()
+    group = g.heads // g.kv_heads
+    q_codes, q_scale = reference.quantize.quantize(w.q.cpu(), torch.int8)
+    # P V's partial sums, per k-step of 32 keys and channel, dominate: keep them in the budget.
+    per_query = group * (g.kv_tokens + 31) // 32 * g.head_dim * 8 * 4
+    rows = max(1, ORACLE_CHUNK_BYTES // per_query)
+    out = torch.empty(w.q.shape, dtype=torch.float64)
+    for seq in sequences:
+        v_codes = gather_sequence(pools.v_cache, w.block_table[seq], g.kv_tokens).cpu()
+        ks, kc = k_scales[seq].cpu(), k_codes[seq].cpu()
+        for head in range(g.kv_heads):
+            heads = slice(head * group, (head + 1) * group)
+            keys = Codes(kc[:, head : head + 1], ks[:, head : head + 1])
+            values = Codes(v_codes[:, head : head + 1], channel_scale[head : head + 1])
+            for start in range(0, g.q_tokens, rows):
+                lo = seq * g.q_tokens + start
+                hi = seq * g.q_tokens + min(start + rows, g.q_tokens)
+                queries = Codes(q_codes[lo:hi, heads], q_scale[lo:hi, heads])
+                out[lo:hi, heads] = attend_codes(queries, keys, values, K8V8_EMULATION)
+    return out
 
 
 def selected_providers(config: SweepConfig, providers: Sequence[Provider]) -> list[Provider]:

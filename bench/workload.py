@@ -73,6 +73,18 @@ class QuantizedPools:
     v_scale: Tensor
 
 
+@dataclass(frozen=True)
+class EightBitPools:
+    """The workload's pools in a one-switch format (``k8v8``, ``k8v16``), slot-major: int8 K
+    codes with a float32 scale per (block, slot, KV head); V as e4m3 codes with frozen
+    ``v_channel_scale (num_blocks, num_kv_heads, head_dim)`` (k8v8) or as stored (k8v16, None)."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    k_scale: Tensor
+    v_channel_scale: Tensor | None
+
+
 @dataclass
 class Workload:
     """Tensors for one (geometry, block size) case, on one device.
@@ -95,8 +107,11 @@ class Workload:
     new_keys: Tensor
     new_values: Tensor
     write_slot_mapping: Tensor
-    # The pools quantized, per codes dtype (``bench.providers.quantized_pools`` fills it).
-    quantized: dict[torch.dtype, QuantizedPools] = field(default_factory=dict, repr=False)
+    # The pools quantized, per codes dtype (``bench.providers.quantized_pools`` fills it) or
+    # one-switch format name (``bench.providers.eight_bit_pools``).
+    quantized: dict[torch.dtype | str, QuantizedPools | EightBitPools] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def blocks_per_sequence(self) -> int:

@@ -2156,6 +2156,35 @@ MUTANTS = [
         "test_a_forced_key_loop_reaches_the_launcher_or_says_why_not",
     ),
     _m(
+        "sweep-k8v16-oracle-unrounded-queries",
+        "bench/sweep.py",
+        "        return oracle_attention(w, q=q_rows, keys=keys, values=w.values)",
+        "        return oracle_attention(w, keys=keys, values=w.values)",
+        "tests/bench/test_quantized.py::test_the_one_switch_oracles_are_their_formats_arithmetic",
+    ),
+    _m(
+        "sweep-k8v8-oracle-p-unrounded",
+        "bench/sweep.py",
+        'v_scales="frozen", acc_bits=None)',
+        'v_scales="frozen", acc_bits=None, p_dtype=None)',
+        "tests/bench/test_quantized.py::test_the_one_switch_oracles_are_their_formats_arithmetic",
+    ),
+    _m(
+        "sweep-k8v8-limit-without-allowance",
+        "bench/sweep.py",
+        "        return K8V8_ALLOWANCE\n",
+        "        return 0.0\n",
+        "tests/bench/test_quantized.py::"
+        "test_quantized_rows_are_checked_against_the_dequantizing_oracle",
+    ),
+    _m(
+        "accuracy-k8v8-floor-without-p-rounding",
+        "bench/accuracy.py",
+        '            v_scales="frozen",\n',
+        '            v_scales="frozen",\n            p_dtype=None,\n',
+        "tests/bench/test_accuracy.py::test_the_one_switch_formats_at_the_small_preset",
+    ),
+    _m(
         "sweep-passes-with-a-failed-kernel",
         "bench/sweep.py",
         "                            wrong.append(failed)\n",

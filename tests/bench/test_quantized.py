@@ -12,10 +12,12 @@ from paged_video.bench.providers import (
     QUANTIZED_PROVIDERS,
     Bench,
     Provider,
+    eight_bit_pools,
     quantized_pools,
 )
 from paged_video.bench.results import QUANTIZED_GOALS
 from paged_video.bench.sweep import (
+    FP8_MMA_ALLOWANCE,
     WrongResultError,
     _dequantizing_oracle,
     bytes_moved,
@@ -29,6 +31,7 @@ from paged_video.bench.workload import (
     make_workload,
     oracle_attention,
 )
+from paged_video.reference.attention import gather_sequence
 from tests.bench.rows import STEADY_CEILINGS, measured
 from tests.bench.tiny import TINY, paged_config
 
@@ -70,6 +73,14 @@ def test_quantized_rows_are_checked_against_the_dequantizing_oracle(tmp_path):
     assert rows["triton-int8-mma"]["max_error"] < 1e-5
     assert rows["triton-int8-mma"]["backend"] == "triton paged_attention int8 int8-mma"
     # The same codes and scales in another layout: each mode's results, to float32 rounding.
+    # k8v16 rounds the query rows and K alone, as its oracle does: float32 distance, the bf16
+    # pool's limit. k8v8's emulation rounds P once, the kernel per key tile (TINY: one tile).
+    assert rows["triton-k8v16"]["error_limit"] == rows["triton"]["error_limit"]
+    assert rows["triton-k8v16"]["max_error"] < 1e-5
+    k8v8 = rows["triton-k8v8"]
+    assert k8v8["error_limit"] == pytest.approx(rows["triton"]["error_limit"] + FP8_MMA_ALLOWANCE)
+    assert k8v8["max_error"] < 1e-5
+    assert k8v8["backend"] == "triton paged_attention k8v8 (int8 K, e4m3 V per channel)"
     for name, mode in (
         ("triton-e4m3-mma", "e4m3 fp8-mma"),
         ("triton-int8-mma", "int8 int8-mma"),
@@ -89,6 +100,78 @@ def test_the_int8_mma_oracle_rounds_the_queries():
     q = reference.quantize.dequantize(*reference.quantize.quantize(workload.q, torch.int8))
     keys, values = dequantized_sequences(workload, quantized_pools(workload, torch.int8))
     assert torch.equal(mma, oracle_attention(workload, q=q, keys=keys, values=values))
+
+
+def test_the_one_switch_oracles_are_their_formats_arithmetic():
+    workload = make_workload(TINY, 5)
+    q = reference.quantize.round_rows(workload.q, torch.int8)
+    k8v16 = eight_bit_pools(workload, "k8v16")
+    assert k8v16 is eight_bit_pools(workload, "k8v16") and k8v16.v_channel_scale is None
+    assert torch.equal(k8v16.v_cache, workload.v_cache)
+    keys, _ = dequantized_sequences(workload, quantized_pools(workload, torch.int8))
+    want = oracle_attention(workload, q=q, keys=keys, values=workload.values)
+    assert torch.equal(_dequantizing_oracle(workload, QUANTIZED_PROVIDERS["triton-k8v16"]), want)
+    # k8v8: V's codes under frozen channel scales read back within e4m3's rounding (half a step:
+    # 2**-4 of the value, or 2**-10 of the scale among the subnormals); the emulation rounds P
+    # to e4m3, so it differs from float64 attention over the same codes.
+    k8v8 = eight_bit_pools(workload, "k8v8")
+    scale = k8v8.v_channel_scale.double()[:, None]
+    assert k8v8.v_channel_scale.stride(0) == 0 and k8v8.v_cache.dtype == torch.float8_e4m3fn
+    values = k8v8.v_cache.double() * scale
+    source = workload.v_cache.double()
+    assert ((values - source).abs() <= source.abs() * 2.0**-4 + scale * 2.0**-10).all()
+    assert (values != source).any()
+    table = workload.block_table[0]
+    logical = gather_sequence(values, table, workload.geometry.kv_tokens)[None]
+    exact_p = oracle_attention(workload, q=q, keys=keys, values=logical)
+    # Chosen from the sequences' V, not the spare blocks: every block size's pools share them,
+    # and so the oracle the sweep keeps per geometry.
+    other = eight_bit_pools(make_workload(TINY, 4), "k8v8").v_channel_scale
+    assert torch.equal(other[0], k8v8.v_channel_scale[0])
+    amax = workload.values.abs().flatten(0, 1).amax(dim=0)
+    assert torch.allclose(k8v8.v_channel_scale[0], amax * 256 / 448, rtol=1e-6, atol=0)
+    emulated = _dequantizing_oracle(workload, QUANTIZED_PROVIDERS["triton-k8v8"])
+    error = (emulated - exact_p).abs().max()
+    assert 1e-4 * exact_p.abs().max() < error < 0.1 * exact_p.abs().max()
+
+
+def _k8v8_wrong_channel_scales(workload, tile):
+    """The k8v8 kernel with half of V's channels read at twice their scale."""
+    w = workload
+    pools = eight_bit_pools(w, "k8v8")
+    scales = pools.v_channel_scale.clone()
+    scales[..., ::2] *= 2
+    return Bench(
+        lambda: kernels.paged_attention(
+            w.q,
+            pools.k_cache,
+            pools.v_cache,
+            w.block_table,
+            w.cu_seqlens_q,
+            w.seq_lens_k,
+            max_seqlen_q=w.geometry.q_tokens,
+            k_scale=pools.k_scale,
+            v_channel_scale=scales,
+        )
+    )
+
+
+def _k8v16_missing_a_block(workload, tile):
+    """The k8v16 kernel over all but the last block of keys."""
+    w = workload
+    pools = eight_bit_pools(w, "k8v16")
+    return Bench(
+        lambda: kernels.paged_attention(
+            w.q,
+            pools.k_cache,
+            pools.v_cache,
+            w.block_table,
+            w.cu_seqlens_q,
+            w.seq_lens_k - w.block_size,
+            max_seqlen_q=w.geometry.q_tokens,
+            k_scale=pools.k_scale,
+        )
+    )
 
 
 def _bf16_pool_answer(workload, tile):
@@ -125,7 +208,12 @@ def _fp8_mma_missing_a_block(workload, tile):
 
 @pytest.mark.parametrize(
     ("name", "build"),
-    [("triton-e4m3", _bf16_pool_answer), ("triton-e4m3-mma", _fp8_mma_missing_a_block)],
+    [
+        ("triton-e4m3", _bf16_pool_answer),
+        ("triton-e4m3-mma", _fp8_mma_missing_a_block),
+        ("triton-k8v8", _k8v8_wrong_channel_scales),
+        ("triton-k8v16", _k8v16_missing_a_block),
+    ],
 )
 def test_a_wrong_quantized_result_raises(tmp_path, name, build):
     template = next(p for p in PROVIDERS if p.name == name)

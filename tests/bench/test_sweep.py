@@ -12,10 +12,10 @@ from paged_video import reference
 from paged_video.bench.providers import PROVIDERS, QUANTIZED_PROVIDERS, Bench, Provider
 from paged_video.bench.results import COLUMNS, KERNELS, read_rows
 from paged_video.bench.sweep import (
-    FP8_MMA_ALLOWANCE,
     SweepConfig,
     WrongResultError,
     max_error,
+    rounding_allowance,
     run_sweep,
 )
 from paged_video.bench.timing import TimingSettings, figures_kind, measure
@@ -50,8 +50,7 @@ def test_csv_has_every_column_and_a_checked_row_per_kernel(tiny_sweep):
         if row["role"] != "bound":
             assert row["max_error"] <= row["error_limit"]
         if row["kernel"] in ("paged_attention", "staged") and row["role"] != "oracle":
-            quant = QUANTIZED_PROVIDERS.get(row["provider"])
-            allowance = FP8_MMA_ALLOWANCE if quant is not None and quant.fp8_mma else 0.0
+            allowance = rounding_allowance(QUANTIZED_PROVIDERS.get(row["provider"]))
             assert 0 < row["torch_error"] < row["error_limit"] - allowance < 1e-4  # fp32: close
         assert row["noise"]  # the run ended, so its verdict is in every row
         assert (row["tflops"] is not None) == (row["kernel"] in ("paged_attention", "staged"))
