@@ -31,7 +31,6 @@ from paged_video.bench.accuracy import AccuracyConfig, Data, Prepared
 from paged_video.bench.results import sig3
 from paged_video.kernels.equalize import K_SHARE, choose_factors
 from paged_video.reference import eight_bit_attention as eba
-from paged_video.reference.quantize import quantize
 from paged_video.reference.quantized_attention import quantized_attention
 
 E4M3 = torch.float8_e4m3fn
@@ -141,8 +140,9 @@ def emulate_today(name: str, data: Data, prepared: Prepared) -> torch.Tensor:
     k_factor, v_factor = (
         (prepared.smoothed_k_factor, prepared.v_factor) if equalize else (None, None)
     )
-    k_codes, k_scale = quantize(data.keys, dtype, smooth=prepared.mean, factor=k_factor)
-    v_codes, v_scale = quantize(data.values, dtype, factor=v_factor)
+    # The rows write_slots stores (float32 quotients), as bench accuracy's floors take them.
+    k_codes, k_scale = accuracy.stored_rows(data.keys, dtype, smooth=prepared.mean, factor=k_factor)
+    v_codes, v_scale = accuracy.stored_rows(data.values, dtype, factor=v_factor)
     return accuracy._by_rows(
         data.q,
         lambda q: quantized_attention(
