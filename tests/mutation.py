@@ -939,7 +939,7 @@ MUTANTS = [
         "fused-stage-scales",
         "kernels/fused.py",
         '        check_scales("stage_k_scales", pools.stage_k_scales, "stage_k", stage_k)\n',
-        "",
+        "        pass\n",
         f"{FUSED_REFUSALS}[int8-stage-scales-missing]",
     ),
     _m(
@@ -1434,6 +1434,28 @@ MUTANTS = [
         "if not 0 <= first_block <= block_ids.shape[0]:",
         "if not 0 <= first_block <= block_ids.shape[0] + 1:",
         f"{BAD}::test_gather_blocks_rejects_and_changes_nothing[first-range]",
+    ),
+    _m(
+        "gather-k8-v-scales-half-given",
+        "kernels/gather_blocks.py",
+        'no_v_scales = scales["v_scale"] is None and scales["stage_v_scale"] is None',
+        'no_v_scales = scales["v_scale"] is None or scales["stage_v_scale"] is None',
+        "tests/kernels/test_gather_blocks_quantized.py::test_k8_formats_refuse_v_scales_half_given",
+    ),
+    _m(
+        "fused-k8v8-staged-channel-scales-per-block",
+        "kernels/fused.py",
+        '        attend["v_channel_scale"] = frozen[:1].expand(width, *frozen.shape[1:])',
+        '        attend["v_channel_scale"] = frozen[:1].expand(width, *frozen.shape[1:]).clone()',
+        f"{STAGING}::test_kernels_staged_equal_unstaged_bit_for_bit[k8v8]",
+    ),
+    _m(
+        "fused-k8v8-staging-per-block-scales",
+        "kernels/fused.py",
+        "    if _k8v8(pools) and not is_frozen(pools.v_channel_scales[0]):",
+        "    if False:",
+        "tests/paging/test_k8v8_cache.py::"
+        "test_staging_refuses_per_block_channel_scales_and_changes_nothing",
     ),
     _m(
         "gather-stage-one-row-short",
