@@ -479,6 +479,14 @@ MUTANTS = [
         "tests/paging/test_forks.py::test_committing_fork_copies_k_v_and_scales_of_every_layer",
     ),
     _m(
+        "cow-copies-no-v-codes",
+        "paging/cache.py",
+        "for pools in (self.k_pools, self.v_pools, self.k_scales, self.v_scales):\n",
+        "for pools in (self.k_pools, self.k_scales, self.v_scales):\n",
+        "tests/paging/test_forks.py::"
+        "test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies[k8v8]",
+    ),
+    _m(
         "cow-copied-before-the-call-is-checked",
         "paging/forward.py",
         "plan._prepare(copy_tail=False)",
