@@ -105,6 +105,7 @@ SLOW = (
     "tests/models/test_wan_compile.py::test_compiled_blocks_share_one_graph_over_the_rollout",
     "tests/models/test_wan_quantized.py::test_fp8_mma_rollout_runs_and_stays_near",
     "tests/models/test_wan_quantized.py::test_int8_rollout_staged_reset_whole_blocks_of_7_with_actions",
+    "tests/models/test_wan_quantized.py::test_k8_format_rollouts_run_stay_near_and_stage_bit_for_bit",
     "tests/models/test_wan_quantized.py::test_sliding_window_rollout_on_quantized_pools",
     "tests/models/test_wan_rollout.py::test_no_sink_staged_single_branch_reuses_staging",
     "tests/models/test_wan_rollout.py::test_reset_at_boundary_blocks_of_7_with_actions",
