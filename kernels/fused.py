@@ -548,6 +548,8 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_equalizer=k_equalizer,
             v_equalizer=v_equalizer,
             equalizers_chosen=equalizers_chosen,
+            v_channel_scale=channels.get("v_channel_scale"),
+            v_scale_chosen=pools.v_scales_chosen[layer_index] if k8v8 else None,
         )
     # Only video keys choose the mean and the factors (and k8v8's V scales); action rows are
     # written with them.

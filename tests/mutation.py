@@ -2397,11 +2397,12 @@ MUTANTS = [
         "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v16_near_the_float_cache",
     ),
     _m(
-        "shard-takes-k8v8",
-        "paging/shard.py",
-        "        if isinstance(config, PagingConfig) and config.k8v8:",
-        "        if False:",
-        "tests/paging/test_k8v8_cache.py::test_sharded_cache_refuses_k8v8",
+        "fused-choice-slots-skip-v-channel-scales",
+        "kernels/fused.py",
+        "            v_scale_chosen=pools.v_scales_chosen[layer_index] if k8v8 else None,\n"
+        "        )\n    # Only video keys choose",
+        "            v_scale_chosen=None,\n        )\n    # Only video keys choose",
+        f"{SHARD_CODES}[k8v8-2-staged]",
     ),
 ]
 

@@ -151,21 +151,6 @@ def test_forward_calls_over_k8v16_near_the_float_cache() -> None:
     assert k8v16.k_means_chosen.all()
 
 
-def test_sharded_cache_refuses_k8v8() -> None:
-    # Each rank writes only its tokens: the frozen V scales would be chosen per rank.
-    from paged_video.paging.shard import ShardedKVCache
-
-    geometry = dict(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32)
-    with pytest.raises(ValueError, match="kv_format='k8v8' is not sharded yet"):
-        ShardedKVCache(
-            dataclasses.replace(CONFIG, kv_format="k8v8"), shard_degree=2, shard_index=0,
-            **geometry,
-        )  # fmt: skip
-    ShardedKVCache(
-        dataclasses.replace(CONFIG, kv_format="k8v16"), shard_degree=2, shard_index=1, **geometry
-    )
-
-
 def test_staging_refuses_per_block_channel_scales_and_changes_nothing() -> None:
     # Staging reads the layer's frozen scales for every staged block; per-block ones (a driver
     # of its own passing them in place of the cache's) would need the blocks' scales staged.
