@@ -57,6 +57,7 @@ from paged_video.kernels._attention_checks import check_arguments as check_atten
 from paged_video.kernels.gather_blocks import gather_blocks
 from paged_video.kernels.paged_attention import paged_attention
 from paged_video.kernels.quantize import SCALE_DTYPE, check_scales, is_quantized
+from paged_video.kernels.value_channels import is_frozen
 from paged_video.kernels.write_slots import choose_unset, write_slots
 
 NAMESPACE = "paged_video"
@@ -329,13 +330,20 @@ def _check_staging(
             f"stage_k has {stage_k.shape[1]} rows per layer; a block_table of width {width} "
             f"and blocks of {block_size} need {wanted[1]}"
         )
-    dtype = k_pools.dtype if is_quantized(k_pools.dtype) else query.dtype
-    for name, tensor in (("stage_k", stage_k), ("stage_v", stage_v)):
+    quantized = is_quantized(k_pools.dtype)
+    for name, tensor, pool in (("stage_k", stage_k, k_pools), ("stage_v", stage_v, pools.v_pools)):
+        dtype = pool.dtype if quantized else query.dtype  # (k8v8, k8v16: V's own dtype)
         if tensor.dtype != dtype:
             raise TypeError(f"{name} must have the pools' dtype {dtype}, got {tensor.dtype}")
-    if is_quantized(k_pools.dtype):
+    if quantized:
         check_scales("stage_k_scales", pools.stage_k_scales, "stage_k", stage_k)
+    if quantized and not (_k8v8(pools) or _k8v16(pools)):  # (their V has no scale per slot)
         check_scales("stage_v_scales", pools.stage_v_scales, "stage_v", stage_v)
+    if _k8v8(pools) and not is_frozen(pools.v_channel_scales[0]):
+        raise ValueError(
+            "history staging (stage_from >= 0) needs k8v8's frozen v_channel_scales (block "
+            "stride 0): per-block scales are not staged"
+        )
     if block_table.shape[0] != 1:
         raise ValueError(
             f"block_table must have one row with history staging (stage_from >= 0), got "
@@ -440,8 +448,6 @@ def _check_inputs(
         raise ValueError(f"int8_mma needs int8 pools, got {k_pools.dtype}")
     k8v8 = _k8v8(pools)
     v_unscaled = k8v8 or _k8v16(pools)  # (no V scale per slot, no V factors)
-    if v_unscaled and first_block >= 0:
-        raise ValueError("k8v8 and k8v16 pools take no history staging yet: stage_from must be -1")
     _checks.check_same_device(
         **dict(zip(KV_ARGS, kv, strict=True)),
         **_on_device(pools),
@@ -517,7 +523,8 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         k_scale = pools.k_scales[layer_index]
         v_scale = None if v_unscaled else pools.v_scales[layer_index]
         stage_k_scale = pools.stage_k_scales[layer_index] if first_block >= 0 else None
-        stage_v_scale = pools.stage_v_scales[layer_index] if first_block >= 0 else None
+        if first_block >= 0 and not v_unscaled:
+            stage_v_scale = pools.stage_v_scales[layer_index]
         if smoothed:
             # write_slots chooses the mean from the first video keys it writes (the CPU flag:
             # no sync) and records it; only that call pays for the reduction.
@@ -541,6 +548,8 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_equalizer=k_equalizer,
             v_equalizer=v_equalizer,
             equalizers_chosen=equalizers_chosen,
+            v_channel_scale=channels.get("v_channel_scale"),
+            v_scale_chosen=pools.v_scales_chosen[layer_index] if k8v8 else None,
         )
     # Only video keys choose the mean and the factors (and k8v8's V scales); action rows are
     # written with them.
@@ -615,6 +624,10 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
     # The staged window attended as the pools' blocks, in table order (staged_blocks): the
     # launch, and so the key order and the float32 sums, are the paged call's.
     width, block_size = table.shape[1], k_cache.shape[1]
+    if k8v8:
+        # The frozen channel scales (block stride 0) serve the staged blocks as the pools'.
+        frozen = channels["v_channel_scale"]
+        attend["v_channel_scale"] = frozen[:1].expand(width, *frozen.shape[1:])
     result = paged_attention(
         query,
         *(staged_blocks(t, width, block_size) for t in (layer_k, layer_v)),

@@ -4,6 +4,8 @@ Entry ``j`` of ``block_ids`` lands at staging rows ``j * block_size .. (j + 1) *
 Only entries ``j >= first_block`` are copied, so a forward that keeps the staged history can
 restage just its own chunk's blocks. Every other staging row is left untouched. Quantized
 caches stage their codes bit for bit (as bytes) and their scales beside them, in one launch.
+The k8v8 and k8v16 formats (int8 K; V as e4m3 codes of channel scales the caller holds, or as
+it is) stage K's codes and scales and V's codes (or values) alone, bit for bit.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _gather_blocks_kernel(
     BLOCK_D: tl.constexpr,
     FLAT: tl.constexpr,
     BLOCK_HS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    K_SCALES: tl.constexpr,
+    V_SCALES: tl.constexpr,
 ):
     # Program (r, c) copies plane chunk c of BLOCK_T staging rows from first_row on; staging
     # row i is slot i % block_size of block block_ids[i // block_size]. Rows run across block
@@ -106,9 +109,10 @@ def _gather_blocks_kernel(
         v.to(stage_v_ptr.dtype.element_ty),
         mask=mask,
     )
-    if HAS_SCALES:
+    if K_SCALES:
         # Quantized caches: the programs of plane chunk 0 also copy their rows' scales, all
-        # heads at once (a [BLOCK_T, BLOCK_HS] float32 tile), in the same launch.
+        # heads at once (a [BLOCK_T, BLOCK_HS] float32 tile), in the same launch; V's only
+        # where V has a scale per slot (not k8v8's channel scales or k8v16's values).
         heads = tl.arange(0, BLOCK_HS)
         scale_heads = tl.where(chunk == 0, num_kv_heads, 0)
         s_mask = r_mask[:, None] & (heads < scale_heads)[None, :]
@@ -118,16 +122,22 @@ def _gather_blocks_kernel(
             mask=s_mask,
             other=0.0,
         )
-        v_s = tl.load(
-            v_scale_ptr + block * stride_vs_block + slot * stride_vs_slot + heads * stride_vs_head,
-            mask=s_mask,
-            other=0.0,
-        )
+        if V_SCALES:
+            v_s = tl.load(
+                v_scale_ptr
+                + block * stride_vs_block
+                + slot * stride_vs_slot
+                + heads * stride_vs_head,
+                mask=s_mask,
+                other=0.0,
+            )
+            tl.store(
+                stage_v_scale_ptr + row * stride_svs_tok + heads * stride_svs_head,
+                v_s,
+                mask=s_mask,
+            )
         tl.store(
             stage_k_scale_ptr + row * stride_sks_tok + heads * stride_sks_head, k_s, mask=s_mask
-        )
-        tl.store(
-            stage_v_scale_ptr + row * stride_svs_tok + heads * stride_svs_head, v_s, mask=s_mask
         )
 
 
@@ -138,22 +148,34 @@ def _check_dtypes(
     stage_v: Tensor,
     scales: dict[str, Tensor | None],
 ) -> None:
-    """Float caches stage into any float dtype; quantized ones into their own, with scales."""
+    """Float caches stage into any float dtype; quantized ones into their own, with scales;
+    int8 K beside e4m3 or float V with no V scales (k8v8, k8v16) into their own, K's scales
+    beside them."""
     for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
     quantized = quantize.is_quantized(k_cache.dtype)
-    if quantize.is_quantized(v_cache.dtype) != quantized:
+    v_unscaled = _v_unscaled(k_cache, v_cache, scales)
+    if quantize.is_quantized(v_cache.dtype) != quantized and not v_unscaled:
         raise TypeError(
             f"v_cache is {v_cache.dtype} but k_cache is {k_cache.dtype}: both caches must be "
-            "quantized or neither"
+            "quantized or neither (or int8 K beside V with no v_scale: k8v16)"
         )
     for name, stage, cache in (("stage_k", stage_k, k_cache), ("stage_v", stage_v, v_cache)):
         allowed = (cache.dtype,) if quantized else _checks.FLOAT_DTYPES
         _checks.check_dtype(name, stage, allowed)
     quantize.check_scales("k_scale", scales["k_scale"], "k_cache", k_cache)
-    quantize.check_scales("v_scale", scales["v_scale"], "v_cache", v_cache)
     quantize.check_scales("stage_k_scale", scales["stage_k_scale"], "stage_k", stage_k)
-    quantize.check_scales("stage_v_scale", scales["stage_v_scale"], "stage_v", stage_v)
+    if not v_unscaled:
+        quantize.check_scales("v_scale", scales["v_scale"], "v_cache", v_cache)
+        quantize.check_scales("stage_v_scale", scales["stage_v_scale"], "stage_v", stage_v)
+
+
+def _v_unscaled(k_cache: Tensor, v_cache: Tensor, scales: dict[str, Tensor | None]) -> bool:
+    """Whether V is k8v8's (e4m3 codes of channel scales) or k8v16's (float): int8 K codes
+    beside such a V, and no V scales given."""
+    v_kind = v_cache.dtype == torch.float8_e4m3fn or v_cache.dtype in _checks.FLOAT_DTYPES
+    no_v_scales = scales["v_scale"] is None and scales["stage_v_scale"] is None
+    return k_cache.dtype == torch.int8 and v_kind and no_v_scales
 
 
 def _check_arguments(
@@ -230,7 +252,9 @@ def gather_blocks(
 
     Quantized caches stage into buffers of their own dtype (codes copied bit for bit), and
     their scales ``k_scale``/``v_scale`` ``(num_blocks, block_size, num_kv_heads)`` into
-    ``stage_k_scale``/``stage_v_scale`` ``(stage_tokens, num_kv_heads)`` beside them.
+    ``stage_k_scale``/``stage_v_scale`` ``(stage_tokens, num_kv_heads)`` beside them. An int8
+    K cache beside an e4m3 (k8v8) or float (k8v16) V cache takes no V scales: V's codes or
+    values are staged as they are (k8v8's channel scales are the caller's to pass attention).
     ``check_values=False`` skips the block-id range check (no device sync).
     """
     scales = {
@@ -251,19 +275,19 @@ def gather_blocks(
             k_cache, v_cache, block_ids, stage_k, stage_v, first_block, *scales.values()
         )
         return
-    has_scales = k_scale is not None
+    k_scales, v_scales = k_scale is not None, v_scale is not None
+    # e4m3 codes are copied as bytes: bit for bit whatever they hold, NaN codes included.
     if k_cache.dtype == torch.float8_e4m3fn:
-        # Codes are copied as bytes: bit for bit whatever they hold, NaN codes included.
-        k_cache, v_cache, stage_k, stage_v = (
-            t.view(torch.uint8) for t in (k_cache, v_cache, stage_k, stage_v)
-        )
+        k_cache, stage_k = k_cache.view(torch.uint8), stage_k.view(torch.uint8)
+    if v_cache.dtype == torch.float8_e4m3fn:
+        v_cache, stage_v = v_cache.view(torch.uint8), stage_v.view(torch.uint8)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     flat = all(plane_is_flat(t) for t in (k_cache, v_cache, stage_k, stage_v))
     rows = entries * block_size
     tiles = copy_tiles(rows, num_kv_heads, head_dim, flat)
     grid = (triton.cdiv(rows, tiles.block_t), tiles.col_programs)
-    # Without scales the scale pointers are placeholders, never read or written.
-    scale_ptrs = scales.values() if has_scales else (k_cache,) * 4
+    # Scales not given: their pointers are placeholders, never read or written.
+    scale_ptrs = [k_cache if t is None else t for t in scales.values()]
     _gather_blocks_kernel[grid](
         k_cache,
         v_cache,
@@ -280,11 +304,12 @@ def gather_blocks(
         *v_cache.stride(),
         *stage_k.stride(),
         *stage_v.stride(),
-        *(k_scale.stride() if has_scales else (0, 0, 0)),
-        *(v_scale.stride() if has_scales else (0, 0, 0)),
-        *(stage_k_scale.stride() if has_scales else (0, 0)),
-        *(stage_v_scale.stride() if has_scales else (0, 0)),
+        *(k_scale.stride() if k_scales else (0, 0, 0)),
+        *(v_scale.stride() if v_scales else (0, 0, 0)),
+        *(stage_k_scale.stride() if k_scales else (0, 0)),
+        *(stage_v_scale.stride() if v_scales else (0, 0)),
         **tiles.constexprs(),
         BLOCK_HS=triton.next_power_of_2(num_kv_heads),
-        HAS_SCALES=has_scales,
+        K_SCALES=k_scales,
+        V_SCALES=v_scales,
     )

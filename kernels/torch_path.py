@@ -100,6 +100,7 @@ def gather_blocks(
     stage_v[rows] = v_cache[ids].flatten(0, 1).to(stage_v.dtype)
     if k_scale is not None:
         stage_k_scale[rows] = k_scale[ids].flatten(0, 1)
+    if v_scale is not None:  # (k8v8 and k8v16 V have no scale per slot)
         stage_v_scale[rows] = v_scale[ids].flatten(0, 1)
 
 

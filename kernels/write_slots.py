@@ -531,10 +531,14 @@ def choose_unset(
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     equalizers_chosen: Tensor | None = None,
+    v_channel_scale: Tensor | None = None,
+    v_scale_chosen: Tensor | None = None,
+    v_headroom: float = value_channels.V_HEADROOM,
 ) -> list[Tensor]:
     """What a write chooses while a layer's flags are unset, in order: the K mean
-    (``choose_k_mean``), then the factors from K minus that mean (``choose_equalizers``); each
-    unset flag is then set. Returns the flags it set.
+    (``choose_k_mean``), then the factors from K minus that mean (``choose_equalizers``), then
+    k8v8's frozen V channel scales from V (``value_channels.choose_frozen``); each unset flag is
+    then set. Returns the flags it set.
 
     ``write_slots`` calls it with the rows it writes; a caller that writes only part of a
     forward's tokens (one rank of a sharded window) calls it first with every token's rows and
@@ -549,6 +553,10 @@ def choose_unset(
         choose_equalizers(k_equalizer, v_equalizer, key, value, slot_mapping, k_smooth)
         equalizers_chosen.fill_(True)
         chosen.append(equalizers_chosen)
+    if v_scale_chosen is not None and not bool(v_scale_chosen):
+        value_channels.choose_frozen(v_channel_scale, value, slot_mapping, v_headroom)
+        v_scale_chosen.fill_(True)
+        chosen.append(v_scale_chosen)
     return chosen
 
 

@@ -298,12 +298,18 @@ class ParallelWanRollout(PagedWanRollout):
         self, call: ForwardCall, layer: int, key: Tensor, value: Tensor
     ) -> None:
         """CFG parallel: a layer's first write freezes what it chooses (over quantized pools:
-        the K mean, the equalization factors) from both branches' rows, as one process's
-        batched forward does: one all-gather of this forward's K/V in the CFG group (positive
-        rows first, one process's order), then the rule ``write_slots`` follows. A layer whose
-        flags are set (every later forward; float pools have none) gathers nothing."""
+        the K mean, the equalization factors, k8v8's V channel scales) from both branches'
+        rows, as one process's batched forward does: one all-gather of this forward's K/V in
+        the CFG group (positive rows first, one process's order), then the rule
+        ``write_slots`` follows. A layer whose flags are set (every later forward; float pools
+        have none) gathers nothing."""
         written = call.cache.layer(layer).write_kwargs()
-        state = {name: t for name, t in written.items() if name not in ("k_scale", "v_scale")}
+        # Only what a first write chooses, with its flags (not the scales, not k8v8's count).
+        state = {
+            name: t
+            for name, t in written.items()
+            if name not in ("k_scale", "v_scale", "v_saturated")
+        }
         if all(bool(flag) for name, flag in state.items() if name.endswith("_chosen")):
             return
         kv = all_gather(torch.stack([key, value]), self.groups.cfg, self.guard, "CFG choice")

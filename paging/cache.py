@@ -329,6 +329,8 @@ class PagedKVCache:
                 dtype=kv_dtype,
                 device=device,
                 scales=quantized,
+                v_dtype=v_dtype,
+                v_scales=not (k8v8 or k8v16),
             )
             self.stage_k, self.stage_v = self.staging.k, self.staging.v
             self.stage_k_scales, self.stage_v_scales = self.staging.k_scales, self.staging.v_scales
@@ -336,9 +338,10 @@ class PagedKVCache:
         else:
             unstaged = (num_layers, 0, num_kv_heads, head_dim)
             self.stage_k = empty(*unstaged, dtype=kv_dtype)
-            self.stage_v = empty(*unstaged, dtype=kv_dtype)
+            self.stage_v = empty(*unstaged, dtype=v_dtype)
             stage_scales = unstaged[:-1] if quantized else (0,)
-            self.stage_k_scales, self.stage_v_scales = empty(*stage_scales), empty(*stage_scales)
+            self.stage_k_scales = empty(*stage_scales)
+            self.stage_v_scales = empty(*((0,) if k8v8 or k8v16 else stage_scales))
             self.stage_tags = torch.full((num_layers,), NOTHING_STAGED, dtype=torch.int64)
 
     @property

@@ -168,11 +168,6 @@ class PagingConfig:
             )
         if self.kv_format == "bf16" and self.equalize_channels:
             raise ValueError("equalize_channels=True needs a quantized kv_format ('k8v8')")
-        if self.kv_format in ("k8v8", "k8v16") and self.reuse_history_staging:
-            raise ValueError(
-                f"kv_format={self.kv_format!r} does not take reuse_history_staging yet (the "
-                "staging buffers hold slot-major codes with a V scale per token)"
-            )
 
     @property
     def k8v8(self) -> bool:

@@ -126,12 +126,6 @@ class ShardedKVCache(PagedKVCache):
             raise ValueError(
                 f"shard_index must be < shard_degree ({shard_degree}), got {shard_index}"
             )
-        if isinstance(config, PagingConfig) and config.k8v8:
-            # Each rank writes its own tokens: the frozen V scales would be chosen per rank.
-            raise ValueError(
-                "config.kv_format='k8v8' is not sharded yet (its V scales, chosen on a layer's "
-                "first write, would differ from rank to rank); use 'k8v16' or 'bf16'"
-            )
         self.shard_degree = shard_degree
         self.shard_index = shard_index
         super().__init__(

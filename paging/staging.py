@@ -45,7 +45,9 @@ class HistoryStaging:
     ``(num_layers,)``) is each layer's staged history id, ``NOTHING_STAGED`` when nothing in
     its buffers may be reused. With ``scales`` (quantized caches: ``dtype`` is the codes'),
     ``k_scales``/``v_scales`` ``(num_layers, tokens, num_kv_heads)`` float32 hold the staged
-    tokens' scales; otherwise they are zero-size.
+    tokens' scales; otherwise they are zero-size. ``v_dtype`` (default ``dtype``) is V's
+    buffer's: k8v8's e4m3 codes or k8v16's values beside int8 K codes, whose V has no scale
+    per token (``v_scales=False``: ``v_scales`` zero-size).
     """
 
     def __init__(
@@ -58,13 +60,16 @@ class HistoryStaging:
         dtype: torch.dtype,
         device: torch.device,
         scales: bool = False,
+        v_dtype: torch.dtype | None = None,
+        v_scales: bool | None = None,
     ) -> None:
         shape = (num_layers, tokens, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype if v_dtype is None else v_dtype, device=device)
         scale_shape = shape[:-1] if scales else (0,)
+        v_scale_shape = scale_shape if v_scales is None or v_scales else (0,)
         self.k_scales = torch.empty(scale_shape, dtype=torch.float32, device=device)
-        self.v_scales = torch.empty(scale_shape, dtype=torch.float32, device=device)
+        self.v_scales = torch.empty(v_scale_shape, dtype=torch.float32, device=device)
         from torch._dynamo import mark_static_address  # heavy; only staging caches pay for it
 
         for buffer in (self.k, self.v, self.k_scales, self.v_scales):

@@ -479,6 +479,14 @@ MUTANTS = [
         "tests/paging/test_forks.py::test_committing_fork_copies_k_v_and_scales_of_every_layer",
     ),
     _m(
+        "cow-copies-no-v-codes",
+        "paging/cache.py",
+        "for pools in (self.k_pools, self.v_pools, self.k_scales, self.v_scales):\n",
+        "for pools in (self.k_pools, self.k_scales, self.v_scales):\n",
+        "tests/paging/test_forks.py::"
+        "test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies[k8v8]",
+    ),
+    _m(
         "cow-copied-before-the-call-is-checked",
         "paging/forward.py",
         "plan._prepare(copy_tail=False)",
@@ -939,7 +947,7 @@ MUTANTS = [
         "fused-stage-scales",
         "kernels/fused.py",
         '        check_scales("stage_k_scales", pools.stage_k_scales, "stage_k", stage_k)\n',
-        "",
+        "        pass\n",
         f"{FUSED_REFUSALS}[int8-stage-scales-missing]",
     ),
     _m(
@@ -1434,6 +1442,28 @@ MUTANTS = [
         "if not 0 <= first_block <= block_ids.shape[0]:",
         "if not 0 <= first_block <= block_ids.shape[0] + 1:",
         f"{BAD}::test_gather_blocks_rejects_and_changes_nothing[first-range]",
+    ),
+    _m(
+        "gather-k8-v-scales-half-given",
+        "kernels/gather_blocks.py",
+        'no_v_scales = scales["v_scale"] is None and scales["stage_v_scale"] is None',
+        'no_v_scales = scales["v_scale"] is None or scales["stage_v_scale"] is None',
+        "tests/kernels/test_gather_blocks_quantized.py::test_k8_formats_refuse_v_scales_half_given",
+    ),
+    _m(
+        "fused-k8v8-staged-channel-scales-per-block",
+        "kernels/fused.py",
+        '        attend["v_channel_scale"] = frozen[:1].expand(width, *frozen.shape[1:])',
+        '        attend["v_channel_scale"] = frozen[:1].expand(width, *frozen.shape[1:]).clone()',
+        f"{STAGING}::test_kernels_staged_equal_unstaged_bit_for_bit[k8v8]",
+    ),
+    _m(
+        "fused-k8v8-staging-per-block-scales",
+        "kernels/fused.py",
+        "    if _k8v8(pools) and not is_frozen(pools.v_channel_scales[0]):",
+        "    if False:",
+        "tests/paging/test_k8v8_cache.py::"
+        "test_staging_refuses_per_block_channel_scales_and_changes_nothing",
     ),
     _m(
         "gather-stage-one-row-short",
@@ -2438,11 +2468,12 @@ MUTANTS = [
         "tests/paging/test_k8v8_cache.py::test_forward_calls_over_k8v16_near_the_float_cache",
     ),
     _m(
-        "shard-takes-k8v8",
-        "paging/shard.py",
-        "        if isinstance(config, PagingConfig) and config.k8v8:",
-        "        if False:",
-        "tests/paging/test_k8v8_cache.py::test_sharded_cache_refuses_k8v8",
+        "fused-choice-slots-skip-v-channel-scales",
+        "kernels/fused.py",
+        "            v_scale_chosen=pools.v_scales_chosen[layer_index] if k8v8 else None,\n"
+        "        )\n    # Only video keys choose",
+        "            v_scale_chosen=None,\n        )\n    # Only video keys choose",
+        f"{SHARD_CODES}[k8v8-2-staged]",
     ),
 ]
 

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_video import kernels
+from paged_video.kernels.pool_layout import keys_major
 from paged_video.reference.quantize import nearest_code_error
 from tests.helpers import DEVICE, copy_tiling
 
@@ -177,3 +178,73 @@ def test_property_matches_loop(block_size, num_blocks, heads, dtype, data) -> No
     staging = poisoned_staging(len(ids) * block_size + spare, heads, 16, dtype)
     where = data.draw(st.sampled_from(["triton", "gpu-tiles", "torch"]), label="backend")
     check_gather(caches, block_ids, staging, first_block, where)
+
+
+def eight_bit_k_caches(num_blocks, block_size, heads, dim, v_dtype, seed=0):
+    """k8v8 (e4m3 V) or k8v16 (float V) pools laid out as the cache lays them out: int8 K
+    codes slot-major, K's scales and e4m3 V keys-major; random bytes, NaN codes included."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, heads, dim)
+    k_cache = torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen)
+    k_scale = keys_major(torch.rand(shape[:-1], generator=gen))
+    if v_dtype == torch.float8_e4m3fn:
+        v_bytes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        v_cache = keys_major(v_bytes.view(v_dtype))
+    else:
+        v_cache = torch.randn(shape, generator=gen).to(v_dtype)
+        v_cache.view(-1)[::7] = float("nan")
+    return tuple(t.to(DEVICE) for t in (k_cache, v_cache, k_scale))
+
+
+@pytest.mark.parametrize("v_dtype", [torch.float8_e4m3fn, torch.float32], ids=["k8v8", "k8v16"])
+@pytest.mark.parametrize("where", ["triton", "gpu-tiles", "torch"])
+@pytest.mark.parametrize("block_size, heads, dim", [(1, 3, 16), (7, 2, 80), (24, 1, 16)])
+def test_k8_formats_stage_k_scales_and_v_as_stored(v_dtype, where, block_size, heads, dim):
+    # int8 K with K's scales, V with none (k8v8's channel scales stay with the caller): the
+    # listed entries from first_block on land bit for bit, every other row stays poisoned.
+    k_cache, v_cache, k_scale = eight_bit_k_caches(5, block_size, heads, dim, v_dtype)
+    block_ids = torch.tensor([3, 1, 3, 4], dtype=torch.int32, device=DEVICE)
+    rows, first = 4 * block_size + 2, 1
+    stage_k = torch.full((rows, heads, dim), -128, dtype=torch.int8, device=DEVICE)
+    stage_v = torch.full((rows, heads, dim), 0x7F, dtype=torch.uint8, device=DEVICE)
+    if v_dtype != torch.float8_e4m3fn:
+        stage_v = torch.full((rows, heads, dim), float("nan"), dtype=v_dtype, device=DEVICE)
+    stage_v = stage_v.view(v_dtype)
+    stage_k_scale = torch.full((rows, heads), float("nan"), device=DEVICE)
+    want = [t.clone() for t in (stage_k, stage_v, stage_k_scale)]
+    for j, block in enumerate(block_ids.tolist()[first:], start=first):
+        for dst, src in zip(want, (k_cache, v_cache, k_scale), strict=True):
+            dst[j * block_size : (j + 1) * block_size] = src[block]
+    with backend(where):
+        kernels.gather_blocks(
+            k_cache,
+            v_cache,
+            block_ids,
+            stage_k,
+            stage_v,
+            k_scale=k_scale,
+            stage_k_scale=stage_k_scale,
+            first_block=first,
+        )
+    for got, expected in zip((stage_k, stage_v, stage_k_scale), want, strict=True):
+        assert torch.equal(as_bytes(got), as_bytes(expected)), "a row differs from the cache's"
+
+
+def test_k8_formats_refuse_v_scales_half_given() -> None:
+    # A V scale pool beside int8 K and e4m3 V names V's scales as k8v8 has none: both or
+    # neither; float V with int8 K and a V scale is neither format.
+    k_cache, v_cache, k_scale = eight_bit_k_caches(2, 4, 1, 16, torch.float8_e4m3fn)
+    stage_k = torch.zeros(8, 1, 16, dtype=torch.int8, device=DEVICE)
+    stage_v = torch.zeros(8, 1, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
+    ids = torch.tensor([1, 0], device=DEVICE)
+    scales = {"k_scale": k_scale, "stage_k_scale": torch.zeros(8, 1, device=DEVICE)}
+    with pytest.raises(ValueError, match="v_scale must be given"):
+        kernels.gather_blocks(
+            k_cache, v_cache, ids, stage_k, stage_v, **scales, stage_v_scale=scales["stage_k_scale"]
+        )
+    float_v = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    with pytest.raises(TypeError, match="v_cache is torch"):
+        kernels.gather_blocks(
+            k_cache, float_v, ids, stage_k, stage_v.float(), **scales, v_scale=k_scale
+        )
+    assert not stage_k.any() and not stage_v.float().any()

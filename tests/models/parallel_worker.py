@@ -59,6 +59,8 @@ UNGUIDED = dict(
 )
 # Ulysses over int8 pools: each rank's K means are its heads' (every token of them is there).
 ULYSSES_INT8 = dict(ULYSSES, config=dict(ULYSSES["config"], kv_dtype=torch.int8))
+# Ulysses over k8v8 pools: each rank's frozen V channel scales are its heads' (sharded with them).
+ULYSSES_K8V8 = dict(ULYSSES, config=dict(ULYSSES["config"], kv_format="k8v8"))
 CFG = dict(
     config=dict(block_size=16, window_chunks=4, max_forward_chunks=2, reuse_history_staging=True),
     frames=2,
@@ -67,7 +69,7 @@ CFG = dict(
 )
 
 
-CHOSEN = ("k_means", "k_equalizers", "v_equalizers")
+CHOSEN = ("k_means", "k_equalizers", "v_equalizers", "v_channel_scales")
 
 
 def widen_channels(model) -> None:
@@ -129,6 +131,7 @@ def _two(rank: int) -> dict:
     results = {
         "ulysses": rollout(ULYSSES, partial(ParallelWanRollout, groups=ulysses)),
         "ulysses_int8": rollout(ULYSSES_INT8, partial(ParallelWanRollout, groups=ulysses)),
+        "ulysses_k8v8": rollout(ULYSSES_K8V8, partial(ParallelWanRollout, groups=ulysses)),
         "unguided": rollout(UNGUIDED, partial(ParallelWanRollout, groups=ulysses)),
         "cfg": rollout(CFG, partial(ParallelWanRollout, groups=cfg)),
     }

@@ -43,6 +43,7 @@ from tests.models.parallel_worker import (
     FOUR,
     ULYSSES,
     ULYSSES_INT8,
+    ULYSSES_K8V8,
     UNGUIDED,
     paging_config,
     rollout,
@@ -102,6 +103,7 @@ def test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both(tmp_path, m
         return {
             "ulysses": rollout(ULYSSES, PagedWanRollout),
             "ulysses_int8": rollout(ULYSSES_INT8, PagedWanRollout),
+            "ulysses_k8v8": rollout(ULYSSES_K8V8, PagedWanRollout),
             "unguided": rollout(UNGUIDED, PagedWanRollout),
             "cfg": rollout(CFG, PagedWanRollout),
         }
@@ -109,6 +111,7 @@ def test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both(tmp_path, m
     ranks, single = spawn("two", 2, tmp_path, monkeypatch, single)
     check_ulysses(ranks, single)
     check_quantized_ulysses(ranks, single)
+    check_k8v8_ulysses(ranks, single)
     check_unguided_staged_ulysses(ranks, single)
     check_cfg_parallel(ranks, single)
     check_divergence(ranks)
@@ -144,6 +147,24 @@ def check_ulysses(ranks: list[dict], single: dict) -> None:
         assert rank["ulysses"]["kv_heads"] * 2 == single["ulysses"]["kv_heads"]
         assert rank["ulysses"]["num_blocks"] == single["ulysses"]["num_blocks"]
         assert rank["ulysses"]["pool_bytes"] * 2 == single["ulysses"]["pool_bytes"]
+
+
+def check_k8v8_ulysses(ranks: list[dict], single: dict) -> None:
+    # The Ulysses rollout on k8v8 pools against the single-process one on k8v8 pools, relative
+    # to what the format does (the float rollouts of the same case); each rank's frozen V
+    # channel scales are the single process's of its KV heads (every token of them is there:
+    # float32 rounding of the sharded projections apart), so they shard with the heads.
+    want = single["ulysses_k8v8"]
+    scales = want["v_channel_scales"][:, 0]
+    assert scales.shape[1] == want["kv_heads"] and (scales > 0).all()
+    for index, rank in enumerate(ranks):
+        got = rank["ulysses_k8v8"]
+        unquantized = single["ulysses"]["latents"]
+        assert_close_to_quantized_oracle(got["latents"], want["latents"], unquantized, "k8v8")
+        assert got["positions"] == want["positions"]
+        heads = got["kv_heads"]
+        mine = scales[:, index * heads : (index + 1) * heads]
+        torch.testing.assert_close(got["v_channel_scales"][:, 0], mine, rtol=1e-5, atol=0)
 
 
 def check_quantized_ulysses(ranks: list[dict], single: dict) -> None:

@@ -26,6 +26,11 @@ QUANTIZED = [torch.float8_e4m3fn, torch.int8]
 # 1.5e-4, latents of mean magnitude 0.95. Bounds at about twice that.
 UNQUANTIZED_MAX = {torch.float8_e4m3fn: 1e-2, torch.int8: 3e-3}
 UNQUANTIZED_MEAN = {torch.float8_e4m3fn: 1.5e-3, torch.int8: 3e-4}
+# kv_format rollouts against the unquantized reference (test_k8_format_rollouts_..., one branch,
+# 3 blocks, under the interpreter): largest difference 1.5e-3 (k8v8) and 4.4e-4 (k8v16), mean
+# 3.2e-4 and 7.7e-5, latents of mean magnitude about 0.95; bounds at about twice that.
+K8_MAX = {"k8v8": 3e-3, "k8v16": 9e-4}
+K8_MEAN = {"k8v8": 6.5e-4, "k8v16": 1.6e-4}
 
 
 def assert_same_reads(paged, dense, branches) -> None:
@@ -118,6 +123,32 @@ def test_fp8_mma_rollout_runs_and_stays_near():
     _, _, keys_major, _ = run_both(**fp8_mma, keys_major=True, extra=extra)
     assert kernels.pool_layout.keys_aligned(extra["cache"].v_pools[0])
     torch.testing.assert_close(keys_major.latents, paged.latents, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_format", ["k8v8", "k8v16"])
+def test_k8_format_rollouts_run_stay_near_and_stage_bit_for_bit(kv_format):
+    # PagingConfig(kv_format=...): int8 query rows and K codes (and k8v8's e4m3 probabilities
+    # and V), which no dense oracle models: loose, measured bounds against the unquantized
+    # rollout (3 blocks, the window slides at block 2), then (k8v8; k8v16's staging is
+    # tests/paging/test_forward_staging.py's) the same rollout with history staging (from the
+    # second block on: one branch, so single-row forwards) equal bit for bit.
+    geometry = dict(
+        block_size=16, sink=1, window=4, frames=2, blocks=3, guidance=False, kv_format=kv_format
+    )
+    extra = {}
+    _, _, paged, dense = run_both(**geometry, extra=extra)
+    cache = extra["cache"]
+    assert cache.k_pools.dtype == torch.int8 and cache.config.kv_format == kv_format
+    assert not torch.isnan(paged.latents).any()
+    diff = (paged.latents - dense.latents).abs()
+    assert diff.max().item() <= K8_MAX[kv_format], diff.max().item()
+    assert diff.mean().item() <= K8_MEAN[kv_format], diff.mean().item()
+    assert diff.max().item() > 0  # the format reached the kernels
+    if kv_format == "k8v16":
+        return
+    _, _, staged, _ = run_both(**geometry, staged=True)
+    assert all(read.stage_from >= 0 for block in staged.reads[1:] for read in block)
+    assert torch.equal(staged.latents, paged.latents)
 
 
 def test_reference_refuses_an_unknown_kv_dtype():

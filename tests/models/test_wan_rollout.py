@@ -43,9 +43,11 @@ def run_both(
     keys_major=False,
     blocks=BLOCKS,
     extra=None,
+    kv_format=None,
 ):
     """The paged and the dense rollout of one configuration. With a dict ``extra``, quantized
-    runs also store the paged rollout's ``cache`` and the ``unquantized`` dense rollout there."""
+    runs also store the paged rollout's ``cache`` and the ``unquantized`` dense rollout there.
+    The dense rollout does not model ``kv_format``: it is the unquantized one then."""
     model = tiny_wan(seed)
     inputs = rollout_inputs(frames, blocks=blocks, action_tokens=max(1, action_tokens), seed=seed)
     actions = inputs.actions if action_tokens else None
@@ -64,6 +66,7 @@ def run_both(
         smooth_keys=smooth_keys,
         fp8_mma=fp8_mma,
         keys_major=keys_major,
+        kv_format=kv_format,
     )
     common = dict(frames_per_block=frames, sigmas=sigmas, guidance_scale=GUIDANCE, actions=actions)
     with PagedWanRollout(model, config, guidance=guidance) as rollout:
@@ -79,7 +82,7 @@ def run_both(
     )
     text = (inputs.noise, inputs.prompt, negative)
     dense = reference_rollout(model, *text, kv_dtype=kv_dtype, smooth_keys=smooth_keys, **common)
-    if extra is not None and kv_dtype is not None:
+    if extra is not None and (kv_dtype is not None or kv_format is not None):
         extra["cache"] = rollout.cache
         extra["unquantized"] = reference_rollout(model, *text, **common)
     return model, inputs, paged, dense

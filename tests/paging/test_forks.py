@@ -80,16 +80,21 @@ def test_fork_shares_every_block_and_copies_nothing() -> None:
     check_pool(cache)
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["float", "e4m3", "int8"])
-def test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies(kv_dtype) -> None:
+FORMATS = {
+    **{name: {"kv_dtype": d} for name, d in zip(("float", "e4m3", "int8"), KV_DTYPES, strict=True)},
+    "k8v8": {"kv_format": "k8v8"},
+    "k8v16": {"kv_format": "k8v16"},
+}
+
+
+@pytest.mark.parametrize("pools", FORMATS.values(), ids=FORMATS.keys())
+def test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies(pools: dict) -> None:
     # Three sessions hold one half-written tail block; one launch over all six rows writes the
     # chunk and the actions after it. Each row but the block's last holder gets a copy first,
     # else the rows would write the same free slots and read each other's tokens. Twin.run
     # checks every output against the deep-copied sessions' and that no write lands in a
     # block another sequence holds.
-    pair = Twin(
-        dataclasses.replace(RAGGED, kv_dtype=kv_dtype), branches=BRANCHES, session_capacity=3
-    )
+    pair = Twin(dataclasses.replace(RAGGED, **pools), branches=BRANCHES, session_capacity=3)
     pair.open()
     pair.forward(rows(0), commit=True)  # 6 tokens: block 1 holds 2 of 4
     pair.fork(0)
@@ -106,22 +111,30 @@ def test_forks_sharing_a_tail_block_in_one_launch_equal_deep_copies(kv_dtype) ->
     pair.forward(rows(2, 0), commit=False)
 
 
-def test_committing_fork_copies_k_v_and_scales_of_every_layer() -> None:
+@pytest.mark.parametrize(
+    "pools", [{"kv_dtype": torch.int8}, {"kv_format": "k8v8"}], ids=["int8", "k8v8"]
+)
+def test_committing_fork_copies_k_v_and_scales_of_every_layer(pools: dict) -> None:
     # Random codes stand for what the commits wrote: no mean or factors a write would choose
-    # (a cache refuses committed tokens under an unchosen state).
+    # (a cache refuses committed tokens under an unchosen state; k8v8's V channel scales are
+    # per layer, shared by every block, so set as chosen). k8v8: int8 K, keys-major e4m3 V and
+    # K scales.
     cache = PagedKVCache(
-        dataclasses.replace(
-            RAGGED, kv_dtype=torch.int8, smooth_keys=False, equalize_channels=False
-        ),
+        dataclasses.replace(RAGGED, **pools, smooth_keys=False, equalize_channels=False),
         num_layers=2,
         num_kv_heads=1,
         head_dim=4,
         session_capacity=2,
         dtype=torch.float32,
     )
+    cache.v_scales_chosen.fill_(True)
     gen = torch.Generator().manual_seed(0)
     for buffer in (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales):
-        buffer.view(torch.int8).copy_(torch.randint(-100, 100, buffer.shape, generator=gen))
+        codes = torch.randint(-100, 100, buffer.shape, generator=gen, dtype=torch.int8)
+        if buffer.element_size() == 1:
+            buffer.view(torch.int8).copy_(codes)
+        else:  # (float scales; keys-major ones have no int8 view)
+            buffer.copy_(codes)
     parent = cache.open_session()
     first = cache.plan(parent, "main", 6, commit=True)
     first.prepare()
@@ -134,8 +147,10 @@ def test_committing_fork_copies_k_v_and_scales_of_every_layer() -> None:
     assert new != old and tail(parent, "main") == old
     assert plan.tail == (1, new, old)
     assert cache.pool.refcount(old) == cache.pool.refcount(new) == 1
-    for stored in (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales):
-        assert torch.equal(stored[:, new].view(torch.int8), stored[:, old].view(torch.int8))
+    stored_tensors = (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales)
+    for stored in (t for t in stored_tensors if t.numel()):  # (k8v8: no V scale per slot)
+        bits = torch.int8 if stored.element_size() == 1 else stored.dtype
+        assert torch.equal(stored[:, new].view(bits), stored[:, old].view(bits))
     plan.cancel()  # the forward's new blocks go back; the copy stays (same history)
     assert tail(child, "main") == new and len(child.sequences["main"].block_table) == 2
     check_pool(cache)

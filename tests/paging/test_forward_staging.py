@@ -200,6 +200,8 @@ POOLS = {
     "exact-window": {"exact_window": True},
     "fp8-mma": {"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True},
     "int8-mma-keys-major": {"kv_dtype": torch.int8, "int8_mma": True, "keys_major": True},
+    "k8v8": {"kv_format": "k8v8"},
+    "k8v16": {"kv_format": "k8v16"},
 }
 
 

@@ -23,7 +23,6 @@ from tests.paging.test_quantized import CONFIG, DIM, HEADS, KV_HEADS, LAYERS, st
         ({"kv_format": "k8v8", "fp8_mma": True}, ValueError, "leave fp8_mma unset"),
         ({"kv_format": "bf16", "keys_major": True}, ValueError, "leave keys_major unset"),
         ({"kv_format": "bf16", "equalize_channels": True}, ValueError, "quantized kv_format"),
-        ({"kv_format": "k8v8", "reuse_history_staging": True}, ValueError, "staging"),
     ],
 )
 def test_kv_format_refuses_what_it_implies(fields: dict, error: type, match: str) -> None:
@@ -152,16 +151,23 @@ def test_forward_calls_over_k8v16_near_the_float_cache() -> None:
     assert k8v16.k_means_chosen.all()
 
 
-def test_sharded_cache_refuses_k8v8() -> None:
-    # Each rank writes only its tokens: the frozen V scales would be chosen per rank.
-    from paged_video.paging.shard import ShardedKVCache
-
-    geometry = dict(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32)
-    with pytest.raises(ValueError, match="kv_format='k8v8' is not sharded yet"):
-        ShardedKVCache(
-            dataclasses.replace(CONFIG, kv_format="k8v8"), shard_degree=2, shard_index=0,
-            **geometry,
-        )  # fmt: skip
-    ShardedKVCache(
-        dataclasses.replace(CONFIG, kv_format="k8v16"), shard_degree=2, shard_index=1, **geometry
-    )
+def test_staging_refuses_per_block_channel_scales_and_changes_nothing() -> None:
+    # Staging reads the layer's frozen scales for every staged block; per-block ones (a driver
+    # of its own passing them in place of the cache's) would need the blocks' scales staged.
+    cache = PagedKVCache(
+        dataclasses.replace(CONFIG, kv_format="k8v8", reuse_history_staging=True),
+        num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32,
+    )  # fmt: skip
+    session = cache.open_session()
+    n = CONFIG.chunk_size
+    call = ForwardCall(cache, cache.plan(session, "main", n), softmax_scale=0.3)
+    q, k, v = (torch.randn(n, h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+    call.attend(0, q, k, v)
+    assert call.stage_from == 0, "the staged path did not run"
+    cache.v_channel_scales = cache.v_channel_scales.contiguous()  # per block, same values
+    before = [t.clone() for t in (cache.k_pools, cache.stage_k, cache.stage_k_scales)]
+    with pytest.raises(ValueError, match="frozen v_channel_scales"):
+        ForwardCall(cache, cache.plan(session, "main", n), softmax_scale=0.3).attend(0, q, k, v)
+    after = (cache.k_pools, cache.stage_k, cache.stage_k_scales)
+    bits = [(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after, strict=True)]
+    assert all(torch.equal(a, b) for a, b in bits)

@@ -129,22 +129,25 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("degree", "kv_dtype", "staged"),
+    ("degree", "pools", "staged"),
     [
-        (2, torch.int8, False),
-        (4, torch.int8, True),
-        (2, torch.float8_e4m3fn, True),
-        (4, torch.float8_e4m3fn, False),
+        (2, {"kv_dtype": torch.int8}, False),
+        (4, {"kv_dtype": torch.int8}, True),
+        (2, {"kv_dtype": torch.float8_e4m3fn}, True),
+        (4, {"kv_dtype": torch.float8_e4m3fn}, False),
+        (2, {"kv_format": "k8v8"}, True),
+        (4, {"kv_format": "k8v8"}, False),
     ],
-    ids=["int8-2", "int8-4-staged", "e4m3-2-staged", "e4m3-4"],
+    ids=["int8-2", "int8-4-staged", "e4m3-2-staged", "e4m3-4", "k8v8-2-staged", "k8v8-4"],
 )
 @pytest.mark.usefixtures("plain")
-def test_ranks_store_the_single_process_codes(degree, kv_dtype, staged):
+def test_ranks_store_the_single_process_codes(degree, pools, staged):
     # What a model's processor does (``models.parallel``): the fused op with
     # ``call.layer(i)``'s inputs, every token's q/k/v on every rank. Each rank's first write
-    # of a layer must freeze the single process's K mean and equalization factors (chosen from
-    # every video token, not the rank's own), so every block a rank stores holds the single
-    # process's codes and scales, bit for bit; a rank that chose from its own tokens differs.
+    # of a layer must freeze the single process's K mean and equalization factors (and k8v8's
+    # V channel scales) chosen from every video token, not the rank's own, so every block a
+    # rank stores holds the single process's codes and scales, bit for bit; a rank that chose
+    # from its own tokens differs.
     # The first forward has two CFG rows (the later ones one: staged where the cache stages),
     # and chunks of 4 tokens over blocks of 3 start mid-block.
     config = PagingConfig(
@@ -153,7 +156,7 @@ def test_ranks_store_the_single_process_codes(degree, kv_dtype, staged):
         sink_chunks=1,
         window_chunks=2,
         max_forward_chunks=2,
-        kv_dtype=kv_dtype,
+        **pools,
         smooth_keys=True,
         equalize_channels=True,
         reuse_history_staging=staged,
@@ -195,16 +198,28 @@ def test_ranks_store_the_single_process_codes(degree, kv_dtype, staged):
                 strict=True,
             )
             merged, _ = merge_stacked_attention_states(torch.stack(outs), torch.stack(lses))
-            torch.testing.assert_close(merged, want, atol=2e-5, rtol=2e-5)
+            if single.config.k8v8:
+                # Each rank rounds its probabilities to e4m3 against its own row maximum: the
+                # merge is near the single process's, not float32-equal (measured 0.11% rel L1).
+                rel = ((merged - want).abs().sum() / want.abs().sum()).item()
+                assert rel < 5e-3, rel
+            else:
+                torch.testing.assert_close(merged, want, atol=2e-5, rtol=2e-5)
         for call in calls:
             call.commit()
-    assert (single.k_equalizers > 1).any() and (single.v_equalizers > 1).any()
+    k8v8 = single.config.k8v8  # (V channel scales in place of V's factors and scales)
+    assert (single.k_equalizers > 1).any() and (k8v8 or (single.v_equalizers > 1).any())
+    chosen = ("k_means", "k_equalizers", "v_channel_scales" if k8v8 else "v_equalizers")
+    stored_names = ("k_pools", "v_pools", "k_scales") + (() if k8v8 else ("v_scales",))
     stored = 0
     for cache in shards:
-        for name in ("k_means", "k_equalizers", "v_equalizers"):
-            assert torch.equal(getattr(cache, name), getattr(single, name)), name
+        for name in chosen:  # (the frozen V channel scales: one block of each, block stride 0)
+            mine, theirs = getattr(cache, name), getattr(single, name)
+            if name == "v_channel_scales":
+                mine, theirs = mine[:, 0], theirs[:, 0]
+            assert torch.equal(mine, theirs), name
         for block, physical in cache._physical.items():
-            for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
+            for name in stored_names:
                 mine, theirs = getattr(cache, name)[:, physical], getattr(single, name)[:, block]
                 assert torch.equal(bits(mine), bits(theirs)), (name, block)
             stored += 1

@@ -57,15 +57,16 @@ def deep_copy(cache: PagedKVCache, session: Session) -> Session:
 
 def poison(cache: PagedKVCache) -> None:
     """NaN in the pools and staging buffers; quantized ones: NaN scales and NaN codes (e4m3)
-    or int8's never-written -128."""
+    or int8's never-written -128 (k8v8: int8 K, e4m3 V; k8v16: int8 K, float V)."""
     codes = (cache.k_pools, cache.v_pools, cache.stage_k, cache.stage_v)
-    if not cache.quantized:
-        for buffer in codes:
-            buffer.fill_(float("nan"))
-        return
-    nan_code = 0x7F if cache.k_pools.dtype == torch.float8_e4m3fn else -128
     for buffer in codes:
-        buffer.view(torch.int8).fill_(nan_code)
+        if buffer.dtype.is_floating_point and buffer.dtype != torch.float8_e4m3fn:
+            buffer.fill_(float("nan"))
+        else:
+            nan_code = 0x7F if buffer.dtype == torch.float8_e4m3fn else -128
+            buffer.view(torch.int8).fill_(nan_code)
+    if not cache.quantized:
+        return
     for buffer in (cache.k_scales, cache.v_scales, cache.stage_k_scales, cache.stage_v_scales):
         buffer.fill_(float("nan"))
 
