@@ -800,12 +800,12 @@ def test_quantized_no_spills(report: Report, mode: str, block: int) -> None:
 # fp8_mma_keys, int8_mma, int8_mma_keys); 3.6 661/662/679/615/617/575, its plain scale loads
 # copying every thread's columns (about 70 instructions more; keys-major scales, two at a time).
 # With e4m3 K scored through float16 query rows and the output's rows read again (2026-12-04,
-# bench/RESULTS.md): 3.9 532/590/583/527/540/539; 3.6 603/665/682/617/619/579 (fp8 converted K
+# bench/COMPILE.md): 3.9 532/590/583/527/540/539; 3.6 603/665/682/617/619/579 (fp8 converted K
 # to bfloat16 through float16, 4 instructions a pair against 1: 60 fewer on 3.9). FP8-MMA's
 # query rows by descriptor and its unit per sequence (2026-12-05): 3.9 536/502, 3.6 616/562
 # (fp8_mma, fp8_mma_keys; 586/538 and 686/616 with the tile maximum of the V scales).
 # Each scale copied once (3.6) and int8 K converted to float16 by PTX (2026-12-05, fifth
-# session, bench/RESULTS.md): every mode within 1.5x on both, 3.9 519/545/526/486/529/526 and
+# session, bench/COMPILE.md): every mode within 1.5x on both, 3.9 519/545/526/486/529/526 and
 # 3.6 500/526/512/476/511/511 (fp8, int8, fp8_mma, fp8_mma_keys, int8_mma, int8_mma_keys).
 # V converted to float16 for the 16-bit P V, its rows scaled there (2026-12-05, tenth
 # session): 3.9 466/515/526/486/503/500, 3.6 448/497/512/476/484/485.
@@ -1183,6 +1183,43 @@ def test_spill_bytes_from_local_memory() -> None:
         ]
     )
     assert sass.spill_bytes(sass.parse_sass(text)) == (12, 20)
+
+
+def test_global_access_widths_of_plain_loads_and_stores() -> None:
+    text = _sass(
+        [
+            (0x00, "LDG.E.64 R2, desc[UR4][R2.64]"),
+            (0x10, "@P0 LDG.E.128 R4, desc[UR4][R6.64]"),
+            (0x20, "LDGSTS.E [R8], desc[UR4][R4.64]"),  # cp.async: not counted
+            (0x28, "LDGDEPBAR"),
+            (0x30, "STG.E.128 desc[UR4][R10.64], R4"),
+            (0x40, "STG.E.U16 desc[UR4][R12.64], R2"),
+            (0x50, "LDG.E.U16 R3, desc[UR4][R14.64]"),
+            (0x60, "STG.E desc[UR4][R16.64], R3"),
+        ]
+    )
+    widths = sass.global_access_bytes(sass.parse_sass(text))
+    assert widths == "16+4+2/16+8+2"
+    assert not compile_report.full_width({"global_access_bytes": widths})  # a 2-byte store
+    assert compile_report.full_width({"global_access_bytes": "16/16+8"})
+    assert not compile_report.full_width({"global_access_bytes": "16/8+4"})
+    assert sass.global_access_bytes(sass.parse_sass(_sass([(0, "NOP")]))) == "-/-"
+
+
+def test_copy_kernels_move_16_bytes_an_access_at_every_block_size(tmp_path) -> None:
+    # The pools a cache of each shipped block size holds: the same kernel, 16-byte data loads
+    # and stores (the index loads narrower), so write_slots' H200 spread (45-91% of a copy)
+    # is not its machine code (bench/COMPILE.md).
+    argv = ["compile", "--kernels", "write_slots,gather_blocks", "--workers", "1"]
+    assert main([*argv, "--block-sizes", "16,24,520,1560", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "compile.csv", newline="") as stream:
+        rows = list(csv.DictReader(stream))
+    assert {(r["kernel"], r["block_size"]) for r in rows} == {
+        (kernel, str(block))
+        for kernel in ("write_slots", "gather_blocks")
+        for block in (16, 24, 520, 1560)
+    }
+    assert all(compile_report.full_width(r) and not r["error"] for r in rows), rows
 
 
 def test_ptxas_log_contradiction_is_refused() -> None:
