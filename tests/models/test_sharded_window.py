@@ -104,6 +104,9 @@ def assert_same_quantized_rollout(results: list, want: dict, ulysses: int = 1) -
         own = slice(r % ulysses * heads, (r % ulysses + 1) * heads)
         torch.testing.assert_close(rank["k_means"], single["k_means"][:, own], atol=1e-5, rtol=0)
         for name in CHOSEN:
+            if single[name].numel() == 0:  # a state this format has none of (k8v8's V scales)
+                assert rank[name].numel() == 0, name
+                continue
             if name != "k_means":
                 assert torch.equal(rank[name], single[name][:, own]), name
             assert torch.equal(rank[name], results[r % ulysses][name]), name
