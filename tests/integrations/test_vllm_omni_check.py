@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,8 @@ class Stubs:
 def _plant_venv(venv: Path) -> None:
     """A venv someone else made (no stamp of the script's)."""
     (venv / "bin").mkdir(parents=True)
-    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    # Python's own venv line; its home is the running interpreter's folder, no machine's path.
+    (venv / "pyvenv.cfg").write_text(f"home = {Path(sys.executable).parent}\n")
     (venv / "bin" / "python").write_text("#!/bin/sh\n")
     (venv / "lib" / "site-packages").mkdir(parents=True)
     (venv / "lib" / "site-packages" / "theirs.py").write_text("precious = True\n")
