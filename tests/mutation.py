@@ -1187,6 +1187,13 @@ MUTANTS = [
         "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
     ),
     _m(
+        "cfg-choice-without-v-channel-scales",
+        "models/parallel.py",
+        '            if name not in ("k_scale", "v_scale", "v_saturated")\n',
+        '            if name not in ("k_scale", "v_scale", "v_saturated", "v_scale_chosen")\n',
+        "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
+    ),
+    _m(
         "cfg-choice-skipped-by-the-stock-launch",
         "models/wan_paged.py",
         "            self.state.choose(call, self.layer, key, value)\n        return write_attend(",
