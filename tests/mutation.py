@@ -2404,6 +2404,14 @@ MUTANTS = [
         "tests/kernels/test_k8v8_write.py::test_k8v8_write_against_float64[per-block-B24]",
     ),
     _m(
+        "k8v8-format-keeps-v-scale",
+        "kernels/value_channels.py",
+        "    if v_scale is not None or v_equalizer is not None:",
+        "    if v_equalizer is not None:",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_refuses_bad_arguments",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_attention_refuses_what_the_write_refuses",
+    ),
+    _m(
         "k8v8-per-block-tiles-across-blocks",
         "kernels/paged_attention.py",
         "    if v_block_scales and block_size % tile_n:",
