@@ -1191,7 +1191,15 @@ MUTANTS = [
         "models/parallel.py",
         '            if name not in ("k_scale", "v_scale", "v_saturated")\n',
         '            if name not in ("k_scale", "v_scale", "v_saturated", "v_scale_chosen")\n',
+        "tests/models/test_parallel.py::test_cfg_ranks_store_the_single_process_codes[k8v8]",
         "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
+    ),
+    _m(
+        "cfg-choice-from-the-positive-branch-only",
+        "models/parallel.py",
+        "        keys, values = (torch.cat(kv[:, i].unbind(0)) for i in range(2))",
+        "        keys, values = (torch.cat(kv[:1, i].unbind(0)) for i in range(2))",
+        "tests/models/test_parallel.py::test_cfg_ranks_store_the_single_process_codes",
     ),
     _m(
         "cfg-choice-skipped-by-the-stock-launch",
