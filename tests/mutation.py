@@ -1215,6 +1215,7 @@ MUTANTS = [
         "",
         f"{SHARD_CODES}[int8-2]",
         f"{SHARD_CODES}[e4m3-4]",
+        f"{SHARD_CODES}[k8v16-2]",
         "tests/paging/test_shard_attention.py::test_merged_partials_equal_one_process",
     ),
     _m(
