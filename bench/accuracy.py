@@ -454,27 +454,51 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepa
         equalizers = {"k_equalizer": k_factor, "v_equalizer": v_factor}
         write_extra |= equalizers
         attend_extra |= equalizers
-    key_dtype = c.q_dtype  # the model's K/V dtype (bf16 on a GPU; float32 holding it on a CPU)
-    for start in range(0, c.kv_tokens, c.chunk_size):
-        frame = slice(start, start + c.chunk_size)
+    _write_frames(data, c, k_cache.view(flat), v_cache.view(flat), slots, write_extra)
+    if variant.mode != DEQUANT:
+        attend_extra[MODE_FLAGS[variant.mode]] = True
+    return _attend_window(data, c, k_cache, v_cache, block_table, attend_extra)
+
+
+def _write_frames(
+    data: Data,
+    config: AccuracyConfig,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    write_extra: dict[str, Tensor],
+) -> None:
+    """Write ``data``'s K/V into the pools frame by frame (chunk by chunk, as the cache writes),
+    in the model's K/V dtype (bf16 on a GPU; float32 holding it on a CPU)."""
+    for start in range(0, config.kv_tokens, config.chunk_size):
+        frame = slice(start, start + config.chunk_size)
         kernels.write_slots(
-            data.keys[frame].to(key_dtype),
-            data.values[frame].to(key_dtype),
-            k_cache.view(flat),
-            v_cache.view(flat),
+            data.keys[frame].to(config.q_dtype),
+            data.values[frame].to(config.q_dtype),
+            k_cache,
+            v_cache,
             slots[frame].to(torch.int32),
             **write_extra,
         )
-    if variant.mode != DEQUANT:
-        attend_extra[MODE_FLAGS[variant.mode]] = True
-    rows = data.q.shape[0]
+
+
+def _attend_window(
+    data: Data,
+    config: AccuracyConfig,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    attend_extra: dict[str, object],
+) -> Tensor:
+    """Every query row of ``data`` over the whole window of written keys (one sequence)."""
+    rows, device = data.q.shape[0], data.q.device
     return kernels.paged_attention(
-        data.q.to(c.q_dtype),
+        data.q.to(config.q_dtype),
         k_cache,
         v_cache,
         block_table,
         torch.tensor([0, rows], dtype=torch.int32, device=device),
-        torch.tensor([c.kv_tokens], dtype=torch.int32, device=device),
+        torch.tensor([config.kv_tokens], dtype=torch.int32, device=device),
         max_seqlen_q=rows,
         **attend_extra,
     )
@@ -516,27 +540,8 @@ def _attend_eight_bit(
         attend_extra["v_channel_scale"] = channels
     if variant.smooth:
         write_extra["k_smooth"] = prepared.mean
-    for start in range(0, c.kv_tokens, c.chunk_size):
-        frame = slice(start, start + c.chunk_size)
-        kernels.write_slots(
-            data.keys[frame].to(c.q_dtype),
-            data.values[frame].to(c.q_dtype),
-            k_cache,
-            v_cache,
-            slots[frame].to(torch.int32),
-            **write_extra,
-        )
-    rows = data.q.shape[0]
-    return kernels.paged_attention(
-        data.q.to(c.q_dtype),
-        k_cache,
-        v_cache,
-        block_table,
-        torch.tensor([0, rows], dtype=torch.int32, device=device),
-        torch.tensor([c.kv_tokens], dtype=torch.int32, device=device),
-        max_seqlen_q=rows,
-        **attend_extra,
-    )
+    _write_frames(data, c, k_cache, v_cache, slots, write_extra)
+    return _attend_window(data, c, k_cache, v_cache, block_table, attend_extra)
 
 
 def eight_bit_emulation(variant: Variant, config: AccuracyConfig) -> EightBitFormat:

@@ -203,16 +203,9 @@ def _check_k8v8(
     """The k8v8 format's caches: int8 K with ``k_scale``, e4m3 V with its channel scales only."""
     if fp8_mma is not False or int8_mma is not False:
         raise ValueError("v_channel_scale (k8v8) is a mode of its own: leave fp8_mma, int8_mma off")
-    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.float8_e4m3fn:
-        raise TypeError(
-            "v_channel_scale (k8v8) needs an int8 k_cache and a float8_e4m3fn v_cache, got "
-            f"{k_cache.dtype} and {v_cache.dtype}"
-        )
-    if k_scale is None:
-        raise ValueError("v_channel_scale (k8v8) needs k_scale, K's scale per slot")
-    if v_scale is not None or v_equalizer is not None:
-        raise ValueError("v_channel_scale (k8v8) replaces v_scale and v_equalizer: pass neither")
-    value_channels.check_channel_scales("v_channel_scale", v_channel_scale, "v_cache", v_cache)
+    value_channels.check_format(
+        k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale, ("k_cache", "v_cache")
+    )
 
 
 # FP8-MMA rounds each probability times its key's V scale in a unit of the sequence's largest

@@ -51,6 +51,31 @@ def is_frozen(scales: Tensor) -> bool:
     return scales.stride(0) == 0 or scales.shape[0] == 1
 
 
+def check_format(
+    k_pool: Tensor,
+    v_pool: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    v_equalizer: Tensor | None,
+    v_channel_scale: Tensor,
+    pool_names: tuple[str, str] = ("k_pool", "v_pool"),
+) -> None:
+    """The k8v8 pools beside ``v_channel_scale``, as a write and an attention take them: int8
+    K with ``k_scale``, e4m3 V with its channel scales only (``pool_names``: the caller's
+    names of the K and V pools)."""
+    k_name, v_name = pool_names
+    if k_pool.dtype != torch.int8 or v_pool.dtype != torch.float8_e4m3fn:
+        raise TypeError(
+            f"v_channel_scale (k8v8) needs an int8 {k_name} and a float8_e4m3fn {v_name}, got "
+            f"{k_pool.dtype} and {v_pool.dtype}"
+        )
+    if k_scale is None:
+        raise ValueError("v_channel_scale (k8v8) needs k_scale, K's scale per slot")
+    if v_scale is not None or v_equalizer is not None:
+        raise ValueError("v_channel_scale (k8v8) replaces v_scale and v_equalizer: pass neither")
+    check_channel_scales("v_channel_scale", v_channel_scale, v_name, v_pool)
+
+
 def check_channel_scales(name: str, scales: Tensor, pool_name: str, pool: Tensor) -> None:
     """``scales`` is float32 ``(num_blocks, num_kv_heads, head_dim)`` of the 4-D ``pool``."""
     _checks.check_tensor(name, scales)

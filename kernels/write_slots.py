@@ -692,16 +692,7 @@ def _check_channel_format(
     v_saturated: Tensor | None,
 ) -> None:
     """The k8v8 write's own arguments (``write_slots``' docstring)."""
-    if k_pool.dtype != torch.int8 or v_pool.dtype != torch.float8_e4m3fn:
-        raise TypeError(
-            "v_channel_scale (k8v8) needs an int8 k_pool and a float8_e4m3fn v_pool, got "
-            f"{k_pool.dtype} and {v_pool.dtype}"
-        )
-    if k_scale is None:
-        raise ValueError("v_channel_scale (k8v8) needs k_scale, K's scale per slot")
-    if v_scale is not None or v_equalizer is not None:
-        raise ValueError("v_channel_scale (k8v8) replaces v_scale and v_equalizer: pass neither")
-    value_channels.check_channel_scales("v_channel_scale", v_channel_scale, "v_pool", v_pool)
+    value_channels.check_format(k_pool, v_pool, k_scale, v_scale, v_equalizer, v_channel_scale)
     frozen = value_channels.is_frozen(v_channel_scale)
     if v_scale_chosen is not None:
         if not frozen:

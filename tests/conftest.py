@@ -101,6 +101,8 @@ SLOW = (
     "tests/models/test_parallel.py::test_readme_block_runs_as_a_world_of_one",
     "tests/models/test_parallel.py::test_two_ranks_equal_one_process_and_diverged_plans_fail_on_both",
     "tests/models/test_parallel.py::test_ulysses_times_cfg_on_four_ranks",
+    "tests/models/test_sharded_window.py::test_two_window_shards_equal_one_process_and_fail_together",
+    "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
     "tests/models/test_readme_rollout.py::test_readme_rollout_block_runs",
     "tests/models/test_wan_compile.py::test_compiled_blocks_share_one_graph_over_the_rollout",
     "tests/models/test_wan_quantized.py::test_fp8_mma_rollout_runs_and_stays_near",

@@ -1187,6 +1187,21 @@ MUTANTS = [
         "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
     ),
     _m(
+        "cfg-choice-without-v-channel-scales",
+        "models/parallel.py",
+        '            if name not in ("k_scale", "v_scale", "v_saturated")\n',
+        '            if name not in ("k_scale", "v_scale", "v_saturated", "v_scale_chosen")\n',
+        "tests/models/test_parallel.py::test_cfg_ranks_store_the_single_process_codes[k8v8]",
+        "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
+    ),
+    _m(
+        "cfg-choice-from-the-positive-branch-only",
+        "models/parallel.py",
+        "        keys, values = (torch.cat(kv[:, i].unbind(0)) for i in range(2))",
+        "        keys, values = (torch.cat(kv[:1, i].unbind(0)) for i in range(2))",
+        "tests/models/test_parallel.py::test_cfg_ranks_store_the_single_process_codes",
+    ),
+    _m(
         "cfg-choice-skipped-by-the-stock-launch",
         "models/wan_paged.py",
         "            self.state.choose(call, self.layer, key, value)\n        return write_attend(",
@@ -1200,6 +1215,7 @@ MUTANTS = [
         "",
         f"{SHARD_CODES}[int8-2]",
         f"{SHARD_CODES}[e4m3-4]",
+        f"{SHARD_CODES}[k8v16-2]",
         "tests/paging/test_shard_attention.py::test_merged_partials_equal_one_process",
     ),
     _m(
@@ -2395,6 +2411,14 @@ MUTANTS = [
         "    firsts = (used & (slots % block_size == 0)).to(torch.int32)",
         "    firsts = used.to(torch.int32)",
         "tests/kernels/test_k8v8_write.py::test_k8v8_write_against_float64[per-block-B24]",
+    ),
+    _m(
+        "k8v8-format-keeps-v-scale",
+        "kernels/value_channels.py",
+        "    if v_scale is not None or v_equalizer is not None:",
+        "    if v_equalizer is not None:",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_refuses_bad_arguments",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_attention_refuses_what_the_write_refuses",
     ),
     _m(
         "k8v8-per-block-tiles-across-blocks",

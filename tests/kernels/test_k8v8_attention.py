@@ -265,6 +265,33 @@ def test_per_block_scales_need_tiles_inside_a_block() -> None:
     assert tiles["BLOCK_N"] == 32 and tiles["KV_PATH"] == "contiguous"
 
 
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ("v_scale", ValueError, "replaces v_scale"),
+        ("int8_v", TypeError, "float8_e4m3fn v_cache"),
+        ("no_k_scale", ValueError, "needs k_scale"),
+        ("shape", ValueError, "v_channel_scale must have shape"),
+    ],
+)
+def test_k8v8_attention_refuses_what_the_write_refuses(change: str, error: type, match: str):
+    # The pools' checks are the write's (value_channels.check_format), named as attention's.
+    case = make_paged_case(q_lens=[3], k_lens=[40], block_size=24, device=DEVICE)
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=False)
+    kwargs = dict(k_scale=k_scale, v_channel_scale=scales)
+    if change == "v_scale":
+        kwargs["v_scale"] = k_scale.clone()
+    elif change == "int8_v":
+        v_codes = torch.zeros(v_codes.shape, dtype=torch.int8, device=DEVICE)
+    elif change == "no_k_scale":
+        del kwargs["k_scale"]
+    elif change == "shape":
+        kwargs["v_channel_scale"] = scales[..., :16]
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    with pytest.raises(error, match=match):
+        kernels.paged_attention(*args, max_seqlen_q=3, **kwargs)
+
+
 def test_tiny_v_scales_on_the_keys_that_matter() -> None:
     # Issue 46 item 3: 1024 keys, the first 64 with V x 1e-6 and K aligned with q, so the
     # softmax's mass sits on them. Per-block V scales give those keys their own scale: every

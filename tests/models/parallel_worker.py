@@ -114,6 +114,7 @@ def rollout(case: dict, rollout_factory, on_block=None):
             "positions": [
                 [dict(read.positions) for read in block_reads] for block_reads in result.reads
             ],
+            "kv_format": config.kv_format,
             "pool_bytes": cache.pool_bytes,
             "num_blocks": cache.num_blocks,
             "kv_heads": cache.k_pools.shape[3],

@@ -50,6 +50,11 @@ SHARDED_E4M3 = dict(
     config=dict(SHARDED["config"], kv_dtype=torch.float8_e4m3fn, equalize_channels=True),
     blocks=4,
 )
+# The one switch's 8-bit formats: int8 K (smoothed, equalized) with k8v8's e4m3 V of frozen
+# channel scales (chosen from every token of a layer's first forward, as the K mean) or k8v16's
+# 16-bit V.
+SHARDED_K8V8 = dict(SHARDED, config=dict(SHARDED["config"], kv_format="k8v8"), wide_channels=True)
+SHARDED_K8V16 = dict(SHARDED_K8V8, config=dict(SHARDED["config"], kv_format="k8v16"))
 FAIL_BLOCK = 2
 
 
@@ -106,7 +111,8 @@ def _fail_at(rank: int, failing_rank: int, how: str, groups, out: Path, results:
 
 
 def _two(rank: int, out: Path) -> dict:
-    """Window shards over 2 ranks; planted divergences; rank 1 raising mid-rollout (last)."""
+    """Window shards over 2 ranks (float, int8, k8v8, k8v16); planted divergences; rank 1
+    raising mid-rollout (last)."""
     from paged_video.models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
 
     groups = ParallelGroups(ParallelLayout(kv_shard_degree=2))
@@ -116,6 +122,8 @@ def _two(rank: int, out: Path) -> dict:
         "staged": rollout(SHARDED_STAGED, factory),
         "kept": rollout(SHARDED_KEPT, factory),
         "int8": rollout(SHARDED_INT8, factory),
+        "k8v8": rollout(SHARDED_K8V8, factory),
+        "k8v16": rollout(SHARDED_K8V16, factory),
         "one_more_block": _diverged(rank, groups, blocks=3),
         "other_guidance": _diverged(rank, groups, guidance=GUIDANCE + 1),
         "other_noise_shape": _diverged(rank, groups, height=6),
@@ -125,8 +133,9 @@ def _two(rank: int, out: Path) -> dict:
 
 
 def _four(rank: int, out: Path) -> dict:
-    """Ulysses 2 x window shards 2 (float, e4m3), CFG 2 x window shards 2 (float, int8), window
-    shards 4 (int8), Ulysses 2 x CFG 2 (int8); rank 3 killed mid-rollout (last)."""
+    """Ulysses 2 x window shards 2 (float, e4m3, k8v16), CFG 2 x window shards 2 (float, int8,
+    k8v8, k8v16), window shards 4 (int8), Ulysses 2 x CFG 2 (int8, k8v8, k8v16); rank 3 killed
+    mid-rollout (last)."""
     from paged_video.models.parallel import ParallelGroups, ParallelLayout, ParallelWanRollout
 
     by_heads = ParallelGroups(ParallelLayout(ulysses_degree=2, kv_shard_degree=2))
@@ -140,6 +149,11 @@ def _four(rank: int, out: Path) -> dict:
         "shards_int8": rollout(SHARDED_INT8, partial(ParallelWanRollout, groups=by_window)),
         "cfg_int8": rollout(SHARDED_INT8, partial(ParallelWanRollout, groups=by_branch)),
         "ulysses_cfg_int8": rollout(SHARDED_INT8, partial(ParallelWanRollout, groups=by_both)),
+        "cfg_k8v8": rollout(SHARDED_K8V8, partial(ParallelWanRollout, groups=by_branch)),
+        "cfg_k8v16": rollout(SHARDED_K8V16, partial(ParallelWanRollout, groups=by_branch)),
+        "ulysses_k8v16": rollout(SHARDED_K8V16, partial(ParallelWanRollout, groups=by_heads)),
+        "ulysses_cfg_k8v8": rollout(SHARDED_K8V8, partial(ParallelWanRollout, groups=by_both)),
+        "ulysses_cfg_k8v16": rollout(SHARDED_K8V16, partial(ParallelWanRollout, groups=by_both)),
     }
     results["killed"] = _fail_at(rank, 3, "kill", by_heads, out, results)
     return results

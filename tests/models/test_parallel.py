@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ pytest.importorskip("diffusers")
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from paged_video.kernels.fused import write_attend
 from paged_video.models import parallel
 from paged_video.models.parallel import (
     ParallelGroups,
@@ -33,8 +35,8 @@ from paged_video.models.parallel import (
     ParallelWanRollout,
     plan_digest,
 )
-from paged_video.models.wan_paged import PagedWanRollout
-from paged_video.paging import PagedKVCache
+from paged_video.models.wan_paged import CFG_BRANCHES, PagedWanRollout
+from paged_video.paging import PagedKVCache, PagingConfig
 from paged_video.paging.forward import ForwardCall
 from tests.models import parallel_worker
 from tests.models.parallel_worker import (
@@ -56,6 +58,8 @@ from tests.models.tiny import (
     rollout_inputs,
     tiny_wan,
 )
+from tests.paging.test_shard_attention import bits
+from tests.paging.twin import plain_torch_kernels, poison
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -215,6 +219,90 @@ def check_divergence(ranks: list[dict]) -> None:
         assert rank["block_diverged"].startswith("PlanDivergenceError"), rank["block_diverged"]
         assert "block 1, forward 1" in rank["block_diverged"]
     assert ranks[0]["block_diverged"] == ranks[1]["block_diverged"]
+
+
+@pytest.mark.parametrize(
+    "pools",
+    [{"kv_dtype": torch.int8}, {"kv_format": "k8v8"}, {"kv_format": "k8v16"}],
+    ids=["int8", "k8v8", "k8v16"],
+)
+def test_cfg_ranks_store_the_single_process_codes(pools, monkeypatch):
+    # What each CFG rank's processor does (``ParallelWanRollout``): before a layer's write,
+    # ``_choose_across_branches`` with its branch's K/V (the CFG all-gather stands in, handing
+    # both branches' K/V, positive first, as gloo does; the 2-rank collective itself runs in
+    # tests/models/test_sharded_window.py), then the fused op on its one-branch cache. Each
+    # rank must freeze what one process's batched forward chooses from both branches (K mean,
+    # factors, k8v8's V channel scales), so the blocks of its branch hold one process's codes
+    # and scales bit for bit; a rank that chose from its branch alone differs.
+    config = PagingConfig(
+        block_size=3,
+        chunk_size=4,
+        sink_chunks=1,
+        window_chunks=2,
+        max_forward_chunks=2,
+        **pools,
+        smooth_keys=True,
+        equalize_channels=True,
+    )
+    geometry = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    single = PagedKVCache(config, branches=CFG_BRANCHES, **geometry)
+    ranks = [PagedKVCache(config, branches=(branch,), **geometry) for branch in CFG_BRANCHES]
+    for cache in (single, *ranks):
+        poison(cache)
+    sessions = [cache.open_session() for cache in (single, *ranks)]
+    gathered = {}
+    monkeypatch.setattr(parallel, "all_gather", lambda kv, *_: gathered["kv"])
+    generator = torch.Generator().manual_seed(7)
+    offsets = 8 * torch.randn(2, 16, generator=generator)  # what smoothing removes
+    with plain_torch_kernels():  # (the kernels are checked against the oracle elsewhere)
+        for chunks, commit in [(2, False), (2, True), (1, True)]:
+            n = chunks * config.chunk_size
+            plans = [single.plan(sessions[0], branch, n, commit=commit) for branch in CFG_BRANCHES]
+            calls = [ForwardCall(single, plans, softmax_scale=0.25)]
+            for cache, session, branch in zip(ranks, sessions[1:], CFG_BRANCHES, strict=True):
+                plan = cache.plan(session, branch, n, commit=commit)
+                calls.append(ForwardCall(cache, plan, softmax_scale=0.25))
+            for layer in range(2):
+                q = torch.randn(2 * n, 4, 16, generator=generator)
+                gains = torch.exp2(6 * torch.rand(2, 2 * n, 2, 16, generator=generator))
+                gains[..., 8:] = 1  # outlier channels 0-7
+                k, v = torch.randn(2, 2 * n, 2, 16, generator=generator) * gains
+                k = k + offsets
+                # (rank, K or V, the branch's rows): what the all-gather of each rank's
+                # stacked K/V returns.
+                gathered["kv"] = torch.stack([k, v]).unflatten(1, (2, n)).transpose(0, 1)
+                want = cfg_rank_attends(calls[0], layer, q, k, v)
+                for index, call in enumerate(calls[1:]):
+                    rows = slice(index * n, (index + 1) * n)
+                    got = cfg_rank_attends(call, layer, q[rows], k[rows], v[rows], choose=True)
+                    torch.testing.assert_close(got, want[rows], atol=1e-6, rtol=1e-6)
+            for call in calls:
+                call.commit()
+    assert (single.k_equalizers > 1).any() and single.k_means.abs().max() > 1
+    for cache, session, branch in zip(ranks, sessions[1:], CFG_BRANCHES, strict=True):
+        for name in ("k_means", "k_equalizers", "v_equalizers", "v_channel_scales"):
+            mine, theirs = getattr(cache, name), getattr(single, name)
+            if name == "v_channel_scales" and theirs.numel():  # one block of each (stride 0)
+                mine, theirs = mine[:, 0], theirs[:, 0]
+                assert (theirs > 0).all()
+            assert torch.equal(mine, theirs), name
+        mine = session.sequences[branch].block_table
+        theirs = sessions[0].sequences[branch].block_table
+        assert len(mine) == len(theirs) and sum(b != 0 for b in mine) > 2
+        for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
+            for ours, reference in zip(mine, theirs, strict=True):
+                if ours and getattr(single, name).numel():
+                    got, expected = getattr(cache, name), getattr(single, name)
+                    assert torch.equal(bits(got[:, ours]), bits(expected[:, reference])), name
+
+
+def cfg_rank_attends(call, layer, q, k, v, choose=False):
+    """The fused op over ``call``'s cache, after a CFG rank's choice when ``choose``."""
+    if choose:
+        rank = SimpleNamespace(groups=SimpleNamespace(cfg=None), guard=None)
+        ParallelWanRollout._choose_across_branches(rank, call, layer, k, v)
+    none = k[:0]
+    return write_attend(q, k, v, none, none, call.cache.pool_tensors, call.layer(layer))
 
 
 def test_ulysses_times_cfg_on_four_ranks(tmp_path, monkeypatch):

@@ -36,6 +36,8 @@ from tests.models.sharded_worker import (
     SHARDED,
     SHARDED_E4M3,
     SHARDED_INT8,
+    SHARDED_K8V8,
+    SHARDED_K8V16,
     SHARDED_KEPT,
     SHARDED_STAGED,
 )
@@ -79,7 +81,8 @@ def assert_same_rollout(got: dict, want: dict) -> None:
 
 def unquantized(case: dict) -> dict:
     """``case`` over float pools: what its quantization is measured against."""
-    return dict(case, config=dict(case["config"], kv_dtype=None, equalize_channels=None))
+    config = dict(case["config"], kv_dtype=None, kv_format=None, equalize_channels=None)
+    return dict(case, config=config)
 
 
 def quantized_rollouts(case: dict) -> dict:
@@ -90,27 +93,56 @@ def quantized_rollouts(case: dict) -> dict:
     }
 
 
-def assert_same_quantized_rollout(results: list, want: dict, ulysses: int = 1) -> None:
+def assert_same_quantized_rollout(
+    results: list, want: dict, ulysses: int = 1, window_shards: bool = False
+) -> None:
     """Quantized pools: each rank froze the single process's K mean and factors (of its heads;
     the mean up to float32 rounding, its K coming from projections of token shards or of one
     branch; the ranks of a head shard alike, bit for bit), and its latents are the single
     process's up to codes that flip on that rounding (``assert_within_flipped_codes``). Ranks
     that choose from their own tokens or branch miss the mean by 0.5 to 6.
-    (``tests/paging/test_shard_attention.py`` checks the codes bit for bit, from equal K/V.)"""
+    (``tests/paging/test_shard_attention.py`` checks the codes bit for bit, from equal K/V.)
+
+    k8v8 over ``window_shards``: each rank rounds its probabilities to e4m3 against its own row
+    maximum, so a layer's merged output is ~0.1% from one process's and the next layer chooses
+    from inputs that differ so much: layer 0's choice as above, later layers' mean and V
+    channel scales within 1% (mean difference; measured 0.13% and 0.04%), and the latents, over
+    8 blocks, as far from one process's as the format is from the float rollout (measured 86%
+    and 87% of its mean effect) but no farther from the float rollout (measured 0.90x one
+    process's)."""
     single = want["quantized"]
     heads = single["k_means"].shape[1] // ulysses
-    assert (single["k_equalizers"] > 1).any() and (single["v_equalizers"] > 1).any()
+    # k8v8 and k8v16 equalize K only (V has frozen channel scales, or is stored as it is).
+    assert (single["k_equalizers"] > 1).any()
+    assert (single["v_equalizers"] > 1).any() == (single["kv_format"] is None)
+    exact = 1 if window_shards and single["kv_format"] == "k8v8" else None  # layers
+    unquantized = want["float"]["latents"]
     for r, rank in enumerate(results):
         own = slice(r % ulysses * heads, (r % ulysses + 1) * heads)
-        torch.testing.assert_close(rank["k_means"], single["k_means"][:, own], atol=1e-5, rtol=0)
         for name in CHOSEN:
             if single[name].numel() == 0:  # a state this format has none of (k8v8's V scales)
                 assert rank[name].numel() == 0, name
                 continue
-            if name != "k_means":
-                assert torch.equal(rank[name], single[name][:, own]), name
+            mine, theirs = rank[name], single[name]
+            if name == "v_channel_scales":  # k8v8's, frozen: one block of each, block stride 0
+                mine, theirs = mine[:, 0], theirs[:, 0]
+                assert (theirs > 0).all()
+            theirs = theirs[:, own]
+            if name in ("k_means", "v_channel_scales"):  # up to float32 rounding
+                atol, rtol = (1e-5, 0) if name == "k_means" else (0, 1e-5)
+                torch.testing.assert_close(mine[:exact], theirs[:exact], atol=atol, rtol=rtol)
+                if exact is not None:
+                    apart = (mine[exact:] - theirs[exact:]).abs().mean()
+                    assert apart <= 1e-2 * theirs[exact:].abs().mean(), (name, apart)
+            else:
+                assert torch.equal(mine, theirs), name
             assert torch.equal(rank[name], results[r % ulysses][name]), name
-        assert_within_flipped_codes(rank["latents"], single["latents"], want["float"]["latents"])
+        if exact is None:
+            assert_within_flipped_codes(rank["latents"], single["latents"], unquantized)
+        else:  # another rounding of P, as accurate: within the format's effect, no worse
+            assert_within_flipped_codes(rank["latents"], single["latents"], unquantized, 1.0)
+            error = (rank["latents"] - unquantized).abs().mean()
+            assert error <= 1.1 * (single["latents"] - unquantized).abs().mean()
         for ours, theirs in zip(rank["positions"], single["positions"], strict=True):
             for read, reference in zip(ours, theirs, strict=True):
                 assert read == {branch: reference[branch] for branch in read}
@@ -145,6 +177,8 @@ def test_two_window_shards_equal_one_process_and_fail_together(tmp_path, monkeyp
             "staged": rollout(SHARDED_STAGED, PagedWanRollout),
             "kept": rollout(SHARDED_KEPT, PagedWanRollout),
             "int8": quantized_rollouts(SHARDED_INT8),
+            "k8v8": quantized_rollouts(SHARDED_K8V8),
+            "k8v16": quantized_rollouts(SHARDED_K8V16),
         }
 
     results, codes, want = spawn("two", 2, tmp_path, monkeypatch, single)
@@ -158,7 +192,9 @@ def test_two_window_shards_equal_one_process_and_fail_together(tmp_path, monkeyp
         # Each committing forward kept the staged history (restaged from a block > 0).
         assert all(commit > 0 for _, commit in rank["kept"]["stage_from"][1:])
         assert rank["sharded"]["num_blocks"] == want["sharded"]["num_blocks"]  # the plans' ids
-    assert_same_quantized_rollout([rank["int8"] for rank in results], want["int8"])
+    for name in ("int8", "k8v8", "k8v16"):
+        got = [rank[name] for rank in results]
+        assert_same_quantized_rollout(got, want[name], window_shards=True)
     # Eviction happened: the last forward read the sink and the last three frames only.
     last = want["sharded"]["positions"][-1][0]["positive"]
     assert last == [*range(24), *range(5 * 24, 8 * 24)]
@@ -201,6 +237,8 @@ def test_ulysses_and_cfg_by_window_shards_on_four_ranks(tmp_path, monkeypatch):
             "float": rollout(SHARDED, PagedWanRollout),
             "int8": quantized_rollouts(SHARDED_INT8),
             "e4m3": quantized_rollouts(SHARDED_E4M3),
+            "k8v8": quantized_rollouts(SHARDED_K8V8),
+            "k8v16": quantized_rollouts(SHARDED_K8V16),
         }
 
     results, codes, single_rollouts = spawn("four", 4, tmp_path, monkeypatch, single)
@@ -217,6 +255,17 @@ def test_ulysses_and_cfg_by_window_shards_on_four_ranks(tmp_path, monkeypatch):
     assert_same_quantized_rollout(
         [rank["ulysses_e4m3"] for rank in results], single_rollouts["e4m3"], ulysses=2
     )
+    # The 8-bit formats: CFG 2 x 2 shards (k8v8's frozen V channel scales chosen from both
+    # branches' tokens), Ulysses 2 x 2 shards (k8v16), Ulysses 2 x CFG 2 (no shards).
+    for name, kv_format, ulysses, window_shards in (
+        ("cfg_k8v8", "k8v8", 1, True),
+        ("cfg_k8v16", "k8v16", 1, True),
+        ("ulysses_k8v16", "k8v16", 2, True),
+        ("ulysses_cfg_k8v8", "k8v8", 2, False),
+        ("ulysses_cfg_k8v16", "k8v16", 2, False),
+    ):
+        got, single = [rank[name] for rank in results], single_rollouts[kv_format]
+        assert_same_quantized_rollout(got, single, ulysses, window_shards)
     single_bytes, blocks = want["pool_bytes"], want["num_blocks"]
     for r, rank in enumerate(results):
         assert_same_rollout(rank["ulysses"], want)

@@ -137,17 +137,28 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
         (4, {"kv_dtype": torch.float8_e4m3fn}, False),
         (2, {"kv_format": "k8v8"}, True),
         (4, {"kv_format": "k8v8"}, False),
+        (2, {"kv_format": "k8v16"}, False),
+        (4, {"kv_format": "k8v16"}, True),
     ],
-    ids=["int8-2", "int8-4-staged", "e4m3-2-staged", "e4m3-4", "k8v8-2-staged", "k8v8-4"],
+    ids=[
+        "int8-2",
+        "int8-4-staged",
+        "e4m3-2-staged",
+        "e4m3-4",
+        "k8v8-2-staged",
+        "k8v8-4",
+        "k8v16-2",
+        "k8v16-4-staged",
+    ],
 )
 @pytest.mark.usefixtures("plain")
 def test_ranks_store_the_single_process_codes(degree, pools, staged):
     # What a model's processor does (``models.parallel``): the fused op with
     # ``call.layer(i)``'s inputs, every token's q/k/v on every rank. Each rank's first write
     # of a layer must freeze the single process's K mean and equalization factors (and k8v8's
-    # V channel scales) chosen from every video token, not the rank's own, so every block a
-    # rank stores holds the single process's codes and scales, bit for bit; a rank that chose
-    # from its own tokens differs.
+    # V channel scales; k8v16 stores V as it is) chosen from every video token, not the rank's
+    # own, so every block a rank stores holds the single process's codes and scales, bit for
+    # bit; a rank that chose from its own tokens differs.
     # The first forward has two CFG rows (the later ones one: staged where the cache stages),
     # and chunks of 4 tokens over blocks of 3 start mid-block.
     config = PagingConfig(
@@ -207,10 +218,11 @@ def test_ranks_store_the_single_process_codes(degree, pools, staged):
                 torch.testing.assert_close(merged, want, atol=2e-5, rtol=2e-5)
         for call in calls:
             call.commit()
-    k8v8 = single.config.k8v8  # (V channel scales in place of V's factors and scales)
-    assert (single.k_equalizers > 1).any() and (k8v8 or (single.v_equalizers > 1).any())
+    # k8v8: V channel scales in place of V's factors and scales; k8v16: V stored as it is.
+    k8v8, k8v16 = single.config.k8v8, single.config.k8v16
+    assert (single.k_equalizers > 1).any() and (k8v8 or k8v16 or (single.v_equalizers > 1).any())
     chosen = ("k_means", "k_equalizers", "v_channel_scales" if k8v8 else "v_equalizers")
-    stored_names = ("k_pools", "v_pools", "k_scales") + (() if k8v8 else ("v_scales",))
+    stored_names = ("k_pools", "v_pools", "k_scales") + (() if k8v8 or k8v16 else ("v_scales",))
     stored = 0
     for cache in shards:
         for name in chosen:  # (the frozen V channel scales: one block of each, block stride 0)
