@@ -221,11 +221,11 @@ def _configs_both() -> list[compile_report.Config]:
 
 
 def _compile_all() -> list[dict]:
-    rows = compile_report.compile_rows(_configs_39(), "cuda:90", workers=2)
+    rows = compile_report.compile_rows(_configs_39() + _eight_bit_configs(), "cuda:90", workers=2)
     python36 = _triton36()
     if python36 is not None:
         rows += compile_report.compile_rows(
-            _configs_both(), "cuda:90", workers=2, pythons=[python36]
+            _configs_both() + _eight_bit_configs(), "cuda:90", workers=2, pythons=[python36]
         )
     return rows
 
@@ -933,11 +933,13 @@ def test_fp8_mma_reads_query_rows_from_shared_memory(
 def test_quantized_passes_compile(report: Report, minor: str, kernel: str) -> None:
     # The pass that rounds FP8-MMA's query rows runs before each FP8-MMA launch, and only there;
     # the one that takes the probability unit before every quantized launch. Both build without
-    # spills on both Tritons (no MMA).
+    # spills on both Tritons (no MMA). The 8-bit formats round their query rows (int8) and
+    # take no probability unit.
     triton = report.version(minor)
     rows = [r for r in report.rows if r["kernel"] == kernel and r["triton"] == triton]
     modes = {r["kv_mode"] for r in report.rows if r["kernel"] == "paged_attention"} - {"same"}
-    want = {"fp8_mma", "fp8_mma_keys"} if kernel == "query_codes" else modes
+    eight_bit = set(EIGHT_BIT_MMAS)
+    want = {"fp8_mma", "fp8_mma_keys"} | eight_bit if kernel == "query_codes" else modes - eight_bit
     assert {r["kv_mode"] for r in rows} == want, rows
     for row in rows:
         assert row["error"] == "" and (row["spill_stores"], row["spill_loads"]) == (0, 0), row
@@ -1396,3 +1398,40 @@ def test_out_is_a_folder_created_for_compile_csv(report: Report, tmp_path, capsy
     ]
     assert list(rows[0]) == list(compile_report.COLUMNS)
     assert f"wrote {out / 'compile.csv'}" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the one-switch 8-bit formats
+
+# k8v8 and k8v16 over the pools PagingConfig(kv_format=...) lays out (K's scales keys-major,
+# k8v8's V keys-major), the launcher's own launch: at the frame block (128-key TMA tiles) and at
+# block 24 (64-key tiles from pieces of 16 + 8). Both Tritons build them with an 8-bit MMA for
+# Q K^T, an FP8 (k8v8) or 16-bit (k8v16) one for P V, no spills (2026-12-06, Triton 3.9.0 and
+# 3.6.0; bench/COMPILE.md).
+EIGHT_BIT_MMAS = {"k8v8_keys": "QGMMA+IGMMA", "k8v16_keys": "HGMMA+IGMMA"}
+EIGHT_BIT_BLOCKS = (24, 1560)
+
+
+def _eight_bit_configs() -> list[compile_report.Config]:
+    return compile_report.configs_for(
+        kernels=("paged_attention",), block_sizes=EIGHT_BIT_BLOCKS, kv_modes=tuple(EIGHT_BIT_MMAS)
+    )
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("mode", EIGHT_BIT_MMAS)
+@pytest.mark.parametrize("block", EIGHT_BIT_BLOCKS)
+def test_eight_bit_formats_build_on_both_tritons(
+    report: Report, minor: str, mode: str, block: int
+) -> None:
+    triton = report.version(minor)
+    row = report.paged(triton, block, kv=mode)
+    assert row["mma"] == EIGHT_BIT_MMAS[mode], row
+    assert (row["spill_stores"], row["spill_loads"], row["loop_shared_stores"]) == (0, 0, 0), row
+    # The pass before the kernel that rounds the query rows to int8 codes builds too.
+    [codes] = [
+        r
+        for r in report.rows
+        if (r["kernel"], r["triton"], r["kv_mode"], r["block_size"])
+        == ("query_codes", triton, mode, block)
+    ]
+    assert codes["error"] == "" and codes["mma"] == "none", codes
