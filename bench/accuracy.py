@@ -116,11 +116,11 @@ FORMATS: dict[str, torch.dtype] = QUANTIZED_FORMATS
 EIGHT_BIT_FORMATS: dict[str, torch.dtype | None] = {"k8v8": torch.float8_e4m3fn, "k8v16": None}
 FORMAT_CHOICES = (*FORMATS, *EIGHT_BIT_FORMATS)
 BASELINE = UNQUANTIZED
-FP8_MMA, INT8_MMA = MMA_MODES["e4m3"], MMA_MODES["int8"]
-# Attention modes per format: the dequantizing one, then the MMA mode the format has; a
-# one-switch format's one mode is its name.
+INT8_MMA = MMA_MODES["int8"]
+# Attention modes per format: the dequantizing one, then the MMA mode the format has (int8's;
+# e4m3's was deleted); a one-switch format's one mode is its name.
 MODES: dict[str, tuple[str, ...]] = {
-    **{name: (DEQUANT, MMA_MODES[name]) for name in FORMATS},
+    **{name: (DEQUANT, *(m for m in (MMA_MODES.get(name),) if m)) for name in FORMATS},
     **{name: (name,) for name in EIGHT_BIT_FORMATS},
 }
 # Channels per head with an outlier pattern; k-outliers' offsets; the token outliers' gains.

@@ -40,8 +40,6 @@ ROLES = ("ours", "baseline", "best-of", "bound", "oracle", "quantized")
 # twice the bf16 rate) and P V stays 16-bit: 1.33x if compute-bound.
 QUANTIZED_GOALS = {
     "triton-e4m3": 1.3,
-    "triton-e4m3-mma": 1.8,
-    "triton-e4m3-mma-keys": 1.8,
     "triton-int8": 1.3,
     "triton-int8-mma": 1.3,
     "triton-int8-mma-keys": 1.3,

@@ -17,10 +17,10 @@ accuracy figure).
 keeps the pools unquantized in the model's dtype (bf16 at the 1.3B shape, float32 with
 ``--tiny``: the header and the ``pool`` column print the dtype really used), ``e4m3`` and
 ``int8`` quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on, the dequantizing mode),
-``e4m3-mma`` and ``int8-mma`` attend in the format's MMA mode over keys-major pools (INT8-MMA:
-the fastest quantized mode on the first H200 run, bench/RESULTS.md); each row also gives
-the cache's pool bytes (K/V pools, scales and smoothing means) and its latents' difference from
-the plain rollout (for quantized pools: the quantization's effect, not a bug check).
+``int8-mma`` attends in int8's MMA mode over keys-major pools (INT8-MMA: the fastest quantized mode
+on the first H200 run, bench/RESULTS.md; e4m3's was deleted, issue 45); each row also gives the
+cache's pool bytes (K/V pools, scales and smoothing means) and its latents' difference from the
+plain rollout (for quantized pools: the quantization's effect, not a bug check).
 
 Each row gives frames per second once the window is full (frames per block over the median
 time per block from then on), printed beside two anchors: Self-Forcing 17 FPS and LongLive
@@ -62,11 +62,8 @@ except ImportError as error:  # no diffusers: one line for the command, the erro
 # --kv-dtype: the paged pools' format (bf16: unquantized, in the model's dtype), and the
 # PagingConfig switches of its attention mode (the MMA modes over keys-major pools).
 KV_DTYPES = {UNQUANTIZED: None, **QUANTIZED_FORMATS}
-MODES = {f"{name}-mma": name for name in QUANTIZED_FORMATS}
-MODE_SWITCHES = {
-    "e4m3-mma": {"fp8_mma": True, "keys_major": True},
-    "int8-mma": {"int8_mma": True, "keys_major": True},
-}
+MODES = {"int8-mma": "int8"}
+MODE_SWITCHES = {"int8-mma": {"int8_mma": True, "keys_major": True}}
 # Frames per second reported for the Wan 2.1 1.3B shape on one H100 (the papers' own figures).
 ANCHORS_FPS = {"Self-Forcing": 17.0, "LongLive": 20.7}
 CSV_COLUMNS = (

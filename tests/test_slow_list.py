@@ -53,7 +53,7 @@ def test_smoke_tests_are_not_slow_and_take_every_key_path_format_and_rule():
         "torch_path",
         "e4m3",
         "int8]",
-        "fp8-mma",
+        "k8v8",
         "int8-mma",
         "keys_major",
         "spans",

@@ -4,7 +4,7 @@ scales of any range a pool can hold.
 The INT8-MMA mode rounds each query row to int8 codes exactly as its float64 emulation does
 (``reference.quantized_attention``, mode ``int8-mma``) and then computes ``Q K^T`` exactly
 (int32 sums), so it is held to the emulation at float32 tolerance, and to the dequantizing
-oracle within twice the emulation's own error (the FP8-MMA mode's rule). Pools are NaN-poisoned
+oracle within twice the emulation's own error (k8v8's rule). Pools are NaN-poisoned
 outside what the tables point at, outputs NaN-poisoned before the launch.
 """
 
@@ -25,7 +25,6 @@ from tests.kernels.paged_case import assert_lse_close, make_paged_case
 from tests.kernels.test_paged_attention_quantized import (
     FP32_ATOL,
     LSE_RTOL,
-    emulate_fp8_mma,
     no_interpreter,  # noqa: F401 (a fixture)
     oracle,
     quantized_args,
@@ -33,7 +32,7 @@ from tests.kernels.test_paged_attention_quantized import (
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 # The INT8-MMA mode against the dequantizing oracle: twice its emulation's error (the
-# emulation rounds the query rows exactly as the kernel does; the margin is the FP8-MMA rule).
+# emulation rounds the query rows exactly as the kernel does; the margin is k8v8's rule).
 EMULATION_MARGIN = 2.0
 
 
@@ -145,7 +144,6 @@ def test_int8_mma_scores_are_exact_int32_sums() -> None:
 
 MODES = [
     pytest.param(torch.float8_e4m3fn, "dequant", id="e4m3-dequant"),
-    pytest.param(torch.float8_e4m3fn, "fp8-mma", id="e4m3-fp8-mma"),
     pytest.param(torch.int8, "dequant", id="int8-dequant"),
     pytest.param(torch.int8, "int8-mma", id="int8-int8-mma"),
 ]
@@ -160,7 +158,7 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
     case.k_cache /= k_factor  # stored divided, as write_slots divides them (NaN stays NaN)
     case.v_cache /= v_factor
     args, scales = quantized_args(case, dtype, spread=0.5)
-    modes = {"fp8_mma": mode == "fp8-mma", "int8_mma": mode == "int8-mma"}
+    modes = {"int8_mma": mode == "int8-mma"}
     got, lse = kernels.paged_attention(
         *args,
         **scales,
@@ -183,9 +181,6 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
     emulated = emulate(args, scales, mode, k_factor=k_factor, v_factor=v_factor)
     error = (got.double().cpu() - emulated).abs().max().item()
     limit = FP32_ATOL * max(1.0, emulated.abs().max().item())
-    if mode == "fp8-mma":  # per-tile units: its own roundings differ from the emulation's
-        plain = emulate(args, scales, "dequant", k_factor=k_factor, v_factor=v_factor)
-        limit = 2 * (emulated - plain).abs().max().item()
     assert error <= limit, f"{error:.3e} > {limit:.3e}"
     unfolded = kernels.paged_attention(*args, **scales, **modes, block_m=16, block_n=32)
     assert (unfolded.double().cpu() - emulated).abs().max().item() > 10 * limit
@@ -211,31 +206,6 @@ def _v_scales_over_decades(
                 tile = second_exponent
             v_scale[block, key % 16] *= 10.0**tile
     return case, args, {**scales, "v_scale": v_scale}
-
-
-def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
-    # V scales of whole key tiles spanning 60 decades, dropping by up to 1e60 from one tile to
-    # the next (an accumulator kept in the latest tile's unit overflows to inf): the output is
-    # finite and as close to the oracle as the FP8-MMA mode gets on tame scales (relative to
-    # the output's magnitude, which the 1e30 tiles set). The checks that read values refuse
-    # such scales (issue 46: where the tiny-scale keys carry the softmax, their rows would be
-    # rounded away), so the accumulator is tested past them.
-    block_n = 32
-    case, args, scales = _v_scales_over_decades(torch.float8_e4m3fn, block_n)
-    with pytest.raises(ValueError, match="V scales span more than"):
-        kernels.paged_attention(*args, **scales, fp8_mma=True, block_n=block_n)
-    got = kernels.paged_attention(
-        *args, **scales, fp8_mma=True, out=nan_like(case.q), block_m=16, block_n=block_n,
-        check_values=False,
-    )  # fmt: skip
-    assert torch.isfinite(got).all(), "the FP8-MMA accumulator overflowed"
-    want = oracle(args, scales).cpu()
-    magnitude = want.abs().amax(dim=(1, 2), keepdim=True)  # per query: its largest output
-    assert magnitude.min() > 1e25 and torch.isfinite(want).all()
-    emulated = emulate_fp8_mma(args, scales)
-    emulation_error = ((emulated - want).abs() / magnitude).max().item()
-    error = ((got.double().cpu() - want).abs() / magnitude).max().item()
-    assert 0 < error <= 2 * emulation_error + 1e-6, (error, emulation_error)
 
 
 @pytest.mark.parametrize(
@@ -298,7 +268,7 @@ def test_int8_mma_tiles(monkeypatch) -> None:
     # table's stages (the dequantizing mode takes one more; with it the INT8-MMA mode spills).
     small = dict(block_size=16, head_dim=16, max_seqlen_q=64, dtype=torch.bfloat16)
     assert choose_tiles(**small, int8_mma=True)["BLOCK_D"] == 32
-    assert choose_tiles(**small, fp8_mma=True)["BLOCK_D"] == 32
+    assert choose_tiles(**small, k8v8=True)["BLOCK_D"] == 32
     assert choose_tiles(**small)["BLOCK_D"] == 16
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     shipped = dict(block_size=16, head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
@@ -307,13 +277,13 @@ def test_int8_mma_tiles(monkeypatch) -> None:
     assert choose_tiles(**shipped, dequantize=True)["num_stages"] == plain + 1
 
 
-def test_fp8_mma_tiles_take_32_keys_at_least(monkeypatch) -> None:
+def test_k8v8_tiles_take_32_keys_at_least(monkeypatch) -> None:
     # The FP8 P V MMA reduces over the tile's keys: Hopper's FP8 wgmma needs 32 (a 16-key tile
     # compiled on an H200 fails; the interpreter would run it). Asked for: refused; by default:
     # at least 32 everywhere.
     small = dict(block_size=16, head_dim=16, max_seqlen_q=64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="block_n must be >= 32 with fp8_mma or k8v8, got 16"):
-        choose_tiles(**small, fp8_mma=True, block_n=16)
+    with pytest.raises(ValueError, match="block_n must be >= 32 with k8v8, got 16"):
+        choose_tiles(**small, k8v8=True, block_n=16)
     assert choose_tiles(**small, block_n=16)["BLOCK_N"] == 16  # the other modes keep 16
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     for head_dim in (64, 80, 128, 256):
@@ -323,7 +293,7 @@ def test_fp8_mma_tiles_take_32_keys_at_least(monkeypatch) -> None:
                 head_dim=head_dim,
                 max_seqlen_q=max_seqlen_q,
                 dtype=torch.bfloat16,
-                fp8_mma=True,
+                k8v8=True,
             )
             assert tiles["BLOCK_N"] >= 32, (head_dim, max_seqlen_q)
 
