@@ -51,20 +51,17 @@ from paged_video.bench import sass
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs), or int8 codes with an int8 Q K^T MMA (``int8_mma=True``).
-# ``_keys``: the mode over keys-major pools (``kernels.keys_major``,
-# ``PagingConfig(keys_major=True)``): the scale pools. ``k8v8``: int8 K (an int8 Q K^T MMA) and
-# keys-major e4m3 V of frozen channel scales (an FP8 P V MMA), ``k8v8_keys`` with K's scales
-# keys-major too, ``k8v8_blocks`` with V's scales per block as well. ``k8v16``: int8 K and V in the
-# query dtype (a 16-bit P V MMA), ``k8v16_keys`` with K's scales keys-major.
+# (dequantized before bf16/fp16 MMAs). ``_keys``: the mode over keys-major pools
+# (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale pools. ``k8v8``: int8 K (an
+# int8 Q K^T MMA) and keys-major e4m3 V of frozen channel scales (an FP8 P V MMA), ``k8v8_keys``
+# with K's scales keys-major too, ``k8v8_blocks`` with V's scales per block as well. ``k8v16``: int8
+# K and V in the query dtype (a 16-bit P V MMA), ``k8v16_keys`` with K's scales keys-major.
 KV_MODES = (
     "same",
     "fp8",
     "int8",
-    "int8_mma",
     "fp8_keys",
     "int8_keys",
-    "int8_mma_keys",
     "k8v8",
     "k8v8_keys",
     "k8v8_blocks",
@@ -558,7 +555,6 @@ def _paged_launches(config: Config) -> list[_Launch]:
         scales = {
             "k_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
             "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
-            "int8_mma": config.kv_mode.startswith("int8_mma"),
         }
     v_cache = empty(2, bs, config.kv_heads, d, dt=kv_dtype)
     k8v8 = config.kv_mode.startswith("k8v8")
@@ -1163,8 +1159,7 @@ def add_parser(
         type=choices(KV_MODES),
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
-        "before 16-bit MMAs (fp8, int8), or int8 with an int8 "
-        "Q K^T MMA (int8_mma); a _keys suffix: the mode over keys-major pools, as "
+        "before 16-bit MMAs (fp8, int8); a _keys suffix: the mode over keys-major pools, as "
         "PagingConfig(keys_major=True) lays them out (the scales); k8v8: "
         "int8 K and keys-major e4m3 V with frozen channel scales (k8v8_keys: K's scales "
         "keys-major, k8v8_blocks: V's scales per block too; k8v16: int8 K and V in the query "

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from paged_video import kernels, reference
-from paged_video.bench.formats import DEQUANT, MMA_MODES, dtype_name
+from paged_video.bench.formats import DEQUANT, dtype_name
 from paged_video.bench.results import QUANTIZED_GOALS
 from paged_video.bench.workload import EightBitPools, Geometry, QuantizedPools, Workload
 from paged_video.kernels.paged_attention import WS_MAX_STAGES
@@ -73,25 +73,21 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 
 @dataclass(frozen=True)
 class Quant:
-    """A quantized pool format (``dtype``) and the attention mode (``int8_mma``, or not:
-    dequantizing), or one of the one-switch formats (``kv_format``: ``k8v8``, int8 K per slot
-    and e4m3 V with frozen channel scales; ``k8v16``, int8 K and V as stored; ``dtype`` is then
-    K's, int8); ``keys_major``: both scale pools stored keys-major (``kernels.keys_major``),
-    which the TMA loop reads (the table rows say where a mode takes it)."""
+    """A quantized pool format (``dtype``), dequantized, or one of the one-switch formats
+    (``kv_format``: ``k8v8``, int8 K per slot and e4m3 V with frozen channel scales; ``k8v16``,
+    int8 K and V as stored; ``dtype`` is then K's, int8); ``keys_major``: both scale pools
+    stored keys-major (``kernels.keys_major``), which the TMA loop reads (the table rows say
+    where a mode takes it)."""
 
     dtype: torch.dtype
-    int8_mma: bool = False
     keys_major: bool = False
     kv_format: str | None = None
 
     @property
     def mode(self) -> str:
-        """The mode's name (``bench.formats``: ``dequant``, the format's MMA mode, or the
-        one-switch format's name)."""
+        """The mode's name (``bench.formats``: ``dequant``, or the one-switch format's name)."""
         if self.kv_format is not None:
             return self.kv_format
-        if self.int8_mma:
-            return MMA_MODES[dtype_name(self.dtype)]
         return DEQUANT
 
     def __str__(self) -> str:
@@ -453,7 +449,6 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
                 out=out,
                 k_scale=k_scale,
                 v_scale=v_scale,
-                int8_mma=quant.int8_mma,
                 check_values=False,
                 **tiles,
             )
@@ -899,8 +894,6 @@ def _chunk_bytes(workload: Workload) -> int:
 QUANTIZED_PROVIDERS = {
     "triton-e4m3": Quant(torch.float8_e4m3fn),
     "triton-int8": Quant(torch.int8),
-    "triton-int8-mma": Quant(torch.int8, int8_mma=True),
-    "triton-int8-mma-keys": Quant(torch.int8, int8_mma=True, keys_major=True),
     "triton-e4m3-keys": Quant(torch.float8_e4m3fn, keys_major=True),
     "triton-int8-keys": Quant(torch.int8, keys_major=True),
     "triton-k8v8": Quant(torch.int8, kv_format="k8v8"),

@@ -83,8 +83,7 @@ from paged_video.reference.eight_bit_attention import Codes, EightBitFormat, att
 TORCH_ERROR_FACTOR = 2.0
 ERROR_FLOOR = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 4e-3}
 # Quantized providers are checked against the dequantizing oracle (float64 on the codes they
-# read), so the storage's rounding is not in the limit. The INT8-MMA mode rounds each query row
-# to int8, which the oracle does too, and nothing else.
+# read), so the storage's rounding is not in the limit.
 # The one-switch formats are checked against their own arithmetic: k8v16 against float64
 # attention over its int8-rounded query rows and dequantized keys (nothing else rounds: the
 # bf16 pool's limit); k8v8 against its float64 emulation (``reference.eight_bit_attention``:
@@ -250,16 +249,12 @@ class _Oracles:
 
 
 def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
-    """Float64 attention over the dequantized pools; the MMA modes' query rows rounded as they
-    round them (the INT8-MMA mode's oracle is then its float64 emulation: Q K^T is exact). A
-    one-switch format's: its own arithmetic (``eight_bit_oracle``)."""
+    """Float64 attention over the dequantized pools; a one-switch format's: its own arithmetic
+    (``eight_bit_oracle``)."""
     if quant.kv_format is not None:
         return eight_bit_oracle(workload, quant.kv_format)
     keys, values = dequantized_sequences(workload, quantized_pools(workload, quant.dtype))
-    q = None
-    if quant.int8_mma:
-        q = reference.quantize.round_rows(workload.q, torch.int8)
-    return oracle_attention(workload, q=q, keys=keys, values=values)
+    return oracle_attention(workload, keys=keys, values=values)
 
 
 # The k8v8 format's arithmetic as the kernel does it, P V's accumulator exact (the interpreter's

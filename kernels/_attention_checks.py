@@ -26,7 +26,6 @@ def check_arguments(
     check_values: bool,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
-    int8_mma: bool = False,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     v_channel_scale: Tensor | None = None,
@@ -60,11 +59,11 @@ def check_arguments(
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
     k8v16 = is_k8v16(k_cache, v_cache)
     if v_channel_scale is not None:
-        _check_k8v8(k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale, int8_mma)
+        _check_k8v8(k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale)
     elif k8v16:
-        _check_k8v16(q, v_cache, k_scale, v_scale, v_equalizer, int8_mma)
+        _check_k8v16(q, v_cache, k_scale, v_scale, v_equalizer)
     else:
-        _check_cache_dtypes(q, k_cache, v_cache, int8_mma)
+        _check_cache_dtypes(q, k_cache, v_cache)
     for name, factor, cache_name, cache in (
         ("k_equalizer", k_equalizer, "k_cache", k_cache),
         ("v_equalizer", v_equalizer, "v_cache", v_cache),
@@ -129,10 +128,8 @@ def check_arguments(
         _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
 
 
-def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, int8_mma: object) -> None:
-    """Caches in q's dtype, or both in one quantized dtype; ``int8_mma`` only for int8 ones."""
-    if not isinstance(int8_mma, bool):
-        raise TypeError(f"int8_mma must be a bool, got {type(int8_mma).__name__}")
+def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """Caches in q's dtype, or both in one quantized dtype."""
     if quantize.is_quantized(k_cache.dtype):
         if v_cache.dtype != k_cache.dtype:
             raise TypeError(
@@ -146,8 +143,6 @@ def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor, int8_mma: o
                     f"{name} must have q's dtype {q.dtype} or a quantized one ({allowed}), "
                     f"got {cache.dtype}"
                 )
-    if int8_mma and k_cache.dtype != torch.int8:
-        raise ValueError(f"int8_mma needs int8 caches, got {k_cache.dtype}")
 
 
 def is_k8v16(k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -161,11 +156,8 @@ def _check_k8v16(
     k_scale: Tensor | None,
     v_scale: Tensor | None,
     v_equalizer: Tensor | None,
-    int8_mma: object,
 ) -> None:
     """The k8v16 format's caches: int8 K with ``k_scale``, V stored as q's dtype, unscaled."""
-    if int8_mma is not False:
-        raise ValueError("an int8 k_cache with a float v_cache (k8v16) takes no int8_mma")
     if v_cache.dtype != q.dtype:
         raise TypeError(
             f"v_cache beside an int8 k_cache (k8v16) must have q's dtype {q.dtype}, got "
@@ -186,11 +178,8 @@ def _check_k8v8(
     v_scale: Tensor | None,
     v_equalizer: Tensor | None,
     v_channel_scale: Tensor,
-    int8_mma: object,
 ) -> None:
     """The k8v8 format's caches: int8 K with ``k_scale``, e4m3 V with its channel scales only."""
-    if int8_mma is not False:
-        raise ValueError("v_channel_scale (k8v8) is a mode of its own: leave int8_mma off")
     if k_cache.dtype != torch.int8 or v_cache.dtype != torch.float8_e4m3fn:
         raise TypeError(
             "v_channel_scale (k8v8) needs an int8 k_cache and a float8_e4m3fn v_cache, got "

@@ -39,14 +39,12 @@ once per KV head. Online softmax in float32 (exp2, the scale folded into one FFM
 
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default K's codes convert exactly to q's compute dtype
-(e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into
-it by a power of two each), V's to float16, and the scales multiply score columns (K) and V's
-rows (probability columns in masked tiles), in a unit per sequence and KV head the launcher
-made beforehand (``v_unit_ptr``), so that float16 holds them.
-``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
-dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
-``HAS_V_EQUALIZER``) multiply q's channels before anything else (k8v8's and k8v16's query
-codes have K's in) and the output's at the end.
+(e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into it by a
+power of two each), V's to float16, and the scales multiply score columns (K) and V's rows
+(probability columns in masked tiles), in a unit per sequence and KV head the launcher made
+beforehand (``v_unit_ptr``), so that float16 holds them. Channel equalization factors
+(``HAS_K_EQUALIZER``, ``HAS_V_EQUALIZER``) multiply q's channels before anything else (k8v8's and
+k8v16's query codes have K's in) and the output's at the end.
 The unquantized kernel is compiled without any of it (the scale pointer's absence is a
 compile-time flag), as the kernel without ``HAS_LSE`` is without the LSE.
 """
@@ -56,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from paged_video.kernels._quantize_jit import int8_to_float16, quantize_rows, to_e4m3
+from paged_video.kernels._quantize_jit import int8_to_float16, to_e4m3
 
 # ln 2 for the kernel (a global a jit function reads must be a constexpr).
 LN2 = tl.constexpr(0.6931471805599453)
@@ -463,7 +461,6 @@ def _attend_tiles(
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -503,8 +500,6 @@ def _attend_tiles(
     to q's compute dtype, V's to ``PV_DTYPE`` (float16 on a GPU); unmasked tiles scale V's
     rows, masked ones the probabilities, and ``p_unit`` is the sequence's largest V scale * 448
     / 2**15 (no scaled V element exceeds 2**15).
-    ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V as in the
-    dequantizing mode's ``P V``.
     """
     acc, row_max, row_sum = state
     k_cache = caches[0]
@@ -627,21 +622,11 @@ def _attend_tiles(
                     v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, False, BLOCK_N)
         else:
             if DESCRIPTOR_LOADS:
+                # (k8v8's descriptor tiles, K in the 8-bit MMA's key order and V keys-major,
+                # run in _attend_k8v8_ahead.)
                 slot = PIECE_OFFSET + n_start % PIECE_SIZE
-                if MMA_ORDER:
-                    # K's descriptor reads each run of 16 rows in _fp8_mma_key_order (its runs
-                    # start at the tile's first row, wherever that lies in the pool's runs).
-                    first_row = id0 * BLOCK_SIZE + slot
-                    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])
-                    k = tl.reshape(k, (BLOCK_N, BLOCK_D))
-                else:
-                    k = descs[0].load([id0 * BLOCK_SIZE + slot, descs[2]])
-                if V_KEYS_MAJOR:
-                    # Rows of (block, KV head, channel), columns of slots: the tile arrives
-                    # keys-contiguous, as the FP8 P V MMA reads it (the transpose is a view).
-                    v = tl.trans(descs[1].load([id0 * descs[3] + descs[2], slot]))
-                else:
-                    v = descs[1].load([id0 * BLOCK_SIZE + slot, descs[2]])
+                k = descs[0].load([id0 * BLOCK_SIZE + slot, descs[2]])
+                v = descs[1].load([id0 * BLOCK_SIZE + slot, descs[2]])
             elif SCALAR_BASE:
                 k_base = _tile_base(
                     id0, n_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
@@ -686,10 +671,6 @@ def _attend_tiles(
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
             if K8V16 and UPCAST:
                 v = v.to(tl.float32)
-        elif INT8_MMA:
-            # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
-            qk = tl.dot(q, tl.trans(k)).to(tl.float32)
-            v = _values_in_unit(v, v_col, p_unit, PV_DTYPE, MASKED, INTERPRETED)
         else:
             if QUANTIZED:
                 # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7);
@@ -1209,7 +1190,6 @@ def _attend_piece(
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -1337,7 +1317,6 @@ def _attend_piece(
                 V_KEYS_MAJOR,
                 SCALES_KEYS_MAJOR,
                 WIDE_SCALES,
-                INT8_MMA,
                 K8V8,
                 V_BLOCK_SCALES,
                 K8V16,
@@ -1378,7 +1357,6 @@ def _attend_run(
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -1427,7 +1405,6 @@ def _attend_run(
             V_KEYS_MAJOR,
             SCALES_KEYS_MAJOR,
             WIDE_SCALES,
-            INT8_MMA,
             K8V8,
             V_BLOCK_SCALES,
             K8V16,
@@ -1525,7 +1502,6 @@ def _paged_attention_kernel(
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -1564,7 +1540,7 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if INT8_MMA or (UPCAST and not K8V8 and not K8V16):
+    if UPCAST and not K8V8 and not K8V16:
         q = q.to(tl.float32)
     # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows). Not past 128
     # channels: at head_dim 256 the e4m3 loop then spilled 20-108 bytes on Triton 3.6 (its
@@ -1589,12 +1565,6 @@ def _paged_attention_kernel(
         q_scale = tl.load(
             q_scale_ptr + q_rows * stride_qs_tok + head * stride_qs_head, mask=m_mask, other=0.0
         )
-        scale_log2 = q_scale * scale_log2
-    elif INT8_MMA:
-        # Each row as int8 codes and a scale (amax / 127, rounded as the write kernel rounds),
-        # folded into the softmax scale; a zero row has scale 0 and codes 0.
-        q, q_scale = quantize_rows(q, 127.0, False)
-        q = q.to(tl.int8)
         scale_log2 = q_scale * scale_log2
     elif QUANTIZED and FLOAT16_QK:
         q, q_factor = _float16_rows(q)
@@ -1736,7 +1706,6 @@ def _paged_attention_kernel(
                 V_KEYS_MAJOR,
                 SCALES_KEYS_MAJOR,
                 WIDE_SCALES,
-                INT8_MMA,
                 K8V8,
                 V_BLOCK_SCALES,
                 K8V16,
@@ -1777,7 +1746,6 @@ def _paged_attention_kernel(
             V_KEYS_MAJOR,
             SCALES_KEYS_MAJOR,
             WIDE_SCALES,
-            INT8_MMA,
             K8V8,
             V_BLOCK_SCALES,
             K8V16,

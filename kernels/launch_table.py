@@ -27,11 +27,11 @@ VARIANTS = ("cp_async", "tma", "ws")
 # takes one of these (``two_blocks`` needs tiles of 256 keys: kernels.paged_attention.MAX_PIECES).
 KV_PATHS = ("contiguous", "block_tiles", "rows")
 # K/V modes: ``same`` (the query dtype), then the quantized ones (``kv_mode``): e4m3 or int8
-# codes dequantized, int8 codes fed to an INT8 MMA, or the one-switch formats; ``_keys`` when
+# codes dequantized, or the one-switch formats; ``_keys`` when
 # the pools are ones the TMA loop reads (keys-major scales, and k8v8's V:
 # ``kernels.keys_major``). Their loops differ (over keys-major pools k8v8's V needs no
 # transpose), and only those take ``tma``.
-QUANTIZED_MODES = ("fp8", "int8", "int8_mma", "k8v8", "k8v16")
+QUANTIZED_MODES = ("fp8", "int8", "k8v8", "k8v16")
 MODES = ("same", *QUANTIZED_MODES, *(f"{mode}_keys" for mode in QUANTIZED_MODES))
 # The fewest keys per tile of k8v8 (the K dimension of its FP8 P V MMA): Hopper's FP8 wgmma
 # reduces over 32 at least.
@@ -119,19 +119,16 @@ def _check_quantized(n: int, row: dict) -> None:
 def kv_mode(
     kv_dtype: torch.dtype | None,
     *,
-    int8_mma: bool,
     keys_major: bool,
     k8v8: bool = False,
     k8v16: bool = False,
 ) -> str:
     """The table's K/V mode of a call: ``same`` for caches in the query dtype (``kv_dtype``
     None), else the quantized mode, with ``_keys`` where the TMA loop reads the pools."""
-    if kv_dtype is None and not (int8_mma or k8v8 or k8v16):
+    if kv_dtype is None and not (k8v8 or k8v16):
         return "same"
     if k8v8 or k8v16:
         mode = "k8v8" if k8v8 else "k8v16"
-    elif int8_mma:
-        mode = "int8_mma"
     else:
         mode = "int8" if kv_dtype == torch.int8 else "fp8"
     return f"{mode}_keys" if keys_major else mode

@@ -318,7 +318,6 @@ def table_mode(
     dtype: torch.dtype,
     kv_dtype: torch.dtype | None = None,
     dequantize: bool = False,
-    int8_mma: bool = False,
     tma_ready: bool = False,
     k8v8: bool = False,
     k8v16: bool = False,
@@ -326,12 +325,11 @@ def table_mode(
     """The launch table's K/V mode of a call (``choose_tiles``' arguments of the same names), or
     None where the table has no row for it: float32 queries, and dequantizing calls that do not
     name their codes' dtype."""
-    quantized = dequantize or int8_mma or k8v8 or k8v16
+    quantized = dequantize or k8v8 or k8v16
     if dtype == torch.float32 or (dequantize and kv_dtype is None):
         return None
     return launch_table.kv_mode(
         kv_dtype if quantized else None,
-        int8_mma=int8_mma,
         keys_major=quantized and tma_ready,
         k8v8=k8v8,
         k8v16=k8v16,
@@ -358,7 +356,6 @@ def choose_tiles(
     block_n: int | None = None,
     heads_per_kv_head: int = 1,
     dequantize: bool = False,
-    int8_mma: bool = False,
     variant: str | None = None,
     scores_ahead: bool | None = None,
     tma_ready: bool = False,
@@ -378,8 +375,6 @@ def choose_tiles(
     before the MMAs. Triton's pipeliner then keeps loads one stage closer to their use (they
     feed a conversion, not the MMA), so the built-in settings take one more stage, to keep as
     many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
-    ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with the built-in stages (K feeds its MMA
-    unconverted; 3 stages keep 3 K/V buffers in flight).
     The quantized modes' built-in tiles are 64 keys, on Triton 3.9 as on 3.6: at hd 128,
     bf16, blocks 16..1560 they compile without spills in the key loops at 7.8-10.9 SASS
     instructions per key (docs/kernels.md); 3.6 once took 32-key tiles (13.4-20.3 per key),
@@ -399,7 +394,7 @@ def choose_tiles(
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-    quantized = dequantize or int8_mma or k8v8 or k8v16
+    quantized = dequantize or k8v8 or k8v16
     if variant is not None and variant not in launch_table.VARIANTS:
         raise ValueError(
             f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
@@ -420,8 +415,8 @@ def choose_tiles(
             default_m, default_n, warps, stages = _QUANTIZED_WIDE_TILES
         stages += dequantize
         mode = table_mode(
-            dtype=dtype, kv_dtype=kv_dtype, dequantize=dequantize, int8_mma=int8_mma,
-            tma_ready=tma_ready, k8v8=k8v8, k8v16=k8v16,
+            dtype=dtype, kv_dtype=kv_dtype, dequantize=dequantize, tma_ready=tma_ready,
+            k8v8=k8v8, k8v16=k8v16,
         )  # fmt: skip
         row = None
         if mode is not None:
@@ -477,7 +472,7 @@ def choose_tiles(
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
-        "BLOCK_D": _block_d(head_dim, int8_mma or k8v8 or k8v16),
+        "BLOCK_D": _block_d(head_dim, k8v8 or k8v16),
         "KV_PATH": path,
         "PIECES": block_pieces(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
@@ -537,9 +532,8 @@ def paged_attention(
     ``fp8_mma`` was deleted (issue 45): any value but False raises a ``ValueError`` naming
     the k8v8 format (``v_channel_scale`` below). Pools may have any strides;
     ``kernels.keys_major`` copies of the scale pools are read faster on a GPU (docs/kernels.md).
-    ``int8_mma=True`` (int8 caches only) rounds each query row to int8 codes (scale
-    ``amax / 127``) and runs ``Q K^T`` as an int8 MMA (int32 sums: exact), then ``P V`` as the
-    dequantizing mode. ``k_equalizer``/``v_equalizer`` (quantized caches, float32
+    ``int8_mma`` was deleted too: any value but False raises a ``ValueError`` naming the
+    k8v16 format (below). ``k_equalizer``/``v_equalizer`` (quantized caches, float32
     ``(num_kv_heads, head_dim)``, as ``write_slots`` divided K and V by them): q's channels are
     multiplied by K's and the output's by V's, so the result is attention over the undivided
     rows.
@@ -559,10 +553,10 @@ def paged_attention(
     the keys the row sees (after every mask), ``-inf`` for a row that sees none. Partial
     attentions over disjoint key sets merge exactly by it (``merge_attention_states``). With
     quantized caches the scores are of the dequantized keys (``codes * k_scale``); with int8
-    query rows (``int8_mma``, k8v8, k8v16) they are the scores the kernel used, of the rounded
+    query rows (k8v8, k8v16) they are the scores the kernel used, of the rounded
     rows. Off (the default), the kernel is compiled without it.
     """
-    refuse_removed(fp8_mma=fp8_mma)
+    refuse_removed(fp8_mma=fp8_mma, int8_mma=int8_mma)
     check_arguments(
         q,
         k_cache,
@@ -577,7 +571,6 @@ def paged_attention(
         check_values,
         k_scale=k_scale,
         v_scale=v_scale,
-        int8_mma=int8_mma,
         k_equalizer=k_equalizer,
         v_equalizer=v_equalizer,
         v_channel_scale=v_channel_scale,
@@ -603,7 +596,7 @@ def paged_attention(
     scales = (k_scale, v_scale) if k_scale is not None else None
     if k8v8 or k8v16:
         scales = (k_scale,)  # (V's scales are per channel: no descriptor reads them)
-    block_d = _block_d(head_dim, int8_mma or k8v8 or k8v16)
+    block_d = _block_d(head_dim, k8v8 or k8v16)
     tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, k8v8)
     tiles = choose_tiles(
         block_size=block_size,
@@ -613,8 +606,7 @@ def paged_attention(
         block_m=block_m,
         block_n=block_n,
         heads_per_kv_head=group,
-        dequantize=v_scale is not None and not int8_mma,
-        int8_mma=int8_mma,
+        dequantize=v_scale is not None,
         variant=variant,
         scores_ahead=scores_ahead,
         tma_ready=tma_ready,
@@ -660,7 +652,6 @@ def paged_attention(
             key_gap=key_gap,
             k_scale=k_scale,
             v_scale=v_scale,
-            int8_mma=int8_mma,
             k_equalizer=k_equalizer,
             v_equalizer=v_equalizer,
             lse=lse,
@@ -766,7 +757,6 @@ def paged_attention(
         V_KEYS_MAJOR=k8v8 and pool_layout.keys_aligned(v_cache),
         SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale)
         and (k8v8 or k8v16 or pool_layout.keys_aligned(v_scale)),
-        INT8_MMA=int8_mma,
         K8V8=k8v8,
         V_BLOCK_SCALES=v_block_scales,
         K8V16=k8v16,

@@ -120,15 +120,13 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     lse: Tensor | None = None,
-    int8_mma: bool = False,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     v_channel_scale: Tensor | None = None,
     k8v16: bool = False,
 ) -> Tensor:
     """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
-    scale probability columns (row sums from unscaled probabilities). ``int8_mma`` rounds each
-    query row to int8 codes. ``k_equalizer`` multiplies q's
+    scale probability columns (row sums from unscaled probabilities). ``k_equalizer`` multiplies q's
     channels first, ``v_equalizer`` the output's last. ``lse`` (float32 ``(total_q, H)``)
     receives each row's log-sum-exp of its visible scores, -inf for a row that sees none.
     ``v_channel_scale`` (k8v8): int8 query rows, the probabilities (a row's largest 448) rounded
@@ -142,7 +140,7 @@ def paged_attention(
     queries = q.float()
     if k_equalizer is not None:
         queries = queries * k_equalizer.repeat_interleave(group, dim=0)
-    if int8_mma or k8v8 or k8v16:
+    if k8v8 or k8v16:
         codes, row_scale = quantize_rows(queries, torch.int8)
         queries = (codes.float(), row_scale)
     else:
@@ -177,7 +175,7 @@ def paged_attention(
             for gap_lo, gap_hi in key_gap[row].reshape(-1, 2).tolist():
                 visible &= ((positions < gap_lo) | (positions >= gap_hi))[None, :]
         scores = torch.einsum("qhd,khd->hqk", queries[0][lo:hi], keys) * scale
-        if int8_mma or k8v8 or k8v16:
+        if k8v8 or k8v16:
             scores = scores * queries[1][lo:hi].T[:, :, None]
         if k_scale is not None:
             scores = scores * k_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]

@@ -4,7 +4,7 @@ attention kernel, which loads it.
 
 The kernel multiplies the attention's V side by the keys' V scales in this unit, so the ``P V``
 operands never overflow and keep their precision whatever the scales' magnitude. The dequantizing
-modes (INT8-MMA's ``P V`` too) take float16 operands: V's rows times their scales in unmasked tiles,
+modes take float16 operands: V's rows times their scales in unmasked tiles,
 the probabilities times them in masked ones, the largest scale 2**15 / 448 units (no e4m3 code times
 its scale over 2**15; float16 holds 65504), so a scale keeps all 11 bits down to about 2**-20 of the
 largest. With a fixed unit the key loop takes no tile maximum of the V scales: that maximum was

@@ -8,9 +8,14 @@ _K8V8 = (
     'kv_format="k8v8" (PagingConfig; to paged_attention: an int8 k_cache with k_scale and an '
     "e4m3 v_cache with v_channel_scale)"
 )
+_K8V16 = (
+    'kv_format="k8v16" (PagingConfig; to paged_attention: an int8 k_cache with k_scale and a '
+    "v_cache in q's dtype, no v_scale)"
+)
 # The deleted switch, and the spelling that replaced it.
 REPLACEMENTS = {
     "fp8_mma": _K8V8,
+    "int8_mma": _K8V16,
 }
 
 

@@ -148,7 +148,6 @@ class ForwardCall:
             stage_tags=self.cache.stage_tags,
             max_seqlen_q=inputs.max_seqlen_q,
             softmax_scale=self._softmax_scale,
-            int8_mma=self.cache.config.int8_mma,
         )
 
     def attend(

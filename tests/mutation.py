@@ -54,8 +54,7 @@ UNCHOSEN = (
 )
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
 QUANTIZED_TMA_DEFAULT = (
-    "tests/kernels/test_launch_variants.py::"
-    "test_int8_mma_over_tma_ready_pools_takes_128_key_tma_tiles"
+    "tests/kernels/test_launch_variants.py::test_k8v16_over_tma_ready_pools_takes_128_key_tma_tiles"
 )
 QUANTIZED_ROWS = "tests/kernels/test_launch_variants.py::test_quantized_rows_apply_as_a_whole"
 TMA_QUANTIZED = (
@@ -582,10 +581,18 @@ MUTANTS = [
         "tests/paging/test_plan.py",
     ),
     _m(
+        "attention-deleted-int8-mma-accepted",
+        "kernels/paged_attention.py",
+        "    refuse_removed(fp8_mma=fp8_mma, int8_mma=int8_mma)",
+        "    refuse_removed(fp8_mma=fp8_mma)",
+        "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[int8-mma]",
+        "tests/kernels/test_k8v16.py::test_k8v16_refuses_v_scales_and_mma_flags",
+    ),
+    _m(
         "config-deleted-fp8-mma-accepted",
         "paging/config.py",
-        "        refuse_removed(fp8_mma=self.fp8_mma)\n",
-        "",
+        "refuse_removed(fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)",
+        "refuse_removed(int8_mma=self.int8_mma)",
         "tests/paging/test_config.py::test_fp8_mma_was_deleted_for_k8v8",
     ),
     _m(
@@ -751,10 +758,17 @@ MUTANTS = [
     _m(
         "fused-deleted-fp8-mma-accepted",
         "kernels/fused.py",
-        "    refuse_removed(fp8_mma=inputs.fp8_mma)\n",
-        "",
-        f"{FUSED_REFUSALS}[fp8-mma-deleted]",
+        "    refuse_removed(fp8_mma=inputs.fp8_mma, int8_mma=inputs.int8_mma)\n",
+        "    refuse_removed(int8_mma=inputs.int8_mma)\n",
+        f"{FUSED_REFUSALS}[int8-fp8-mma-deleted]",
         f"{REFUSALS}[float-op-fp8-mma-deleted]",
+    ),
+    _m(
+        "fused-deleted-int8-mma-accepted",
+        "kernels/fused.py",
+        "    refuse_removed(fp8_mma=inputs.fp8_mma, int8_mma=inputs.int8_mma)\n",
+        "    refuse_removed(fp8_mma=inputs.fp8_mma)\n",
+        f"{FUSED_REFUSALS}[int8-int8-mma-deleted]",
     ),
     _m(
         "fused-slot-rows",
@@ -792,11 +806,11 @@ MUTANTS = [
         "tests/kernels/test_fused_quantized.py::test_float_pools_refuse_scales",
     ),
     _m(
-        "fused-flag-int",
+        "fused-return-lse-int",
         "kernels/fused.py",
-        "        if not isinstance(flag, bool):",
-        "        if False:",
-        f"{FUSED_REFUSALS}[int8-mma-int]",
+        "    if not isinstance(inputs.return_lse, bool):",
+        "    if False:",
+        f"{FUSED_REFUSALS}[int8-return-lse-int]",
     ),
     _m(
         "fused-scalar-any-shape",
@@ -1103,11 +1117,11 @@ MUTANTS = [
     ),
     # -- channel equalization and the INT8-MMA mode ---------------------------------------------
     _m(
-        "config-int8-mma-any-pools",
+        "config-deleted-int8-mma-accepted",
         "paging/config.py",
-        "if self.int8_mma and self.kv_dtype != torch.int8:",
-        "if False:",
-        "tests/paging/test_config.py::test_int8_mma_needs_int8_pools",
+        "refuse_removed(fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)",
+        "refuse_removed(fp8_mma=self.fp8_mma)",
+        "tests/paging/test_config.py::test_int8_mma_was_deleted_for_k8v16",
     ),
     _m(
         "config-equalizes-float-pools",
@@ -1241,20 +1255,6 @@ MUTANTS = [
         f"{FUSED_QUANTIZED}::test_the_first_write_chooses_the_factors_and_attention_folds_them",
     ),
     _m(
-        "fused-int8-mma-any-pools",
-        "kernels/fused.py",
-        "    if inputs.int8_mma and k_pools.dtype != torch.int8:",
-        "    if False:",
-        f"{FUSED_QUANTIZED}::test_int8_mma_needs_int8_pools_and_changes_nothing",
-    ),
-    _m(
-        "fused-int8-mma-dropped",
-        "kernels/fused.py",
-        '        "int8_mma": inputs.int8_mma,\n',
-        "",
-        f"{FUSED_QUANTIZED}::test_int8_mma_reaches_attention",
-    ),
-    _m(
         "write-factors-rechosen",
         "kernels/write_slots.py",
         "if equalizers_chosen is not None and not bool(equalizers_chosen):",
@@ -1338,7 +1338,7 @@ MUTANTS = [
         "paging/cache.py",
         "self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=False)",
         "self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=keys_major)",
-        "tests/paging/test_quantized.py::test_keys_major_cache_pools[int8-mma-4]",
+        "tests/paging/test_quantized.py::test_keys_major_cache_pools[int8-4]",
     ),
     _m(
         "cache-flat-views-of-keys-major-pools",
@@ -1347,13 +1347,6 @@ MUTANTS = [
         "        flat = True",
         "tests/paging/test_quantized.py::"
         "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache[keys-major]",
-    ),
-    _m(
-        "attention-int8-mma-any-caches",
-        "kernels/_attention_checks.py",
-        "    if int8_mma and k_cache.dtype != torch.int8:",
-        "    if False:",
-        "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[e4m3]",
     ),
     _m(
         "attention-factors-on-float-caches",
@@ -1957,21 +1950,14 @@ MUTANTS = [
         "            if QUANTIZED and MASKED and not K8V16:\n"
         "                probs = probs * (v_col",
         "            if False:\n                probs = probs * (v_col",
-        f"{FLOAT16_RANGE}[int8-mma]",
+        f"{FLOAT16_RANGE}[int8]",
     ),
     _m(
         "dequantizing-output-left-in-the-unit",
         "kernels/_attention_jit.py",
         "    elif QUANTIZED:\n        out = out * p_unit",
         "    elif False:\n        out = out * p_unit",
-        f"{FLOAT16_RANGE}[int8-mma]",
-    ),
-    _m(
-        "unit-not-loaded",
-        "kernels/_attention_jit.py",
-        "        p_unit = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)",
-        "        p_unit = 1.0 + 0.0 * tl.load(v_unit_ptr)",
-        f"{FLOAT16_RANGE}[e4m3]",
+        f"{FLOAT16_RANGE}[int8]",
     ),
     # -- the output's rows, from the tile index read again after the key loops ---------------
     _m(
@@ -1992,8 +1978,8 @@ MUTANTS = [
     _m(
         "tma-keys-major-v-without-the-heads-rows",
         "kernels/_attention_jit.py",
-        "                    v = tl.trans(descs[1].load([id0 * descs[3] + descs[2], slot]))",
-        "                    v = tl.trans(descs[1].load([id0 * descs[3], slot]))",
+        "                v = tl.trans(descs[1].load([v_id0 * descs[3] + descs[2], v_slot]))",
+        "                v = tl.trans(descs[1].load([v_id0 * descs[3], v_slot]))",
         f"{K8}::test_k8v8_descriptor_loop[frozen]",
     ),
     _m(
@@ -2268,8 +2254,8 @@ MUTANTS = [
     _m(
         "fp8-tma-k-rows-from-the-pools-runs",
         "kernels/_attention_jit.py",
-        "                    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
-        "                    k = descs[0].load([first_row // 16, 0, 0, 0, descs[2]])",
+        "            k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
+        "            k = descs[0].load([first_row // 16, 0, 0, 0, descs[2]])",
         f"{K8}::test_k8v8_descriptor_loop_tiles_starting_mid_run",
     ),
     _m(
@@ -2277,8 +2263,8 @@ MUTANTS = [
         "kernels/_attention_jit.py",
         "                k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)",
         "                k_col = k_col",
-        f"{K8}::test_k8v8_per_block_scales[B32-N32]",
-        f"{K8}::test_k8v8_descriptor_loop[frozen]",
+        f"{K8}::test_k8v8_frozen_scales[block_tiles-B24-N32]",
+        f"{K8}::test_k8v8_tiles_across_block_pieces",
     ),
     _m(
         "scales-wide-by-default",

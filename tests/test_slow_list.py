@@ -54,7 +54,7 @@ def test_smoke_tests_are_not_slow_and_take_every_key_path_format_and_rule():
         "e4m3",
         "int8]",
         "k8v8",
-        "int8-mma",
+        "k8v16",
         "keys_major",
         "spans",
         "eviction",

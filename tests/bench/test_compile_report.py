@@ -41,7 +41,7 @@ TRITON36_PYTHON = "PAGED_VIDEO_TRITON36_PYTHON"
 BLOCK_SIZES = compile_report.SHIPPED_BLOCK_SIZES
 HEAD_DIMS = (64, 128)
 QUANTIZED_BLOCKS = (16, 24, 64, 520, 1560)
-QUANTIZED_MODES = ("fp8", "int8", "int8_mma", "int8_mma_keys")
+QUANTIZED_MODES = ("fp8", "int8", "fp8_keys", "int8_keys")
 # k8v8 over keys-major pools at one block (its own evidence: docs/quantization.md), for the FP8
 # anchor it is weighed against and the 8-bit MMA's operands.
 K8V8_BLOCK = 64
@@ -105,7 +105,7 @@ def _variant_configs() -> list[compile_report.Config]:
 # and a GPU probe may rewrite those rows (bench choose --probe): so the tests that hold a loop
 # to a goal name the loop, not the default, and one test holds the defaults to whatever the
 # table says.
-QUANTIZED_TMA_MODES = ("int8_mma_keys",)
+QUANTIZED_TMA_MODES = ("fp8_keys", "int8_keys")
 QUANTIZED_TMA_BLOCKS = (64, 520, 1560)
 FORCED_TMA_LAUNCH = {"variant": "tma", "block_n": 64}
 FORCED_CP_ASYNC_LAUNCH = {"variant": "cp_async", "block_n": 64}
@@ -164,7 +164,7 @@ WIDE_HEAD_BLOCKS = (16, 256, 1560)
 
 # Blocks of one slot: keys-major pools of them are laid out slot-major (unpadded).
 ONE_SLOT_BLOCKS = dict(
-    kernels=("paged_attention",), block_sizes=(1,), kv_modes=("int8_mma", "int8_mma_keys")
+    kernels=("paged_attention",), block_sizes=(1,), kv_modes=("int8", "int8_keys")
 )
 
 
@@ -694,7 +694,8 @@ def test_quantized_defaults_are_the_launch_tables(
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     tiles = launcher.choose_tiles(
         block_size=block, head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16,
-        int8_mma=True, tma_ready=True, kv_dtype=torch.int8,
+        dequantize=True, tma_ready=True,
+        kv_dtype=torch.int8 if mode.startswith("int8") else torch.float8_e4m3fn,
     )  # fmt: skip
     row = report.paged(report.version(minor), block, kv=mode)
     assert row["tile"] == f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}", (row, tiles)
@@ -716,9 +717,8 @@ def test_masked_features_keep_the_pipeline(report: Report, features: str) -> Non
 def test_quantized_mma_and_prefetch(report: Report, mode: str, block: int) -> None:
     triton = report.version("3.9")
     row = report.paged(triton, block, kv=mode)
-    # Dequantizing: 16-bit wgmma only; int8_mma: int8 wgmma for QK^T, 16-bit for PV.
-    wanted = {"int8_mma": "HGMMA+IGMMA"}.get(mode.removesuffix("_keys"), "HGMMA")
-    assert row["mma"] == wanted, row
+    # Dequantizing: 16-bit wgmma only.
+    assert row["mma"] == "HGMMA", row
     assert row["loop_divisions"] == 0, row
     # As many K/V tiles in flight as the bf16 kernel (the dequantizing launch adds a stage for it).
     plain = report.paged(triton, block)
@@ -764,8 +764,8 @@ def test_keys_major_pools_of_one_slot_blocks_read_as_slot_major(report: Report, 
     # gathered a byte at a time (39 global loads an iteration on Triton 3.6, 623 instructions,
     # 16 bytes spilled); stored unpadded it is the slot-major pool and reads as one.
     triton = report.version(minor)
-    keys_major = report.paged(triton, 1, kv="int8_mma_keys")
-    slot_major = report.paged(triton, 1, kv="int8_mma")
+    keys_major = report.paged(triton, 1, kv="int8_keys")
+    slot_major = report.paged(triton, 1, kv="int8")
     assert (keys_major["spill_stores"], keys_major["spill_loads"]) == (0, 0), keys_major
     assert keys_major["loop_global_loads"] <= slot_major["loop_global_loads"], keys_major
     assert keys_major["loop_instructions"] <= 1.03 * slot_major["loop_instructions"], (
@@ -911,32 +911,6 @@ def test_quantized_passes_compile(report: Report, minor: str, kernel: str) -> No
         assert (row["mma"], row["key_loops"]) == ("none", ""), row
 
 
-# Per key, the MMA modes' loops against the dequantizing one over the same codes (Triton 3.9).
-# FP8-MMA over a slot-major V transposes V a byte at a time through shared memory (33 stores a
-# thread) where the dequantizing loop converts e4m3 K in one instruction a pair: 1.08-1.10x
-# (2026-12-04), within 3% once the probability unit was the sequence's (2026-12-05), and
-# 1.12-1.13x since the dequantizing loop's V converts to float16 and its rows take their
-# scales there, two per HMUL2, where FP8-MMA's e4m3 probabilities must take them (519-537
-# against 462-476); over keys-major pools 1.0-1.04x at 64-key tiles, 0.81x at 128. With K's
-# rows in the FP8 MMA's key order (no shuffles of P; 2026-12-05) 1.07-1.09x (496-514), over
-# keys-major pools 0.95-1.0x at 64-key tiles (439-465), 0.75x at 128 (718 per 128 keys).
-@pytest.mark.parametrize(
-    "mma_mode, dequantizing_mode, most",
-    [
-        ("int8_mma", "int8", 1.0),
-        ("int8_mma_keys", "int8", 1.0),
-    ],
-)
-@pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
-def test_mma_loop_against_dequantizing(
-    report: Report, mma_mode: str, dequantizing_mode: str, most: float, block: int
-) -> None:
-    triton = report.version("3.9")
-    mma = report.paged(triton, block, kv=mma_mode)
-    dequantizing = report.paged(triton, block, kv=dequantizing_mode)
-    assert _per_key(mma) <= most * _per_key(dequantizing), (mma, dequantizing)
-
-
 # Per-thread global copies in the quantized 64-key pointer loops (2026-12-05): 6-12 on both
 # Tritons, K's and V's code tiles (16 bytes a copy; 8 for block 24's 8-key pieces), the scale
 # pairs (one each) and the table's entries. Loaded a column at a time, Triton 3.6 made every
@@ -961,7 +935,7 @@ QUANTIZED_MOST_BARRIERS = 4
 
 
 @pytest.mark.parametrize("minor", _versions())
-@pytest.mark.parametrize("mode", ["fp8", "int8", "int8_mma", "int8_mma_keys"])
+@pytest.mark.parametrize("mode", QUANTIZED_MODES)
 @pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
 def test_quantized_scales_add_no_barriers(report: Report, minor: str, mode: str, block: int):
     # The pointer loop's scale loads (the TMA loop waits on its descriptor loads: 7-12).

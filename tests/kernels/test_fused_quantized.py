@@ -72,7 +72,7 @@ def make_state(dtype: torch.dtype, seed: int = 0, equalize: bool = False) -> fus
     return fused.PoolTensors(*(t.to(DEVICE) for t in on_device), flags, *factors, equalized, *k8v8)
 
 
-def forward(step: int, *, staged: bool, layer: int, int8_mma: bool = False):
+def forward(step: int, *, staged: bool, layer: int):
     """``make_forward``'s inputs with keys offset per channel (what smoothing removes), and two
     key and two value channels 30x wider, token by token (what channel equalization evens
     out)."""
@@ -85,7 +85,7 @@ def forward(step: int, *, staged: bool, layer: int, int8_mma: bool = False):
     tensors[3] = tensors[3] * k_gains + offsets
     tensors[2] = tensors[2] * v_gains
     tensors[4] = tensors[4] * v_gains
-    return tensors, inputs._replace(int8_mma=int8_mma)
+    return tensors, inputs
 
 
 def clone(pools: fused.PoolTensors) -> fused.PoolTensors:
@@ -158,7 +158,7 @@ def keys_major_state(state: fused.PoolTensors) -> fused.PoolTensors:
     "dtype, mode",
     [
         pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
-        pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
+        pytest.param(torch.int8, {}, id="int8"),
     ],
 )
 def test_keys_major_pools_write_and_attend_as_slot_major_ones(dtype, mode, staged) -> None:
@@ -182,18 +182,6 @@ def test_keys_major_pools_write_and_attend_as_slot_major_ones(dtype, mode, stage
     for name in ("k_pools", "v_pools", "k_scales", "v_scales", "k_means"):
         a, b = getattr(slot_major, name), getattr(keys_major, name)
         assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)), name
-
-
-def test_int8_mma_reaches_attention() -> None:
-    state, twin = make_state(torch.int8), make_state(torch.int8)
-    tensors, inputs = forward(0, staged=False, layer=0, int8_mma=True)
-    got = fused.write_attend(*tensors, state, inputs)
-    twin.k_means[0], twin.k_means_chosen[0] = state.k_means[0], True
-    assert torch.equal(got, direct_calls(tensors, inputs, twin, twin.k_means[0]))
-    dequantized = fused.write_attend(
-        *tensors, make_state(torch.int8), inputs._replace(int8_mma=False)
-    )
-    assert not torch.equal(got, dequantized)  # the switch changes the arithmetic
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
@@ -322,7 +310,8 @@ REFUSALS = [
         "stage_v",
     ),
     ("fp8-mma-deleted", changed(fp8_mma=True), ValueError, 'fp8_mma was deleted.*"k8v8"'),
-    ("int8-mma-int", changed(int8_mma=1), TypeError, "int8_mma"),
+    ("int8-mma-deleted", changed(int8_mma=True), ValueError, 'int8_mma was deleted.*"k8v16"'),
+    ("return-lse-int", changed(return_lse=1), TypeError, "return_lse"),
     (
         "chosen-without-equalizers",
         replaced("equalizers_chosen", lambda t: torch.zeros(LAYERS, dtype=torch.bool)),
@@ -385,15 +374,6 @@ def test_refused_call_changes_nothing(dtype: torch.dtype, change, error, match: 
     pools, inputs = change(state, inputs)
     with pytest.raises(error, match=match):
         fused.write_attend(*tensors, pools, inputs)
-    assert equal(state, before)
-
-
-def test_int8_mma_needs_int8_pools_and_changes_nothing() -> None:
-    state = make_state(torch.float8_e4m3fn)
-    before = clone(state)
-    tensors, inputs = forward(0, staged=False, layer=1, int8_mma=True)
-    with pytest.raises(ValueError, match="int8_mma needs int8 pools"):
-        fused.write_attend(*tensors, state, inputs)
     assert equal(state, before)
 
 

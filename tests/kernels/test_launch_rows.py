@@ -32,7 +32,6 @@ MODE_FLAGS = {
     "same": {},
     "fp8": {"kv_dtype": torch.float8_e4m3fn},
     "int8": {"kv_dtype": torch.int8},
-    "int8_mma": {"kv_dtype": torch.int8, "int8_mma": True},
     "k8v8": {"kv_dtype": torch.int8, "k8v8": True},
     "k8v16": {"kv_dtype": torch.int8, "k8v16": True},
 }
@@ -43,7 +42,6 @@ GPU_RTOL = {
     "same": 2e-2,
     "fp8": 3e-2,
     "int8": 3e-2,
-    "int8_mma": 8e-2,
     "k8v8": 1.5e-1,
     "k8v16": 8e-2,
 }

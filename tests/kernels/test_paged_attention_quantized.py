@@ -434,7 +434,6 @@ def poisoned_keys_major(pool: Tensor) -> Tensor:
 KV_MODES = [
     pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
     pytest.param(torch.int8, {}, id="int8"),
-    pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
 ]
 
 
@@ -586,7 +585,7 @@ def test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output(
     "v_layout, scales_layout, mode, block_size",
     [
         pytest.param("slots", "slots", {}, 32, id="slot-major-scales"),
-        pytest.param("slots", "k-only", {"int8_mma": True}, 32, id="one-scale-pool-keys-major"),
+        pytest.param("slots", "k-only", {}, 32, id="one-scale-pool-keys-major"),
         # Rows of 40 keys unpadded: 8-element aligned (block_tiles, 32 keys by descriptor).
         pytest.param("slots", "unpadded", {}, 40, id="unaligned-scales"),
     ],
@@ -596,7 +595,7 @@ def test_tma_refuses_quantized_pools_its_descriptors_cannot_read(
 ) -> None:
     # A slot-major scale pool holds a head's scales 4 bytes apart, too narrow for a descriptor's
     # rows. Refused by name, nothing written.
-    dtype = torch.int8 if mode.get("int8_mma") else torch.float8_e4m3fn
+    dtype = torch.float8_e4m3fn
     case = make_paged_case(
         q_lens=[5], k_lens=[70], block_size=block_size, head_dim=64, device=DEVICE
     )

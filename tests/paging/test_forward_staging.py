@@ -198,7 +198,7 @@ POOLS = {
     "e4m3": {"kv_dtype": torch.float8_e4m3fn},
     "int8": {"kv_dtype": torch.int8},
     "exact-window": {"exact_window": True},
-    "int8-mma-keys-major": {"kv_dtype": torch.int8, "int8_mma": True, "keys_major": True},
+    "int8-keys-major": {"kv_dtype": torch.int8, "keys_major": True},
     "k8v8": {"kv_format": "k8v8"},
     "k8v16": {"kv_format": "k8v16"},
 }

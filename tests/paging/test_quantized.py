@@ -334,7 +334,6 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
 MODES = [
     pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
     pytest.param({"kv_dtype": torch.int8}, id="int8"),
-    pytest.param({"kv_dtype": torch.int8, "int8_mma": True}, id="int8-mma"),
 ]
 
 
@@ -586,7 +585,7 @@ def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(poo
     "mode",
     [
         pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
-        pytest.param({"kv_dtype": torch.int8, "int8_mma": True}, id="int8-mma"),
+        pytest.param({"kv_dtype": torch.int8}, id="int8"),
     ],
 )
 def test_keys_major_cache_attends_as_the_slot_major_one(mode: dict) -> None:
