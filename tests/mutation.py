@@ -2240,16 +2240,7 @@ MUTANTS = [
         "kernels/_attention_jit.py",
         "            ids = _in_fp8_mma_key_order(ids, BLOCK_N)",
         "            ids = ids",
-        f"{K8}::test_k8v8_frozen_scales[block_tiles-B7-N32-repeated]",
-        f"{K8}::test_k8v8_frozen_scales[block_tiles-B24-N32]",
-    ),
-    _m(
-        "fp8-v-rows-share-ks-key-order",
-        "kernels/_attention_jit.py",
-        "    if SHARED and not FIRST_MMA_ORDER:",
-        "    if SHARED:",
-        f"{K8}::test_k8v8_frozen_scales[block_tiles-B7-N32-repeated]",
-        f"{K8}::test_k8v8_frozen_scales[block_tiles-B24-N32]",
+        f"{K8}::test_k8v8_tiles_across_block_pieces",
     ),
     _m(
         "fp8-tma-k-rows-from-the-pools-runs",
