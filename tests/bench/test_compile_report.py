@@ -76,7 +76,7 @@ def _configs_39() -> list[compile_report.Config]:
     configs += compile_report.configs_for(**one, launches=({"block_n": 32}, {"block_n": 48}))
     # A launch that spills at Triton's own flags (the report must read it from the cubin).
     configs += compile_report.configs_for(**one, head_dims=(256,), launches=({"block_n": 128},))
-    return configs
+    return list(dict.fromkeys(configs))
 
 
 # The key-loop variants forced at the contiguous blocks and at the frame block (block_tiles:
@@ -214,7 +214,7 @@ def _configs_both() -> list[compile_report.Config]:
     configs += compile_report.configs_for(
         kernels=("paged_attention",), head_dims=(256,), block_sizes=WIDE_HEAD_BLOCKS
     )
-    return configs
+    return list(dict.fromkeys(configs))  # (the dequantizing TMA launches are in two sets)
 
 
 def _compile_all() -> list[dict]:
