@@ -17,7 +17,7 @@ Beside each quantized row, float64 attention over the quantized rows of the same
 - ``best scale``: the same with, per row, the scale of least squared error (no per-row scale
   does better);
 - ``mode floor``: the attention mode's own float64 emulation (``floor`` for the dequantizing
-  mode; the FP8-MMA and INT8-MMA modes also round the queries, and FP8-MMA the probabilities).
+  mode).
 
 The one-switch formats (``EIGHT_BIT_FORMATS``: ``k8v8``, int8 K per slot and e4m3 V under
 frozen channel scales chosen by the first write; ``k8v16``, int8 K and V as stored) have one
@@ -78,8 +78,6 @@ from torch import Tensor
 from paged_video import kernels, reference
 from paged_video.bench.formats import (
     DEQUANT,
-    MMA_MODES,
-    MODE_FLAGS,
     QUANTIZED_FORMATS,
     UNQUANTIZED,
     dtype_name,
@@ -116,11 +114,10 @@ FORMATS: dict[str, torch.dtype] = QUANTIZED_FORMATS
 EIGHT_BIT_FORMATS: dict[str, torch.dtype | None] = {"k8v8": torch.float8_e4m3fn, "k8v16": None}
 FORMAT_CHOICES = (*FORMATS, *EIGHT_BIT_FORMATS)
 BASELINE = UNQUANTIZED
-FP8_MMA, INT8_MMA = MMA_MODES["e4m3"], MMA_MODES["int8"]
-# Attention modes per format: the dequantizing one, then the MMA mode the format has; a
+# Attention modes per format: the dequantizing one (the MMA modes were deleted, issue 45); a
 # one-switch format's one mode is its name.
 MODES: dict[str, tuple[str, ...]] = {
-    **{name: (DEQUANT, MMA_MODES[name]) for name in FORMATS},
+    **{name: (DEQUANT,) for name in FORMATS},
     **{name: (name,) for name in EIGHT_BIT_FORMATS},
 }
 # Channels per head with an outlier pattern; k-outliers' offsets; the token outliers' gains.
@@ -455,8 +452,6 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepa
         write_extra |= equalizers
         attend_extra |= equalizers
     _write_frames(data, c, k_cache.view(flat), v_cache.view(flat), slots, write_extra)
-    if variant.mode != DEQUANT:
-        attend_extra[MODE_FLAGS[variant.mode]] = True
     return _attend_window(data, c, k_cache, v_cache, block_table, attend_extra)
 
 

@@ -12,8 +12,9 @@ Each launch of ``paged_attention`` comes with two yardsticks from ``bench/refere
 compiled by the same Triton: the ``anchor`` (a plain int32-offset flash loop, at the launch's
 tiles, warps and stages) and ``tutorial_ws`` (the shape of Triton's fused-attention tutorial:
 tensor descriptors, a warp-specialized loop). ``vs_anchor`` / ``vs_tutorial`` divide the
-launch's hot loop by theirs. An FP8-MMA launch also brings the two passes that run before it
-(``query_codes``, ``value_units``), each a row of its own.
+launch's hot loop by theirs. A quantized launch also brings the pass that runs before it
+(``query_codes`` for k8v8 and k8v16, ``value_units`` for the dequantizing modes), a row of its
+own.
 
 The launch arguments are the launchers' own: each launcher is called on empty CPU tensors of
 the geometry with its kernels swapped for recorders, so tiles, strides and specialisations are
@@ -50,23 +51,17 @@ from paged_video.bench import sass
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
 # paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs), e4m3 codes with FP8 MMAs (``fp8_mma=True``), or int8
-# codes with an int8 Q K^T MMA (``int8_mma=True``). ``_keys``: the mode over keys-major pools
-# (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale pools, and for FP8-MMA
-# V as well. ``k8v8``: int8 K (an int8 Q K^T MMA) and keys-major e4m3 V of frozen channel scales
-# (an FP8 P V MMA), ``k8v8_keys`` with K's scales keys-major too, ``k8v8_blocks`` with V's
-# scales per block as well. ``k8v16``: int8 K and V in the query dtype (a 16-bit P V MMA),
-# ``k8v16_keys`` with K's scales keys-major.
+# (dequantized before bf16/fp16 MMAs). ``_keys``: the mode over keys-major pools
+# (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale pools. ``k8v8``: int8 K (an
+# int8 Q K^T MMA) and keys-major e4m3 V of frozen channel scales (an FP8 P V MMA), ``k8v8_keys``
+# with K's scales keys-major too, ``k8v8_blocks`` with V's scales per block as well. ``k8v16``: int8
+# K and V in the query dtype (a 16-bit P V MMA), ``k8v16_keys`` with K's scales keys-major.
 KV_MODES = (
     "same",
     "fp8",
     "int8",
-    "fp8_mma",
-    "int8_mma",
     "fp8_keys",
     "int8_keys",
-    "fp8_mma_keys",
-    "int8_mma_keys",
     "k8v8",
     "k8v8_keys",
     "k8v8_blocks",
@@ -75,8 +70,9 @@ KV_MODES = (
 )
 YARDSTICKS = ("anchor", "tutorial_ws")
 # The K/V modes weighed against the FP8 anchor (the anchor kernel on e4m3 codes, an ``anchor``
-# row whose ``kv_mode`` says ``fp8_mma``) rather than the 16-bit one.
-FP8_ANCHOR_MODES = ("fp8_mma", "fp8_mma_keys", "k8v8", "k8v8_keys", "k8v8_blocks")
+# row whose ``kv_mode`` says ``FP8_ANCHOR``) rather than the 16-bit one.
+FP8_ANCHOR_MODES = ("k8v8", "k8v8_keys", "k8v8_blocks")
+FP8_ANCHOR = "k8v8"
 # The shipped model: 40 heads of 128, bf16, 4680 queries (3 frames of 1560) per forward.
 SHIPPED_BLOCK_SIZES = (16, 24, 64, 256, 520, 1560)
 SHIPPED = {
@@ -443,7 +439,7 @@ def add_ratios(rows: Sequence[Row]) -> None:
     """``vs_anchor`` / ``vs_tutorial``: a row's hot-loop instructions per key over the
     yardstick's, of the same Triton (the anchor at the same tile, warps and stages, the
     tutorial at its own settings: a 128-key loop is weighed against twice a 64-key loop). The
-    FP8-MMA launches' anchor is the FP8 one (``FP8_ANCHOR_MODES``)."""
+    k8v8 launches' anchor is the FP8 one (``FP8_ANCHOR_MODES``)."""
     # Warp-specialized launches are weighed against an anchor with as many warps doing MMAs.
     settings = ("head_dim", "dtype", "tile", "consumer_warps", "num_stages")
     anchors, tutorials = {}, {}
@@ -459,7 +455,7 @@ def add_ratios(rows: Sequence[Row]) -> None:
             continue
         loop, keys = row.get("loop_instructions"), _keys_per_iteration(row)
         per_key = loop / keys if loop and keys else None
-        fp8 = "fp8_mma" if row.get("kv_mode") in FP8_ANCHOR_MODES else ""
+        fp8 = FP8_ANCHOR if row.get("kv_mode") in FP8_ANCHOR_MODES else ""
         anchor = anchors.get((row["triton"], fp8, *(row[c] for c in settings)))
         tutorial = tutorials.get((row["triton"], row["head_dim"], row["dtype"]))
         row["vs_anchor"] = round(per_key / anchor, 3) if per_key and anchor else None
@@ -559,8 +555,6 @@ def _paged_launches(config: Config) -> list[_Launch]:
         scales = {
             "k_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
             "v_scale": empty(2, bs, config.kv_heads, dt=torch.float32),
-            "fp8_mma": config.kv_mode.startswith("fp8_mma"),
-            "int8_mma": config.kv_mode.startswith("int8_mma"),
         }
     v_cache = empty(2, bs, config.kv_heads, d, dt=kv_dtype)
     k8v8 = config.kv_mode.startswith("k8v8")
@@ -584,12 +578,10 @@ def _paged_launches(config: Config) -> list[_Launch]:
     elif config.kv_mode.endswith("_keys"):
         for name in ("k_scale", "v_scale"):
             scales[name] = pool_layout.empty_keys_major(2, bs, config.kv_heads, dtype=torch.float32)
-        if scales["fp8_mma"]:
-            v_cache = pool_layout.empty_keys_major(2, bs, config.kv_heads, d, dtype=kv_dtype)
     # The warp-specialized variant merges two partial attentions (recorded, left out of the
-    # report: no attention kernel); FP8-MMA first rounds the query rows and takes its
-    # probability unit (rows of their own, ``query_codes`` and ``value_units``, so the GPU
-    # image's Triton is known to build them too).
+    # report: no attention kernel); k8v8 and k8v16 first round the query rows, the dequantizing
+    # modes take their probability unit (rows of their own, ``query_codes`` and
+    # ``value_units``, so the GPU image's Triton is known to build them too).
     with (
         _recording("paged_video.kernels.paged_attention") as (real, calls),
         _recording("paged_video.kernels.merge_states"),
@@ -637,7 +629,7 @@ def _paged_launches(config: Config) -> list[_Launch]:
 
 def _anchor_launch(config: Config, paged_kwargs: dict, *, fp8: bool = False) -> _Launch:
     """The anchor at the launch's tiles; ``fp8``: the FP8 anchor (e4m3 q/K, keys-major e4m3 V,
-    bf16 output), labelled with the ``fp8_mma`` mode it weighs."""
+    bf16 output), labelled ``FP8_ANCHOR``: the k8v8 modes weigh against it."""
     import torch
 
     from paged_video.bench.reference_loop import anchor_attention_kernel
@@ -658,7 +650,7 @@ def _anchor_launch(config: Config, paged_kwargs: dict, *, fp8: bool = False) -> 
     labels = {"path": "contiguous"}
     if fp8:
         kwargs["P_UNIT"] = 448.0
-        labels["kv_mode"] = "fp8_mma"
+        labels["kv_mode"] = FP8_ANCHOR
     return _Launch("anchor", anchor_attention_kernel, args, kwargs, labels)
 
 
@@ -1167,9 +1159,8 @@ def add_parser(
         type=choices(KV_MODES),
         default=("same",),
         help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
-        "before 16-bit MMAs (fp8, int8), e4m3 with FP8 MMAs (fp8_mma), or int8 with an int8 "
-        "Q K^T MMA (int8_mma); a _keys suffix: the mode over keys-major pools, as "
-        "PagingConfig(keys_major=True) lays them out (the scales; fp8_mma's V too); k8v8: "
+        "before 16-bit MMAs (fp8, int8); a _keys suffix: the mode over keys-major pools, as "
+        "PagingConfig(keys_major=True) lays them out (the scales); k8v8: "
         "int8 K and keys-major e4m3 V with frozen channel scales (k8v8_keys: K's scales "
         "keys-major, k8v8_blocks: V's scales per block too; k8v16: int8 K and V in the query "
         "dtype, k8v16_keys: K's scales keys-major)",

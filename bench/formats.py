@@ -3,15 +3,12 @@
 ``bf16`` is the unquantized pool (the model's own dtype, so float32 in a float32 run: each
 command prints the dtype it really used); ``e4m3`` (``torch.float8_e4m3fn``) and ``int8`` hold
 codes with a float32 scale per (slot, KV head). The quantized attention's providers follow the
-same names (``triton-e4m3``, ``triton-e4m3-mma``, ``triton-int8``, ``triton-int8-mma``;
-``triton-e4m3-mma-keys``, ``triton-int8-mma-keys``, ``triton-e4m3-keys``, ``triton-int8-keys``:
-the modes over keys-major pools).
+same names (``triton-e4m3``, ``triton-int8``; ``triton-e4m3-keys``, ``triton-int8-keys``:
+over keys-major scales).
 
-Attention over a quantized pool has a mode: ``dequant`` (the codes converted exactly before
-16-bit MMAs) or the format's own MMA mode (``MMA_MODES``: ``fp8-mma``, FP8 MMAs for both
-products over e4m3 codes, the kernels' ``fp8_mma=True``; ``int8-mma``, an int8 ``Q K^T`` MMA
-over int8 codes, ``int8_mma=True``). The sweep's ``-mma`` providers run the MMA modes, and
-``bench accuracy``'s ``mode`` column names them.
+Attention over these pools has one mode, ``dequant`` (the codes converted exactly before
+16-bit MMAs; ``bench accuracy``'s ``mode`` column names it). Their MMA modes, FP8-MMA and
+INT8-MMA, were deleted (issue 45): k8v8 and k8v16 dominate them.
 
 Spellings used before are refused with the new one named (``OLD_SPELLINGS``), so a script
 fails loudly instead of silently running something else; results CSVs written before are
@@ -27,16 +24,19 @@ import torch
 UNQUANTIZED = "bf16"
 QUANTIZED_FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 DEQUANT = "dequant"
-# Each quantized format's MMA mode, and the kernels' flag that runs it.
-MMA_MODES = {"e4m3": "fp8-mma", "int8": "int8-mma"}
-MODE_FLAGS = {"fp8-mma": "fp8_mma", "int8-mma": "int8_mma"}
 OLD_SPELLINGS = {
     "fp8": "e4m3",
     "float8_e4m3fn": "e4m3",
     "torch.float8_e4m3fn": "e4m3",
     "bfloat16": "bf16",
     "triton-fp8": "triton-e4m3",
-    "triton-fp8-mma": "triton-e4m3-mma",
+    # FP8-MMA was deleted (issue 45): k8v8 dominates it.
+    "triton-fp8-mma": "triton-k8v8",
+    "triton-e4m3-mma": "triton-k8v8",
+    "triton-e4m3-mma-keys": "triton-k8v8",
+    # INT8-MMA too: k8v16 dominates it.
+    "triton-int8-mma": "triton-k8v16",
+    "triton-int8-mma-keys": "triton-k8v16",
 }
 
 

@@ -28,14 +28,14 @@
 #   choose    the 16-bit launch rows from the launches (kernels/launch_choices.json, copied to
 #             OUT_DIR), and the launch providers no row picked.
 # Part 2 (versions and peers_setup again, then):
-#   probes    the quantized loop candidates (bench.launch_probe: FP8-MMA and INT8-MMA over
-#             keys-major pools, the dequantizing modes over keys-major scales);
+#   probes    the quantized loop candidates (bench.launch_probe: the dequantizing modes over
+#             keys-major scales);
 #   choose2   the launch table again from both (16-bit and quantized rows);
 #   peers     our kernel, the table's launch and the staged path beside sdpa-best, FlexAttention,
 #             sageattention 1.0.6 and FlashAttention-4 (bench/peer_wheels.sh: wheels carried,
 #             FA4's largest split over the two calls and reassembled here) at blocks 16 and 1560;
 #   rollout   bench.wan_rollout at the Wan 2.1 1.3B shape: time per block and frames per second
-#             once the window is full, our paged cache (bf16, int8 INT8-MMA) against the stock
+#             once the window is full, our paged cache (bf16, int8) against the stock
 #             attention over a plain KV cache, beside the papers' anchors;
 #   accuracy  FP8/INT8 pools against float64 at the shipped geometry (all 40 heads);
 #   compile   the compile report with this machine's Triton and ptxas (blocks 16, 1560);
@@ -82,7 +82,7 @@ if [ "$device" = cuda ]; then
     launch_blocks=1560,256,16,520,64,24
     geometry=(--preset shipped)
     probe_geometry=()
-    fp8_blocks=1560,256 dequant_blocks=1560 int8_blocks=1560 peer_blocks=16,1560
+    dequant_blocks=1560 peer_blocks=16,1560
     accuracy_geometry=()
     rollout_shape=()
     compile_shape=(--kernels paged_attention --block-sizes 16,1560)
@@ -97,7 +97,7 @@ else
     tiny=(--device cpu --chunk-sizes 16 --heads 2 --gqa-groups 1 --cpu-reps 1)
     geometry=(--preset small "${tiny[@]}")
     probe_geometry=(--preset small --device cpu)
-    fp8_blocks=16 dequant_blocks=16 int8_blocks=16 peer_blocks=16
+    dequant_blocks=16 peer_blocks=16
     accuracy_geometry=(--device cpu --heads 1 --head-dim 32 --chunk-size 16 --sink-chunks 1
         --window-chunks 1 --queries 8 --block-size 16 --data random --equalize off)
     rollout_shape=(--tiny --device cpu --blocks 2)
@@ -255,7 +255,7 @@ stage_choose() {
         sources=("$out_dir/launches/sweep.csv")
         [ -s "$out_dir/sweep.csv" ] && sources+=("$out_dir/sweep.csv")
     fi
-    for probe_csv in "$out_dir"/probe{,_dequant,_int8}/probe.csv; do
+    for probe_csv in "$out_dir"/probe_dequant/probe.csv; do
         grep -q ",ok," "$probe_csv" 2>/dev/null && sources+=(--probe "$probe_csv")
     done
     if [ "$device" = cpu ]; then
@@ -276,22 +276,14 @@ stage_peers_setup() {
 
 # The quantized loops a launch could take: the launcher's own choice first (the time limit cuts
 # the last runs), then its 64-key pointer loop and its 64-key TMA loop (bench/COMPILE.md).
-fp8=triton-e4m3-mma-keys
-int8=triton-int8-mma-keys
 e4m3=triton-e4m3-keys
 dequant_int8=triton-int8-keys
 stage_probes() {
     local each=$((limit_probe * 30 / 100)) rc=0
     "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
-        --block-sizes "$fp8_blocks" --runs "$fp8@default,$fp8@128x64w8s3+cp_async,$fp8@128x64w8s3+tma" \
-        --time-limit "$each" --out "$out_dir/probe" 2>&1 | tail -n 6 || rc=1
-    "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
         --block-sizes "$dequant_blocks" \
         --runs "$e4m3@default,$e4m3@128x64w8s4+cp_async,$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$e4m3@128x64w8s4+tma" \
         --time-limit "$each" --out "$out_dir/probe_dequant" 2>&1 | tail -n 5 || rc=1
-    "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
-        --block-sizes "$int8_blocks" --runs "$int8@default,$int8@128x64w8s3+cp_async,$int8@128x64w8s3+tma" \
-        --time-limit "$((each * 2 / 3))" --out "$out_dir/probe_int8" 2>&1 | tail -n 3 || rc=1
     return $rc
 }
 
@@ -311,7 +303,7 @@ stage_peers() {
 
 stage_rollout() {
     "$python" -m paged_video.bench.wan_rollout ${rollout_shape[@]+"${rollout_shape[@]}"} \
-        --kv-dtype bf16 int8-mma --out "$out_dir"
+        --kv-dtype bf16 int8 --out "$out_dir"
 }
 
 stage_accuracy() {
@@ -355,7 +347,7 @@ for stage in "${stages[@]}"; do
         launches) run_stage launches launches/sweep.csv ;;
         choose|choose2) run_stage "$stage" launch_choices.json ;;
         peers_setup) run_stage peers_setup ;;
-        probes) run_stage probes probe/probe.csv probe_dequant/probe.csv probe_int8/probe.csv ;;
+        probes) run_stage probes probe_dequant/probe.csv ;;
         peers) run_stage peers peers/sweep.csv ;;
         rollout) run_stage rollout rollout.csv ;;
         accuracy) run_stage accuracy accuracy.csv ;;

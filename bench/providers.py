@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from paged_video import kernels, reference
-from paged_video.bench.formats import DEQUANT, MMA_MODES, dtype_name
+from paged_video.bench.formats import DEQUANT, dtype_name
 from paged_video.bench.results import QUANTIZED_GOALS
 from paged_video.bench.workload import EightBitPools, Geometry, QuantizedPools, Workload
 from paged_video.kernels.paged_attention import WS_MAX_STAGES
@@ -73,29 +73,21 @@ Builder = Callable[[Workload, "Tile | None"], Bench]
 
 @dataclass(frozen=True)
 class Quant:
-    """A quantized pool format (``dtype``) and the attention mode (``fp8_mma``, ``int8_mma``, or
-    neither: dequantizing), or one of the one-switch formats (``kv_format``: ``k8v8``, int8 K
-    per slot and e4m3 V with frozen channel scales; ``k8v16``, int8 K and V as stored; ``dtype``
-    is then K's, int8); ``keys_major``: both scale pools stored keys-major
-    (``kernels.keys_major``), and in the FP8-MMA mode V's codes too, the layout its P V MMA
-    reads without a transpose (and the TMA loop reads them: the FP8-MMA mode's default at
-    head_dim 128 takes it where a tile lies inside a block; the dequantizing modes' table rows
-    say where they take it)."""
+    """A quantized pool format (``dtype``), dequantized, or one of the one-switch formats
+    (``kv_format``: ``k8v8``, int8 K per slot and e4m3 V with frozen channel scales; ``k8v16``,
+    int8 K and V as stored; ``dtype`` is then K's, int8); ``keys_major``: both scale pools
+    stored keys-major (``kernels.keys_major``), which the TMA loop reads (the table rows say
+    where a mode takes it)."""
 
     dtype: torch.dtype
-    fp8_mma: bool = False
-    int8_mma: bool = False
     keys_major: bool = False
     kv_format: str | None = None
 
     @property
     def mode(self) -> str:
-        """The mode's name (``bench.formats``: ``dequant``, the format's MMA mode, or the
-        one-switch format's name)."""
+        """The mode's name (``bench.formats``: ``dequant``, or the one-switch format's name)."""
         if self.kv_format is not None:
             return self.kv_format
-        if self.fp8_mma or self.int8_mma:
-            return MMA_MODES[dtype_name(self.dtype)]
         return DEQUANT
 
     def __str__(self) -> str:
@@ -439,11 +431,9 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
     def build(workload: Workload, tile: Tile | None) -> Bench:
         w = workload
         pools = quantized_pools(w, quant.dtype)
-        v_cache, k_scale, v_scale = pools.v_cache, pools.k_scale, pools.v_scale
+        k_scale, v_scale = pools.k_scale, pools.v_scale
         if quant.keys_major:
             k_scale, v_scale = kernels.keys_major(k_scale), kernels.keys_major(v_scale)
-            if quant.fp8_mma:
-                v_cache = kernels.keys_major(v_cache)
         out = torch.empty_like(w.q)
         tiles = _tile_arguments(tile)
 
@@ -451,7 +441,7 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
             return kernels.paged_attention(
                 w.q,
                 pools.k_cache,
-                v_cache,
+                pools.v_cache,
                 w.block_table,
                 w.cu_seqlens_q,
                 w.seq_lens_k,
@@ -459,26 +449,14 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
                 out=out,
                 k_scale=k_scale,
                 v_scale=v_scale,
-                fp8_mma=quant.fp8_mma,
-                int8_mma=quant.int8_mma,
                 check_values=False,
                 **tiles,
             )
 
         return Bench(run, backend=f"triton paged_attention {quant}")
 
-    def unsupported(workload: Workload) -> str | None:
-        device = workload.q.device
-        if quant.fp8_mma and device.type == "cuda":
-            capability = torch.cuda.get_device_capability(device)
-            if capability < (8, 9):
-                return (
-                    f"FP8 MMA needs sm_89 or newer, this GPU is sm_{capability[0]}{capability[1]}"
-                )
-        return None
-
     return Provider(
-        "paged_attention", name, build, unsupported, "quantized", tunable=True, quant=quant,
+        "paged_attention", name, build, role="quantized", tunable=True, quant=quant,
         on_request=name in ON_REQUEST_QUANTIZED,
     )  # fmt: skip
 
@@ -915,11 +893,7 @@ def _chunk_bytes(workload: Workload) -> int:
 # Our paged attention over quantized pools, by provider name (their goals: QUANTIZED_GOALS).
 QUANTIZED_PROVIDERS = {
     "triton-e4m3": Quant(torch.float8_e4m3fn),
-    "triton-e4m3-mma": Quant(torch.float8_e4m3fn, fp8_mma=True),
-    "triton-e4m3-mma-keys": Quant(torch.float8_e4m3fn, fp8_mma=True, keys_major=True),
     "triton-int8": Quant(torch.int8),
-    "triton-int8-mma": Quant(torch.int8, int8_mma=True),
-    "triton-int8-mma-keys": Quant(torch.int8, int8_mma=True, keys_major=True),
     "triton-e4m3-keys": Quant(torch.float8_e4m3fn, keys_major=True),
     "triton-int8-keys": Quant(torch.int8, keys_major=True),
     "triton-k8v8": Quant(torch.int8, kv_format="k8v8"),

@@ -9,7 +9,7 @@ what any flash loop must. The report builds it with the tiles, warps and stages 
 The same kernel on e4m3 codes is the FP8 anchor: both products FP8 MMAs, V stored keys-major
 (the layout the 8-bit MMA reads, through ``stride_v_dim``) and one scale for everything (the
 probabilities in units of ``1 / P_UNIT``): what an FP8 flash loop costs before any per-key
-scale. The report weighs the FP8-MMA launches against it.
+scale. The report weighs the k8v8 launches against it.
 
 ``tutorial_attention_kernel``: the shape of Triton's fused-attention tutorial on Hopper: Q, K,
 V and the output through tensor descriptors (TMA), the key loop warp-specialized (a producer

@@ -36,15 +36,10 @@ ATTENTION_KERNELS = ("paged_attention", "staged")
 # ``quantized``: this project's kernel over FP8/INT8 pools, rated against the bf16 pool (ours).
 ROLES = ("ours", "baseline", "best-of", "bound", "oracle", "quantized")
 # The quantized providers and their goal: the speedup over this project's paged attention on
-# the bf16 pool at the same block size. The INT8-MMA mode halves Q K^T's time (int8 MMAs at
-# twice the bf16 rate) and P V stays 16-bit: 1.33x if compute-bound.
+# the bf16 pool at the same block size.
 QUANTIZED_GOALS = {
     "triton-e4m3": 1.3,
-    "triton-e4m3-mma": 1.8,
-    "triton-e4m3-mma-keys": 1.8,
     "triton-int8": 1.3,
-    "triton-int8-mma": 1.3,
-    "triton-int8-mma-keys": 1.3,
     "triton-e4m3-keys": 1.3,
     "triton-int8-keys": 1.3,
     # Issue 45: the fast format at least 1.5x the bf16 pool; the accurate one at least as fast.

@@ -83,23 +83,17 @@ from paged_video.reference.eight_bit_attention import Codes, EightBitFormat, att
 TORCH_ERROR_FACTOR = 2.0
 ERROR_FLOOR = {"fp32": 1e-5, "fp16": 5e-4, "bf16": 4e-3}
 # Quantized providers are checked against the dequantizing oracle (float64 on the codes they
-# read), so the storage's rounding is not in the limit. The INT8-MMA mode rounds each query row
-# to int8, which the oracle does too, and nothing else. The FP8-MMA mode also rounds each query
-# row (the oracle does too) and the probabilities to e4m3, which the oracle cannot repeat (they
-# are scaled per key tile). Each probability is then off by up to 2**-4 of itself; the output,
-# relative to its largest magnitude, measured ~0.04 off on the small preset: the allowance is
-# twice the per-probability bound, 2**-3.
-FP8_MMA_ALLOWANCE = 0.125
+# read), so the storage's rounding is not in the limit.
 # The one-switch formats are checked against their own arithmetic: k8v16 against float64
 # attention over its int8-rounded query rows and dequantized keys (nothing else rounds: the
 # bf16 pool's limit); k8v8 against its float64 emulation (``reference.eight_bit_attention``:
 # int8 query rows, exact int32 Q K^T, P = exp(s - rowmax) * 448 rounded to e4m3, V codes times
 # their frozen channel scales). The kernel rounds P per key tile after a running row max, the
 # emulation after the final one: where the row max rises in a later tile, single
-# probabilities differ by up to 2**-4 of themselves, as in the FP8-MMA mode (small preset: 3e-7
-# at blocks 8-128 but 24, 0.021 at 24; a GPU's 13-bit P V accumulator adds to it). The same
-# allowance, 2**-3.
-K8V8_ALLOWANCE = FP8_MMA_ALLOWANCE
+# probabilities differ by up to 2**-4 of themselves (small preset: 3e-7 at blocks 8-128 but 24,
+# 0.021 at 24; a GPU's 13-bit P V accumulator adds to it). The allowance is twice that bound,
+# 2**-3.
+K8V8_ALLOWANCE = 0.125
 
 
 # The skip reason of a run of ours whose result disagreed with the oracle.
@@ -163,10 +157,8 @@ def accuracy_limit(
 
 
 def rounding_allowance(quant: Quant | None) -> float:
-    """What a quantized mode's limit adds for roundings its oracle cannot repeat: the FP8-MMA
-    mode's and k8v8's probabilities, rounded per key tile; 0 for the rest."""
-    if quant is not None and quant.fp8_mma:
-        return FP8_MMA_ALLOWANCE
+    """What a quantized mode's limit adds for roundings its oracle cannot repeat: k8v8's
+    probabilities, rounded per key tile; 0 for the rest."""
     if quant is not None and quant.kv_format == "k8v8":
         return K8V8_ALLOWANCE
     return 0.0
@@ -257,17 +249,12 @@ class _Oracles:
 
 
 def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
-    """Float64 attention over the dequantized pools; the MMA modes' query rows rounded as they
-    round them (the INT8-MMA mode's oracle is then its float64 emulation: Q K^T is exact). A
-    one-switch format's: its own arithmetic (``eight_bit_oracle``)."""
+    """Float64 attention over the dequantized pools; a one-switch format's: its own arithmetic
+    (``eight_bit_oracle``)."""
     if quant.kv_format is not None:
         return eight_bit_oracle(workload, quant.kv_format)
     keys, values = dequantized_sequences(workload, quantized_pools(workload, quant.dtype))
-    q = None
-    if quant.fp8_mma or quant.int8_mma:
-        dtype = torch.float8_e4m3fn if quant.fp8_mma else torch.int8
-        q = reference.quantize.round_rows(workload.q, dtype)
-    return oracle_attention(workload, q=q, keys=keys, values=values)
+    return oracle_attention(workload, keys=keys, values=values)
 
 
 # The k8v8 format's arithmetic as the kernel does it, P V's accumulator exact (the interpreter's

@@ -16,11 +16,10 @@ accuracy figure).
 ``--kv-dtype`` runs the paged rollout once per pool format given (``bench.formats``): ``bf16``
 keeps the pools unquantized in the model's dtype (bf16 at the 1.3B shape, float32 with
 ``--tiny``: the header and the ``pool`` column print the dtype really used), ``e4m3`` and
-``int8`` quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on, the dequantizing mode),
-``e4m3-mma`` and ``int8-mma`` attend in the format's MMA mode over keys-major pools (INT8-MMA:
-the fastest quantized mode on the first H200 run, bench/RESULTS.md); each row also gives
-the cache's pool bytes (K/V pools, scales and smoothing means) and its latents' difference from
-the plain rollout (for quantized pools: the quantization's effect, not a bug check).
+``int8`` quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on, the dequantizing mode;
+the MMA modes ``e4m3-mma`` and ``int8-mma`` were deleted, issue 45); each row also gives the
+cache's pool bytes (K/V pools, scales and smoothing means) and its latents' difference from the
+plain rollout (for quantized pools: the quantization's effect, not a bug check).
 
 Each row gives frames per second once the window is full (frames per block over the median
 time per block from then on), printed beside two anchors: Self-Forcing 17 FPS and LongLive
@@ -59,14 +58,8 @@ except ImportError as error:  # no diffusers: one line for the command, the erro
         raise SystemExit(f"error: {error}") from None
     raise
 
-# --kv-dtype: the paged pools' format (bf16: unquantized, in the model's dtype), and the
-# PagingConfig switches of its attention mode (the MMA modes over keys-major pools).
+# --kv-dtype: the paged pools' format (bf16: unquantized, in the model's dtype).
 KV_DTYPES = {UNQUANTIZED: None, **QUANTIZED_FORMATS}
-MODES = {f"{name}-mma": name for name in QUANTIZED_FORMATS}
-MODE_SWITCHES = {
-    "e4m3-mma": {"fp8_mma": True, "keys_major": True},
-    "int8-mma": {"int8_mma": True, "keys_major": True},
-}
 # Frames per second reported for the Wan 2.1 1.3B shape on one H100 (the papers' own figures).
 ANCHORS_FPS = {"Self-Forcing": 17.0, "LongLive": 20.7}
 CSV_COLUMNS = (
@@ -304,8 +297,7 @@ def run(
             window_chunks=shape.window_frames,
             max_forward_chunks=shape.frames_per_block,
             exact_window=True,  # the same keys as the plain cache: no boundary tokens
-            kv_dtype=KV_DTYPES[MODES.get(name, name)],
-            **MODE_SWITCHES.get(name, {}),
+            kv_dtype=KV_DTYPES[name],
         )
         with PagedWanRollout(model, config) as rollout:
 
@@ -351,10 +343,10 @@ def run(
 
 
 def _kv_dtype(text: str) -> str:
-    if text not in KV_DTYPES and text not in MODES:
+    if text not in KV_DTYPES:
         refusal = old_spelling(text, KV_DTYPES)
         raise argparse.ArgumentTypeError(
-            refusal or f"{text!r} is not one of {', '.join([*KV_DTYPES, *MODES])}"
+            refusal or f"{text!r} is not one of {', '.join(KV_DTYPES)}"
         )
     return text
 
@@ -382,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=_kv_dtype,
         default=[UNQUANTIZED],
-        help=f"paged pool formats, one paged rollout each: {', '.join([*KV_DTYPES, *MODES])} "
-        "(bf16: unquantized, in the model's dtype; -mma: the format's MMA mode, keys-major)",
+        help=f"paged pool formats, one paged rollout each: {', '.join(KV_DTYPES)} "
+        "(bf16: unquantized, in the model's dtype)",
     )
     parser.add_argument("--out", type=Path, default=None, help="folder for rollout.csv")
     args = parser.parse_args(argv)

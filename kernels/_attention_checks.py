@@ -26,8 +26,6 @@ def check_arguments(
     check_values: bool,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
-    fp8_mma: bool = False,
-    int8_mma: bool = False,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     v_channel_scale: Tensor | None = None,
@@ -61,12 +59,11 @@ def check_arguments(
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
     k8v16 = is_k8v16(k_cache, v_cache)
     if v_channel_scale is not None:
-        _check_k8v8(k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale, fp8_mma,
-                    int8_mma)  # fmt: skip
+        _check_k8v8(k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale)
     elif k8v16:
-        _check_k8v16(q, v_cache, k_scale, v_scale, v_equalizer, fp8_mma, int8_mma)
+        _check_k8v16(q, v_cache, k_scale, v_scale, v_equalizer)
     else:
-        _check_cache_dtypes(q, k_cache, v_cache, fp8_mma, int8_mma)
+        _check_cache_dtypes(q, k_cache, v_cache)
     for name, factor, cache_name, cache in (
         ("k_equalizer", k_equalizer, "k_cache", k_cache),
         ("v_equalizer", v_equalizer, "v_cache", v_cache),
@@ -129,18 +126,10 @@ def check_arguments(
             )
     if check_values:
         _check_values(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q)
-        if fp8_mma:
-            _check_fp8_mma_scale_range(v_scale, block_table, seq_lens_k, key_gap)
 
 
-def _check_cache_dtypes(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_mma: object, int8_mma: object
-) -> None:
-    """Caches in q's dtype, or both in one quantized dtype; ``fp8_mma`` only for e4m3 caches,
-    ``int8_mma`` only for int8 ones."""
-    for name, flag in (("fp8_mma", fp8_mma), ("int8_mma", int8_mma)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+def _check_cache_dtypes(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """Caches in q's dtype, or both in one quantized dtype."""
     if quantize.is_quantized(k_cache.dtype):
         if v_cache.dtype != k_cache.dtype:
             raise TypeError(
@@ -154,10 +143,6 @@ def _check_cache_dtypes(
                     f"{name} must have q's dtype {q.dtype} or a quantized one ({allowed}), "
                     f"got {cache.dtype}"
                 )
-    if fp8_mma and k_cache.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_mma needs float8_e4m3fn caches, got {k_cache.dtype}")
-    if int8_mma and k_cache.dtype != torch.int8:
-        raise ValueError(f"int8_mma needs int8 caches, got {k_cache.dtype}")
 
 
 def is_k8v16(k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -171,12 +156,8 @@ def _check_k8v16(
     k_scale: Tensor | None,
     v_scale: Tensor | None,
     v_equalizer: Tensor | None,
-    fp8_mma: object,
-    int8_mma: object,
 ) -> None:
     """The k8v16 format's caches: int8 K with ``k_scale``, V stored as q's dtype, unscaled."""
-    if fp8_mma is not False or int8_mma is not False:
-        raise ValueError("an int8 k_cache with a float v_cache (k8v16) takes no fp8_mma, int8_mma")
     if v_cache.dtype != q.dtype:
         raise TypeError(
             f"v_cache beside an int8 k_cache (k8v16) must have q's dtype {q.dtype}, got "
@@ -197,50 +178,11 @@ def _check_k8v8(
     v_scale: Tensor | None,
     v_equalizer: Tensor | None,
     v_channel_scale: Tensor,
-    fp8_mma: object,
-    int8_mma: object,
 ) -> None:
     """The k8v8 format's caches: int8 K with ``k_scale``, e4m3 V with its channel scales only."""
-    if fp8_mma is not False or int8_mma is not False:
-        raise ValueError("v_channel_scale (k8v8) is a mode of its own: leave fp8_mma, int8_mma off")
     value_channels.check_format(
         k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale, ("k_cache", "v_cache")
     )
-
-
-# FP8-MMA rounds each probability times its key's V scale in a unit of the sequence's largest
-# V scale / 448 to e4m3, whose smallest step is 2**-9: a key whose scale is below the largest
-# times this keeps under 5 significant bits even at probability 1, and at 2**-18 or less it
-# rounds to zero (issue 46: V x 1e-6 on the keys that carry the softmax zeroed 13 of 16 rows).
-FP8_MMA_SCALE_RANGE = 2.0**-12
-
-
-def _check_fp8_mma_scale_range(
-    v_scale: Tensor, block_table: Tensor, seq_lens_k: Tensor, key_gap: Tensor | None
-) -> None:
-    """FP8-MMA refuses a sequence whose nonzero V scales (keys outside its gaps, per KV head)
-    span more than ``1 / FP8_MMA_SCALE_RANGE``: its probability unit would round those keys'
-    values away. Reads values (one device sync)."""
-    block_size = v_scale.shape[1]
-    for row, length in enumerate(seq_lens_k.tolist()):
-        if length <= 0:
-            continue
-        positions = torch.arange(length, device=v_scale.device)
-        blocks = block_table[row, positions // block_size].long()
-        scales = v_scale[blocks, positions % block_size]
-        seen = torch.ones(length, dtype=torch.bool, device=v_scale.device)
-        if key_gap is not None:
-            for lo, hi in key_gap[row].reshape(-1, 2).tolist():
-                seen &= (positions < lo) | (positions >= hi)
-        scales = torch.where(seen[:, None] & torch.isfinite(scales), scales, 0.0)
-        largest = scales.amax(dim=0)
-        smallest = torch.where(scales > 0, scales, float("inf")).amin(dim=0)
-        if bool((smallest < largest * FP8_MMA_SCALE_RANGE).any()):
-            raise ValueError(
-                f"fp8_mma: sequence {row}'s V scales span more than 2**12 (a key's scale under "
-                "the largest / 4096), which FP8-MMA's probability unit rounds away; use the "
-                "k8v8 format (v_channel_scale, V scales per block) or the dequantizing mode"
-            )
 
 
 def _check_values(

@@ -39,19 +39,12 @@ once per KV head. Online softmax in float32 (exp2, the scale folded into one FFM
 
 Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
 tiles and scales like the 16-bit tiles; by default K's codes convert exactly to q's compute dtype
-(e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into
-it by a power of two each), V's to float16, and the scales multiply score columns (K) and V's
-rows (probability columns in masked tiles), in a unit per sequence and KV head the launcher
-made beforehand (``v_unit_ptr``), so that float16 holds them. ``FP8_MMA`` runs both products
-as FP8 MMAs instead, on query rows the launcher rounded to e4m3 beforehand (``q_ptr`` holds
-their codes, ``q_scale_ptr`` their scales; loaded, they feed the MMA from shared memory), the
-probabilities rounded to e4m3 in their unit; its unmasked loops read K's rows and the scales in
-the 8-bit MMA's key order (``_fp8_mma_key_order``), so the probabilities feed ``P V`` from the
-registers they are computed in;
-``INT8_MMA`` (int8 codes) runs ``Q K^T`` as an int8 MMA on int8 query rows and ``P V`` as the
-dequantizing mode does. Channel equalization factors (``HAS_K_EQUALIZER``,
-``HAS_V_EQUALIZER``) multiply q's channels before anything else (FP8-MMA's codes have K's in)
-and the output's at the end.
+(e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into it by a
+power of two each), V's to float16, and the scales multiply score columns (K) and V's rows
+(probability columns in masked tiles), in a unit per sequence and KV head the launcher made
+beforehand (``v_unit_ptr``), so that float16 holds them. Channel equalization factors
+(``HAS_K_EQUALIZER``, ``HAS_V_EQUALIZER``) multiply q's channels before anything else (k8v8's and
+k8v16's query codes have K's in) and the output's at the end.
 The unquantized kernel is compiled without any of it (the scale pointer's absence is a
 compile-time flag), as the kernel without ``HAS_LSE`` is without the LSE.
 """
@@ -61,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from paged_video.kernels._quantize_jit import int8_to_float16, quantize_rows, to_e4m3
+from paged_video.kernels._quantize_jit import int8_to_float16, to_e4m3
 
 # ln 2 for the kernel (a global a jit function reads must be a constexpr).
 LN2 = tl.constexpr(0.6931471805599453)
@@ -465,11 +458,9 @@ def _attend_tiles(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
-    FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -505,14 +496,10 @@ def _attend_tiles(
     ``QUANTIZED``: K/V tiles are codes with a scale per key row (loaded like the tile's rows, from
     the scale pools). The K scales multiply the score columns, the V scales V's rows or the
     probability columns (row sums from the unscaled probabilities), in units of ``p_unit``
-    (acc then holds the output in that unit; ``value_units``). Without ``FP8_MMA`` the codes
-    convert exactly, K's to q's compute dtype, V's to ``PV_DTYPE`` (float16 on a GPU); unmasked
-    tiles scale V's rows, masked ones the probabilities, and ``p_unit`` is the sequence's
-    largest V scale * 448 / 2**15 (no scaled V element exceeds 2**15). With it, q is already
-    e4m3 codes, both products are FP8 MMAs, and the V-scaled probabilities are rounded to e4m3
-    in a unit of the largest V scale / 448, so no key's value exceeds 448 in it.
-    ``INT8_MMA``: q is int8 codes, ``Q K^T`` an int8 MMA (int32 sums, exact), V as in the
-    dequantizing mode's ``P V``.
+    (acc then holds the output in that unit; ``value_units``). The codes convert exactly, K's
+    to q's compute dtype, V's to ``PV_DTYPE`` (float16 on a GPU); unmasked tiles scale V's
+    rows, masked ones the probabilities, and ``p_unit`` is the sequence's largest V scale * 448
+    / 2**15 (no scaled V element exceeds 2**15).
     """
     acc, row_max, row_sum = state
     k_cache = caches[0]
@@ -528,10 +515,7 @@ def _attend_tiles(
     # shared memory and feeds the MMA as loaded. A slot-major one is read as bytes, prefetched
     # like K, and transposed through shared memory every tile (Triton does not prefetch an e4m3
     # load that needs the transpose: it read V synchronously in the loop).
-    if (FP8_MMA or K8V8) and not V_KEYS_MAJOR:
-        v_head = v_cache[0].to(tl.pointer_type(tl.uint8))
-    else:
-        v_head = v_cache[0]
+    v_head = v_cache[0].to(tl.pointer_type(tl.uint8)) if K8V8 and not V_KEYS_MAJOR else v_cache[0]
     k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
     v_dims = v_head + offs_d[None, :] * v_cache[3]
     d_mask = offs_d[None, :] < HEAD_DIM
@@ -542,10 +526,10 @@ def _attend_tiles(
     # TMA: whole tiles inside one block are descriptor loads (masked tiles load only the keys
     # they show, so they stay pointer loads).
     DESCRIPTOR_LOADS: tl.constexpr = TMA and not MASKED and SCALAR_BASE
-    # FP8-MMA's unmasked loops read K's rows and the scales in the order that lets the
+    # k8v8's unmasked loops read K's rows and the scales in the order that lets the
     # probabilities feed P V from registers (``_fp8_mma_key_order``); masked tiles keep
     # position order, in which their masks are.
-    MMA_ORDER: tl.constexpr = (FP8_MMA or K8V8) and not MASKED
+    MMA_ORDER: tl.constexpr = K8V8 and not MASKED
     # Their unmasked pointer loads: loop-invariant pointer tiles plus the tile's scalar base,
     # one wide multiply-add per address as in a plain loop (pointers plus per-row offsets took
     # an add and a 64-bit add per address, 3 instructions).
@@ -561,8 +545,8 @@ def _attend_tiles(
     # cheaper computed twice).
     SHARE_ROWS: tl.constexpr = SAME_KV_STRIDES and not SCALAR_BASE
     # The unmasked 16-bit loops mask a tile's entries with one compare (1-2.5% shorter at
-    # blocks 16, 24, 31; in the quantized loops it moved -1% to +1% and made FP8-MMA keep a
-    # value in local memory across the pieces' loops at block 31).
+    # blocks 16, 24, 31; in the quantized loops it moved -1% to +1% and made an FP8 MMA loop
+    # keep a value in local memory across the pieces' loops at block 31).
     WHOLE_TILE_ENTRIES: tl.constexpr = not MASKED and not QUANTIZED
     # Two head tiles (masked tiles half the unmasked one): tiles from two bases.
     HEAD_PAIR: tl.constexpr = MASKED and MOST_HEAD_TILES > 1
@@ -638,21 +622,11 @@ def _attend_tiles(
                     v_col = _load_scales(v_scales[0], vs_rows, n_mask, True, False, BLOCK_N)
         else:
             if DESCRIPTOR_LOADS:
+                # (k8v8's descriptor tiles, K in the 8-bit MMA's key order and V keys-major,
+                # run in _attend_k8v8_ahead.)
                 slot = PIECE_OFFSET + n_start % PIECE_SIZE
-                if MMA_ORDER:
-                    # K's descriptor reads each run of 16 rows in _fp8_mma_key_order (its runs
-                    # start at the tile's first row, wherever that lies in the pool's runs).
-                    first_row = id0 * BLOCK_SIZE + slot
-                    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])
-                    k = tl.reshape(k, (BLOCK_N, BLOCK_D))
-                else:
-                    k = descs[0].load([id0 * BLOCK_SIZE + slot, descs[2]])
-                if V_KEYS_MAJOR:
-                    # Rows of (block, KV head, channel), columns of slots: the tile arrives
-                    # keys-contiguous, as the FP8 P V MMA reads it (the transpose is a view).
-                    v = tl.trans(descs[1].load([id0 * descs[3] + descs[2], slot]))
-                else:
-                    v = descs[1].load([id0 * BLOCK_SIZE + slot, descs[2]])
+                k = descs[0].load([id0 * BLOCK_SIZE + slot, descs[2]])
+                v = descs[1].load([id0 * BLOCK_SIZE + slot, descs[2]])
             elif SCALAR_BASE:
                 k_base = _tile_base(
                     id0, n_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
@@ -673,7 +647,7 @@ def _attend_tiles(
                 k = tl.load(k_dims + k_rows[:, None], mask=d_mask, other=0.0)
                 v = tl.load(v_dims + v_rows[:, None], mask=d_mask, other=0.0)
             if QUANTIZED and DESCRIPTOR_LOADS:
-                # (V's scales first: in the other order Triton 3.9's FP8-MMA loop kept 4 values
+                # (V's scales first: in the other order Triton 3.9's FP8 MMA loop kept 4 values
                 # in local memory across it, 12-16 bytes at blocks 256, 520, 1560; the other
                 # modes' loops are as long this way, or 2-4 instructions shorter.)
                 if not (K8V8 or K8V16):
@@ -691,20 +665,12 @@ def _attend_tiles(
                 # read from shared memory in K's: four contiguous ones a thread. (Loaded in K's
                 # order they were copied 8 or 4 bytes at a time: head_dim 256, 32-key tiles,
                 # Triton 3.6: 393 instructions a tile against 339.)
-                if not K8V8:
-                    v_col = _in_fp8_mma_key_order(v_col, BLOCK_N)
                 k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
-        if FP8_MMA:
-            qk = tl.dot(q, tl.trans(k))
-        elif K8V8 or K8V16:
+        if K8V8 or K8V16:
             # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
             if K8V16 and UPCAST:
                 v = v.to(tl.float32)
-        elif INT8_MMA:
-            # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
-            qk = tl.dot(q, tl.trans(k)).to(tl.float32)
-            v = _values_in_unit(v, v_col, p_unit, PV_DTYPE, MASKED, INTERPRETED)
         else:
             if QUANTIZED:
                 # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7);
@@ -761,20 +727,6 @@ def _attend_tiles(
                 acc = acc * rescale[:, None] + pv * v_channels[None, :]
             else:
                 acc = acc * rescale[:, None] + pv
-        elif FP8_MMA:
-            # acc holds the output in units of p_unit (the sequence's largest V scale / 448):
-            # the tile's V-scaled probabilities are rounded in that unit, so the MMA accumulates
-            # in place (no multiply per output element). A fixed unit takes no tile maximum of
-            # the scales: reduced across warps, it cost 1-3 barriers a tile.
-            p_codes = to_e4m3(probs * (v_col * (1.0 / p_unit))[None, :], INTERPRETED)
-            if MMA_ORDER:
-                p_codes = _fp8_operand(p_codes, BLOCK_N)
-            if not V_KEYS_MAJOR:
-                v = v.to(tl.float8e4nv, bitcast=True)
-            # The MMA sums the tile from zero and acc adds it in float32 (64 FFMA a thread at
-            # 128 x 128): Triton folds no accumulator into an FP8 MMA on sm_90, whose own sums
-            # keep about 14 bits, so the sequence's sum stays float32 (do not pass acc in).
-            acc = acc * rescale[:, None] + tl.dot(p_codes, v)
         else:
             if QUANTIZED and MASKED and not K8V16:
                 probs = probs * (v_col * (1.0 / p_unit))[None, :]
@@ -1235,11 +1187,9 @@ def _attend_piece(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
-    FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -1364,11 +1314,9 @@ def _attend_piece(
                 UPCAST,
                 DOT_PRECISION,
                 QUANTIZED,
-                FP8_MMA,
                 V_KEYS_MAJOR,
                 SCALES_KEYS_MAJOR,
                 WIDE_SCALES,
-                INT8_MMA,
                 K8V8,
                 V_BLOCK_SCALES,
                 K8V16,
@@ -1406,11 +1354,9 @@ def _attend_run(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
-    FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -1456,11 +1402,9 @@ def _attend_run(
             UPCAST,
             DOT_PRECISION,
             QUANTIZED,
-            FP8_MMA,
             V_KEYS_MAJOR,
             SCALES_KEYS_MAJOR,
             WIDE_SCALES,
-            INT8_MMA,
             K8V8,
             V_BLOCK_SCALES,
             K8V16,
@@ -1555,11 +1499,9 @@ def _paged_attention_kernel(
     HAS_KEY_GAP: tl.constexpr,
     GAPS: tl.constexpr,
     QUANTIZED: tl.constexpr,
-    FP8_MMA: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
-    INT8_MMA: tl.constexpr,
     K8V8: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     K8V16: tl.constexpr,
@@ -1598,7 +1540,7 @@ def _paged_attention_kernel(
         mask=io_mask,
         other=0.0,
     )
-    if INT8_MMA or (UPCAST and not FP8_MMA and not K8V8 and not K8V16):
+    if UPCAST and not K8V8 and not K8V16:
         q = q.to(tl.float32)
     # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows). Not past 128
     # channels: at head_dim 256 the e4m3 loop then spilled 20-108 bytes on Triton 3.6 (its
@@ -1617,18 +1559,12 @@ def _paged_attention_kernel(
             other=1.0,
         )
         q = (q.to(tl.float32) * k_factor[None, :]).to(q.dtype)
-    if FP8_MMA or K8V8 or K8V16:
-        # q holds the rows' e4m3 (FP8-MMA) or int8 (k8v8, k8v16) codes (query_codes.py, K's
-        # channel factors folded in); each row's scale folds into the softmax scale.
+    if K8V8 or K8V16:
+        # q holds the rows' int8 codes (query_codes.py, K's channel factors folded in); each
+        # row's scale folds into the softmax scale.
         q_scale = tl.load(
             q_scale_ptr + q_rows * stride_qs_tok + head * stride_qs_head, mask=m_mask, other=0.0
         )
-        scale_log2 = q_scale * scale_log2
-    elif INT8_MMA:
-        # Each row as int8 codes and a scale (amax / 127, rounded as the write kernel rounds),
-        # folded into the softmax scale; a zero row has scale 0 and codes 0.
-        q, q_scale = quantize_rows(q, 127.0, False)
-        q = q.to(tl.int8)
         scale_log2 = q_scale * scale_log2
     elif QUANTIZED and FLOAT16_QK:
         q, q_factor = _float16_rows(q)
@@ -1674,14 +1610,14 @@ def _paged_attention_kernel(
     if TMA:
         # Each pool as a 2-D tensor of (block, slot) rows and (KV head, channel) columns: a key
         # tile inside one block is one descriptor load (the launcher checked the layout). A
-        # keys-major V pool (FP8-MMA) reads as (block, KV head, channel) rows of slots instead.
+        # keys-major V pool (k8v8) reads as (block, KV head, channel) rows of slots instead.
         row = tl.num_programs(2) * HEAD_DIM
         # A box of a tile's rows; of a block's, where a tile is two whole blocks.
         BLOCK_PAIRS: tl.constexpr = (
             TMA and not QUANTIZED and KV_PATH == "rows" and BLOCK_N == 2 * BLOCK_SIZE
         )
         TMA_ROWS: tl.constexpr = BLOCK_SIZE if BLOCK_PAIRS else BLOCK_N
-        if FP8_MMA or K8V8:
+        if K8V8:
             # K's rows as (run of 16, j, q, b), element (r, j, q, b) at row 16 r + 2j + 4q + b:
             # a box's rows, stored in (j, q, b) order, are each run's in _fp8_mma_key_order. A
             # tile's first row gives the run and b's start (a tile may start mid-run: block
@@ -1767,11 +1703,9 @@ def _paged_attention_kernel(
                 UPCAST,
                 DOT_PRECISION,
                 QUANTIZED,
-                FP8_MMA,
                 V_KEYS_MAJOR,
                 SCALES_KEYS_MAJOR,
                 WIDE_SCALES,
-                INT8_MMA,
                 K8V8,
                 V_BLOCK_SCALES,
                 K8V16,
@@ -1809,11 +1743,9 @@ def _paged_attention_kernel(
             UPCAST,
             DOT_PRECISION,
             QUANTIZED,
-            FP8_MMA,
             V_KEYS_MAJOR,
             SCALES_KEYS_MAJOR,
             WIDE_SCALES,
-            INT8_MMA,
             K8V8,
             V_BLOCK_SCALES,
             K8V16,

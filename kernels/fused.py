@@ -52,6 +52,7 @@ from typing import NamedTuple, get_type_hints
 import torch
 from torch import Tensor
 
+from paged_video._removed import refuse_removed
 from paged_video.kernels import _checks
 from paged_video.kernels._attention_checks import check_arguments as check_attention_arguments
 from paged_video.kernels.gather_blocks import gather_blocks
@@ -133,9 +134,10 @@ class LayerInputs(NamedTuple):
     ``stage_from`` is the first block-table entry to restage when the layer's staging buffers
     hold the history ``stage_key`` names (any other layer restages all), or -1 to attend
     without staging; ``stage_tags`` is the cache's record of what each layer's buffers hold
-    (mutated); ``fp8_mma`` attends with FP8 MMAs (``float8_e4m3fn`` pools only); ``return_lse``
-    also returns each query row's log-sum-exp (see ``paged_attention``); ``int8_mma`` attends
-    with an int8 ``Q K^T`` MMA (``int8`` pools only). ``choice_slots`` (``video_slots``'s
+    (mutated); ``fp8_mma`` was deleted (issue 45: True raises a ``ValueError`` naming
+    ``kv_format="k8v8"``); ``return_lse``
+    also returns each query row's log-sum-exp (see ``paged_attention``); ``int8_mma`` was
+    deleted (True raises, naming ``kv_format="k8v16"``). ``choice_slots`` (``video_slots``'s
     shape, or None) are the single process's slots of the forward's video tokens where
     ``video_slots`` writes only some of them (one rank of a sequence-sharded window, ``-1`` for
     the others'): a layer's first write chooses what it freezes (the K mean, the factors) from
@@ -442,10 +444,7 @@ def _check_inputs(
     if not quantized and k_pools.dtype != query.dtype:
         raise TypeError(f"k_pools must have query's dtype {query.dtype}, got {k_pools.dtype}")
     smoothed, equalized = _check_quantized_pools(pools)
-    if inputs.fp8_mma and k_pools.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_mma needs float8_e4m3fn pools, got {k_pools.dtype}")
-    if inputs.int8_mma and k_pools.dtype != torch.int8:
-        raise ValueError(f"int8_mma needs int8 pools, got {k_pools.dtype}")
+    refuse_removed(fp8_mma=inputs.fp8_mma, int8_mma=inputs.int8_mma)
     k8v8 = _k8v8(pools)
     v_unscaled = k8v8 or _k8v16(pools)  # (no V scale per slot, no V factors)
     _checks.check_same_device(
@@ -476,8 +475,6 @@ def _check_inputs(
         False,
         k_scale,
         v_scale,
-        fp8_mma=inputs.fp8_mma,
-        int8_mma=inputs.int8_mma,
         k_equalizer=pools.k_equalizers[layer_index] if equalized else None,
         v_equalizer=pools.v_equalizers[layer_index] if equalized and not v_unscaled else None,
         v_channel_scale=pools.v_channel_scales[layer_index] if k8v8 else None,
@@ -584,9 +581,7 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
         "max_seqlen_q": inputs.max_seqlen_q,
         "softmax_scale": inputs.softmax_scale,
         "key_gap": inputs.key_gap,
-        "fp8_mma": inputs.fp8_mma,
         "return_lse": inputs.return_lse,
-        "int8_mma": inputs.int8_mma,
         "k_equalizer": k_equalizer,
         "v_equalizer": v_equalizer,
         "check_values": False,
@@ -701,10 +696,8 @@ def write_attend(
         if getattr(given, "_fields", None) != cls._fields:
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(given).__name__}")
     # Here: the dispatcher would turn an int into a bool.
-    for name in ("fp8_mma", "return_lse", "int8_mma"):
-        flag = getattr(inputs, name)
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if not isinstance(inputs.return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(inputs.return_lse).__name__}")
     named = {**dict(zip(KV_ARGS, kv, strict=True)), **pools._asdict()}
     for name, tensor in named.items():
         _checks.check_tensor(name, tensor)

@@ -27,13 +27,14 @@ VARIANTS = ("cp_async", "tma", "ws")
 # takes one of these (``two_blocks`` needs tiles of 256 keys: kernels.paged_attention.MAX_PIECES).
 KV_PATHS = ("contiguous", "block_tiles", "rows")
 # K/V modes: ``same`` (the query dtype), then the quantized ones (``kv_mode``): e4m3 or int8
-# codes dequantized, or fed to FP8 / INT8 MMAs; ``_keys`` when the pools are ones the TMA loop
-# reads (keys-major scales, and V with FP8-MMA: ``kernels.keys_major``). Their loops differ
-# (over keys-major pools FP8-MMA's V needs no transpose), and only those take ``tma``.
-QUANTIZED_MODES = ("fp8", "int8", "fp8_mma", "int8_mma", "k8v8", "k8v16")
+# codes dequantized, or the one-switch formats; ``_keys`` when
+# the pools are ones the TMA loop reads (keys-major scales, and k8v8's V:
+# ``kernels.keys_major``). Their loops differ (over keys-major pools k8v8's V needs no
+# transpose), and only those take ``tma``.
+QUANTIZED_MODES = ("fp8", "int8", "k8v8", "k8v16")
 MODES = ("same", *QUANTIZED_MODES, *(f"{mode}_keys" for mode in QUANTIZED_MODES))
-# The fewest keys per tile of the FP8-MMA modes (the K dimension of the P V MMA): Hopper's FP8
-# wgmma reduces over 32 at least.
+# The fewest keys per tile of k8v8 (the K dimension of its FP8 P V MMA): Hopper's FP8 wgmma
+# reduces over 32 at least.
 FP8_MIN_KEYS = 32
 HEAD_DIM_CLASSES = (64, 128, 256)
 SOURCES = ("compile evidence", "gpu run")
@@ -109,7 +110,7 @@ def _check_quantized(n: int, row: dict) -> None:
             f"launch table: choice {n} variant 'tma' needs a '_keys' mode (no descriptor reads "
             f"{mode!r} pools)"
         )
-    if mode.startswith(("fp8_mma", "k8v8")) and row["block_n"] < FP8_MIN_KEYS:
+    if mode.startswith("k8v8") and row["block_n"] < FP8_MIN_KEYS:
         raise ValueError(
             f"launch table: choice {n} block_n={row['block_n']} < {FP8_MIN_KEYS} ({mode})"
         )
@@ -118,22 +119,16 @@ def _check_quantized(n: int, row: dict) -> None:
 def kv_mode(
     kv_dtype: torch.dtype | None,
     *,
-    fp8_mma: bool,
-    int8_mma: bool,
     keys_major: bool,
     k8v8: bool = False,
     k8v16: bool = False,
 ) -> str:
     """The table's K/V mode of a call: ``same`` for caches in the query dtype (``kv_dtype``
     None), else the quantized mode, with ``_keys`` where the TMA loop reads the pools."""
-    if kv_dtype is None and not (fp8_mma or int8_mma or k8v8 or k8v16):
+    if kv_dtype is None and not (k8v8 or k8v16):
         return "same"
     if k8v8 or k8v16:
         mode = "k8v8" if k8v8 else "k8v16"
-    elif fp8_mma:
-        mode = "fp8_mma"
-    elif int8_mma:
-        mode = "int8_mma"
     else:
         mode = "int8" if kv_dtype == torch.int8 else "fp8"
     return f"{mode}_keys" if keys_major else mode

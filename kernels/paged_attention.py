@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_video._removed import refuse_removed
 from paged_video.kernels import (
     _checks,
     launch_table,
@@ -63,18 +64,18 @@ def _descriptor_layout(
     block_d: int,
     head_dim: int,
     scales: tuple[Tensor, ...] | None = None,
-    fp8_mma: bool = False,
+    v_8bit: bool = False,
 ) -> bool:
     """True when each pool reads as the tensor the TMA loop's descriptors describe, within TMA's
     limits: codes as (block, slot) rows of (KV head, channel) columns; quantized ``scales`` (K's
     and V's) keys-major and aligned (``kernels.keys_major``), each a run of (block, KV head,
     slot) scales (slot-major, a tile's scales of one head are 4 bytes apart: too narrow for a
-    descriptor's rows); with ``fp8_mma`` (an 8-bit V: FP8-MMA, k8v8) V keys-major too, read
+    descriptor's rows); with ``v_8bit`` (k8v8's e4m3 V) V keys-major too, read
     as (block, KV head, channel) rows of slots (its P V MMA reads V keys-contiguous, a
     transpose no descriptor gives)."""
     if block_d != head_dim:
         return False  # a tile's columns would run into the next head's
-    pools = (k_cache,) if fp8_mma else (k_cache, v_cache)
+    pools = (k_cache,) if v_8bit else (k_cache, v_cache)
     for pool in pools:
         blocks, block_size, heads, _ = pool.shape
         stride_block, stride_slot, stride_head, stride_dim = pool.stride()
@@ -87,7 +88,7 @@ def _descriptor_layout(
             return False
     if scales is not None and not all(map(_keys_major_rows, scales)):
         return False
-    return not fp8_mma or _keys_major_rows(v_cache)
+    return not v_8bit or _keys_major_rows(v_cache)
 
 
 def _keys_major_rows(pool: Tensor) -> bool:
@@ -317,8 +318,6 @@ def table_mode(
     dtype: torch.dtype,
     kv_dtype: torch.dtype | None = None,
     dequantize: bool = False,
-    fp8_mma: bool = False,
-    int8_mma: bool = False,
     tma_ready: bool = False,
     k8v8: bool = False,
     k8v16: bool = False,
@@ -326,13 +325,11 @@ def table_mode(
     """The launch table's K/V mode of a call (``choose_tiles``' arguments of the same names), or
     None where the table has no row for it: float32 queries, and dequantizing calls that do not
     name their codes' dtype."""
-    quantized = dequantize or fp8_mma or int8_mma or k8v8 or k8v16
+    quantized = dequantize or k8v8 or k8v16
     if dtype == torch.float32 or (dequantize and kv_dtype is None):
         return None
     return launch_table.kv_mode(
         kv_dtype if quantized else None,
-        fp8_mma=fp8_mma,
-        int8_mma=int8_mma,
         keys_major=quantized and tma_ready,
         k8v8=k8v8,
         k8v16=k8v16,
@@ -359,8 +356,6 @@ def choose_tiles(
     block_n: int | None = None,
     heads_per_kv_head: int = 1,
     dequantize: bool = False,
-    fp8_mma: bool = False,
-    int8_mma: bool = False,
     variant: str | None = None,
     scores_ahead: bool | None = None,
     tma_ready: bool = False,
@@ -380,21 +375,17 @@ def choose_tiles(
     before the MMAs. Triton's pipeliner then keeps loads one stage closer to their use (they
     feed a conversion, not the MMA), so the built-in settings take one more stage, to keep as
     many K/V tiles in flight (checked by ``python -m paged_video.bench compile``).
-    ``fp8_mma``: FP8 MMAs on e4m3 codes; ``int8_mma``: an int8 ``Q K^T`` MMA on int8 codes, with
-    the built-in stages (K feeds its MMA unconverted; 3 stages keep 3 K/V buffers in flight).
     The quantized modes' built-in tiles are 64 keys, on Triton 3.9 as on 3.6: at hd 128,
-    bf16, blocks 16..1560 they compile without spills in the key loops (outside them, FP8-MMA
-    spills 16-52 bytes at some blocks on 3.9, 20 at block 16 on 3.6) at 7.8-10.9 SASS
+    bf16, blocks 16..1560 they compile without spills in the key loops at 7.8-10.9 SASS
     instructions per key (docs/kernels.md); 3.6 once took 32-key tiles (13.4-20.3 per key),
     when its 64-key ones spilled 250-480 bytes; the pointer loop's 128-key tiles spill 96-120
     bytes. The 8-bit MMAs reduce over at least 32 channels, so their ``BLOCK_D`` is at least
     32. ``scores_ahead``: the unmasked loop computes each tile's scores one iteration ahead
     (16-bit caches, the pointer and TMA loops; default: the table row's choice, else off).
     ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``), the
-    table's ``_keys`` modes: by the shipped table's rows, FP8-MMA and the dequantizing modes
-    over such pools at head_dim 128 take 128-key TMA tiles where a tile lies inside a block
-    (FP8-MMA 6.1 instructions per key, e4m3 6.8-7.0, int8 7.2-7.4), unless the caller sets
-    another tile or variant.
+    table's ``_keys`` modes: by the shipped table's rows, the quantized modes over such pools
+    at head_dim 128 take 128-key TMA tiles where a tile lies inside a block (e4m3 6.8-7.0
+    instructions per key, int8 7.2-7.4), unless the caller sets another tile or variant.
     ``k8v8``: the k8v8 format (int8 ``Q K^T``, FP8 ``P V``); with ``v_block_scales`` (V's
     scales per block) every key tile must lie inside one block: the key tile is the largest
     that divides the block (at least 32 keys, else a ``ValueError``). ``k8v16``: int8 ``Q K^T``,
@@ -403,7 +394,7 @@ def choose_tiles(
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and (not isinstance(value, int) or not _is_tile(value)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
-    quantized = dequantize or fp8_mma or int8_mma or k8v8 or k8v16
+    quantized = dequantize or k8v8 or k8v16
     if variant is not None and variant not in launch_table.VARIANTS:
         raise ValueError(
             f"variant must be one of {', '.join(launch_table.VARIANTS)}, got {variant!r}"
@@ -424,8 +415,8 @@ def choose_tiles(
             default_m, default_n, warps, stages = _QUANTIZED_WIDE_TILES
         stages += dequantize
         mode = table_mode(
-            dtype=dtype, kv_dtype=kv_dtype, dequantize=dequantize, fp8_mma=fp8_mma,
-            int8_mma=int8_mma, tma_ready=tma_ready, k8v8=k8v8, k8v16=k8v16,
+            dtype=dtype, kv_dtype=kv_dtype, dequantize=dequantize, tma_ready=tma_ready,
+            k8v8=k8v8, k8v16=k8v16,
         )  # fmt: skip
         row = None
         if mode is not None:
@@ -444,13 +435,12 @@ def choose_tiles(
             default_m, warps = short_q, 4
     tile_m = block_m or default_m
     tile_n = block_n or default_n
-    if (fp8_mma or k8v8) and tile_n < launch_table.FP8_MIN_KEYS:
+    if k8v8 and tile_n < launch_table.FP8_MIN_KEYS:
         # The FP8 P V MMA reduces over the tile's keys; Hopper's FP8 wgmma takes 32 at least
         # (a 16-key tile fails to compile on a GPU, though the interpreter runs it).
         if block_n is not None:
             raise ValueError(
-                f"block_n must be >= {launch_table.FP8_MIN_KEYS} with fp8_mma or k8v8, got "
-                f"{block_n}"
+                f"block_n must be >= {launch_table.FP8_MIN_KEYS} with k8v8, got {block_n}"
             )
         tile_n = launch_table.FP8_MIN_KEYS
     if v_block_scales and block_size % tile_n:
@@ -482,7 +472,7 @@ def choose_tiles(
     return {
         "BLOCK_M": tile_m,
         "BLOCK_N": tile_n,
-        "BLOCK_D": _block_d(head_dim, fp8_mma or int8_mma or k8v8 or k8v16),
+        "BLOCK_D": _block_d(head_dim, k8v8 or k8v16),
         "KV_PATH": path,
         "PIECES": block_pieces(block_size, tile_n),
         "TMA": variant in ("tma", "ws"),
@@ -539,14 +529,11 @@ def paged_attention(
     as ``codes * scale`` (scales >= 0, as ``write_slots`` writes them). By default the codes
     convert exactly to q's compute dtype, the K scale multiplies the score columns and the V
     scale the probability columns before the PV product.
-    ``fp8_mma=True`` (e4m3 caches only) rounds each query row and the V-scaled probabilities
-    (in units of the sequence's largest V scale outside its gaps / 448) to e4m3 and runs both
-    products as FP8 MMAs with float32 accumulation. Pools may have any strides;
-    ``kernels.keys_major`` copies of V (and of the scale pools) are read faster on a GPU
-    (docs/kernels.md).
-    ``int8_mma=True`` (int8 caches only) rounds each query row to int8 codes (scale
-    ``amax / 127``) and runs ``Q K^T`` as an int8 MMA (int32 sums: exact), then ``P V`` as the
-    dequantizing mode. ``k_equalizer``/``v_equalizer`` (quantized caches, float32
+    ``fp8_mma`` was deleted (issue 45): any value but False raises a ``ValueError`` naming
+    the k8v8 format (``v_channel_scale`` below). Pools may have any strides;
+    ``kernels.keys_major`` copies of the scale pools are read faster on a GPU (docs/kernels.md).
+    ``int8_mma`` was deleted too: any value but False raises a ``ValueError`` naming the
+    k8v16 format (below). ``k_equalizer``/``v_equalizer`` (quantized caches, float32
     ``(num_kv_heads, head_dim)``, as ``write_slots`` divided K and V by them): q's channels are
     multiplied by K's and the output's by V's, so the result is attention over the undivided
     rows.
@@ -565,10 +552,11 @@ def paged_attention(
     ``(total_q, num_heads)``, the natural log of the sum of ``exp(softmax_scale * q.k)`` over
     the keys the row sees (after every mask), ``-inf`` for a row that sees none. Partial
     attentions over disjoint key sets merge exactly by it (``merge_attention_states``). With
-    quantized caches the scores are of the dequantized keys (``codes * k_scale``); with
-    ``fp8_mma`` they are the scores the kernel used, of the e4m3-rounded query rows. Off (the
-    default), the kernel is compiled without it.
+    quantized caches the scores are of the dequantized keys (``codes * k_scale``); with int8
+    query rows (k8v8, k8v16) they are the scores the kernel used, of the rounded
+    rows. Off (the default), the kernel is compiled without it.
     """
+    refuse_removed(fp8_mma=fp8_mma, int8_mma=int8_mma)
     check_arguments(
         q,
         k_cache,
@@ -583,8 +571,6 @@ def paged_attention(
         check_values,
         k_scale=k_scale,
         v_scale=v_scale,
-        fp8_mma=fp8_mma,
-        int8_mma=int8_mma,
         k_equalizer=k_equalizer,
         v_equalizer=v_equalizer,
         v_channel_scale=v_channel_scale,
@@ -610,8 +596,8 @@ def paged_attention(
     scales = (k_scale, v_scale) if k_scale is not None else None
     if k8v8 or k8v16:
         scales = (k_scale,)  # (V's scales are per channel: no descriptor reads them)
-    block_d = _block_d(head_dim, fp8_mma or int8_mma or k8v8 or k8v16)
-    tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, fp8_mma or k8v8)
+    block_d = _block_d(head_dim, k8v8 or k8v16)
+    tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, k8v8)
     tiles = choose_tiles(
         block_size=block_size,
         head_dim=head_dim,
@@ -620,9 +606,7 @@ def paged_attention(
         block_m=block_m,
         block_n=block_n,
         heads_per_kv_head=group,
-        dequantize=v_scale is not None and not fp8_mma and not int8_mma,
-        fp8_mma=fp8_mma,
-        int8_mma=int8_mma,
+        dequantize=v_scale is not None,
         variant=variant,
         scores_ahead=scores_ahead,
         tma_ready=tma_ready,
@@ -638,7 +622,7 @@ def paged_attention(
                 f"variant {variant!r} needs caches a tensor descriptor can read (16-byte aligned "
                 "pointer and strides, unit channel stride, blocks of contiguous slots, "
                 "head_dim a power of two, fewer than 2**31 slots; quantized caches: both scale "
-                "pools, and with fp8_mma V, stored by kernels.keys_major); use 'cp_async'"
+                "pools, and k8v8's V, stored by kernels.keys_major); use 'cp_async'"
             )
         tiles["TMA"], chosen_variant = False, "cp_async"
     if chosen_variant == "ws":
@@ -668,8 +652,6 @@ def paged_attention(
             key_gap=key_gap,
             k_scale=k_scale,
             v_scale=v_scale,
-            fp8_mma=fp8_mma,
-            int8_mma=int8_mma,
             k_equalizer=k_equalizer,
             v_equalizer=v_equalizer,
             lse=lse,
@@ -717,22 +699,17 @@ def paged_attention(
     # int32 row offsets when every offset into the pools (and their scale pools) fits.
     pools = [pool for pool in (k_cache, v_cache, k_scale, v_scale) if pool is not None]
     offsets_32 = max(map(_largest_offset, pools)) < 2**31
-    # FP8-MMA: the kernel loads e4m3 query rows made beforehand (K's factors folded in), so its
-    # Q K^T MMA reads them from shared memory (kernels/query_codes.py). Every quantized mode: the
-    # unit its V scales take, for e4m3 probabilities (FP8-MMA) or float16 operands
-    # (kernels/value_units.py).
+    # k8v8, k8v16: the kernel loads int8 query rows made beforehand (K's factors folded in), so
+    # its Q K^T MMA reads them from shared memory (kernels/query_codes.py). The dequantizing
+    # modes: the unit their V scales take, for float16 operands (kernels/value_units.py).
     query, query_scales, units = q, None, None
-    if fp8_mma:
-        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)
-        k_equalizer = None
     if k8v8 or k8v16:
         # int8 query rows (a scale per row, folded into the softmax's per-row factor).
         query, query_scales = query_codes.int8_query_rows(q, k_equalizer, group)
         k_equalizer = None
     elif k_scale is not None:
-        largest = value_units.E4M3_LARGEST if fp8_mma else value_units.FLOAT16_LARGEST
         units = value_units.probability_units(
-            v_scale, block_table, seq_lens_k, key_gap, largest=largest
+            v_scale, block_table, seq_lens_k, key_gap, largest=value_units.FLOAT16_LARGEST
         )
     equalizer_strides = [
         factor.stride() if factor is not None else (0, 0) for factor in (k_equalizer, v_equalizer)
@@ -777,11 +754,9 @@ def paged_attention(
         OFFSETS_32=offsets_32,
         CAUSAL=causal,
         GAPS=max(1, triton.next_power_of_2(gaps_per_row)),
-        FP8_MMA=fp8_mma,
-        V_KEYS_MAJOR=(fp8_mma or k8v8) and pool_layout.keys_aligned(v_cache),
+        V_KEYS_MAJOR=k8v8 and pool_layout.keys_aligned(v_cache),
         SCALES_KEYS_MAJOR=pool_layout.keys_aligned(k_scale)
         and (k8v8 or k8v16 or pool_layout.keys_aligned(v_scale)),
-        INT8_MMA=int8_mma,
         K8V8=k8v8,
         V_BLOCK_SCALES=v_block_scales,
         K8V16=k8v16,

@@ -9,7 +9,7 @@ Every kernel takes pools by their strides, so the layout is the caller's choice:
 * **keys-major** (``keys_major(pool)``: memory ordered ``(block, KV head[, channel], slot)``):
   the keys of a block are contiguous for each head (and channel), as vLLM lays out its V cache.
   The 8-bit MMA reads ``P V`` with the keys (its reduction axis) contiguous, so over a
-  keys-major e4m3 V pool the FP8-MMA mode feeds V's tile to the MMA as it was prefetched, where
+  keys-major e4m3 V pool the k8v8 format feeds V's tile to the MMA as it was prefetched, where
   a slot-major one is transposed through shared memory every tile. Keys-major scale pools let
   Triton 3.6 prefetch a tile's scales two at a time (it copies each thread's own columns).
 """
@@ -29,9 +29,9 @@ def keys_major(pool: Tensor) -> Tensor:
 
     Each row of a block's keys is padded to a multiple of ``KEY_ALIGNMENT`` elements, so that
     every row starts aligned: ``cp.async`` copies 16 bytes at a time only from 16-byte aligned
-    addresses, and Triton loads a tile whose rows it cannot prove aligned synchronously (blocks
-    24, 520, 1560 unpadded: 33-36 plain loads per iteration of the FP8-MMA hot loop, against
-    none padded). The padding is never read. Blocks of one slot are not padded
+    addresses, and Triton loads a tile whose rows it cannot prove aligned synchronously (blocks 24,
+    520, 1560 unpadded: 33-36 plain loads per iteration of the (since deleted) FP8-MMA hot loop,
+    against none padded). The padding is never read. Blocks of one slot are not padded
     (``padded_keys``)."""
     if not isinstance(pool, Tensor):
         raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
@@ -64,7 +64,7 @@ def padded_keys(block_size: int) -> int:
     """Elements per row of a block's keys in a keys-major pool: ``block_size`` rounded up to
     ``KEY_ALIGNMENT``, except a block of one slot. Its rows are one key each: the pool is then
     laid out as a slot-major one (``is_keys_major`` counts it so), and padding would store 16
-    times the pool to no end (the kernels read it as slot-major; padded, they gathered FP8-MMA's
+    times the pool to no end (the kernels read it as slot-major; padded, they gathered an e4m3
     V a byte at a time, and the loop spilled on Triton 3.6)."""
     return 1 if block_size == 1 else -(-block_size // KEY_ALIGNMENT) * KEY_ALIGNMENT
 

@@ -1,5 +1,5 @@
-"""Query rows as 8-bit codes: each (token, head) row of ``q`` as e4m3 codes (FP8-MMA) or int8
-codes (k8v8) and a float32 scale, made before the attention kernel, which then loads them.
+"""Query rows as int8 codes: each (token, head) row of ``q`` as int8 codes and a float32 scale
+(k8v8, k8v16), made before the attention kernel, which then loads them.
 
 Int8 rows take a scale per row (``amax / 127``, rounded as ``write_slots`` rounds), not one per
 block of rows as SageAttention does: the kernel folds each row's scale into the per-row factor
@@ -11,7 +11,7 @@ register operand, read back from shared memory every key tile (four ``ldmatrix``
 addresses), and at the 128-key TMA loop over keys-major pools ptxas spilled there (Triton 3.6:
 16-20 bytes at block 256, with three local loads per tile). Loaded, the codes feed the MMA as K
 does. The pass reads q once and writes a byte per element and a scale per row (not yet timed
-on a GPU: the sweep's FP8-MMA rows time it with the attention).
+on a GPU: the sweep's k8v8 and k8v16 rows time it with the attention).
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels._quantize_jit import E4M3_MAX, quantize_rows, to_e4m3
-from paged_video.kernels._runtime import interpreter_active
+from paged_video.kernels._quantize_jit import quantize_rows
 
 ROWS_PER_PROGRAM = 64
 
 
 @triton.heuristics({"HAS_EQUALIZER": lambda args: args["equalizer_ptr"] is not None})
 @triton.jit
-def _e4m3_query_rows_kernel(
+def _int8_query_rows_kernel(
     q_ptr,
     equalizer_ptr,
     codes_ptr,
@@ -46,11 +45,9 @@ def _e4m3_query_rows_kernel(
     BLOCK_R: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_EQUALIZER: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    INT8: tl.constexpr,
 ):
     """Rows ``r`` = token * heads + head of a program: codes ``q / scale`` and ``scale = amax /
-    448`` (a zero row: scale 0, codes 0), the arithmetic the attention kernel once did itself."""
+    127`` (a zero row: scale 0, codes 0)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_mask = offs_r < rows
@@ -75,45 +72,28 @@ def _e4m3_query_rows_kernel(
             other=1.0,
         )
         q = q * factor
-    if INT8:
-        codes, scale = quantize_rows(q, 127.0, False)
-        codes = codes.to(tl.int8)
-    else:
-        scale = tl.max(tl.abs(q), axis=1) / E4M3_MAX
-        codes = to_e4m3(q / tl.where(scale > 0.0, scale, 1.0)[:, None], INTERPRETED)
+    codes, scale = quantize_rows(q, 127.0, False)
+    codes = codes.to(tl.int8)
     rows_i64 = offs_r.to(tl.int64)
     tl.store(codes_ptr + rows_i64[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=mask)
     tl.store(scales_ptr + rows_i64, scale, mask=r_mask)
 
 
-def e4m3_query_rows(
-    q: Tensor, k_equalizer: Tensor | None, heads_per_kv_head: int
-) -> tuple[Tensor, Tensor]:
-    """``(codes, scales)``: contiguous ``float8_e4m3fn`` codes shaped like ``q (total_q, H, D)``
-    and float32 scales ``(total_q, H)``, with ``codes * scale`` the row ``q * k_equalizer`` (of
-    its KV head, ``heads_per_kv_head`` query heads each) rounded to e4m3. The launcher's checks
-    have run: nothing is checked here."""
-    return _query_rows(q, k_equalizer, heads_per_kv_head, torch.float8_e4m3fn)
-
-
 def int8_query_rows(
     q: Tensor, k_equalizer: Tensor | None, heads_per_kv_head: int
 ) -> tuple[Tensor, Tensor]:
-    """``e4m3_query_rows`` with int8 codes: ``scale = amax / 127``, codes ``q / scale`` rounded
-    to the nearest integer (ties to even; a zero row: scale 0, codes 0)."""
-    return _query_rows(q, k_equalizer, heads_per_kv_head, torch.int8)
-
-
-def _query_rows(
-    q: Tensor, k_equalizer: Tensor | None, heads_per_kv_head: int, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+    """``(codes, scales)``: contiguous int8 codes shaped like ``q (total_q, H, D)`` and float32
+    scales ``(total_q, H)``, with ``codes * scale`` the row ``q * k_equalizer`` (of its KV head,
+    ``heads_per_kv_head`` query heads each) rounded: ``scale = amax / 127``, codes ``q / scale``
+    rounded to the nearest integer (ties to even; a zero row: scale 0, codes 0). The launcher's
+    checks have run: nothing is checked here."""
     tokens, heads, head_dim = q.shape
-    codes = torch.empty(q.shape, dtype=dtype, device=q.device)
+    codes = torch.empty(q.shape, dtype=torch.int8, device=q.device)
     scales = torch.empty((tokens, heads), dtype=torch.float32, device=q.device)
     rows = tokens * heads
     equalizer_strides = k_equalizer.stride() if k_equalizer is not None else (0, 0)
     grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]),)
-    _e4m3_query_rows_kernel[grid](
+    _int8_query_rows_kernel[grid](
         q,
         k_equalizer,
         codes,
@@ -126,8 +106,6 @@ def _query_rows(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_R=ROWS_PER_PROGRAM,
         GROUP=heads_per_kv_head,
-        INTERPRETED=interpreter_active(),
-        INT8=dtype == torch.int8,
         num_warps=4,
     )
     return codes, scales

@@ -119,19 +119,14 @@ def paged_attention(
     key_gap: Tensor | None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
-    fp8_mma: bool = False,
     lse: Tensor | None = None,
-    int8_mma: bool = False,
     k_equalizer: Tensor | None = None,
     v_equalizer: Tensor | None = None,
     v_channel_scale: Tensor | None = None,
     k8v16: bool = False,
 ) -> Tensor:
     """Quantized caches as the kernel reads them: the K scale multiplies score columns, the V
-    scale probability columns (row sums from unscaled probabilities). ``fp8_mma`` rounds each
-    query row and the V-scaled probabilities to e4m3 codes as the kernel does, in units of the
-    largest V scale of the sequence's keys outside its gaps / 448 (the whole sequence one key
-    tile); ``int8_mma`` rounds each query row to int8 codes. ``k_equalizer`` multiplies q's
+    scale probability columns (row sums from unscaled probabilities). ``k_equalizer`` multiplies q's
     channels first, ``v_equalizer`` the output's last. ``lse`` (float32 ``(total_q, H)``)
     receives each row's log-sum-exp of its visible scores, -inf for a row that sees none.
     ``v_channel_scale`` (k8v8): int8 query rows, the probabilities (a row's largest 448) rounded
@@ -145,9 +140,8 @@ def paged_attention(
     queries = q.float()
     if k_equalizer is not None:
         queries = queries * k_equalizer.repeat_interleave(group, dim=0)
-    if fp8_mma or int8_mma or k8v8 or k8v16:
-        dtype = torch.float8_e4m3fn if fp8_mma else torch.int8
-        codes, row_scale = quantize_rows(queries, dtype)
+    if k8v8 or k8v16:
+        codes, row_scale = quantize_rows(queries, torch.int8)
         queries = (codes.float(), row_scale)
     else:
         queries = (queries, None)
@@ -177,13 +171,11 @@ def paged_attention(
             visible &= cols <= torch.arange(hi - lo)[:, None] + (k_len - (hi - lo))
         if key_limits is not None:
             visible &= cols < key_limits[lo:hi, None].long()
-        outside_gaps = torch.ones(k_len, dtype=torch.bool)
         if key_gap is not None:
             for gap_lo, gap_hi in key_gap[row].reshape(-1, 2).tolist():
-                outside_gaps &= (positions < gap_lo) | (positions >= gap_hi)
-            visible &= outside_gaps[None, :]
+                visible &= ((positions < gap_lo) | (positions >= gap_hi))[None, :]
         scores = torch.einsum("qhd,khd->hqk", queries[0][lo:hi], keys) * scale
-        if fp8_mma or int8_mma or k8v8 or k8v16:
+        if k8v8 or k8v16:
             scores = scores * queries[1][lo:hi].T[:, :, None]
         if k_scale is not None:
             scores = scores * k_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
@@ -198,15 +190,7 @@ def paged_attention(
         if k8v8:
             probs = _to_codes(probs * 448.0, torch.float8_e4m3fn).float() / 448.0
         if v_scale is not None:
-            col_scale = v_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
-            if fp8_mma:
-                # The unit: the largest V scale of the keys outside the gaps / 448.
-                largest = col_scale.masked_fill(~outside_gaps, 0.0).amax(dim=-1, keepdim=True)
-                largest = largest.clamp_min(448.0 * torch.finfo(torch.float32).tiny)
-                ratio = (probs * (col_scale * (448.0 / largest))).clamp(-448.0, 448.0)
-                probs = _to_codes(ratio, torch.float8_e4m3fn).float() * (largest / 448.0)
-            else:
-                probs = probs * col_scale
+            probs = probs * v_scale[blocks, slots].repeat_interleave(group, dim=1).T[:, None]
         out_rows = torch.einsum("hqk,khd->qhd", probs, values)
         if v_equalizer is not None:
             out_rows = out_rows * v_equalizer.repeat_interleave(group, dim=0)

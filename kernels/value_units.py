@@ -3,16 +3,14 @@ the sequence's keys outside its gaps, / the largest value it takes in the unit, 
 attention kernel, which loads it.
 
 The kernel multiplies the attention's V side by the keys' V scales in this unit, so the ``P V``
-operands never overflow and keep their precision whatever the scales' magnitude. FP8-MMA
-rounds the V-scaled probabilities to e4m3, the largest scale 448 units (no probability over
-448, and the MMA accumulates in place). The dequantizing modes (INT8-MMA's ``P V`` too) take
-float16 operands: V's rows times their scales in unmasked tiles, the probabilities times them
-in masked ones, the largest scale 2**15 / 448 units (no e4m3 code times its scale over 2**15;
-float16 holds 65504), so a scale keeps all 11 bits down to about 2**-20 of the largest. With a
-fixed unit the key loop takes no tile maximum of the V scales: that maximum was reduced across
-warps through shared memory and moved back to the MMA layout every tile (compiled for sm_90a:
-34-70 instructions per 64 keys and 1-3 barriers per tile; the accumulator was rescaled to each
-new unit too).
+operands never overflow and keep their precision whatever the scales' magnitude. The dequantizing
+modes take float16 operands: V's rows times their scales in unmasked tiles,
+the probabilities times them in masked ones, the largest scale 2**15 / 448 units (no e4m3 code times
+its scale over 2**15; float16 holds 65504), so a scale keeps all 11 bits down to about 2**-20 of the
+largest. With a fixed unit the key loop takes no tile maximum of the V scales: that maximum was
+reduced across warps through shared memory and moved back to the MMA layout every tile (compiled for
+sm_90a: 34-70 instructions per 64 keys and 1-3 barriers per tile; the accumulator was rescaled to
+each new unit too).
 Keys in a gap are left out (they may be unwritten slots holding anything), as are slots past
 ``seq_lens_k``; keys past a row's limit or the causal diagonal count (they hold written rows).
 The unit is at least float32's smallest normal, so a sequence of zero rows gets a finite one.
@@ -27,10 +25,8 @@ from torch import Tensor
 
 from paged_video.kernels._quantize_jit import E4M3_MAX
 
-# The largest V scale in the unit: e4m3's largest code (FP8-MMA: no V-scaled probability over
-# it), and for float16 operands 2**15 / 448 (no e4m3 code times its scale over 2**15, with
-# float16's range, 65504, above it for the roundings).
-E4M3_LARGEST = E4M3_MAX.value
+# The largest V scale in the unit for float16 operands: 2**15 / 448 (no e4m3 code times its
+# scale over 2**15, with float16's range, 65504, above it for the roundings).
 FLOAT16_LARGEST = 2.0**15 / E4M3_MAX.value
 SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)
 # Keys per step: a sequence's scales are read in chunks of this many (a table entry each), so
@@ -100,7 +96,7 @@ def probability_units(
 ) -> Tensor:
     """Float32 ``(batch, num_kv_heads)`` units for a quantized ``paged_attention``'s arguments
     (``key_gap`` as ``(batch, gaps, 2)``, contiguous, or None): each the largest V scale /
-    ``largest`` (``E4M3_LARGEST`` for FP8-MMA, ``FLOAT16_LARGEST`` for float16 operands).
+    ``largest`` (``FLOAT16_LARGEST`` for float16 operands).
     The launcher's checks have run: nothing is checked here."""
     batch = block_table.shape[0]
     _, block_size, kv_heads = v_scale.shape

@@ -198,18 +198,13 @@ for block_size, errors in zip(block_sizes, relative, strict=True):
 #
 # The same workload with its pools written as e4m3 or int8 codes plus a float32 scale per
 # (slot, KV head). Two errors per mode, kept apart: the kernel's against the oracle that
-# dequantizes the same codes in float64 (rounding level for the dequantizing modes; FP8-MMA
-# also rounds queries and probabilities to e4m3), and the quantization's own, against the
-# unquantized oracle above.
+# dequantizes the same codes in float64 (rounding level for the dequantizing modes), and the
+# quantization's own, against the unquantized oracle above.
 
 # %%
-modes = {
-    "e4m3": (torch.float8_e4m3fn, False),
-    "e4m3 fp8-mma": (torch.float8_e4m3fn, True),
-    "int8": (torch.int8, False),
-}
+modes = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 kernel_error, quantization_error = {}, {}
-for label, (kv_dtype, fp8_mma) in modes.items():
+for label, kv_dtype in modes.items():
     pools = quantized_pools(workload, kv_dtype)
     got = kernels.paged_attention(
         workload.q,
@@ -221,7 +216,6 @@ for label, (kv_dtype, fp8_mma) in modes.items():
         max_seqlen_q=geometry.q_tokens,
         k_scale=pools.k_scale,
         v_scale=pools.v_scale,
-        fp8_mma=fp8_mma,
     ).double()
     keys, values = dequantized_sequences(workload, pools)
     dequantized = oracle_attention(workload, keys=keys, values=values)

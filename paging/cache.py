@@ -279,17 +279,13 @@ class PagedKVCache:
             pools = empty_keys_major(size[0] * size[1], *size[2:], dtype=dtype, device=device)
             return pools.unflatten(0, size[:2])
 
-        # Keys-major: the scales, and FP8-MMA's V codes (its P V MMA reduces over keys). K's
-        # codes stay slot-major: Q K^T reduces over channels, and the TMA loop reads K so.
+        # Keys-major: the scales, and k8v8's V codes (its P V MMA reduces over keys). K's codes
+        # stay slot-major: Q K^T reduces over channels, and the TMA loop reads K so.
         keys_major = self.config.keys_major
         k8v8, k8v16 = self.config.k8v8, self.config.k8v16
         self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=False)
         v_dtype = torch.float8_e4m3fn if k8v8 else self._dtype if k8v16 else kv_dtype
-        self.v_pools = empty_pool(
-            *shape,
-            dtype=v_dtype,
-            keys_major=(keys_major and self.config.fp8_mma) or k8v8,
-        )
+        self.v_pools = empty_pool(*shape, dtype=v_dtype, keys_major=k8v8)
         if quantized:
             self.k_scales = empty_pool(*shape[:-1], keys_major=keys_major or k8v8 or k8v16)
             self.v_scales = (
@@ -437,7 +433,7 @@ class PagedKVCache:
         return LayerCache(
             k=k,
             v=v,
-            # Keys-major scales (and FP8-MMA's V) have no flat view: flatten would copy them.
+            # Keys-major scales (and k8v8's V) have no flat view: flatten would copy them.
             k_flat=k.flatten(0, 1) if flat else None,
             v_flat=v.flatten(0, 1) if flat else None,
             stage_k=self.stage_k[index] if staged else None,

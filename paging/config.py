@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_video._removed import refuse_removed
 from paged_video.paging import window
 from paged_video.paging._validate import require_bool, require_int
 
@@ -49,13 +50,12 @@ class PagingConfig:
     q and the output (unchanged in exact arithmetic): outlier channels then no longer take every
     row's codes. ``None`` (the default) equalizes int8 pools only: e4m3 keeps every value's
     relative precision whatever the row's range, so evening the channels out does not help it
-    (``channel_equalization`` gives the choice). ``fp8_mma`` attends with FP8 MMAs
-    (``float8_e4m3fn`` only) instead of dequantizing before bf16/fp16/fp32 MMAs; ``int8_mma``
-    (``int8`` only) quantizes each query row to int8 and runs ``Q K^T`` as an int8 MMA (exact
-    int32 sums), ``P V`` as the dequantizing mode. ``keys_major`` (quantized caches only) lays
-    the scale pools, and with ``fp8_mma`` V's codes, out keys-major (``kernels.pool_layout``):
-    a block's keys contiguous per KV head (and channel), which feeds FP8-MMA's ``P V`` as
-    prefetched and lets the scales load two at a time, at the cost of rows padded to 16 keys.
+    (``channel_equalization`` gives the choice). ``keys_major`` (quantized caches only) lays
+    the scale pools out keys-major (``kernels.pool_layout``): a block's keys contiguous per KV
+    head, which lets the scales load two at a time, at the cost of rows padded to 16 keys.
+    ``fp8_mma`` and ``int8_mma`` were deleted (issue 45): ``True`` raises a ``ValueError``
+    naming ``kv_format="k8v8"`` and ``kv_format="k8v16"``, which are more accurate on every
+    data kind and issue fewer instructions (docs/quantization.md).
 
     ``kv_format`` (``None``: the switches above) is the one switch that implies them:
     ``"bf16"`` stores the pools in the cache's dtype, unquantized; ``"k8v8"`` stores K as int8
@@ -64,8 +64,7 @@ class PagingConfig:
     frozen at the layer's first write with headroom 256 (``kernels.value_channels``), attended
     with an int8 ``Q K^T`` MMA and an FP8 ``P V`` MMA; ``"k8v16"`` stores K so and V in the
     cache's dtype, attended with the int8 ``Q K^T`` MMA and a 16-bit ``P V``. With a format,
-    ``kv_dtype``,
-    ``fp8_mma``, ``int8_mma`` and ``keys_major`` stay unset.
+    ``kv_dtype`` and ``keys_major`` stay unset.
     """
 
     block_size: int
@@ -80,8 +79,8 @@ class PagingConfig:
     compaction: bool = True
     kv_dtype: torch.dtype | None = None
     smooth_keys: bool = True
-    fp8_mma: bool = False
-    int8_mma: bool = False
+    fp8_mma: bool = False  # deleted: only its old default is accepted (refuse_removed)
+    int8_mma: bool = False  # deleted: only its old default is accepted (refuse_removed)
     equalize_channels: bool | None = None
     keys_major: bool = False
     kv_format: str | None = None
@@ -93,14 +92,13 @@ class PagingConfig:
         require_int("sink_chunks", self.sink_chunks, minimum=0, maximum=MAX_CHUNKS)
         require_int("max_forward_chunks", self.max_forward_chunks, minimum=1, maximum=MAX_CHUNKS)
         require_int("max_action_tokens", self.max_action_tokens, minimum=0, maximum=MAX_TOKENS)
+        refuse_removed(fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)
         switches = (
             "reset_at_boundary",
             "reuse_history_staging",
             "exact_window",
             "compaction",
             "smooth_keys",
-            "fp8_mma",
-            "int8_mma",
             "keys_major",
         )
         for name in switches:
@@ -116,16 +114,6 @@ class PagingConfig:
             )
         if self.kv_format is not None:
             self._check_kv_format()
-        if self.fp8_mma and self.kv_dtype != torch.float8_e4m3fn:
-            raise ValueError(
-                f"fp8_mma needs kv_dtype=torch.float8_e4m3fn (FP8 MMAs read e4m3 codes), got "
-                f"kv_dtype={self.kv_dtype}"
-            )
-        if self.int8_mma and self.kv_dtype != torch.int8:
-            raise ValueError(
-                f"int8_mma needs kv_dtype=torch.int8 (int8 MMAs read int8 codes), got "
-                f"kv_dtype={self.kv_dtype}"
-            )
         if self.equalize_channels and self.kv_dtype is None and self.kv_format in (None, "bf16"):
             raise ValueError(
                 "equalize_channels=True needs a quantized kv_dtype (torch.int8 or "
@@ -155,8 +143,6 @@ class PagingConfig:
             name
             for name, value in (
                 ("kv_dtype", self.kv_dtype is not None),
-                ("fp8_mma", self.fp8_mma),
-                ("int8_mma", self.int8_mma),
                 ("keys_major", self.keys_major),
             )
             if value

@@ -148,8 +148,6 @@ class ForwardCall:
             stage_tags=self.cache.stage_tags,
             max_seqlen_q=inputs.max_seqlen_q,
             softmax_scale=self._softmax_scale,
-            fp8_mma=self.cache.config.fp8_mma,
-            int8_mma=self.cache.config.int8_mma,
         )
 
     def attend(

@@ -88,8 +88,6 @@ SLOW = (
     "tests/kernels/test_paged_attention.py::test_rows_that_see_no_key_and_a_limit_of_zero",
     "tests/kernels/test_paged_attention.py::test_several_key_gaps_per_row[N16]",
     "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B1560-",
-    "tests/kernels/test_paged_attention_quantized.py::test_fp8_mma_against_oracle[contiguous-B16-N16]",
-    "tests/kernels/test_paged_attention_quantized.py::test_fp8_mma_against_oracle[block_tiles-B1560-N64]",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[contiguous-B16-N16-",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B1-N16-e4m3]",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B16-N64-e4m3]",
@@ -105,7 +103,6 @@ SLOW = (
     "tests/models/test_sharded_window.py::test_ulysses_and_cfg_by_window_shards_on_four_ranks",
     "tests/models/test_readme_rollout.py::test_readme_rollout_block_runs",
     "tests/models/test_wan_compile.py::test_compiled_blocks_share_one_graph_over_the_rollout",
-    "tests/models/test_wan_quantized.py::test_fp8_mma_rollout_runs_and_stays_near",
     "tests/models/test_wan_quantized.py::test_int8_rollout_staged_reset_whole_blocks_of_7_with_actions",
     "tests/models/test_wan_quantized.py::test_k8_format_rollouts_run_stay_near_and_stage_bit_for_bit",
     "tests/models/test_wan_quantized.py::test_sliding_window_rollout_on_quantized_pools",
@@ -133,7 +130,7 @@ SLOW = (
 # The smoke selection, ``python -m pytest -n 2 -m smoke``: the iteration loop, under a minute of
 # CPU. One quick test of every kernel path (contiguous, block tiles, two blocks, rows; the TMA
 # pair loop, warp-specialized, scores ahead, the PyTorch path), every K/V format (float, e4m3,
-# int8, FP8-MMA, INT8-MMA, keys-major pools), every mask kind (causal, key limits, key gaps,
+# int8, k8v8, k8v16, keys-major pools), every mask kind (causal, key limits, key gaps,
 # spans) and every paging rule (eviction, compaction, the fixed table width, staging, forks,
 # shards, batches). Entries are prefixes like ``SLOW``'s; under ``-m smoke`` an entry that
 # selects nothing is an error, and files with no entry are not even collected.
@@ -150,7 +147,8 @@ SMOKE = (
     "tests/kernels/test_masks.py::test_spans_across_query_and_key_tiles[B24-per-row-lookup]",
     "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B7-int8]",
     "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B24-e4m3]",
-    "tests/kernels/test_quantized_modes.py::test_int8_mma_against_its_emulation_and_the_oracle[rows-B1-N16]",
+    "tests/kernels/test_quantized_modes.py::test_k8v16_scores_are_exact_int32_sums",
+    "tests/kernels/test_k8v8_attention.py::test_k8v8_slot_major_v_and_default_tiles",
     "tests/kernels/test_write_slots.py::test_chunk_starting_mid_block",
     "tests/kernels/test_write_slots_quantized.py::test_chunk_starting_mid_block",
     "tests/kernels/test_write_slots_quantized.py::test_equalized_channels",
@@ -168,8 +166,7 @@ SMOKE = (
     "tests/paging/test_forks.py::test_eviction_drops_references_and_the_last_holder_frees",
     "tests/paging/test_shard.py::test_ranks_read_the_single_process_keys_once",
     "tests/paging/test_attention.py::test_kernel_attention_matches_the_oracle_keys[whole-blocks]",
-    "tests/paging/test_quantized.py::test_keys_major_cache_attends_as_the_slot_major_one[fp8-mma]",
-    "tests/paging/test_quantized.py::test_keys_major_cache_attends_as_the_slot_major_one[int8-mma]",
+    "tests/paging/test_quantized.py::test_keys_major_cache_attends_as_the_slot_major_one[int8]",
     "tests/test_end_to_end.py::test_block_aligned_chunks_reuse_staging",
 )
 SMOKE_FILES = frozenset(entry.partition("::")[0] for entry in SMOKE)

@@ -53,9 +53,8 @@ UNCHOSEN = (
     "test_tokens_committed_under_an_unchosen_state_are_refused_never_attended"
 )
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
-FP8_TMA_DEFAULT = (
-    "tests/kernels/test_launch_variants.py::"
-    "test_fp8_mma_over_tma_ready_pools_takes_128_key_tma_tiles"
+QUANTIZED_TMA_DEFAULT = (
+    "tests/kernels/test_launch_variants.py::test_k8v16_over_tma_ready_pools_takes_128_key_tma_tiles"
 )
 QUANTIZED_ROWS = "tests/kernels/test_launch_variants.py::test_quantized_rows_apply_as_a_whole"
 TMA_QUANTIZED = (
@@ -73,6 +72,7 @@ FAIL_FAST = "tests/models/test_fail_fast.py"
 VLLM_OMNI_INSTALL = "tests/integrations/test_vllm_omni_install.py"
 VLLM_OMNI_CHECK = "tests/integrations/test_vllm_omni_check.py"
 EIGHT_BIT = "tests/reference/test_eight_bit_attention.py"
+K8 = "tests/kernels/test_k8v8_attention.py"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -581,11 +581,19 @@ MUTANTS = [
         "tests/paging/test_plan.py",
     ),
     _m(
-        "config-fp8-mma-any-dtype",
+        "attention-deleted-int8-mma-accepted",
+        "kernels/paged_attention.py",
+        "    refuse_removed(fp8_mma=fp8_mma, int8_mma=int8_mma)",
+        "    refuse_removed(fp8_mma=fp8_mma)",
+        "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[int8-mma]",
+        "tests/kernels/test_k8v16.py::test_k8v16_refuses_v_scales_and_mma_flags",
+    ),
+    _m(
+        "config-deleted-fp8-mma-accepted",
         "paging/config.py",
-        "if self.fp8_mma and self.kv_dtype != torch.float8_e4m3fn:",
-        "if False:",
-        "tests/paging/test_config.py::test_fp8_mma_needs_e4m3_pools",
+        "refuse_removed(fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)",
+        "refuse_removed(int8_mma=self.int8_mma)",
+        "tests/paging/test_config.py::test_fp8_mma_was_deleted_for_k8v8",
     ),
     _m(
         "config-int32-keys-unchecked",
@@ -748,11 +756,19 @@ MUTANTS = [
         f"{REFUSALS}[float-attend-query-dtype]",
     ),
     _m(
-        "fused-fp8-mma-any-pool",
+        "fused-deleted-fp8-mma-accepted",
         "kernels/fused.py",
-        "if inputs.fp8_mma and k_pools.dtype != torch.float8_e4m3fn:",
-        "if False:",
-        "tests/kernels/test_fused_quantized.py::test_fp8_mma_needs_e4m3_pools_and_changes_nothing",
+        "    refuse_removed(fp8_mma=inputs.fp8_mma, int8_mma=inputs.int8_mma)\n",
+        "    refuse_removed(int8_mma=inputs.int8_mma)\n",
+        f"{FUSED_REFUSALS}[int8-fp8-mma-deleted]",
+        f"{REFUSALS}[float-op-fp8-mma-deleted]",
+    ),
+    _m(
+        "fused-deleted-int8-mma-accepted",
+        "kernels/fused.py",
+        "    refuse_removed(fp8_mma=inputs.fp8_mma, int8_mma=inputs.int8_mma)\n",
+        "    refuse_removed(fp8_mma=inputs.fp8_mma)\n",
+        f"{FUSED_REFUSALS}[int8-int8-mma-deleted]",
     ),
     _m(
         "fused-slot-rows",
@@ -790,11 +806,11 @@ MUTANTS = [
         "tests/kernels/test_fused_quantized.py::test_float_pools_refuse_scales",
     ),
     _m(
-        "fused-fp8-mma-int",
+        "fused-return-lse-int",
         "kernels/fused.py",
-        "        if not isinstance(flag, bool):",
-        "        if False:",
-        f"{REFUSALS}[float-op-fp8-mma-type]",
+        "    if not isinstance(inputs.return_lse, bool):",
+        "    if False:",
+        f"{FUSED_REFUSALS}[int8-return-lse-int]",
     ),
     _m(
         "fused-scalar-any-shape",
@@ -1101,11 +1117,11 @@ MUTANTS = [
     ),
     # -- channel equalization and the INT8-MMA mode ---------------------------------------------
     _m(
-        "config-int8-mma-any-pools",
+        "config-deleted-int8-mma-accepted",
         "paging/config.py",
-        "if self.int8_mma and self.kv_dtype != torch.int8:",
-        "if False:",
-        "tests/paging/test_config.py::test_int8_mma_needs_int8_pools",
+        "refuse_removed(fp8_mma=self.fp8_mma, int8_mma=self.int8_mma)",
+        "refuse_removed(fp8_mma=self.fp8_mma)",
+        "tests/paging/test_config.py::test_int8_mma_was_deleted_for_k8v16",
     ),
     _m(
         "config-equalizes-float-pools",
@@ -1255,20 +1271,6 @@ MUTANTS = [
         f"{FUSED_QUANTIZED}::test_the_first_write_chooses_the_factors_and_attention_folds_them",
     ),
     _m(
-        "fused-int8-mma-any-pools",
-        "kernels/fused.py",
-        "    if inputs.int8_mma and k_pools.dtype != torch.int8:",
-        "    if False:",
-        f"{FUSED_QUANTIZED}::test_int8_mma_needs_int8_pools_and_changes_nothing",
-    ),
-    _m(
-        "fused-int8-mma-dropped",
-        "kernels/fused.py",
-        '        "int8_mma": inputs.int8_mma,\n',
-        "",
-        f"{FUSED_QUANTIZED}::test_int8_mma_reaches_attention",
-    ),
-    _m(
         "write-factors-rechosen",
         "kernels/write_slots.py",
         "if equalizers_chosen is not None and not bool(equalizers_chosen):",
@@ -1352,7 +1354,7 @@ MUTANTS = [
         "paging/cache.py",
         "self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=False)",
         "self.k_pools = empty_pool(*shape, dtype=kv_dtype, keys_major=keys_major)",
-        "tests/paging/test_quantized.py::test_keys_major_cache_pools[fp8-mma-4]",
+        "tests/paging/test_quantized.py::test_keys_major_cache_pools[int8-4]",
     ),
     _m(
         "cache-flat-views-of-keys-major-pools",
@@ -1361,13 +1363,6 @@ MUTANTS = [
         "        flat = True",
         "tests/paging/test_quantized.py::"
         "test_raw_driver_then_forward_call_on_a_smoothed_equalized_int8_cache[keys-major]",
-    ),
-    _m(
-        "attention-int8-mma-any-caches",
-        "kernels/_attention_checks.py",
-        "    if int8_mma and k_cache.dtype != torch.int8:",
-        "    if False:",
-        "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[e4m3]",
     ),
     _m(
         "attention-factors-on-float-caches",
@@ -1789,7 +1784,7 @@ MUTANTS = [
         "        entries = (table_row + first * stride_table_col) + blocks",
         "tests/kernels/test_strided_index.py::test_block_tiles_read_a_strided_block_table"
         "[cm-block_tiles-B24-N64]",
-        f"{QUANTIZED}::test_fp8_mma_reads_a_strided_block_table[B7-step]",
+        f"{K8}::test_k8v8_reads_a_strided_block_table[B7-step]",
     ),
     _m(
         "masked-half-tiles-one-head-tile",
@@ -1815,11 +1810,11 @@ MUTANTS = [
         "tests/kernels/test_launch_variants.py::test_warp_specialized_kernel_runs_two_stages_at_most",
     ),
     _m(
-        "fp8-mma-16-key-tiles-allowed",
+        "k8v8-16-key-tiles-allowed",
         "kernels/paged_attention.py",
-        "    if (fp8_mma or k8v8) and tile_n < launch_table.FP8_MIN_KEYS:",
+        "    if k8v8 and tile_n < launch_table.FP8_MIN_KEYS:",
         "    if False:",
-        "tests/kernels/test_quantized_modes.py::test_fp8_mma_tiles_take_32_keys_at_least",
+        "tests/kernels/test_quantized_modes.py::test_k8v8_tiles_take_32_keys_at_least",
     ),
     _m(
         "choose-takes-the-first-blocks-launch",
@@ -1831,9 +1826,9 @@ MUTANTS = [
     ),
     # -- keys-major V and the scale loads ------------------------------------------------------
     _m(
-        "keys-major-v-flag-without-fp8-mma",
+        "keys-major-v-flag-without-k8v8",
         "kernels/paged_attention.py",
-        "        V_KEYS_MAJOR=(fp8_mma or k8v8) and pool_layout.keys_aligned(v_cache),",
+        "        V_KEYS_MAJOR=k8v8 and pool_layout.keys_aligned(v_cache),",
         "        V_KEYS_MAJOR=pool_layout.keys_aligned(v_cache),",
         f"{KEYS_MAJOR_FLAG}[dequantizing-padded]",
     ),
@@ -1849,7 +1844,7 @@ MUTANTS = [
         "kernels/pool_layout.py",
         "    return aligned_start and all(stride % KEY_ALIGNMENT == 0 for stride in strides)",
         "    return True",
-        f"{KEYS_MAJOR_FLAG}[fp8-mma-unpadded]",
+        f"{KEYS_MAJOR_FLAG}[unpadded]",
         "tests/kernels/test_pool_layout.py::test_unpadded_or_offset_keys_major_views_are_not_aligned",
     ),
     _m(
@@ -1859,16 +1854,6 @@ MUTANTS = [
         "    return block_size",
         "tests/kernels/test_pool_layout.py::"
         "test_keys_major_keeps_shape_and_values_with_aligned_rows[e4m3-24]",
-    ),
-    _m(
-        "keys-major-v-read-as-bytes",
-        "kernels/_attention_jit.py",
-        "                v = v.to(tl.float8e4nv, bitcast=True)\n            # The MMA sums",
-        "                v = v.to(tl.float8e4nv, bitcast=True)\n"
-        "            else:\n                v = v.to(tl.uint8, bitcast=True).to(tl.float8e4nv)\n"
-        "            # The MMA sums",
-        "tests/kernels/test_paged_attention_quantized.py::"
-        "test_keys_major_v_pool_attends_as_the_slot_major_one[contiguous-B32-N32-fp8-mma]",
     ),
     _m(
         "scale-pairs-swap-k-and-v",
@@ -1909,56 +1894,56 @@ MUTANTS = [
         "mov.b32 offset, 0x64006400;",
         "tests/kernels/test_int8_to_float16.py",
     ),
-    # -- FP8-MMA query rows, rounded before the kernel (kernels/query_codes.py) ----------------
+    # -- int8 query rows, rounded before the kernel (kernels/query_codes.py) -------------------
     _m(
-        "fp8-query-rows-take-another-kv-heads-factors",
+        "query-rows-take-another-kv-heads-factors",
         "kernels/query_codes.py",
         "            + (head // GROUP)[:, None] * stride_eq_head",
         "            + (head % GROUP)[:, None] * stride_eq_head",
         "tests/kernels/test_query_codes.py::test_factors_are_those_of_each_heads_kv_head",
     ),
     _m(
-        "fp8-query-scales-left-out-of-the-softmax-scale",
+        "query-scales-left-out-of-the-softmax-scale",
         "kernels/_attention_jit.py",
         "        )\n        scale_log2 = q_scale * scale_log2",
         "        )\n        scale_log2 = scale_log2 + q_scale * 0.0",
-        f"{EQUALIZED}[e4m3-fp8-mma]",
+        f"{K8}::test_k8v8_frozen_scales[block_tiles-B24-N32]",
     ),
     _m(
-        "fp8-query-rows-equalized-twice",
+        "query-rows-equalized-twice",
         "kernels/paged_attention.py",
-        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n"
+        "        query, query_scales = query_codes.int8_query_rows(q, k_equalizer, group)\n"
         "        k_equalizer = None\n",
-        "        query, query_scales = query_codes.e4m3_query_rows(q, k_equalizer, group)\n",
-        f"{EQUALIZED}[e4m3-fp8-mma]",
+        "        query, query_scales = query_codes.int8_query_rows(q, k_equalizer, group)\n",
+        f"{K8}::test_k8v8_k_equalizer_is_q_times_the_factors",
     ),
-    # -- FP8-MMA's probability unit per sequence (kernels/value_units.py) ----------------------
+    # -- the probability unit per sequence (kernels/value_units.py) ----------------------------
     _m(
-        "fp8-unit-reads-gap-keys",
+        "unit-reads-gap-keys",
         "kernels/value_units.py",
         "            shown = shown & (tl.max(hidden.to(tl.int32), axis=1) == 0)",
         "            shown = shown | (tl.max(hidden.to(tl.int32), axis=1) < 0)",
-        f"{UNITS}[e4m3-slot-major-B7-chunks]",
+        f"{UNITS}[slot-major-B7-chunks]",
     ),
     _m(
-        "fp8-unit-reads-past-the-length",
+        "unit-reads-past-the-length",
         "kernels/value_units.py",
         "        shown = keys < k_len",
         "        shown = keys < k_len + BLOCK_SIZE",
-        f"{UNITS}[e4m3-slot-major-B7-chunks]",
+        f"{UNITS}[slot-major-B7-chunks]",
     ),
     _m(
         "unit-of-e4m3-for-float16-operands",
         "kernels/value_units.py",
         "    unit = tl.maximum(tl.max(largest, axis=0) / LARGEST, SMALLEST_NORMAL)",
         "    unit = tl.maximum(tl.max(largest, axis=0) / 448.0, SMALLEST_NORMAL)",
-        f"{UNITS}[float16-slot-major-B1]",
+        f"{UNITS}[slot-major-B1]",
     ),
     _m(
         "dequantizing-modes-take-the-e4m3-unit",
         "kernels/paged_attention.py",
-        "        largest = value_units.E4M3_LARGEST if fp8_mma else value_units.FLOAT16_LARGEST",
-        "        largest = value_units.E4M3_LARGEST",
+        "key_gap, largest=value_units.FLOAT16_LARGEST",
+        "key_gap, largest=448.0",
         "tests/kernels/test_value_units.py::test_each_mode_takes_the_unit_of_its_probabilities",
     ),
     _m(
@@ -1981,21 +1966,14 @@ MUTANTS = [
         "            if QUANTIZED and MASKED and not K8V16:\n"
         "                probs = probs * (v_col",
         "            if False:\n                probs = probs * (v_col",
-        f"{FLOAT16_RANGE}[int8-mma]",
+        f"{FLOAT16_RANGE}[int8]",
     ),
     _m(
         "dequantizing-output-left-in-the-unit",
         "kernels/_attention_jit.py",
         "    elif QUANTIZED:\n        out = out * p_unit",
-        "    elif FP8_MMA:\n        out = out * p_unit",
-        f"{FLOAT16_RANGE}[int8-mma]",
-    ),
-    _m(
-        "fp8-unit-not-loaded",
-        "kernels/_attention_jit.py",
-        "        p_unit = tl.load(v_unit_ptr + seq * stride_vu_seq + kv_head * stride_vu_head)",
-        "        p_unit = 1.0 + 0.0 * tl.load(v_unit_ptr)",
-        "tests/kernels/test_quantized_modes.py::test_fp8_mma_v_scales_from_1e_30_to_1e30",
+        "    elif False:\n        out = out * p_unit",
+        f"{FLOAT16_RANGE}[int8]",
     ),
     # -- the output's rows, from the tile index read again after the key loops ---------------
     _m(
@@ -2016,9 +1994,9 @@ MUTANTS = [
     _m(
         "tma-keys-major-v-without-the-heads-rows",
         "kernels/_attention_jit.py",
-        "                    v = tl.trans(descs[1].load([id0 * descs[3] + descs[2], slot]))",
-        "                    v = tl.trans(descs[1].load([id0 * descs[3], slot]))",
-        f"{TMA_QUANTIZED}[contiguous-B128-N32-fp8-mma]",
+        "                v = tl.trans(descs[1].load([v_id0 * descs[3] + descs[2], v_slot]))",
+        "                v = tl.trans(descs[1].load([v_id0 * descs[3], v_slot]))",
+        f"{K8}::test_k8v8_descriptor_loop[frozen]",
     ),
     _m(
         "tma-takes-slot-major-scales",
@@ -2029,11 +2007,11 @@ MUTANTS = [
         "test_tma_refuses_quantized_pools_its_descriptors_cannot_read[slot-major-scales]",
     ),
     _m(
-        "tma-checks-fp8-mma-v-as-slot-major",
+        "tma-checks-k8v8-v-as-slot-major",
         "kernels/paged_attention.py",
-        "    pools = (k_cache,) if fp8_mma else (k_cache, v_cache)",
+        "    pools = (k_cache,) if v_8bit else (k_cache, v_cache)",
         "    pools = (k_cache, v_cache)",
-        f"{TMA_QUANTIZED}[block_tiles-B80-N32-fp8-mma]",
+        f"{K8}::test_k8v8_descriptor_loop[frozen]",
     ),
     _m(
         "choose-weighs-the-pair-loop-at-its-own-time",
@@ -2087,7 +2065,7 @@ MUTANTS = [
         '        return row if _descriptor_tiles(block_size, row["block_n"], quantized=True) else'
         " None",
         "        return row",
-        f"{FP8_TMA_DEFAULT}[block-under-128]",
+        f"{QUANTIZED_TMA_DEFAULT}[block-under-128]",
         f"{QUANTIZED_ROWS}[straddles]",
     ),
     _m(
@@ -2095,14 +2073,14 @@ MUTANTS = [
         "kernels/paged_attention.py",
         "    return all(inside) if quantized else inside[0]",
         "    return inside[0]",
-        f"{FP8_TMA_DEFAULT}[pieces-by-pointer]",
+        f"{QUANTIZED_TMA_DEFAULT}[pieces-by-pointer]",
     ),
     _m(
         "table-row-under-a-callers-other-variant",
         "kernels/paged_attention.py",
         '    if block_n not in (None, row["block_n"]) or variant not in (None, row["variant"]):',
         '    if block_n not in (None, row["block_n"]):',
-        f"{FP8_TMA_DEFAULT}[caller-variant]",
+        f"{QUANTIZED_TMA_DEFAULT}[caller-variant]",
         "tests/kernels/test_launch_variants.py::test_launch_table_routes_gpu_defaults",
     ),
     _m(
@@ -2110,7 +2088,7 @@ MUTANTS = [
         "kernels/paged_attention.py",
         '    if block_n not in (None, row["block_n"]) or variant not in (None, row["variant"]):',
         '    if variant not in (None, row["variant"]):',
-        f"{FP8_TMA_DEFAULT}[caller-tile]",
+        f"{QUANTIZED_TMA_DEFAULT}[caller-tile]",
         f"{QUANTIZED_ROWS}[caller-tile]",
     ),
     _m(
@@ -2188,8 +2166,8 @@ MUTANTS = [
     _m(
         "launcher-says-every-pool-is-tma-ready",
         "kernels/paged_attention.py",
-        "        tma_ready=tma_ready,",
-        "        tma_ready=True,",
+        "        tma_ready=tma_ready,\n        kv_dtype=k_cache.dtype,",
+        "        tma_ready=True,\n        kv_dtype=k_cache.dtype,",
         "tests/kernels/test_launch_variants.py::"
         "test_the_launcher_tells_choose_tiles_whether_descriptors_read_the_pools[slots]",
     ),
@@ -2254,7 +2232,7 @@ MUTANTS = [
         '            "num_stages": tiles["num_stages"],',
         "tests/bench/test_choose.py::test_a_warp_specialized_row_names_the_stages_that_ran",
     ),
-    # -- kernels/_attention_jit.py: FP8-MMA's key order ----------------------------------------
+    # -- kernels/_attention_jit.py: the 8-bit MMA's key order (k8v8) ---------------------------
     _m(
         "fp8-key-order-is-position-order",
         "kernels/_attention_jit.py",
@@ -2262,7 +2240,7 @@ MUTANTS = [
         "(offs & 1)",
         "    return offs",
         "tests/kernels/test_fp8_mma_key_order.py::test_key_order_gives_each_thread_its_operand_keys",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[contiguous-B32-N32]",
+        f"{K8}::test_k8v8_per_block_scales[B32-N32]",
     ),
     _m(
         "fp8-operand-in-score-order",
@@ -2271,46 +2249,29 @@ MUTANTS = [
         "    return tl.reshape(tl.permute(runs, (0, 1, 2, 3, 4)), (rows, BLOCK_N))",
         "tests/kernels/test_fp8_mma_key_order.py::"
         "test_vectors_by_column_and_the_operand_follow_the_key_order",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B1560-N64]",
+        f"{K8}::test_k8v8_frozen_scales[block_tiles-B1560-N64]",
     ),
     _m(
         "fp8-small-pieces-block-ids-by-position",
         "kernels/_attention_jit.py",
         "            ids = _in_fp8_mma_key_order(ids, BLOCK_N)",
         "            ids = ids",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B7-N32]",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B24-N32]",
-    ),
-    _m(
-        "fp8-v-rows-share-ks-key-order",
-        "kernels/_attention_jit.py",
-        "    if SHARED and not FIRST_MMA_ORDER:",
-        "    if SHARED:",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B7-N32]",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[block_tiles-B24-N32]",
+        f"{K8}::test_k8v8_tiles_across_block_pieces",
     ),
     _m(
         "fp8-tma-k-rows-from-the-pools-runs",
         "kernels/_attention_jit.py",
-        "                    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
-        "                    k = descs[0].load([first_row // 16, 0, 0, 0, descs[2]])",
-        f"{TMA_QUANTIZED}[block_tiles-B40-N32-fp8-mma]",
+        "            k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
+        "            k = descs[0].load([first_row // 16, 0, 0, 0, descs[2]])",
+        f"{K8}::test_k8v8_descriptor_loop_tiles_starting_mid_run",
     ),
     _m(
         "fp8-k-scales-in-position-order",
         "kernels/_attention_jit.py",
         "                k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)",
         "                k_col = k_col",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[contiguous-B32-N32]",
-        f"{TMA_QUANTIZED}[block_tiles-B160-N128-fp8-mma]",
-    ),
-    _m(
-        "fp8-v-scales-in-position-order",
-        "kernels/_attention_jit.py",
-        "                v_col = _in_fp8_mma_key_order(v_col, BLOCK_N)",
-        "                v_col = v_col",
-        f"{QUANTIZED}::test_fp8_mma_against_oracle[contiguous-B32-N32]",
-        f"{TMA_QUANTIZED}[block_tiles-B160-N128-fp8-mma]",
+        f"{K8}::test_k8v8_frozen_scales[block_tiles-B24-N32]",
+        f"{K8}::test_k8v8_tiles_across_block_pieces",
     ),
     _m(
         "scales-wide-by-default",
@@ -2428,20 +2389,6 @@ MUTANTS = [
         "tests/kernels/test_k8v8_attention.py::test_per_block_scales_need_tiles_inside_a_block",
     ),
     _m(
-        "fp8-mma-scale-range-unchecked",
-        "kernels/_attention_checks.py",
-        "        if bool((smallest < largest * FP8_MMA_SCALE_RANGE).any()):",
-        "        if False:",
-        "tests/kernels/test_k8v8_attention.py::test_fp8_mma_refuses_v_scales_it_would_round_away",
-    ),
-    _m(
-        "fp8-mma-scale-range-reads-gap-keys",
-        "kernels/_attention_checks.py",
-        "                seen &= (positions < lo) | (positions >= hi)",
-        "                pass",
-        "tests/kernels/test_k8v8_attention.py::test_fp8_mma_refuses_v_scales_it_would_round_away",
-    ),
-    _m(
         "config-kv-format-with-old-switches",
         "paging/config.py",
         "        if implied:",
@@ -2451,8 +2398,8 @@ MUTANTS = [
     _m(
         "cache-k8v8-v-slot-major",
         "paging/cache.py",
-        "            keys_major=(keys_major and self.config.fp8_mma) or k8v8,",
-        "            keys_major=keys_major and self.config.fp8_mma,",
+        "self.v_pools = empty_pool(*shape, dtype=v_dtype, keys_major=k8v8)",
+        "self.v_pools = empty_pool(*shape, dtype=v_dtype, keys_major=False)",
         "tests/paging/test_k8v8_cache.py::test_k8v8_cache_tensors",
     ),
     _m(

@@ -293,22 +293,22 @@ def test_a_warp_specialized_row_names_the_stages_that_ran(monkeypatch) -> None:
 
 # --- quantized rows from a launch probe ------------------------------------------------------
 
-FP8, INT8 = "triton-e4m3-mma-keys", "triton-int8-mma-keys"
-# (provider, mode, block, config, what ran, ms). FP8-MMA at 1560 (block_tiles): the 64-key TMA
-# loop wins; the launcher's default, the 128-key TMA launch, is probed twice there (as default
-# and by its settings) and counts at its faster time. At 256 (contiguous, its own class) the
-# 128-key TMA launch wins. INT8-MMA at 1560: its pointer loop wins.
+FP8, INT8 = "triton-e4m3-keys", "triton-int8-keys"
+# (provider, mode, block, config, what ran, ms). e4m3 (dequantizing) at 1560 (block_tiles): the
+# 64-key TMA loop wins; the launcher's default, the 128-key TMA launch, is probed twice there (as
+# default and by its settings) and counts at its faster time. At 256 (contiguous, its own class) the
+# 128-key TMA launch wins. int8 (dequantizing) at 1560: its pointer loop wins.
 PROBED = [
-    (FP8, "fp8_mma_keys", 1560, "default", ("tma", 128, 8, 3), 4.8),
-    (FP8, "fp8_mma_keys", 1560, "128x128w8s3+tma", ("tma", 128, 8, 3), 5.0),
-    (FP8, "fp8_mma_keys", 1560, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.2),
-    (FP8, "fp8_mma_keys", 1560, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.0),
-    (FP8, "fp8_mma_keys", 256, "default", ("tma", 128, 8, 3), 4.0),
-    (FP8, "fp8_mma_keys", 256, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.0),
-    (FP8, "fp8_mma_keys", 256, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.1),
-    (INT8, "int8_mma_keys", 1560, "default", ("cp_async", 64, 8, 3), 6.0),
-    (INT8, "int8_mma_keys", 1560, "128x64w8s3+tma", ("tma", 64, 8, 3), 6.3),
-    (INT8, "int8_mma_keys", 1560, "128x128w8s3+tma", ("tma", 128, 8, 3), 6.6),
+    (FP8, "fp8_keys", 1560, "default", ("tma", 128, 8, 3), 4.8),
+    (FP8, "fp8_keys", 1560, "128x128w8s3+tma", ("tma", 128, 8, 3), 5.0),
+    (FP8, "fp8_keys", 1560, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.2),
+    (FP8, "fp8_keys", 1560, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.0),
+    (FP8, "fp8_keys", 256, "default", ("tma", 128, 8, 3), 4.0),
+    (FP8, "fp8_keys", 256, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.0),
+    (FP8, "fp8_keys", 256, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.1),
+    (INT8, "int8_keys", 1560, "default", ("cp_async", 64, 8, 3), 6.0),
+    (INT8, "int8_keys", 1560, "128x64w8s3+tma", ("tma", 64, 8, 3), 6.3),
+    (INT8, "int8_keys", 1560, "128x128w8s3+tma", ("tma", 128, 8, 3), 6.6),
 ]
 
 
@@ -338,9 +338,9 @@ def test_quantized_winners_per_class_and_mode() -> None:
     choices, lines = choose.choose_quantized(_probe_rows())
     got = {(c["kv_path"], c["mode"]): (c["variant"], c["block_n"]) for c in choices}
     assert got == {
-        ("block_tiles", "fp8_mma_keys"): ("tma", 64),
-        ("contiguous", "fp8_mma_keys"): ("tma", 128),
-        ("block_tiles", "int8_mma_keys"): ("cp_async", 64),
+        ("block_tiles", "fp8_keys"): ("tma", 64),
+        ("contiguous", "fp8_keys"): ("tma", 128),
+        ("block_tiles", "int8_keys"): ("cp_async", 64),
     }
     [fp8_tiles] = [c for c in choices if c["kv_path"] == "block_tiles" and "fp8" in c["mode"]]
     # 128-key TMA at its faster time, 4.8 (as default; not the later 5.0), over the winner's.
@@ -357,10 +357,10 @@ def test_a_probed_class_with_one_launch_keeps_its_row() -> None:
     probed = [p for p in PROBED if p[2] != 256 or p[3] == "default"]
     choices, lines = choose.choose_quantized(_probe_rows(probed=probed))
     assert {(c["kv_path"], c["mode"]) for c in choices} == {
-        ("block_tiles", "fp8_mma_keys"),
-        ("block_tiles", "int8_mma_keys"),
+        ("block_tiles", "fp8_keys"),
+        ("block_tiles", "int8_keys"),
     }
-    assert any("contiguous fp8_mma_keys: fewer than two" in line for line in lines)
+    assert any("contiguous fp8_keys: fewer than two" in line for line in lines)
 
 
 def test_probed_cpu_figures_choose_nothing() -> None:
@@ -374,13 +374,13 @@ def test_a_probed_launch_the_table_cannot_hold_is_no_choice() -> None:
     rows.append({**rows[-1], "backend": rows[-1]["backend"].replace("128x128", "64x128")})
     rows[-1]["ms"] = "1.0"
     choices, lines = choose.choose_quantized(rows)
-    [int8] = [c for c in choices if c["mode"] == "int8_mma_keys"]
+    [int8] = [c for c in choices if c["mode"] == "int8_keys"]
     assert (int8["variant"], int8["block_n"]) == ("cp_async", 64)
     assert any("another query tile" in line for line in lines)
     # Nor one that read its scales the wide way: the table cannot say so.
     rows[-1] = {**rows[-2], "launch": "128x128w8s3+wide+tma", "ms": "1.0"}
     choices, lines = choose.choose_quantized(rows)
-    [int8] = [c for c in choices if c["mode"] == "int8_mma_keys"]
+    [int8] = [c for c in choices if c["mode"] == "int8_keys"]
     assert (int8["variant"], int8["block_n"]) == ("cp_async", 64)
     assert any("wide scale loads" in line for line in lines)
 
@@ -404,15 +404,15 @@ def test_write_from_a_probe_replaces_its_quantized_rows_only(tmp_path) -> None:
     shipped = {_key(r): r for r in launch_table.read_table()["choices"]}
     chosen = {k for k, r in written.items() if r["source"] == "gpu run" and k[2] != "same"}
     assert chosen == {
-        (128, "block_tiles", "fp8_mma_keys"),
-        (128, "contiguous", "fp8_mma_keys"),
-        (128, "block_tiles", "int8_mma_keys"),
+        (128, "block_tiles", "fp8_keys"),
+        (128, "contiguous", "fp8_keys"),
+        (128, "block_tiles", "int8_keys"),
     }
-    assert written[(128, "block_tiles", "fp8_mma_keys")]["block_n"] == 64
-    assert written[(128, "block_tiles", "int8_mma_keys")]["variant"] == "cp_async"
+    assert written[(128, "block_tiles", "fp8_keys")]["block_n"] == 64
+    assert written[(128, "block_tiles", "int8_keys")]["variant"] == "cp_async"
     kept = {k: r for k, r in shipped.items() if k not in chosen}
     assert {k: r for k, r in written.items() if k not in chosen} == kept
-    assert set(written) == set(shipped) | chosen  # INT8-MMA's row added where none was
+    assert set(written) == set(shipped) | chosen
 
 
 def test_choose_names_what_is_missing_or_wrong(tmp_path, capsys) -> None:
@@ -470,9 +470,9 @@ def test_the_launches_no_row_picked_are_listed_last() -> None:
     listed = lines[-1].removeprefix("not picked by any row (quantized launches): ").split(", ")
     picked = {f"{c['mode']} {choose._launch_label(c)}" for c in choices}
     assert listed == [
-        "fp8_mma_keys cp_async n64 w8 s3",
-        "int8_mma_keys tma n128 w8 s3",
-        "int8_mma_keys tma n64 w8 s3",
+        "fp8_keys cp_async n64 w8 s3",
+        "int8_keys tma n128 w8 s3",
+        "int8_keys tma n64 w8 s3",
     ]
     assert not picked & set(listed)
 

@@ -93,7 +93,8 @@ def test_formats_have_one_spelling_and_the_old_ones_name_the_new(capsys):
     sweep = ["sweep", "--preset", "small"]
     for argv, new in [
         ([*sweep, "--providers", "triton-fp8"], "'triton-e4m3'"),
-        ([*sweep, "--providers", "triton-fp8-mma"], "'triton-e4m3-mma'"),
+        ([*sweep, "--providers", "triton-fp8-mma"], "'triton-k8v8'"),
+        ([*sweep, "--providers", "triton-e4m3-mma-keys"], "'triton-k8v8'"),
         (["accuracy", "--formats", "fp8"], "'e4m3'"),
         (["accuracy", "--formats", "float8_e4m3fn"], "'e4m3'"),
     ]:

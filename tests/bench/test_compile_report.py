@@ -41,7 +41,10 @@ TRITON36_PYTHON = "PAGED_VIDEO_TRITON36_PYTHON"
 BLOCK_SIZES = compile_report.SHIPPED_BLOCK_SIZES
 HEAD_DIMS = (64, 128)
 QUANTIZED_BLOCKS = (16, 24, 64, 520, 1560)
-QUANTIZED_MODES = ("fp8", "int8", "fp8_mma", "fp8_mma_keys", "int8_mma", "int8_mma_keys")
+QUANTIZED_MODES = ("fp8", "int8", "fp8_keys", "int8_keys")
+# k8v8 over keys-major pools at one block (its own evidence: docs/quantization.md), for the FP8
+# anchor it is weighed against and the 8-bit MMA's operands.
+K8V8_BLOCK = 64
 CONTIGUOUS_BLOCK = 256  # contiguous at 64- and 128-key tiles
 # The head_dim 128 launch the compile goals are judged on: 64-key tiles through descriptors
 # where a tile lies inside a block (the launcher keeps the pointer loop elsewhere). The launch
@@ -73,7 +76,7 @@ def _configs_39() -> list[compile_report.Config]:
     configs += compile_report.configs_for(**one, launches=({"block_n": 32}, {"block_n": 48}))
     # A launch that spills at Triton's own flags (the report must read it from the cubin).
     configs += compile_report.configs_for(**one, head_dims=(256,), launches=({"block_n": 128},))
-    return configs
+    return list(dict.fromkeys(configs))
 
 
 # The key-loop variants forced at the contiguous blocks and at the frame block (block_tiles:
@@ -98,12 +101,11 @@ def _variant_configs() -> list[compile_report.Config]:
 
 
 # The TMA loop over keys-major quantized pools (codes and scales by descriptor) and the pointer
-# loop, forced at 64-key tiles, and FP8-MMA's TMA loop at 128-key tiles where they lie inside a
-# block. Over these pools and blocks the launch table picks the default (FP8-MMA's is the
-# 128-key TMA loop at 520 and 1560, compile evidence), and a GPU probe may rewrite those rows
-# (bench choose --probe): so the tests that hold a loop to a goal name the loop, not the
-# default, and one test holds the defaults to whatever the table says.
-QUANTIZED_TMA_MODES = ("fp8_mma_keys", "int8_mma_keys")
+# loop, forced at 64-key tiles. Over these pools and blocks the launch table picks the default,
+# and a GPU probe may rewrite those rows (bench choose --probe): so the tests that hold a loop
+# to a goal name the loop, not the default, and one test holds the defaults to whatever the
+# table says.
+QUANTIZED_TMA_MODES = ("fp8_keys", "int8_keys")
 QUANTIZED_TMA_BLOCKS = (64, 520, 1560)
 FORCED_TMA_LAUNCH = {"variant": "tma", "block_n": 64}
 FORCED_CP_ASYNC_LAUNCH = {"variant": "cp_async", "block_n": 64}
@@ -111,9 +113,6 @@ FORCED_TMA, FORCED_CP_ASYNC = (
     compile_report.variant_label(tuple(launch.items()))
     for launch in (FORCED_TMA_LAUNCH, FORCED_CP_ASYNC_LAUNCH)
 )
-FP8_TMA_128_LAUNCH = {"variant": "tma", "block_n": 128}
-FP8_TMA_128 = compile_report.variant_label(tuple(FP8_TMA_128_LAUNCH.items()))
-FP8_TMA_128_BLOCKS = (520, 1560)
 
 
 def _pointer_variant(mode: str, block: int) -> str:
@@ -129,11 +128,6 @@ def _quantized_tma_configs() -> list[compile_report.Config]:
         block_sizes=QUANTIZED_TMA_BLOCKS,
         kv_modes=QUANTIZED_TMA_MODES,
         launches=(FORCED_TMA_LAUNCH, FORCED_CP_ASYNC_LAUNCH),
-    ) + compile_report.configs_for(
-        kernels=("paged_attention",),
-        block_sizes=FP8_TMA_128_BLOCKS,
-        kv_modes=("fp8_mma_keys",),
-        launches=(FP8_TMA_128_LAUNCH,),
     )
 
 
@@ -170,7 +164,7 @@ WIDE_HEAD_BLOCKS = (16, 256, 1560)
 
 # Blocks of one slot: keys-major pools of them are laid out slot-major (unpadded).
 ONE_SLOT_BLOCKS = dict(
-    kernels=("paged_attention",), block_sizes=(1,), kv_modes=("fp8_mma", "fp8_mma_keys")
+    kernels=("paged_attention",), block_sizes=(1,), kv_modes=("int8", "int8_keys")
 )
 
 
@@ -213,19 +207,27 @@ def _configs_both() -> list[compile_report.Config]:
     )
     configs += compile_report.configs_for(**WIDE_HEAD_QUANTIZED)
     configs += compile_report.configs_for(**ONE_SLOT_BLOCKS)
+    configs += compile_report.configs_for(
+        kernels=("paged_attention",), block_sizes=(K8V8_BLOCK,), kv_modes=("k8v8_keys",)
+    )
     configs += compile_report.configs_for(kernels=("paged_attention",), block_sizes=PIECE_BLOCKS)
     configs += compile_report.configs_for(
         kernels=("paged_attention",), head_dims=(256,), block_sizes=WIDE_HEAD_BLOCKS
     )
-    return configs
+    return list(dict.fromkeys(configs))  # (the dequantizing TMA launches are in two sets)
 
 
 def _compile_all() -> list[dict]:
-    rows = compile_report.compile_rows(_configs_39() + _eight_bit_configs(), "cuda:90", workers=2)
+    rows = compile_report.compile_rows(
+        list(dict.fromkeys(_configs_39() + _eight_bit_configs())), "cuda:90", workers=2
+    )
     python36 = _triton36()
     if python36 is not None:
         rows += compile_report.compile_rows(
-            _configs_both() + _eight_bit_configs(), "cuda:90", workers=2, pythons=[python36]
+            list(dict.fromkeys(_configs_both() + _eight_bit_configs())),
+            "cuda:90",
+            workers=2,
+            pythons=[python36],
         )
     return rows
 
@@ -269,11 +271,12 @@ class Report:
         return row
 
     def yardstick(self, kind: str, like: dict) -> dict:
-        """The yardstick a launch is weighed against (FP8-MMA launches: the FP8 anchor)."""
+        """The yardstick a launch is weighed against (k8v8 launches: the FP8 anchor)."""
         keys = ("triton", "head_dim", "dtype")
         if kind == "anchor":
             keys += ("tile", "num_warps", "num_stages")
-        fp8 = "fp8_mma" if like["kv_mode"] in compile_report.FP8_ANCHOR_MODES else ""
+        fp8_modes = compile_report.FP8_ANCHOR_MODES
+        fp8 = compile_report.FP8_ANCHOR if like["kv_mode"] in fp8_modes else ""
         [row] = [
             r
             for r in self.rows
@@ -372,7 +375,7 @@ def test_anchor_is_a_lean_flash_loop(report: Report, minor: str) -> None:
 @pytest.mark.parametrize("minor", _versions())
 def test_fp8_anchor_is_a_lean_fp8_loop(report: Report, minor: str) -> None:
     triton = report.version(minor)
-    keys_major = report.paged(triton, 64, kv="fp8_mma_keys")
+    keys_major = report.paged(triton, K8V8_BLOCK, kv="k8v8_keys")
     anchor = report.yardstick("anchor", keys_major)
     # 2026-12-04: 379 instructions on Triton 3.9, 361 on 3.6 (the 16-bit anchor: 348, 325);
     # 3 and 2 barriers, no shared store: V's keys-major tile feeds the MMA as prefetched.
@@ -380,7 +383,7 @@ def test_fp8_anchor_is_a_lean_fp8_loop(report: Report, minor: str) -> None:
     assert anchor["loop_instructions"] <= most_instructions, anchor
     assert (anchor["mma"], anchor["kv_buffers"], anchor["spill_stores"]) == ("QGMMA", 3, 0)
     assert anchor["loop_barriers"] <= 3 and anchor["loop_shared_stores"] == 0, anchor
-    # The FP8-MMA launches are weighed against it.
+    # The k8v8 launches are weighed against it.
     per_key = keys_major["loop_instructions"] / anchor["loop_instructions"]
     assert keys_major["vs_anchor"] == round(per_key, 3), (keys_major, anchor)
 
@@ -445,9 +448,7 @@ _PATH_RATIO_MISSES: dict = {}
 # size, kept from one piece's loops to the other's (8 bytes at 1560 on 3.9 over keys-major
 # pools, 4 at block 24 on 3.6) until the second piece divided again (_unknown_again).
 _QUANTIZED_SPILLS: dict = {}
-# The same on Triton 3.6 (the GPU image's). (FP8-MMA's 128-key TMA loop, the table's default
-# over keys-major pools at 520 and 1560, spills 4-8 bytes there:
-# test_fp8_mma_128_key_tma_loop_over_keys_major_pools.)
+# The same on Triton 3.6 (the GPU image's).
 _TRITON36_QUANTIZED_SPILLS: dict = {}
 
 
@@ -696,11 +697,10 @@ def test_quantized_defaults_are_the_launch_tables(
     # the launch the launcher makes: its tile, and descriptor loads where it takes the TMA loop.
     launcher = importlib.import_module("paged_video.kernels.paged_attention")
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
-    fp8 = mode.startswith("fp8")
     tiles = launcher.choose_tiles(
         block_size=block, head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16,
-        fp8_mma=fp8, int8_mma=not fp8, tma_ready=True,
-        kv_dtype=torch.float8_e4m3fn if fp8 else torch.int8,
+        dequantize=True, tma_ready=True,
+        kv_dtype=torch.int8 if mode.startswith("int8") else torch.float8_e4m3fn,
     )  # fmt: skip
     row = report.paged(report.version(minor), block, kv=mode)
     assert row["tile"] == f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}", (row, tiles)
@@ -722,12 +722,8 @@ def test_masked_features_keep_the_pipeline(report: Report, features: str) -> Non
 def test_quantized_mma_and_prefetch(report: Report, mode: str, block: int) -> None:
     triton = report.version("3.9")
     row = report.paged(triton, block, kv=mode)
-    # Dequantizing: 16-bit wgmma only; fp8_mma: FP8 wgmma only (QK^T and PV); int8_mma: int8
-    # wgmma for QK^T, 16-bit for PV.
-    wanted = {"fp8_mma": "QGMMA", "int8_mma": "HGMMA+IGMMA"}.get(
-        mode.removesuffix("_keys"), "HGMMA"
-    )
-    assert row["mma"] == wanted, row
+    # Dequantizing: 16-bit wgmma only.
+    assert row["mma"] == "HGMMA", row
     assert row["loop_divisions"] == 0, row
     # As many K/V tiles in flight as the bf16 kernel (the dequantizing launch adds a stage for it).
     plain = report.paged(triton, block)
@@ -769,12 +765,12 @@ def test_dequantizing_tma_defaults_without_spills(
 
 @pytest.mark.parametrize("minor", _versions())
 def test_keys_major_pools_of_one_slot_blocks_read_as_slot_major(report: Report, minor: str) -> None:
-    # Padded to 16 keys a row, FP8-MMA's keys-major V at block 1 was gathered a byte at a time
-    # (39 global loads an iteration on Triton 3.6, 623 instructions, 16 bytes spilled); stored
-    # unpadded it is the slot-major pool and reads as one.
+    # Padded to 16 keys a row, the (since deleted) FP8-MMA's keys-major V at block 1 was
+    # gathered a byte at a time (39 global loads an iteration on Triton 3.6, 623 instructions,
+    # 16 bytes spilled); stored unpadded it is the slot-major pool and reads as one.
     triton = report.version(minor)
-    keys_major = report.paged(triton, 1, kv="fp8_mma_keys")
-    slot_major = report.paged(triton, 1, kv="fp8_mma")
+    keys_major = report.paged(triton, 1, kv="int8_keys")
+    slot_major = report.paged(triton, 1, kv="int8")
     assert (keys_major["spill_stores"], keys_major["spill_loads"]) == (0, 0), keys_major
     assert keys_major["loop_global_loads"] <= slot_major["loop_global_loads"], keys_major
     assert keys_major["loop_instructions"] <= 1.03 * slot_major["loop_instructions"], (
@@ -845,10 +841,10 @@ def test_quantized_tma_loop_loads_codes_and_scales_through_descriptors(
     assert tma["tma_loads"] > 0 and pointers["tma_loads"] == 0, (tma, pointers)
     assert tma["loop_global_loads"] < pointers["loop_global_loads"], (tma, pointers)
     assert (tma["mma"], tma["kv_buffers"]) == (pointers["mma"], 3), (tma, pointers)
-    # At 64 keys it is no longer the shorter loop on either Triton (2026-12-05: on 3.6 FP8-MMA
-    # 497-507 against 447-465 at blocks 64/520/1560, INT8-MMA 551-562 against 506-519, since
-    # the pointer loop copies each scale once; before, 536-554 against 560-572): a GPU probe
-    # weighs them (bench/gpu_check.sh), and the table takes its 128-key tiles.
+    # At 64 keys it is no longer the shorter loop on either Triton (2026-12-05: on 3.6 the
+    # deleted FP8-MMA 497-507 against 447-465 at blocks 64/520/1560, INT8-MMA 551-562 against
+    # 506-519, since the pointer loop copies each scale once; before, 536-554 against 560-572):
+    # a GPU probe weighs them (bench/gpu_check.sh), and the table takes its 128-key tiles.
 
 
 # FP8-MMA over keys-major pools at block 1560 spilled 4/4 bytes outside the loops (a lane
@@ -874,104 +870,50 @@ def test_triton36_quantized_tma_loop_without_spills(report: Report, mode: str, b
     assert (tma["spill_stores"], tma["spill_loads"]) == (0, 0), tma
 
 
-@pytest.mark.parametrize("minor", _versions())
-@pytest.mark.parametrize("block", [520, 1560])
-def test_fp8_mma_128_key_tma_loop_over_keys_major_pools(
-    report: Report, minor: str, block: int
-) -> None:
-    # The loop of the shipped table's fp8_mma_keys rows (compile evidence, to be timed).
-    triton = report.version(minor)
-    default = report.paged(triton, block, kv="fp8_mma_keys", variant=FP8_TMA_128)
-    pointers = report.paged(triton, block, kv="fp8_mma_keys", variant=FORCED_CP_ASYNC)
-    assert (default["tile"], default["mma"], default["kv_buffers"]) == ("128x128", "QGMMA", 3)
-    assert default["tma_loads"] > 0, default
-    # 2026-12-05: 774 (3.9) and 771 (3.6) instructions per 128 keys, against the 64-key
-    # pointer loop's 474 and 465 per 64 (18% and 17% fewer per key; 20% and 27% before that
-    # loop copied each scale once, 481-484 and 526); with K's rows in the FP8 MMA's key order
-    # 718 and 713-714, against 446-448 and 437 (20% and 18%). No spills: the tile's registers
-    # hold no query rows (loaded, they feed the MMA from shared memory), and masked tiles are
-    # 64 keys (before: 4-8 bytes on 3.6, 40-60 around them on 3.9).
-    assert _per_key(default) <= 0.85 * _per_key(pointers), (default, pointers)
-    assert (default["spill_stores"], default["spill_loads"]) == (0, 0), default
-
-
-# FP8-MMA's unmasked loops read K's rows and the scales in the 8-bit MMA's key order
+# k8v8's unmasked loops read K's rows and the scales in the 8-bit MMA's key order
 # (kernels/_attention_jit.py, _fp8_mma_key_order), so the probabilities feed P V as they lie in
 # registers: the loop's shuffles are then the row maxima's and sums' butterflies, as in a
 # 16-bit loop. Converted to the operand's layout they took 8 (64-key tiles) and 16 (128) more,
 # with as many selects and byte permutes (2026-12-05: 22-27 instructions per 64 keys).
 @pytest.mark.parametrize("minor", _versions())
-def test_fp8_mma_probabilities_feed_the_mma_unmoved(report: Report, minor: str) -> None:
+def test_k8v8_probabilities_feed_the_mma_unmoved(report: Report, minor: str) -> None:
     triton = report.version(minor)
     attention = [r for r in report.rows if r["kernel"] == "paged_attention" and r["error"] == ""]
     ours = [r for r in attention if r["triton"] == triton]
-    fp8_mma = [r for r in ours if r["kv_mode"] in ("fp8_mma", "fp8_mma_keys")]
+    k8v8 = [r for r in ours if r["kv_mode"] == "k8v8_keys"]
     bf16 = [r["loop_shuffles"] for r in ours if r["kv_mode"] == "same" and r["loop_shuffles"]]
-    assert fp8_mma and bf16
-    for row in fp8_mma:
+    assert k8v8 and bf16
+    for row in k8v8:
         assert row["loop_shuffles"] <= min(bf16), row
 
 
 @pytest.mark.parametrize("minor", _versions())
-@pytest.mark.parametrize("mode", ["fp8_mma", "fp8_mma_keys"])
-@pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
-def test_fp8_mma_reads_query_rows_from_shared_memory(
-    report: Report, minor: str, mode: str, block: int
-) -> None:
+def test_k8v8_reads_query_rows_from_shared_memory(report: Report, minor: str) -> None:
     # The launcher rounds the query rows before the kernel (kernels/query_codes.py), which loads
     # them, so Q K^T takes them from shared memory and P is the only register operand: an MMA
     # per 32 keys. Rounded in the kernel, they stayed a register operand read back from shared
     # memory every tile (128 channels: 4 more register-operand MMAs, 4 ldmatrix and their
     # addresses, which ptxas spilled at the 128-key TMA loop on Triton 3.6).
-    row = report.paged(report.version(minor), block, kv=mode)
+    row = report.paged(report.version(minor), K8V8_BLOCK, kv="k8v8_keys")
     keys = int(row["tile"].split("x")[1])
-    assert row["mma"] == "QGMMA" and row["loop_register_a_mmas"] == keys // 32, row
+    assert row["mma"] == "QGMMA+IGMMA" and row["loop_register_a_mmas"] == keys // 32, row
 
 
 @pytest.mark.parametrize("minor", _versions())
 @pytest.mark.parametrize("kernel", ["query_codes", "value_units"])
 def test_quantized_passes_compile(report: Report, minor: str, kernel: str) -> None:
-    # The pass that rounds FP8-MMA's query rows runs before each FP8-MMA launch, and only there;
-    # the one that takes the probability unit before every quantized launch. Both build without
-    # spills on both Tritons (no MMA). The 8-bit formats round their query rows (int8) and
-    # take no probability unit.
+    # The pass that rounds the query rows to int8 runs before each k8v8 (and k8v16) launch, and
+    # only there; the one that takes the probability unit before every other quantized launch.
+    # Both build without spills on both Tritons (no MMA).
     triton = report.version(minor)
     rows = [r for r in report.rows if r["kernel"] == kernel and r["triton"] == triton]
     modes = {r["kv_mode"] for r in report.rows if r["kernel"] == "paged_attention"} - {"same"}
-    eight_bit = set(EIGHT_BIT_MMAS)
-    want = {"fp8_mma", "fp8_mma_keys"} | eight_bit if kernel == "query_codes" else modes - eight_bit
+    rounded = {m for m in modes if m.startswith(("k8v8", "k8v16"))}
+    want = rounded if kernel == "query_codes" else modes - rounded
     assert {r["kv_mode"] for r in rows} == want, rows
     for row in rows:
         assert row["error"] == "" and (row["spill_stores"], row["spill_loads"]) == (0, 0), row
         assert (row["mma"], row["key_loops"]) == ("none", ""), row
-
-
-# Per key, the MMA modes' loops against the dequantizing one over the same codes (Triton 3.9).
-# FP8-MMA over a slot-major V transposes V a byte at a time through shared memory (33 stores a
-# thread) where the dequantizing loop converts e4m3 K in one instruction a pair: 1.08-1.10x
-# (2026-12-04), within 3% once the probability unit was the sequence's (2026-12-05), and
-# 1.12-1.13x since the dequantizing loop's V converts to float16 and its rows take their
-# scales there, two per HMUL2, where FP8-MMA's e4m3 probabilities must take them (519-537
-# against 462-476); over keys-major pools 1.0-1.04x at 64-key tiles, 0.81x at 128. With K's
-# rows in the FP8 MMA's key order (no shuffles of P; 2026-12-05) 1.07-1.09x (496-514), over
-# keys-major pools 0.95-1.0x at 64-key tiles (439-465), 0.75x at 128 (718 per 128 keys).
-@pytest.mark.parametrize(
-    "mma_mode, dequantizing_mode, most",
-    [
-        ("fp8_mma", "fp8", 1.10),
-        ("fp8_mma_keys", "fp8", 1.02),
-        ("int8_mma", "int8", 1.0),
-        ("int8_mma_keys", "int8", 1.0),
-    ],
-)
-@pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
-def test_mma_loop_against_dequantizing(
-    report: Report, mma_mode: str, dequantizing_mode: str, most: float, block: int
-) -> None:
-    triton = report.version("3.9")
-    mma = report.paged(triton, block, kv=mma_mode)
-    dequantizing = report.paged(triton, block, kv=dequantizing_mode)
-    assert _per_key(mma) <= most * _per_key(dequantizing), (mma, dequantizing)
 
 
 # Per-thread global copies in the quantized 64-key pointer loops (2026-12-05): 6-12 on both
@@ -995,48 +937,15 @@ def test_quantized_scales_are_copied_once(report: Report, minor: str, mode: str,
 # wide scale loads took 6-8 (3.9) and 10-14 (3.6). FP8-MMA over slot-major V transposes V
 # through shared memory: 6 and 5 (4 and 2 without the tile maximum of the V scales).
 QUANTIZED_MOST_BARRIERS = 4
-# The 16-bit pointer loop's, which FP8-MMA's over keys-major pools now matches.
-BF16_LOOP_BARRIERS = {"3.9": 3, "3.6": 2}
 
 
 @pytest.mark.parametrize("minor", _versions())
-@pytest.mark.parametrize("mode", ["fp8", "int8", "int8_mma", "fp8_mma_keys", "int8_mma_keys"])
+@pytest.mark.parametrize("mode", QUANTIZED_MODES)
 @pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
 def test_quantized_scales_add_no_barriers(report: Report, minor: str, mode: str, block: int):
     # The pointer loop's scale loads (the TMA loop waits on its descriptor loads: 7-12).
     row = report.paged(report.version(minor), block, kv=mode, variant=_pointer_variant(mode, block))
     assert row["loop_barriers"] <= QUANTIZED_MOST_BARRIERS, row
-
-
-@pytest.mark.parametrize("minor", _versions())
-@pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
-def test_fp8_mma_takes_no_tile_maximum_of_the_v_scales(report: Report, minor: str, block: int):
-    # The probability unit is the sequence's (kernels/value_units.py): the loop reduces no V
-    # scales across warps, so it waits at no more barriers than the 16-bit loop (2026-12-05,
-    # over keys-major pools: 3 on Triton 3.9 and 2 on 3.6, against 4 and 4 with the tile
-    # maximum; 36-54 fewer instructions per 64 keys).
-    variant = _pointer_variant("fp8_mma_keys", block)
-    row = report.paged(report.version(minor), block, kv="fp8_mma_keys", variant=variant)
-    assert row["loop_barriers"] <= BF16_LOOP_BARRIERS[minor], row
-
-
-@pytest.mark.parametrize("minor", _versions())
-@pytest.mark.parametrize("block", QUANTIZED_BLOCKS)
-def test_fp8_mma_over_keys_major_v_feeds_the_mma_as_prefetched(
-    report: Report, minor: str, block: int
-) -> None:
-    triton = report.version(minor)
-    variant = _pointer_variant("fp8_mma_keys", block)
-    keys = report.paged(triton, block, kv="fp8_mma_keys", variant=variant)
-    slots = report.paged(triton, block, kv="fp8_mma")
-    # Slot-major V is transposed through shared memory every tile (33-34 stores a thread);
-    # keys-major V goes from its prefetch buffer to the MMA (1-2 stores: the scales' own).
-    assert slots["loop_shared_stores"] >= 32 and keys["loop_shared_stores"] <= 2, (keys, slots)
-    assert keys["loop_barriers"] <= slots["loop_barriers"], (keys, slots)
-    # Prefetched 16 bytes at a time (8 for block 24's 8-key pieces), not a byte per load: a
-    # V tile read byte by byte takes 32 more loads a thread.
-    assert keys["loop_global_loads"] <= slots["loop_global_loads"] + 8, (keys, slots)
-    assert (keys["mma"], keys["kv_buffers"]) == ("QGMMA", 3), keys
 
 
 # ---------------------------------------------------------------- the parsers, no compiling

@@ -30,7 +30,7 @@ WRITES = {
     "sweep": {"sweep.csv", "sweep.log"},
     "launches": {"launches/sweep.csv"},
     "choose": {"launch_choices.json"},
-    "probes": {"probe/probe.csv", "probe_dequant/probe.csv", "probe_int8/probe.csv"},
+    "probes": {"probe_dequant/probe.csv"},
     "choose2": {"launch_choices.json"},
     "peers": {"peers/sweep.csv"},
     "rollout": {"rollout.csv"},
@@ -102,7 +102,7 @@ def test_the_dry_run_runs_every_stage_and_writes_what_the_next_reads(dry_run) ->
     # The launches and the probes, as choose reads them; the table it wrote passes its checks.
     launches = read_rows(out / "launches" / "sweep.csv")
     assert {r["provider"] for r in launches} >= set(choose.LAUNCH_PROVIDERS)
-    for name in ("probe", "probe_dequant", "probe_int8"):
+    for name in ("probe_dequant",):
         probed = choose.read_probe(out / name / "probe.csv")
         assert any(r["outcome"] == "ok" and r["mode"].endswith("_keys") for r in probed), name
     table = launch_table.read_table(out / "launch_choices.json")
@@ -113,7 +113,7 @@ def test_the_dry_run_runs_every_stage_and_writes_what_the_next_reads(dry_run) ->
         rollout = list(csv.DictReader(stream))
     assert [(r["provider"], r["kv_dtype"]) for r in rollout] == [
         ("paged", "bf16"),
-        ("paged", "int8-mma"),
+        ("paged", "int8"),
         ("plain", "-"),
     ]
     assert all(float(r["steady_fps"]) > 0 for r in rollout)
@@ -148,7 +148,7 @@ def test_the_gpu_check_names_real_providers_and_runs_and_fits_two_calls() -> Non
     for listed in ("launch_providers", "peer_providers"):
         assert set(variables[listed].split(",")) <= names, listed
     probes = re.findall(r'--runs\s+"([^"]+)"', script)
-    assert len(probes) == 3, probes  # FP8-MMA's candidates, the dequantizing ones, INT8-MMA's
+    assert len(probes) == 1, probes  # the dequantizing modes' candidates (the MMA modes: deleted)
     for runs in probes:
         for name, value in variables.items():
             runs = runs.replace(f"${name}", value)

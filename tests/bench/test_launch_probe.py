@@ -132,15 +132,15 @@ def test_a_probe_row_names_its_mode_and_the_launch_that_ran(tmp_path) -> None:
     # bench choose turns these rows into quantized table rows: each must say which mode's row it
     # is (``_keys`` only where descriptors read the pools) and what ran, "default" included.
     rows = _probe_all_run(
-        "triton-int8-mma-keys@default,triton-int8-mma-keys@16x32w4s2+tma,triton-int8-mma@default",
+        "triton-int8-keys@default,triton-int8-keys@16x32w4s2+tma,triton-int8@default",
         tmp_path,
     )
     assert len(rows) == 3, rows
-    assert [r["mode"] for r in rows] == ["int8_mma_keys", "int8_mma_keys", "int8_mma"]
+    assert [r["mode"] for r in rows] == ["int8_keys", "int8_keys", "int8"]
     assert {(r["head_dim"], r["figures"]) for r in rows} == {(32, "cpu-interpreter")}
     own = launcher.choose_tiles(
         block_size=64, head_dim=32, max_seqlen_q=TINY_FP16.q_tokens, dtype=torch.float16,
-        heads_per_kv_head=2, int8_mma=True, tma_ready=True, kv_dtype=torch.int8,
+        heads_per_kv_head=2, dequantize=True, tma_ready=True, kv_dtype=torch.int8,
     )  # fmt: skip
     assert f"tile={own['BLOCK_M']}x{own['BLOCK_N']} " in rows[0]["backend"], rows[0]["backend"]
     assert "variant=cp_async" in rows[0]["backend"]  # the interpreter's own default

@@ -82,7 +82,7 @@ def test_no_text_leaves_any_plot_with_every_provider(overrides):
         figures[kernel] = draw_kernel(rows, kernel)
     quantized = figures["speedup"].axes[1]
     labels = [line.get_label() for line in quantized.get_lines()]
-    assert any("triton-int8-mma" in label and "x at B=1560" in label for label in labels), labels
+    assert any("triton-k8v16" in label and "x at B=1560" in label for label in labels), labels
     for name, figure in figures.items():
         assert not _texts_outside(figure), (name, _texts_outside(figure))
 

@@ -17,11 +17,13 @@ def gpu_tiles():
 
 @pytest.fixture
 def nan_filled_empty(monkeypatch):
-    """``torch.empty`` hands out NaN-filled tensors for the whole test, so a launcher's own
-    outputs (which it allocates) cannot pass where its kernel left an element unwritten."""
+    """``torch.empty`` hands out NaN-filled tensors for the whole test (integer ones -128, a code
+    no symmetric int8 rounding makes), so a launcher's own outputs (which it allocates) cannot
+    pass where its kernel left an element unwritten."""
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
-        return real_empty(*args, **kwargs).fill_(float("nan"))
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan") if tensor.is_floating_point() else -128)
 
     monkeypatch.setattr(torch, "empty", empty)

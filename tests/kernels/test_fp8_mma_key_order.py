@@ -1,12 +1,12 @@
-"""The key order of FP8-MMA's unmasked loops (``kernels/_attention_jit.py``): K's rows and the
+"""The key order of k8v8's unmasked loops (``kernels/_attention_jit.py``): K's rows and the
 scales are read in ``_fp8_mma_key_order`` so that the probabilities feed the 8-bit ``P V`` MMA
 as they lie in registers, over V's tile in position order.
 
 On sm_90 the scores' accumulator gives thread ``q`` of a quad columns ``2q, 2q + 1, 2q + 8,
 2q + 9`` of every 16, and the 8-bit MMA's A operand takes from it keys ``4q .. 4q + 3`` of every
 16. These tests hold the three helpers to that and to each other, exactly (a relabelling
-computes nothing); the end-to-end checks are the FP8-MMA tests of
-``test_paged_attention_quantized.py``, and that the relabelling costs no instruction is the
+computes nothing); the end-to-end checks are the k8v8 tests of ``test_k8v8_attention.py``,
+and that the relabelling costs no instruction is the
 compile report's (``tests/bench/test_compile_report.py``).
 """
 

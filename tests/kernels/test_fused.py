@@ -123,8 +123,6 @@ def direct_calls(tensors, inputs, pools: fused.PoolTensors, mean=None, equalizer
         key_gap=inputs.key_gap,
         k_scale=k_scale,
         v_scale=v_scale,
-        fp8_mma=inputs.fp8_mma,
-        int8_mma=inputs.int8_mma,
         return_lse=inputs.return_lse,
         **factors,
     )

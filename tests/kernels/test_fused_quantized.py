@@ -72,7 +72,7 @@ def make_state(dtype: torch.dtype, seed: int = 0, equalize: bool = False) -> fus
     return fused.PoolTensors(*(t.to(DEVICE) for t in on_device), flags, *factors, equalized, *k8v8)
 
 
-def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False, int8_mma: bool = False):
+def forward(step: int, *, staged: bool, layer: int):
     """``make_forward``'s inputs with keys offset per channel (what smoothing removes), and two
     key and two value channels 30x wider, token by token (what channel equalization evens
     out)."""
@@ -85,7 +85,7 @@ def forward(step: int, *, staged: bool, layer: int, fp8_mma: bool = False, int8_
     tensors[3] = tensors[3] * k_gains + offsets
     tensors[2] = tensors[2] * v_gains
     tensors[4] = tensors[4] * v_gains
-    return tensors, inputs._replace(fp8_mma=fp8_mma, int8_mma=int8_mma)
+    return tensors, inputs
 
 
 def clone(pools: fused.PoolTensors) -> fused.PoolTensors:
@@ -142,16 +142,14 @@ def test_compiles_once_across_changing_values(dtype: torch.dtype, staged: bool) 
     assert counter.frame_count == 1
 
 
-def keys_major_state(state: fused.PoolTensors, fp8_mma: bool) -> fused.PoolTensors:
-    """``state`` with the layout of ``PagingConfig(keys_major=True)``: the scale pools, and with
-    ``fp8_mma`` V's codes, keys-major (copies, same values)."""
+def keys_major_state(state: fused.PoolTensors) -> fused.PoolTensors:
+    """``state`` with the layout of ``PagingConfig(keys_major=True)``: the scale pools
+    keys-major (copies, same values)."""
 
     def keys_major(stacked: torch.Tensor) -> torch.Tensor:
         return kernels.keys_major(stacked.flatten(0, 1)).unflatten(0, stacked.shape[:2])
 
     fields = {"k_scales": keys_major(state.k_scales), "v_scales": keys_major(state.v_scales)}
-    if fp8_mma:
-        fields["v_pools"] = keys_major(state.v_pools)
     return state._replace(**fields)
 
 
@@ -160,15 +158,14 @@ def keys_major_state(state: fused.PoolTensors, fp8_mma: bool) -> fused.PoolTenso
     "dtype, mode",
     [
         pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
-        pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, id="fp8-mma"),
-        pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
+        pytest.param(torch.int8, {}, id="int8"),
     ],
 )
 def test_keys_major_pools_write_and_attend_as_slot_major_ones(dtype, mode, staged) -> None:
     # Compiled (one graph for every step), over keys-major pools: the slot-major eager op's
     # outputs and stored values, bit for bit.
     slot_major = make_state(dtype)
-    keys_major = keys_major_state(make_state(dtype), mode.get("fp8_mma", False))
+    keys_major = keys_major_state(make_state(dtype))
     assert kernels.pool_layout.keys_aligned(keys_major.k_scales[0])
     counter = CompileCounter()
     compiled = torch.compile(fused.write_attend, fullgraph=True, backend=counter)
@@ -185,30 +182,6 @@ def test_keys_major_pools_write_and_attend_as_slot_major_ones(dtype, mode, stage
     for name in ("k_pools", "v_pools", "k_scales", "v_scales", "k_means"):
         a, b = getattr(slot_major, name), getattr(keys_major, name)
         assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)), name
-
-
-def test_fp8_mma_reaches_attention() -> None:
-    state, twin = make_state(torch.float8_e4m3fn), make_state(torch.float8_e4m3fn)
-    tensors, inputs = forward(0, staged=False, layer=0, fp8_mma=True)
-    got = fused.write_attend(*tensors, state, inputs)
-    twin.k_means[0], twin.k_means_chosen[0] = state.k_means[0], True
-    assert torch.equal(got, direct_calls(tensors, inputs, twin, twin.k_means[0]))
-    dequantized = fused.write_attend(
-        *tensors, make_state(torch.float8_e4m3fn), inputs._replace(fp8_mma=False)
-    )
-    assert not torch.equal(got, dequantized)  # the switch changes the arithmetic
-
-
-def test_int8_mma_reaches_attention() -> None:
-    state, twin = make_state(torch.int8), make_state(torch.int8)
-    tensors, inputs = forward(0, staged=False, layer=0, int8_mma=True)
-    got = fused.write_attend(*tensors, state, inputs)
-    twin.k_means[0], twin.k_means_chosen[0] = state.k_means[0], True
-    assert torch.equal(got, direct_calls(tensors, inputs, twin, twin.k_means[0]))
-    dequantized = fused.write_attend(
-        *tensors, make_state(torch.int8), inputs._replace(int8_mma=False)
-    )
-    assert not torch.equal(got, dequantized)  # the switch changes the arithmetic
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
@@ -336,8 +309,9 @@ REFUSALS = [
         TypeError,
         "stage_v",
     ),
-    ("fp8-mma-int", changed(fp8_mma=1), TypeError, "fp8_mma"),
-    ("int8-mma-int", changed(int8_mma=1), TypeError, "int8_mma"),
+    ("fp8-mma-deleted", changed(fp8_mma=True), ValueError, 'fp8_mma was deleted.*"k8v8"'),
+    ("int8-mma-deleted", changed(int8_mma=True), ValueError, 'int8_mma was deleted.*"k8v16"'),
+    ("return-lse-int", changed(return_lse=1), TypeError, "return_lse"),
     (
         "chosen-without-equalizers",
         replaced("equalizers_chosen", lambda t: torch.zeros(LAYERS, dtype=torch.bool)),
@@ -400,24 +374,6 @@ def test_refused_call_changes_nothing(dtype: torch.dtype, change, error, match: 
     pools, inputs = change(state, inputs)
     with pytest.raises(error, match=match):
         fused.write_attend(*tensors, pools, inputs)
-    assert equal(state, before)
-
-
-def test_int8_mma_needs_int8_pools_and_changes_nothing() -> None:
-    state = make_state(torch.float8_e4m3fn)
-    before = clone(state)
-    tensors, inputs = forward(0, staged=False, layer=1, int8_mma=True)
-    with pytest.raises(ValueError, match="int8_mma needs int8 pools"):
-        fused.write_attend(*tensors, state, inputs)
-    assert equal(state, before)
-
-
-def test_fp8_mma_needs_e4m3_pools_and_changes_nothing() -> None:
-    state = make_state(torch.int8)
-    before = clone(state)
-    tensors, inputs = forward(0, staged=False, layer=1, fp8_mma=True)
-    with pytest.raises(ValueError, match="fp8_mma needs float8_e4m3fn pools"):
-        fused.write_attend(*tensors, state, inputs)
     assert equal(state, before)
 
 

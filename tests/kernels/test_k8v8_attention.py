@@ -1,12 +1,12 @@
 """paged_attention over k8v8 pools (int8 K per slot, e4m3 V per block and channel) against a
 float64 emulation of the format's arithmetic and the dequantizing float64 oracle.
 
-The kernel rounds each query row to int8 (``Q K^T`` then exact int32 sums) and the
-probabilities (a row's largest 448) to e4m3, per key tile after a running row max, where the
-emulation rounds them after the final one: element by element its rounding errors differ, not
-in size. So the kernel is held to the oracle within twice the emulation's error (the FP8-MMA
-rule), and its LSE, of the scores it computed, to float32 accuracy. Pools are NaN-poisoned
-outside what the tables point at, outputs NaN-poisoned before the launch.
+The kernel rounds each query row to int8 (``Q K^T`` then exact int32 sums) and the probabilities (a
+row's largest 448) to e4m3, per key tile after a running row max, where the emulation rounds them
+after the final one: element by element its rounding errors differ, not in size. So the kernel is
+held to the oracle within twice the emulation's error, and its LSE, of the scores it computed, to
+float32 accuracy. Pools are NaN-poisoned outside what the tables point at, outputs NaN-poisoned
+before the launch.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from paged_video.kernels.paged_attention import choose_tiles
 from paged_video.reference.quantize import dequantize, quantize
 from tests.helpers import DEVICE, nan_like, record_launches
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
+from tests.kernels.test_strided_index import column, column_major
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 E4M3_NAN = 0x7F
@@ -295,7 +296,7 @@ def test_k8v8_attention_refuses_what_the_write_refuses(change: str, error: type,
 def test_tiny_v_scales_on_the_keys_that_matter() -> None:
     # Issue 46 item 3: 1024 keys, the first 64 with V x 1e-6 and K aligned with q, so the
     # softmax's mass sits on them. Per-block V scales give those keys their own scale: every
-    # row right (FP8-MMA's probability unit zeroed 13 of 16 rows).
+    # row right (the deleted FP8-MMA's probability unit zeroed 13 of 16 rows).
     heads, dim, keys, block = 1, 64, 1024, 64
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(16, heads, dim, generator=gen)
@@ -326,23 +327,72 @@ def test_tiny_v_scales_on_the_keys_that_matter() -> None:
     assert rel < 0.05, f"rel L1 {rel:.3f}"
 
 
-def test_fp8_mma_refuses_v_scales_it_would_round_away() -> None:
-    # Issue 46 item 3 under FP8-MMA: its probability unit (the sequence's largest V scale /
-    # 448) would round the tiny-scale keys' values to zero: a clear error, not zeroed rows.
-    case = make_paged_case(q_lens=[4], k_lens=[128], block_size=32, device=DEVICE)
-    codes, v_scale = quantize(case.v_cache.cpu().nan_to_num(0.0), torch.float8_e4m3fn)
-    k_codes, k_scale = quantize(case.k_cache.cpu().nan_to_num(0.0), torch.float8_e4m3fn)
-    args = (case.q, k_codes.to(DEVICE), codes.to(DEVICE), case.block_table,
-            case.cu_seqlens_q, case.seq_lens_k)  # fmt: skip
-    scales = dict(max_seqlen_q=4, k_scale=k_scale.to(DEVICE), fp8_mma=True)
-    kernels.paged_attention(*args, v_scale=v_scale.to(DEVICE), **scales)  # a narrow range
-    tiny = v_scale.clone()
-    tiny[case.block_table[0, 0].item()] *= 1e-6
-    with pytest.raises(ValueError, match="V scales span more than 2\\*\\*12"):
-        kernels.paged_attention(*args, v_scale=tiny.to(DEVICE), **scales)
-    # Hidden by a gap, the tiny keys are not attended: accepted.
-    gap = torch.tensor([[[0, 32]]], dtype=torch.int32, device=DEVICE)
-    kernels.paged_attention(*args, v_scale=tiny.to(DEVICE), key_gap=gap, **scales)
+@pytest.mark.parametrize("make_view", [column_major, lambda t: column(t, 0)], ids=["cm", "step"])
+@pytest.mark.parametrize("block_size", [7, 24], ids=lambda b: f"B{b}")
+def test_k8v8_reads_a_strided_block_table(block_size: int, make_view) -> None:
+    # Pieces under 16 keys (7 = 4 + 2 + 1, 24's 8): the unmasked loops take each tile's block
+    # ids in the 8-bit MMA's key order, read through the table's own strides.
+    case, kwargs = masked_case(block_size, 32)
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=False)
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    strided = (*args[:3], make_view(args[3]), *args[4:])
+    launch = dict(
+        max_seqlen_q=case.max_seqlen_q, k_scale=k_scale, v_channel_scale=scales, block_m=16,
+        block_n=32, **kwargs,
+    )  # fmt: skip
+    want = kernels.paged_attention(*args, out=nan_like(case.q), **launch)
+    got = kernels.paged_attention(*strided, out=nan_like(case.q), **launch)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+
+
+def test_k8v8_descriptor_loop_tiles_starting_mid_run() -> None:
+    # Block 40 at 32-key tiles: 32 keys by descriptor + 8 masked; at odd block ids a tile
+    # starts mid-way through a run of 16 pool rows, which K's descriptor (rows in the 8-bit
+    # MMA's key order) must start from.
+    case = make_paged_case(
+        q_lens=[5, 3], k_lens=[300, 130], block_size=40, num_heads=4, num_kv_heads=2,
+        head_dim=64, device=DEVICE,
+    )  # fmt: skip
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=False)
+    pools = (k_codes, v_codes, pool_layout.keys_major(k_scale), scales)
+    check(case, pools, block_n=32, launch=dict(variant="tma"))
+
+
+def test_k8v8_k_equalizer_is_q_times_the_factors() -> None:
+    # K's channel factors fold into the query rows before they are rounded to int8
+    # (query_codes), once: the same launch as over q times the factors, bit for bit.
+    case, kwargs = masked_case(24, 32)
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=False)
+    gen = torch.Generator().manual_seed(5)
+    factor = torch.exp2(torch.randint(0, 4, (2, case.q.shape[2]), generator=gen).float())
+    factor = factor.to(DEVICE)
+    launch = dict(
+        max_seqlen_q=case.max_seqlen_q, k_scale=k_scale, v_channel_scale=scales, block_m=16,
+        block_n=32, **kwargs,
+    )  # fmt: skip
+    tail = (case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    got = kernels.paged_attention(case.q, k_codes, v_codes, *tail, k_equalizer=factor, **launch)
+    q_times = case.q * factor.repeat_interleave(2, dim=0)  # exact: powers of two
+    want = kernels.paged_attention(q_times, k_codes, v_codes, *tail, **launch)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("flag", [True, 1], ids=["true", "int"])
+def test_fp8_mma_was_deleted_for_k8v8(flag: object) -> None:
+    # Issue 45: FP8-MMA is gone (k8v8 is more accurate on every data kind and issues fewer
+    # instructions); the old spelling names the new one and writes nothing.
+    case = make_paged_case(q_lens=[4], k_lens=[40], block_size=8, device=DEVICE)
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=False)
+    args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
+    out = torch.full_like(case.q, 7.0)
+    with pytest.raises(ValueError, match=r'fp8_mma was deleted.*kv_format="k8v8"'):
+        kernels.paged_attention(
+            *args, max_seqlen_q=4, k_scale=k_scale, v_channel_scale=scales, out=out,
+            fp8_mma=flag,
+        )  # fmt: skip
+    assert torch.equal(out, torch.full_like(out, 7.0))
 
 
 @pytest.mark.parametrize("per_block", [False, True], ids=["frozen", "per-block"])

@@ -32,8 +32,6 @@ MODE_FLAGS = {
     "same": {},
     "fp8": {"kv_dtype": torch.float8_e4m3fn},
     "int8": {"kv_dtype": torch.int8},
-    "fp8_mma": {"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True},
-    "int8_mma": {"kv_dtype": torch.int8, "int8_mma": True},
     "k8v8": {"kv_dtype": torch.int8, "k8v8": True},
     "k8v16": {"kv_dtype": torch.int8, "k8v16": True},
 }
@@ -44,8 +42,6 @@ GPU_RTOL = {
     "same": 2e-2,
     "fp8": 3e-2,
     "int8": 3e-2,
-    "fp8_mma": 1.5e-1,
-    "int8_mma": 8e-2,
     "k8v8": 1.5e-1,
     "k8v16": 8e-2,
 }
@@ -134,8 +130,6 @@ def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> No
         )
         if keys_major:
             k_scale, v_scale = kernels.keys_major(k_scale), kernels.keys_major(v_scale)
-            if base == "fp8_mma":
-                v = kernels.keys_major(v)
         flags = {n: f for n, f in MODE_FLAGS[base].items() if n != "kv_dtype"}
         kwargs.update(k_scale=k_scale, v_scale=v_scale, **flags)
     args = (case.q, k, v, case.block_table, case.cu_seqlens_q, case.seq_lens_k)

@@ -93,7 +93,7 @@ def test_tma_variant_matches_oracle(block_size: int, block_n: int, head_dim: int
     [
         pytest.param({}, id="bf16"),
         pytest.param({"dequantize": True, "kv_dtype": torch.int8}, id="int8"),
-        pytest.param({"fp8_mma": True, "kv_dtype": torch.float8_e4m3fn}, id="fp8-mma"),
+        pytest.param({"k8v8": True, "kv_dtype": torch.int8}, id="k8v8"),
     ],
 )
 @pytest.mark.parametrize("block_size, block_n", [(64, 128), (16, 32), (64, 64), (32, 128)])
@@ -385,19 +385,24 @@ def test_a_warp_specialized_row_leaves_its_fallbacks_the_built_in_warps(monkeypa
         pytest.param(1560, {"variant": "tma"}, (128, True), id="caller-variant-the-rows"),
         pytest.param(1560, {"variant": "cp_async"}, (64, False), id="caller-variant"),
         pytest.param(1560, {"head_dim": 64}, (64, False), id="head-dim-64"),
-        pytest.param(1560, {"fp8_mma": False, "int8_mma": True}, (64, False), id="int8-mma"),
+        pytest.param(
+            1560,
+            {"k8v16": False, "dequantize": True, "kv_dtype": torch.int8},
+            (64, False),
+            id="dequantizing",
+        ),
     ],
 )
-def test_fp8_mma_over_tma_ready_pools_takes_128_key_tma_tiles(
+def test_k8v16_over_tma_ready_pools_takes_128_key_tma_tiles(
     monkeypatch, block_size: int, changes: dict, wanted: tuple
 ) -> None:
-    # The shipped rows of fp8_mma_keys (compile evidence), given here: a GPU run may rewrite
-    # them, and the rule they go through is what is tested.
+    # Rows of k8v16_keys given here (a GPU run may rewrite the shipped ones): the rule they
+    # go through is what is tested.
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     tma_128 = dict(variant="tma", block_n=128, scores_ahead=False, num_warps=8, num_stages=3)
-    rows = {(128, path, "fp8_mma_keys"): tma_128 for path in ("contiguous", "block_tiles")}
+    rows = {(128, path, "k8v16_keys"): tma_128 for path in ("contiguous", "block_tiles")}
     monkeypatch.setattr(launch_table, "lookup", lambda d, p, m: rows.get((d, p, m)))
-    call = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16, fp8_mma=True)
+    call = dict(head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16, k8v16=True)
     call.update({"tma_ready": True, **changes})
     tiles = kernels.choose_tiles(block_size=block_size, **call)
     assert (tiles["BLOCK_N"], tiles["TMA"]) == wanted, tiles
@@ -413,23 +418,19 @@ def test_the_launcher_tells_choose_tiles_whether_descriptors_read_the_pools(
     real = launcher.choose_tiles
     monkeypatch.setattr(launcher, "choose_tiles", lambda **kw: seen.append(kw) or real(**kw))
     case = make_paged_case(q_lens=[5], k_lens=[70], block_size=32, head_dim=64, device=DEVICE)
-    codes = case.v_cache.to(torch.float8_e4m3fn)
-    scales = torch.ones(case.v_cache.shape[:3], device=DEVICE)
-    v, k_scale, v_scale = codes, scales, scales
+    # k8v16: int8 K codes with their scales, V in q's dtype.
+    k_scale = torch.ones(case.v_cache.shape[:3], device=DEVICE)
     if layout == "keys-major":
-        v, k_scale, v_scale = (kernels.keys_major(t) for t in (codes, scales, scales))
-    args = (case.q, case.k_cache.to(torch.float8_e4m3fn), v, *case.args()[3:])
-    kernels.paged_attention(
-        *args, max_seqlen_q=5, k_scale=k_scale, v_scale=v_scale, fp8_mma=True, block_n=32
-    )
+        k_scale = kernels.keys_major(k_scale)
+    k_codes = case.k_cache.nan_to_num(0.0).to(torch.int8)
+    args = (case.q, k_codes, case.v_cache.nan_to_num(0.0), *case.args()[3:])
+    kernels.paged_attention(*args, max_seqlen_q=5, k_scale=k_scale, block_n=32)
     assert [kw["tma_ready"] for kw in seen] == [ready]
     # With the codes' dtype, these name the launch table's mode (``_keys``: descriptors read).
     [kw] = seen
-    assert kw["kv_dtype"] == torch.float8_e4m3fn
-    mode = launch_table.kv_mode(
-        kw["kv_dtype"], fp8_mma=kw["fp8_mma"], int8_mma=kw["int8_mma"], keys_major=kw["tma_ready"]
-    )
-    assert mode == ("fp8_mma_keys" if ready else "fp8_mma")
+    assert kw["kv_dtype"] == torch.int8
+    mode = launch_table.kv_mode(kw["kv_dtype"], k8v16=kw["k8v16"], keys_major=kw["tma_ready"])
+    assert mode == ("k8v16_keys" if ready else "k8v16")
 
 
 def test_shipped_launch_table_is_complete() -> None:
@@ -454,10 +455,12 @@ def test_shipped_launch_table_is_complete() -> None:
         (lambda t: t["choices"][0].update(source="a guess"), "source"),
         (lambda t: t["choices"][0].update(device=""), "device"),
         (lambda t: t.pop("about"), "about"),
-        (lambda t: t["choices"][0].update(mode="fp8_mma", variant="ws"), "'ws' loads unquant"),
+        (lambda t: t["choices"][0].update(mode="int8", variant="ws"), "'ws' loads unquant"),
         (lambda t: t["choices"][0].update(mode="int8", variant="tma"), "needs a '_keys' mode"),
-        (lambda t: t["choices"][0].update(mode="fp8_mma_keys", block_n=16), "block_n=16 < 32"),
-        (lambda t: t["choices"][0].update(mode="fp8_mma_key"), "mode="),
+        (lambda t: t["choices"][0].update(mode="k8v8_keys", block_n=16), "block_n=16 < 32"),
+        (lambda t: t["choices"][0].update(mode="int8_key"), "mode="),
+        (lambda t: t["choices"][0].update(mode="int8_mma_keys"), "mode="),  # deleted (issue 45)
+        (lambda t: t["choices"][0].update(mode="fp8_mma_keys"), "mode="),  # deleted (issue 45)
         (lambda t: t["choices"][0].update(scores_ahead=1), "scores_ahead=1"),
         (lambda t: t["choices"][0].update(num_stages=True), "num_stages=True"),
         (lambda t: t["choices"][0].update(mode="int8_keys", scores_ahead=True), "16-bit"),
@@ -479,19 +482,17 @@ def test_launch_table_checks(breakage, message: str) -> None:
         pytest.param(None, {}, True, "same", id="same-ready"),
         pytest.param(torch.float8_e4m3fn, {}, False, "fp8", id="fp8"),
         pytest.param(torch.int8, {}, True, "int8_keys", id="int8-keys"),
-        pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, True, "fp8_mma_keys", id="fp8-mma"),
-        pytest.param(torch.int8, {"int8_mma": True}, False, "int8_mma", id="int8-mma"),
+        pytest.param(torch.int8, {"k8v16": True}, False, "k8v16", id="k8v16"),
     ],
 )
 def test_kv_mode_names_the_tables_mode(kv_dtype, flags: dict, keys_major: bool, mode) -> None:
-    call = {"fp8_mma": False, "int8_mma": False, **flags}
-    assert launch_table.kv_mode(kv_dtype, keys_major=keys_major, **call) == mode
+    assert launch_table.kv_mode(kv_dtype, keys_major=keys_major, **flags) == mode
     assert mode in launch_table.MODES
 
 
 # A quantized row of each kind, beside the 16-bit rows of the shipped table.
 QUANTIZED_ROWS = {
-    (128, "block_tiles", "int8_mma_keys"): dict(
+    (128, "block_tiles", "k8v16_keys"): dict(
         variant="tma", block_n=64, scores_ahead=False, num_warps=4, num_stages=2
     ),
     (128, "block_tiles", "int8"): dict(
@@ -503,24 +504,24 @@ QUANTIZED_ROWS = {
 @pytest.mark.parametrize(
     "block_size, call, wanted",
     [
-        pytest.param(1560, {"int8_mma": True, "tma_ready": True}, (64, True, 4, 2), id="row"),
+        pytest.param(1560, {"k8v16": True, "tma_ready": True}, (64, True, 4, 2), id="row"),
         # 24 is a block_tiles block too, but a 64-key tile straddles its blocks.
-        pytest.param(24, {"int8_mma": True, "tma_ready": True}, (64, False, 8, 3), id="straddles"),
-        pytest.param(1560, {"int8_mma": True}, (64, False, 8, 3), id="slot-major-no-row"),
+        pytest.param(24, {"k8v16": True, "tma_ready": True}, (64, False, 8, 3), id="straddles"),
+        pytest.param(1560, {"k8v16": True}, (64, False, 8, 3), id="slot-major-no-row"),
         pytest.param(
-            1560, {"int8_mma": True, "tma_ready": True, "block_n": 32}, (32, False, 8, 3),
+            1560, {"k8v16": True, "tma_ready": True, "block_n": 32}, (32, False, 8, 3),
             id="caller-tile",
         ),
         pytest.param(
-            1560, {"int8_mma": True, "tma_ready": True, "block_n": 64}, (64, True, 4, 2),
+            1560, {"k8v16": True, "tma_ready": True, "block_n": 64}, (64, True, 4, 2),
             id="caller-names-the-rows-tile",
         ),
         pytest.param(
-            1560, {"int8_mma": True, "tma_ready": True, "variant": "cp_async"}, (64, False, 8, 3),
+            1560, {"k8v16": True, "tma_ready": True, "variant": "cp_async"}, (64, False, 8, 3),
             id="caller-variant",
         ),
         pytest.param(
-            1560, {"int8_mma": True, "tma_ready": True, "variant": "tma"}, (64, True, 4, 2),
+            1560, {"k8v16": True, "tma_ready": True, "variant": "tma"}, (64, True, 4, 2),
             id="caller-names-the-rows-variant",
         ),
         # The row's stages as written: not the built-in dequantizing stage on top.

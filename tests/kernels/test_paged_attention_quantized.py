@@ -22,10 +22,9 @@ from paged_video.kernels import _runtime, pool_layout
 from paged_video.kernels._quantize_jit import to_e4m3
 from paged_video.kernels.paged_attention import kv_path
 from paged_video.reference.quantize import quantize
-from paged_video.reference.quantized_attention import paged_quantized_attention
 from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
-from tests.kernels.test_strided_index import column, column_major
+from tests.kernels.test_strided_index import column
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 
@@ -313,9 +312,6 @@ def _bad_calls():
             swap("q", lambda a, s: a["q"].to(torch.float8_e4m3fn)), TypeError, "q", id="q-fp8"
         ),
         pytest.param(
-            swap("fp8_mma", lambda a, s: 1), TypeError, "fp8_mma must be a bool", id="fp8-mma-int"
-        ),
-        pytest.param(
             lambda a, s: (
                 {**a, "k_cache": a["k_cache"].float(), "v_cache": a["v_cache"].float()},
                 s,
@@ -340,36 +336,6 @@ def test_rejects(change, error, word) -> None:
     assert torch.equal(sentinel, torch.full_like(sentinel, 7.0)), "a rejected call wrote out"
 
 
-def test_fp8_mma_needs_e4m3() -> None:
-    case = make_paged_case(q_lens=[4], k_lens=[9], block_size=8)
-    args, scales = quantized_args(case, torch.int8)
-    with pytest.raises(ValueError, match="fp8_mma needs float8_e4m3fn"):
-        kernels.paged_attention(*args, **scales, fp8_mma=True)
-
-
-# ---------------------------------------------------------------- fp8_mma: FP8 MMAs, e4m3 q and P
-
-
-def emulate_fp8_mma(args: tuple, scales: dict, **kwargs) -> Tensor:
-    """The oracle with the fp8_mma mode's two roundings, in float64
-    (``reference.quantized_attention``): each query row to e4m3 codes (scale amax / 448), and
-    the probabilities times the V scales, in units of the sequence's largest V scale (outside
-    its gaps) / 448, to e4m3, as the kernel rounds them (after the final row max, where the
-    kernel's is running)."""
-    scales = {name: scales[name] for name in ("k_scale", "v_scale")}
-    return paged_quantized_attention(*args, **scales, mode="fp8-mma", **kwargs)
-
-
-def lse_oracle(args: tuple, scales: dict, *, fp8_mma: bool, **kwargs) -> Tensor:
-    """The oracle's LSE; for ``fp8_mma`` of the query rows rounded to e4m3 as the kernel rounds
-    them (codes of ``q / (amax / 448)``), the scores its softmax used."""
-    q = args[0]
-    if fp8_mma:
-        codes, row_scale = quantize(q.cpu(), torch.float8_e4m3fn)
-        q = reference.quantize.dequantize(codes, row_scale).to(q.device)
-    return oracle((q, *args[1:]), scales, return_lse=True, **kwargs)[1]
-
-
 def masked_case(block_size: int, block_n: int, head_dim: int = 80) -> tuple[PagedCase, dict]:
     """Two sequences (GQA, head_dim 80 unless told) over several key tiles (a large block and
     two tiles past it), the queries at the keys' end, with causal, per-row limits and a wide
@@ -389,91 +355,6 @@ def masked_case(block_size: int, block_n: int, head_dim: int = 80) -> tuple[Page
     wide = (block_n + 3, max(3 * block_n + 1, k_len - 4 * block_n))
     key_gap = torch.tensor([[wide], [(1, 2)]], dtype=torch.int32)
     return case, dict(causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE))
-
-
-# The FP8 mode cannot match the oracle to float32 accuracy: e4m3 keeps 3 mantissa bits, so each
-# query element and each (V-scaled) probability carries up to 2**-4 relative rounding error. Its
-# tolerance is the error of the float64 emulation of those two roundings against the oracle,
-# times a margin: the kernel rounds P per key tile, after a running (not the final) row max, so
-# its rounding errors differ element by element but not in size.
-FP8_MMA_MARGIN = 2.0
-
-
-@pytest.mark.parametrize(
-    "block_size, block_n",
-    [
-        # 32 keys at least: the FP8 P V MMA's reduction (16 fails to compile on a GPU).
-        pytest.param(32, 32, id="contiguous-B32-N32"),
-        pytest.param(7, 32, id="block_tiles-B7-N32"),
-        # 16 + 8: the 8-key piece's runs of 16 span two blocks in the MMA's key order.
-        pytest.param(24, 32, id="block_tiles-B24-N32"),
-        pytest.param(31, 32, id="rows-B31-N32"),
-        pytest.param(1560, 64, id="block_tiles-B1560-N64"),
-        # 128-key tiles (the launch table's over keys-major pools) mask 64 keys at a time.
-        pytest.param(1560, 128, id="block_tiles-B1560-N128"),
-        pytest.param(256, 128, id="contiguous-B256-N128"),
-    ],
-)
-def test_fp8_mma_against_oracle(block_size: int, block_n: int) -> None:
-    case, kwargs = masked_case(block_size, block_n)
-    # Scales spread over one octave: logits of order 1, as in a model (wider spreads make the
-    # softmax so sharp that e4m3's rounding of q moves whole probabilities).
-    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
-    want = oracle(args, scales, **kwargs)
-    limit = FP8_MMA_MARGIN * (emulate_fp8_mma(args, scales, **kwargs) - want.cpu()).abs().max()
-    errors = {}
-    for fp8_mma in (False, True):
-        got, lse = kernels.paged_attention(
-            *args,
-            **scales,
-            **kwargs,
-            out=nan_like(case.q),
-            fp8_mma=fp8_mma,
-            block_m=16,
-            block_n=block_n,
-            return_lse=True,
-        )
-        assert not torch.isnan(got).any()
-        errors[fp8_mma] = (got.double() - want).abs().max().item()
-        # The LSE is of the scores the kernel used: with fp8_mma, of the e4m3-rounded queries.
-        assert_lse_close(lse, lse_oracle(args, scales, fp8_mma=fp8_mma, **kwargs), LSE_RTOL)
-    assert errors[True] <= limit.item(), f"fp8_mma error {errors[True]:.3e} > {limit:.3e}"
-    # Reading the same codes, the dequantizing mode is far closer to the oracle.
-    assert errors[False] <= FP32_ATOL * max(1.0, want.abs().max().item())
-    assert 100 * errors[False] < errors[True], errors
-
-
-@pytest.mark.parametrize("make_view", [column_major, lambda t: column(t, 0)], ids=["cm", "step"])
-@pytest.mark.parametrize("block_size", [7, 24], ids=lambda b: f"B{b}")
-def test_fp8_mma_reads_a_strided_block_table(block_size: int, make_view) -> None:
-    # Pieces under 16 keys (7 = 4 + 2 + 1, 24's 8): the unmasked loops take each tile's block
-    # ids in the MMA's key order, read through the table's own strides.
-    case, kwargs = masked_case(block_size, 32)
-    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
-    strided = (*args[:3], make_view(args[3]), *args[4:])
-    launch = dict(**scales, **kwargs, fp8_mma=True, block_m=16, block_n=32)
-    want = kernels.paged_attention(*args, out=nan_like(case.q), **launch)
-    got = kernels.paged_attention(*strided, out=nan_like(case.q), **launch)
-    assert not torch.isnan(got).any()
-    assert torch.equal(got, want)
-    exact = oracle(args, scales, **kwargs).double().cpu()
-    limit = FP8_MMA_MARGIN * (emulate_fp8_mma(args, scales, **kwargs) - exact).abs().max()
-    assert (got.double().cpu() - exact).abs().max() <= limit
-
-
-def test_fp8_mma_torch_path(no_interpreter) -> None:
-    case = make_paged_case(q_lens=[5, 12], k_lens=[30, 12], block_size=7, head_dim=80)
-    key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
-    args, scales = quantized_args(case, torch.float8_e4m3fn)
-    got, lse = kernels.paged_attention(
-        *args, **scales, key_gap=key_gap, fp8_mma=True, return_lse=True
-    )
-    assert_lse_close(lse, lse_oracle(args, scales, fp8_mma=True, key_gap=key_gap), LSE_RTOL)
-    want = oracle(args, scales, key_gap=key_gap)
-    emulated = emulate_fp8_mma(args, scales, key_gap=key_gap)
-    # The torch path rounds as the emulation does (one tile): float32 apart.
-    torch.testing.assert_close(got.double(), emulated, atol=FP32_ATOL, rtol=0)
-    assert (got.double() - want).abs().max() > 10 * FP32_ATOL  # the roundings are there
 
 
 @triton.jit
@@ -552,9 +433,7 @@ def poisoned_keys_major(pool: Tensor) -> Tensor:
 
 KV_MODES = [
     pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
-    pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, id="fp8-mma"),
     pytest.param(torch.int8, {}, id="int8"),
-    pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
 ]
 
 
@@ -610,16 +489,12 @@ def _layout(pool: Tensor, layout: str) -> Tensor:
 @pytest.mark.parametrize(
     "layout, scales_layout, mode, flags",
     [
-        pytest.param("padded", "padded", {"fp8_mma": True}, (True, True), id="fp8-mma-padded"),
-        # Unaligned rows: the general loop, still right.
-        pytest.param(
-            "unpadded", "unpadded", {"fp8_mma": True}, (False, False), id="fp8-mma-unpadded"
-        ),
-        pytest.param("slots", "slots", {"fp8_mma": True}, (False, False), id="fp8-mma-slot-major"),
-        pytest.param("slots", "padded", {"fp8_mma": True}, (False, True), id="fp8-mma-scales-only"),
         pytest.param("padded", "padded", {}, (False, True), id="dequantizing-padded"),
+        # Unaligned rows: the general loop, still right.
+        pytest.param("unpadded", "unpadded", {}, (False, False), id="unpadded"),
+        pytest.param("slots", "padded", {}, (False, True), id="scales-only"),
         # One scale pool keys-major is not enough: one flag tells Triton of both.
-        pytest.param("padded", "k-only", {"fp8_mma": True}, (True, False), id="k-scales-only"),
+        pytest.param("slots", "k-only", {}, (False, False), id="k-scales-only"),
     ],
 )
 def test_keys_major_pools_are_read_as_stored_only_when_aligned(
@@ -687,12 +562,10 @@ def test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output(
     monkeypatch, dtype: torch.dtype, mode: dict, block_size: int, block_n: int, descriptors: bool
 ) -> None:
     # Codes and scales by descriptor (the unmasked whole tiles; masked ones by pointer), the
-    # scale pools keys-major, FP8-MMA's V keys-major, every padding poisoned: the pointer
-    # loop's output, through causal, limits and a gap.
+    # scale pools keys-major, every padding poisoned: the pointer loop's output, through
+    # causal, limits and a gap.
     case, kwargs = masked_case(block_size, block_n, head_dim=64)
     args, scales = quantized_args(case, dtype, spread=0.5)
-    if mode.get("fp8_mma"):
-        args = (*args[:2], poisoned_keys_major(args[2]), *args[3:])
     scales = {**scales, **{n: poisoned_keys_major(scales[n]) for n in ("k_scale", "v_scale")}}
     launch = dict(**kwargs, **mode, **scales, block_m=16, block_n=block_n, return_lse=True)
     want, want_lse = kernels.paged_attention(
@@ -705,33 +578,24 @@ def test_tma_loop_over_keys_major_pools_gives_the_pointer_loops_output(
     # The TMA loop takes the masked tiles first (and other shared-memory layouts, on a GPU):
     # the same scores, summed in another order.
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=LSE_RTOL)
-    if mode.get("fp8_mma"):
-        # FP8-MMA rounds P to e4m3 after the running row max, which the order changes: each
-        # loop is held to the FP8 mode's tolerance against the oracle instead.
-        exact = oracle(args, scales, **kwargs).double().cpu()
-        limit = FP8_MMA_MARGIN * (emulate_fp8_mma(args, scales, **kwargs) - exact).abs().max()
-        for output in (got, want):
-            assert (output.double().cpu() - exact).abs().max() <= limit
-    else:
-        torch.testing.assert_close(got, want, atol=FP32_ATOL * want.abs().max().item(), rtol=0)
+    torch.testing.assert_close(got, want, atol=FP32_ATOL * want.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize(
     "v_layout, scales_layout, mode, block_size",
     [
         pytest.param("slots", "slots", {}, 32, id="slot-major-scales"),
-        pytest.param("slots", "k-only", {"int8_mma": True}, 32, id="one-scale-pool-keys-major"),
+        pytest.param("slots", "k-only", {}, 32, id="one-scale-pool-keys-major"),
         # Rows of 40 keys unpadded: 8-element aligned (block_tiles, 32 keys by descriptor).
         pytest.param("slots", "unpadded", {}, 40, id="unaligned-scales"),
-        pytest.param("slots", "padded", {"fp8_mma": True}, 32, id="fp8-mma-slot-major-v"),
     ],
 )
 def test_tma_refuses_quantized_pools_its_descriptors_cannot_read(
     v_layout: str, scales_layout: str, mode: dict, block_size: int
 ) -> None:
     # A slot-major scale pool holds a head's scales 4 bytes apart, too narrow for a descriptor's
-    # rows; FP8-MMA reads V keys-contiguous. Refused by name, nothing written.
-    dtype = torch.int8 if mode.get("int8_mma") else torch.float8_e4m3fn
+    # rows. Refused by name, nothing written.
+    dtype = torch.float8_e4m3fn
     case = make_paged_case(
         q_lens=[5], k_lens=[70], block_size=block_size, head_dim=64, device=DEVICE
     )

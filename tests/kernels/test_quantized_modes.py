@@ -1,11 +1,7 @@
-"""paged_attention's INT8-MMA mode, channel equalization factors, and every quantized mode over V
-scales of any range a pool can hold.
-
-The INT8-MMA mode rounds each query row to int8 codes exactly as its float64 emulation does
-(``reference.quantized_attention``, mode ``int8-mma``) and then computes ``Q K^T`` exactly
-(int32 sums), so it is held to the emulation at float32 tolerance, and to the dequantizing
-oracle within twice the emulation's own error (the FP8-MMA mode's rule). Pools are NaN-poisoned
-outside what the tables point at, outputs NaN-poisoned before the launch.
+"""paged_attention's int8 ``Q K^T`` sums, channel equalization factors, and every quantized mode
+over V scales of any range a pool can hold (the INT8-MMA and FP8-MMA modes were deleted, issue
+45). Pools are NaN-poisoned outside what the tables point at, outputs NaN-poisoned before the
+launch.
 """
 
 from __future__ import annotations
@@ -17,24 +13,19 @@ import torch
 from torch import Tensor
 
 from paged_video import kernels
-from paged_video.kernels.paged_attention import choose_tiles, kv_path
-from paged_video.reference.quantize import dequantize, quantize
+from paged_video.kernels.paged_attention import choose_tiles
 from paged_video.reference.quantized_attention import paged_quantized_attention
 from tests.helpers import DEVICE, nan_like
 from tests.kernels.paged_case import assert_lse_close, make_paged_case
 from tests.kernels.test_paged_attention_quantized import (
     FP32_ATOL,
     LSE_RTOL,
-    emulate_fp8_mma,
     no_interpreter,  # noqa: F401 (a fixture)
     oracle,
     quantized_args,
 )
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
-# The INT8-MMA mode against the dequantizing oracle: twice its emulation's error (the
-# emulation rounds the query rows exactly as the kernel does; the margin is the FP8-MMA rule).
-EMULATION_MARGIN = 2.0
 
 
 def emulate(args: tuple, scales: dict, mode: str, **kwargs) -> Tensor:
@@ -53,67 +44,7 @@ def factors(num_kv_heads: int, head_dim: int, seed: int) -> tuple[Tensor, Tensor
     return k.to(DEVICE), v.to(DEVICE)
 
 
-@pytest.mark.parametrize(
-    "block_size, block_n, table_order",
-    [
-        pytest.param(1, 16, "permuted", id="rows-B1-N16"),
-        pytest.param(7, 16, "repeated", id="block_tiles-B7-N16-repeated"),
-        pytest.param(16, 16, "permuted", id="contiguous-B16-N16"),
-        pytest.param(31, 16, "permuted", id="block_tiles-B31-N16"),
-        pytest.param(511, 256, "permuted", id="two_blocks-B511-N256"),
-        pytest.param(1560, 64, "permuted", id="block_tiles-B1560-N64"),
-    ],
-)
-def test_int8_mma_against_its_emulation_and_the_oracle(
-    block_size: int, block_n: int, table_order: str
-) -> None:
-    # GQA 2, head_dim 80; a chunk that starts mid-block (causal), per-row limits and a gap, so
-    # unmasked and masked tiles both run; a row with no queries.
-    k_len = block_size + 2 * block_n + 9 if block_size > 64 else 4 * block_n + 9
-    case = make_paged_case(
-        q_lens=[7, 0, 3],
-        k_lens=[k_len, 5, 2 * block_n + 5],
-        block_size=block_size,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=80,
-        table_order=table_order,
-        device=DEVICE,
-    )
-    assert choose_tiles(
-        block_size=block_size, head_dim=80, max_seqlen_q=7, dtype=torch.float32, block_n=block_n
-    )["KV_PATH"] == kv_path(block_size, block_n)
-    key_limits = torch.arange(10, dtype=torch.int32) % 5 + k_len - 4
-    key_gap = torch.tensor([[(block_n + 3, 2 * block_n + 1)], [(0, 0)], [(1, 2)]])
-    kwargs = dict(
-        causal=True, key_limits=key_limits.to(DEVICE), key_gap=key_gap.to(DEVICE, torch.int32)
-    )
-    args, scales = quantized_args(case, torch.int8, spread=0.5)
-    got, lse = kernels.paged_attention(
-        *args,
-        **scales,
-        **kwargs,
-        out=nan_like(case.q),
-        int8_mma=True,
-        block_m=16,
-        block_n=block_n,
-        return_lse=True,
-    )
-    assert not torch.isnan(got).any(), "kernel left NaN: an unwritten output or a poisoned read"
-    emulated = emulate(args, scales, "int8-mma", **kwargs)
-    scale = max(1.0, emulated.abs().max().item())
-    assert (got.double().cpu() - emulated).abs().max().item() <= FP32_ATOL * scale
-    want = oracle(args, scales, **kwargs).cpu()
-    emulation_error = (emulated - want).abs().max().item()
-    assert emulation_error > 10 * FP32_ATOL * scale  # the queries really were rounded
-    assert (got.double().cpu() - want).abs().max().item() <= EMULATION_MARGIN * emulation_error
-    # The LSE is of the scores the kernel used: those of the int8-rounded query rows.
-    q_rows = dequantize(*quantize(case.q.cpu(), torch.int8)).to(DEVICE)
-    want_lse = oracle((q_rows, *args[1:]), scales, return_lse=True, **kwargs)[1]
-    assert_lse_close(lse, want_lse, LSE_RTOL)
-
-
-def test_int8_mma_scores_are_exact_int32_sums() -> None:
+def test_k8v16_scores_are_exact_int32_sums() -> None:
     # Query rows already on the int8 grid (amax 127: scale 1) against one key each (K scale 1):
     # every LSE is q.k times the softmax scale, sums up to 128 * 127**2, to float32 rounding
     # of the LSE's own log2/ln2 conversions (a 16-bit accumulation would be 2**-11 off).
@@ -125,7 +56,7 @@ def test_int8_mma_scores_are_exact_int32_sums() -> None:
     keys = torch.randint(-127, 128, (6, 1, heads, dim), generator=gen).to(torch.int8)
     keys[0, 0, 0] = 127
     k_scale = torch.ones(6, 1, heads)
-    v_cache = torch.zeros_like(keys)
+    v_cache = torch.zeros(keys.shape)  # k8v16: V in q's dtype
     table = torch.arange(6, dtype=torch.int32).view(6, 1)
     cu = torch.arange(7, dtype=torch.int32)
     ones = torch.ones(6, dtype=torch.int32)
@@ -133,8 +64,6 @@ def test_int8_mma_scores_are_exact_int32_sums() -> None:
         *(t.to(DEVICE) for t in (q, keys, v_cache, table, cu, ones)),
         max_seqlen_q=1,
         k_scale=k_scale.to(DEVICE),
-        v_scale=k_scale.to(DEVICE),
-        int8_mma=True,
         softmax_scale=2.0**-10,
         return_lse=True,
     )
@@ -145,9 +74,7 @@ def test_int8_mma_scores_are_exact_int32_sums() -> None:
 
 MODES = [
     pytest.param(torch.float8_e4m3fn, "dequant", id="e4m3-dequant"),
-    pytest.param(torch.float8_e4m3fn, "fp8-mma", id="e4m3-fp8-mma"),
     pytest.param(torch.int8, "dequant", id="int8-dequant"),
-    pytest.param(torch.int8, "int8-mma", id="int8-int8-mma"),
 ]
 
 
@@ -160,11 +87,9 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
     case.k_cache /= k_factor  # stored divided, as write_slots divides them (NaN stays NaN)
     case.v_cache /= v_factor
     args, scales = quantized_args(case, dtype, spread=0.5)
-    modes = {"fp8_mma": mode == "fp8-mma", "int8_mma": mode == "int8-mma"}
     got, lse = kernels.paged_attention(
         *args,
         **scales,
-        **modes,
         k_equalizer=k_factor,
         v_equalizer=v_factor,
         out=nan_like(case.q),
@@ -172,22 +97,16 @@ def test_equalizers_fold_into_q_and_the_output(dtype: torch.dtype, mode: str) ->
         block_n=32,
         return_lse=True,
     )
-    # The LSE is of the scores the kernel used: q times K's factors (exact: powers of two),
-    # then, in the MMA modes, rounded per row to the format's codes.
+    # The LSE is of the scores the kernel used: q times K's factors (exact: powers of two).
     group = case.q.shape[1] // k_factor.shape[0]
     q_rows = case.q.cpu() * k_factor.cpu().repeat_interleave(group, dim=0)
-    if mode != "dequant":
-        q_rows = dequantize(*quantize(q_rows, dtype))
     want_lse = oracle((q_rows.to(DEVICE), *args[1:]), scales, return_lse=True)[1]
     assert_lse_close(lse, want_lse, LSE_RTOL)
     emulated = emulate(args, scales, mode, k_factor=k_factor, v_factor=v_factor)
     error = (got.double().cpu() - emulated).abs().max().item()
     limit = FP32_ATOL * max(1.0, emulated.abs().max().item())
-    if mode == "fp8-mma":  # per-tile units: its own roundings differ from the emulation's
-        plain = emulate(args, scales, "dequant", k_factor=k_factor, v_factor=v_factor)
-        limit = 2 * (emulated - plain).abs().max().item()
     assert error <= limit, f"{error:.3e} > {limit:.3e}"
-    unfolded = kernels.paged_attention(*args, **scales, **modes, block_m=16, block_n=32)
+    unfolded = kernels.paged_attention(*args, **scales, block_m=16, block_n=32)
     assert (unfolded.double().cpu() - emulated).abs().max().item() > 10 * limit
 
 
@@ -213,37 +132,11 @@ def _v_scales_over_decades(
     return case, args, {**scales, "v_scale": v_scale}
 
 
-def test_fp8_mma_v_scales_from_1e_30_to_1e30() -> None:
-    # V scales of whole key tiles spanning 60 decades, dropping by up to 1e60 from one tile to
-    # the next (an accumulator kept in the latest tile's unit overflows to inf): the output is
-    # finite and as close to the oracle as the FP8-MMA mode gets on tame scales (relative to
-    # the output's magnitude, which the 1e30 tiles set). The checks that read values refuse
-    # such scales (issue 46: where the tiny-scale keys carry the softmax, their rows would be
-    # rounded away), so the accumulator is tested past them.
-    block_n = 32
-    case, args, scales = _v_scales_over_decades(torch.float8_e4m3fn, block_n)
-    with pytest.raises(ValueError, match="V scales span more than"):
-        kernels.paged_attention(*args, **scales, fp8_mma=True, block_n=block_n)
-    got = kernels.paged_attention(
-        *args, **scales, fp8_mma=True, out=nan_like(case.q), block_m=16, block_n=block_n,
-        check_values=False,
-    )  # fmt: skip
-    assert torch.isfinite(got).all(), "the FP8-MMA accumulator overflowed"
-    want = oracle(args, scales).cpu()
-    magnitude = want.abs().amax(dim=(1, 2), keepdim=True)  # per query: its largest output
-    assert magnitude.min() > 1e25 and torch.isfinite(want).all()
-    emulated = emulate_fp8_mma(args, scales)
-    emulation_error = ((emulated - want).abs() / magnitude).max().item()
-    error = ((got.double().cpu() - want).abs() / magnitude).max().item()
-    assert 0 < error <= 2 * emulation_error + 1e-6, (error, emulation_error)
-
-
 @pytest.mark.parametrize(
     "dtype, modes",
     [
         pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
         pytest.param(torch.int8, {}, id="int8"),
-        pytest.param(torch.int8, {"int8_mma": True}, id="int8-mma"),
     ],
 )
 def test_float16_operands_over_v_scales_from_1e_30_to_1e30(dtype: torch.dtype, modes: dict) -> None:
@@ -261,15 +154,14 @@ def test_float16_operands_over_v_scales_from_1e_30_to_1e30(dtype: torch.dtype, m
         *args, **scales, **modes, out=nan_like(q), block_m=16, block_n=block_n
     )
     assert torch.isfinite(got).all()
-    # INT8-MMA against its emulation: it rounds the query rows to int8 (exact products after).
-    want = emulate(args, scales, "int8-mma") if modes else oracle(args, scales).cpu()
+    want = oracle(args, scales).cpu()
     magnitude = want.abs().amax(dim=(1, 2), keepdim=True)  # per query: its largest output
     assert magnitude[:6].min() > 1e25 and 0 < magnitude[6:].max() < 1e-8
     error = ((got.double().cpu() - want).abs() / magnitude).max().item()
     assert error <= 1e-2, error
 
 
-def test_torch_path_int8_mma_and_equalizers(no_interpreter) -> None:  # noqa: F811
+def test_torch_path_equalizers(no_interpreter) -> None:  # noqa: F811
     case = make_paged_case(q_lens=[5, 12], k_lens=[30, 12], block_size=7, head_dim=80)
     key_gap = torch.tensor([[2, 11], [1, 3]], dtype=torch.int32)
     args, scales = quantized_args(case, torch.int8)
@@ -278,42 +170,40 @@ def test_torch_path_int8_mma_and_equalizers(no_interpreter) -> None:  # noqa: F8
         *args,
         **scales,
         key_gap=key_gap,
-        int8_mma=True,
         k_equalizer=k_factor,
         v_equalizer=v_factor,
         return_lse=True,
     )
     emulated = emulate(
-        args, scales, "int8-mma", key_gap=key_gap, k_factor=k_factor, v_factor=v_factor
+        args, scales, "dequant", key_gap=key_gap, k_factor=k_factor, v_factor=v_factor
     )
     torch.testing.assert_close(got.double(), emulated, atol=FP32_ATOL * 40, rtol=1e-5)
-    # The LSE of the scores used: the int8-rounded rows of q times K's factors.
-    q_rows = dequantize(*quantize(case.q * k_factor.repeat_interleave(2, dim=0), torch.int8))
+    # The LSE of the scores used: the rows of q times K's factors.
+    q_rows = case.q * k_factor.repeat_interleave(2, dim=0)
     want_lse = oracle((q_rows, *args[1:]), scales, return_lse=True, key_gap=key_gap)[1]
     assert_lse_close(lse, want_lse, LSE_RTOL)
 
 
-def test_int8_mma_tiles(monkeypatch) -> None:
-    # The 8-bit MMAs reduce over 32 channels at least. On a GPU the INT8-MMA mode keeps the
-    # table's stages (the dequantizing mode takes one more; with it the INT8-MMA mode spills).
+def test_8bit_mma_tiles(monkeypatch) -> None:
+    # The 8-bit MMAs reduce over 32 channels at least. On a GPU the dequantizing mode takes a
+    # stage more than the table's.
     small = dict(block_size=16, head_dim=16, max_seqlen_q=64, dtype=torch.bfloat16)
-    assert choose_tiles(**small, int8_mma=True)["BLOCK_D"] == 32
-    assert choose_tiles(**small, fp8_mma=True)["BLOCK_D"] == 32
+    assert choose_tiles(**small, k8v16=True)["BLOCK_D"] == 32
+    assert choose_tiles(**small, k8v8=True)["BLOCK_D"] == 32
     assert choose_tiles(**small)["BLOCK_D"] == 16
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     shipped = dict(block_size=16, head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16)
     plain = choose_tiles(**shipped)["num_stages"]
-    assert choose_tiles(**shipped, int8_mma=True)["num_stages"] == plain
     assert choose_tiles(**shipped, dequantize=True)["num_stages"] == plain + 1
 
 
-def test_fp8_mma_tiles_take_32_keys_at_least(monkeypatch) -> None:
+def test_k8v8_tiles_take_32_keys_at_least(monkeypatch) -> None:
     # The FP8 P V MMA reduces over the tile's keys: Hopper's FP8 wgmma needs 32 (a 16-key tile
     # compiled on an H200 fails; the interpreter would run it). Asked for: refused; by default:
     # at least 32 everywhere.
     small = dict(block_size=16, head_dim=16, max_seqlen_q=64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="block_n must be >= 32 with fp8_mma or k8v8, got 16"):
-        choose_tiles(**small, fp8_mma=True, block_n=16)
+    with pytest.raises(ValueError, match="block_n must be >= 32 with k8v8, got 16"):
+        choose_tiles(**small, k8v8=True, block_n=16)
     assert choose_tiles(**small, block_n=16)["BLOCK_N"] == 16  # the other modes keep 16
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     for head_dim in (64, 80, 128, 256):
@@ -323,7 +213,7 @@ def test_fp8_mma_tiles_take_32_keys_at_least(monkeypatch) -> None:
                 head_dim=head_dim,
                 max_seqlen_q=max_seqlen_q,
                 dtype=torch.bfloat16,
-                fp8_mma=True,
+                k8v8=True,
             )
             assert tiles["BLOCK_N"] >= 32, (head_dim, max_seqlen_q)
 
@@ -331,8 +221,10 @@ def test_fp8_mma_tiles_take_32_keys_at_least(monkeypatch) -> None:
 def _bad_calls():
     e4m3 = torch.float8_e4m3fn
     return [
-        pytest.param(e4m3, {"int8_mma": True}, ValueError, "int8_mma needs int8", id="e4m3"),
-        pytest.param(torch.int8, {"int8_mma": 1}, TypeError, "int8_mma must be a bool", id="int"),
+        pytest.param(
+            e4m3, {"int8_mma": True}, ValueError, 'int8_mma was deleted.*"k8v16"', id="int8-mma"
+        ),
+        pytest.param(torch.int8, {"fp8_mma": 1}, ValueError, "fp8_mma was deleted", id="fp8-mma"),
         pytest.param(
             torch.int8,
             {"k_equalizer": torch.ones(2, 8)},

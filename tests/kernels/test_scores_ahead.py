@@ -130,7 +130,7 @@ def test_scores_ahead_reaches_the_kernel(monkeypatch) -> None:
         pytest.param(
             {"scores_ahead": True, "dequantize": True}, ValueError, "16-bit", id="quantized"
         ),
-        pytest.param({"scores_ahead": True, "fp8_mma": True}, ValueError, "16-bit", id="fp8-mma"),
+        pytest.param({"scores_ahead": True, "k8v8": True}, ValueError, "16-bit", id="k8v8"),
         pytest.param({"scores_ahead": True, "variant": "ws"}, ValueError, "not 'ws'", id="ws"),
     ],
 )

@@ -1,7 +1,7 @@
 """Quantized attention's probability units (``kernels/value_units.py``) against a plain gather.
 
 A unit is the largest V scale of a sequence's keys outside its gaps, / the scale's largest value
-in the unit (448 for FP8-MMA's e4m3 probabilities, 2**15 / 448 for the float16 operands), per
+in the unit (2**15 / 448 for the float16 operands), per
 KV head, at least float32's smallest normal. The slots it must not read (gap slots, slots past the
 sequence's length, blocks the table does not point at) hold NaN or a huge scale, so reading one
 shows. The attention tests (``test_paged_attention_quantized``, ``test_quantized_modes``) hold
@@ -66,16 +66,10 @@ def _poisoned_pool(
     ],
 )
 @pytest.mark.parametrize("keys_major", [False, True], ids=["slot-major", "keys-major"])
-@pytest.mark.parametrize(
-    "largest",
-    [
-        pytest.param(value_units.E4M3_LARGEST, id="e4m3"),
-        pytest.param(value_units.FLOAT16_LARGEST, id="float16"),
-    ],
-)
 def test_units_are_the_largest_scale_outside_the_gaps(
-    nan_filled_empty, block_size: int, lens: list[int], keys_major: bool, largest: float
+    nan_filled_empty, block_size: int, lens: list[int], keys_major: bool
 ) -> None:
+    largest = value_units.FLOAT16_LARGEST
     kv_heads = 3
     blocks_per_seq = [-(-k_len // block_size) for k_len in lens]
     num_blocks = sum(blocks_per_seq) + 2  # two blocks no table points at
@@ -128,16 +122,14 @@ def test_no_gaps_and_zero_rows() -> None:
 @pytest.mark.parametrize(
     "dtype, modes, largest",
     [
-        pytest.param(torch.float8_e4m3fn, {"fp8_mma": True}, 448.0, id="fp8-mma"),
         pytest.param(torch.float8_e4m3fn, {}, 2.0**15 / 448, id="e4m3"),
-        pytest.param(torch.int8, {"int8_mma": True}, 2.0**15 / 448, id="int8-mma"),
+        pytest.param(torch.int8, {}, 2.0**15 / 448, id="int8"),
     ],
 )
 def test_each_mode_takes_the_unit_of_its_probabilities(
     monkeypatch, dtype: torch.dtype, modes: dict, largest: float
 ) -> None:
-    # FP8-MMA rounds its probabilities to e4m3 (448 at most); the 16-bit P V scales float16
-    # operands (no e4m3 code times its scale over 2**15).
+    # The 16-bit P V scales float16 operands (no e4m3 code times its scale over 2**15).
     launches = record_launches(monkeypatch, value_units, "_probability_unit_kernel")
     case = make_paged_case(q_lens=[3], k_lens=[20], block_size=8, device=DEVICE)
     args, scales = quantized_args(case, dtype)

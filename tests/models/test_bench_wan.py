@@ -43,11 +43,11 @@ def test_tiny_rollout_bench_runs_and_both_rollouts_agree(capsys, tmp_path):
     ]
 
 
-def test_the_mma_modes_are_named_formats() -> None:
-    assert wan_rollout._kv_dtype("int8-mma") == "int8-mma"
-    assert wan_rollout.MODE_SWITCHES["int8-mma"] == {"int8_mma": True, "keys_major": True}
-    with pytest.raises(argparse.ArgumentTypeError, match="int8-mma"):
-        wan_rollout._kv_dtype("int4")
+def test_the_deleted_mma_modes_are_no_formats() -> None:
+    assert wan_rollout._kv_dtype("int8") == "int8"
+    for deleted in ("int8-mma", "e4m3-mma", "int4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not one of bf16, e4m3, int8"):
+            wan_rollout._kv_dtype(deleted)
 
 
 def test_shipped_shape_is_wan_2_1_1_3b():

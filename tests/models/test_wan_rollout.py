@@ -39,7 +39,6 @@ def run_both(
     seed=0,
     kv_dtype=None,
     smooth_keys=True,
-    fp8_mma=False,
     keys_major=False,
     blocks=BLOCKS,
     extra=None,
@@ -64,7 +63,6 @@ def run_both(
         exact_window=exact,
         kv_dtype=kv_dtype,
         smooth_keys=smooth_keys,
-        fp8_mma=fp8_mma,
         keys_major=keys_major,
         kv_format=kv_format,
     )

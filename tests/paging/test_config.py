@@ -65,8 +65,6 @@ def test_a_window_past_int32_keys_is_refused() -> None:
         ("exact_window", None, "exact_window must be a bool, got NoneType"),
         ("compaction", 0, "compaction must be a bool, got int"),
         ("smooth_keys", 1, "smooth_keys must be a bool, got int"),
-        ("fp8_mma", "yes", "fp8_mma must be a bool, got str"),
-        ("int8_mma", 1, "int8_mma must be a bool, got int"),
         (
             "kv_dtype",
             torch.float16,
@@ -84,24 +82,29 @@ def test_wrong_type_names_the_field(field: str, value: object, message: str) -> 
         PagingConfig(**{**VALID, field: value})
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
-def test_fp8_mma_needs_e4m3_pools(kv_dtype) -> None:
-    with raises_exactly(
-        ValueError,
-        "fp8_mma needs kv_dtype=torch.float8_e4m3fn (FP8 MMAs read e4m3 codes), got "
-        f"kv_dtype={kv_dtype}",
-    ):
-        PagingConfig(**VALID, kv_dtype=kv_dtype, fp8_mma=True)
-
-
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
-def test_int8_mma_needs_int8_pools(kv_dtype) -> None:
+@pytest.mark.parametrize("value", [True, "yes"], ids=["true", "str"])
+def test_fp8_mma_was_deleted_for_k8v8(kv_dtype, value: object) -> None:
+    # Issue 45: the old spelling names the new one (k8v8 dominates FP8-MMA).
     with raises_exactly(
         ValueError,
-        f"int8_mma needs kv_dtype=torch.int8 (int8 MMAs read int8 codes), got kv_dtype={kv_dtype}",
+        'fp8_mma was deleted (issue 45): use kv_format="k8v8" (PagingConfig; to '
+        "paged_attention: an int8 k_cache with k_scale and an e4m3 v_cache with v_channel_scale)",
     ):
-        PagingConfig(**VALID, kv_dtype=kv_dtype, int8_mma=True)
-    assert PagingConfig(**VALID, kv_dtype=torch.int8, int8_mma=True).int8_mma
+        PagingConfig(**VALID, kv_dtype=kv_dtype, fp8_mma=value)
+    assert not PagingConfig(**VALID, fp8_mma=False).fp8_mma  # its old default still reads
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+@pytest.mark.parametrize("value", [True, 1], ids=["true", "int"])
+def test_int8_mma_was_deleted_for_k8v16(kv_dtype, value: object) -> None:
+    # Issue 45: the old spelling names the new one (k8v16 dominates INT8-MMA).
+    with raises_exactly(
+        ValueError,
+        'int8_mma was deleted (issue 45): use kv_format="k8v16" (PagingConfig; to '
+        "paged_attention: an int8 k_cache with k_scale and a v_cache in q's dtype, no v_scale)",
+    ):
+        PagingConfig(**VALID, kv_dtype=kv_dtype, int8_mma=value)
 
 
 def test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype() -> None:
@@ -137,9 +140,9 @@ def test_channel_equalization_defaults_by_format(kv_dtype, given, equalized) -> 
 
 def test_quantized_switches_default_and_combine() -> None:
     config = PagingConfig(**VALID)
-    assert (config.kv_dtype, config.smooth_keys, config.fp8_mma) == (None, True, False)
-    config = PagingConfig(**VALID, kv_dtype=torch.float8_e4m3fn, fp8_mma=True, smooth_keys=False)
-    assert config.fp8_mma and not config.smooth_keys
+    assert (config.kv_dtype, config.smooth_keys, config.keys_major) == (None, True, False)
+    config = PagingConfig(**VALID, kv_dtype=torch.int8, keys_major=True, smooth_keys=False)
+    assert config.keys_major and not config.smooth_keys
 
 
 def test_widths_worked_by_hand(ragged_config: PagingConfig) -> None:

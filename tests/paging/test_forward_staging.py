@@ -198,8 +198,7 @@ POOLS = {
     "e4m3": {"kv_dtype": torch.float8_e4m3fn},
     "int8": {"kv_dtype": torch.int8},
     "exact-window": {"exact_window": True},
-    "fp8-mma": {"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True},
-    "int8-mma-keys-major": {"kv_dtype": torch.int8, "int8_mma": True, "keys_major": True},
+    "int8-keys-major": {"kv_dtype": torch.int8, "keys_major": True},
     "k8v8": {"kv_format": "k8v8"},
     "k8v16": {"kv_format": "k8v16"},
 }
@@ -282,7 +281,7 @@ def test_kernels_single_staged_row_equals_its_row_in_a_batch(pools: str, lengths
 
 attention_module = importlib.import_module("paged_video.kernels.paged_attention")
 # Slot-major pools of a bfloat16 cache: 16-bit (the table's "same" rows) or quantized.
-GPU_POOLS = {"bf16": {}, **{name: POOLS[name] for name in ("e4m3", "int8", "fp8-mma")}}
+GPU_POOLS = {"bf16": {}, **{name: POOLS[name] for name in ("e4m3", "int8")}}
 
 
 def gpu_launches(config: PagingConfig, head_dim: int) -> list[dict]:

@@ -20,7 +20,8 @@ from tests.paging.test_quantized import CONFIG, DIM, HEADS, KV_HEADS, LAYERS, st
     [
         ({"kv_format": "fp8"}, ValueError, "kv_format must be None or one of bf16, k8v8"),
         ({"kv_format": "k8v8", "kv_dtype": torch.int8}, ValueError, "leave kv_dtype unset"),
-        ({"kv_format": "k8v8", "fp8_mma": True}, ValueError, "leave fp8_mma unset"),
+        ({"kv_format": "k8v8", "int8_mma": True}, ValueError, "int8_mma was deleted"),
+        ({"kv_format": "k8v8", "fp8_mma": True}, ValueError, "fp8_mma was deleted"),
         ({"kv_format": "bf16", "keys_major": True}, ValueError, "leave keys_major unset"),
         ({"kv_format": "bf16", "equalize_channels": True}, ValueError, "quantized kv_format"),
     ],

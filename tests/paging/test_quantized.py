@@ -334,15 +334,13 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
 MODES = [
     pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
     pytest.param({"kv_dtype": torch.int8}, id="int8"),
-    pytest.param({"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True}, id="fp8-mma"),
-    pytest.param({"kv_dtype": torch.int8, "int8_mma": True}, id="int8-mma"),
 ]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 24])
 @pytest.mark.parametrize("mode", MODES)
 def test_keys_major_cache_pools(mode: dict, block_size: int) -> None:
-    # The scales keys-major, and FP8-MMA's V codes, rows padded to 16 keys; K's codes slot-major
+    # The scales keys-major, rows padded to 16 keys; K's and V's codes slot-major
     # (Q K^T reduces over channels). No flat views (a flatten would copy), so drivers write the
     # 4-D pools with 3-D scales; staging stays slot-major. The pools are the ones the TMA loop
     # reads.
@@ -353,7 +351,7 @@ def test_keys_major_cache_pools(mode: dict, block_size: int) -> None:
     cache = PagedKVCache(config, **sizes)
     slot_major = PagedKVCache(dataclasses.replace(config, keys_major=False), **sizes)
     row = 1 if block_size == 1 else -(-block_size // 16) * 16  # keys per padded row
-    keys_major = {"k_scales", "v_scales"} | ({"v_pools"} if config.fp8_mma else set())
+    keys_major = {"k_scales", "v_scales"}
     padding = 0
     for name in ("k_pools", "v_pools", "k_scales", "v_scales"):
         pools, plain = getattr(cache, name), getattr(slot_major, name)
@@ -381,13 +379,10 @@ def test_keys_major_cache_pools(mode: dict, block_size: int) -> None:
         flat.v_flat.data_ptr(),
     ]
     assert flat.write_pools[0].shape == (slot_major.num_blocks * block_size, 2, 16)
-    # The launcher's TMA loop reads these pools (descriptors over K, the scales, FP8-MMA's V).
+    # The launcher's TMA loop reads these pools (descriptors over K and V, the scales).
     for pools, want in ((layer, block_size > 1), (flat, False)):
         scales = (pools.k_scale, pools.v_scale)
-        tma = attention_module._descriptor_layout(
-            pools.k, pools.v, 16, 16, scales, fp8_mma=config.fp8_mma
-        )
-        assert tma == want
+        assert attention_module._descriptor_layout(pools.k, pools.v, 16, 16, scales) == want
 
 
 def test_keys_major_needs_quantized_pools() -> None:
@@ -590,8 +585,7 @@ def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(poo
     "mode",
     [
         pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
-        pytest.param({"kv_dtype": torch.float8_e4m3fn, "fp8_mma": True}, id="fp8-mma"),
-        pytest.param({"kv_dtype": torch.int8, "int8_mma": True}, id="int8-mma"),
+        pytest.param({"kv_dtype": torch.int8}, id="int8"),
     ],
 )
 def test_keys_major_cache_attends_as_the_slot_major_one(mode: dict) -> None:

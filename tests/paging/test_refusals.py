@@ -473,7 +473,7 @@ REFUSALS = [
         ValueError,
         "stage_v_scales",
     ),
-    ("op-fp8-mma-type", lambda w: op(w, fp8_mma="yes"), TypeError, "fp8_mma"),
+    ("op-fp8-mma-deleted", lambda w: op(w, fp8_mma=True), ValueError, "fp8_mma was deleted"),
     (
         "op-stage-key-shape",
         lambda w: op(w, stage_key=torch.tensor([1, 2])),
