@@ -21,7 +21,11 @@ MAX_KEYS = 2**31 - 1
 KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
 # The one switch's formats (``kv_format``): the pools in the model's dtype, or k8v8 (int8 K, e4m3
 # V with channel scales: both products on 8-bit tensor cores, docs/quantization.md).
-KV_FORMATS = ("bf16", "k8v8", "k8v16")
+KV_FORMATS = ("bf16", "k8v8", "k8v16", "int8")
+# The fields a format sets (kv_format="int8": the int8 dequantizing pool in the layout its loop
+# is shortest in: keys-major scales take the 128-key TMA loop at frame-sized blocks, 849
+# instructions per 128 keys at block 1560 against 1050 slot-major, docs/quantization.md).
+FORMAT_FIELDS: dict[str, dict[str, object]] = {"int8": {"kv_dtype": torch.int8, "keys_major": True}}
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,10 @@ class PagingConfig:
     keys-major) and V as keys-major e4m3 codes of a float32 scale per (layer, KV head, channel)
     frozen at the layer's first write with headroom 256 (``kernels.value_channels``), attended
     with an int8 ``Q K^T`` MMA and an FP8 ``P V`` MMA; ``"k8v16"`` stores K so and V in the
-    cache's dtype, attended with the int8 ``Q K^T`` MMA and a 16-bit ``P V``. With a format,
-    ``kv_dtype`` and ``keys_major`` stay unset.
+    cache's dtype, attended with the int8 ``Q K^T`` MMA and a 16-bit ``P V``; ``"int8"`` is the
+    int8 dequantizing pool (``kv_dtype=torch.int8``, K smoothed, K and V equalized) with its
+    scales keys-major: it sets ``kv_dtype`` and ``keys_major`` so (``FORMAT_FIELDS``). With a
+    format, ``kv_dtype`` and ``keys_major`` stay unset (or as the format sets them).
     """
 
     block_size: int
@@ -114,6 +120,8 @@ class PagingConfig:
             )
         if self.kv_format is not None:
             self._check_kv_format()
+            for name, value in FORMAT_FIELDS.get(self.kv_format, {}).items():
+                object.__setattr__(self, name, value)  # frozen: set once, as given
         if self.equalize_channels and self.kv_dtype is None and self.kv_format in (None, "bf16"):
             raise ValueError(
                 "equalize_channels=True needs a quantized kv_dtype (torch.int8 or "
@@ -139,13 +147,15 @@ class PagingConfig:
             raise ValueError(
                 f"kv_format must be None or one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}"
             )
+        # A field the format sets may also come as the format sets it (dataclasses.replace).
+        fields = FORMAT_FIELDS.get(self.kv_format, {})
         implied = [
             name
             for name, value in (
                 ("kv_dtype", self.kv_dtype is not None),
                 ("keys_major", self.keys_major),
             )
-            if value
+            if value and (name not in fields or getattr(self, name) != fields[name])
         ]
         if implied:
             raise ValueError(

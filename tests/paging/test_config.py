@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -105,6 +106,32 @@ def test_int8_mma_was_deleted_for_k8v16(kv_dtype, value: object) -> None:
         "paged_attention: an int8 k_cache with k_scale and a v_cache in q's dtype, no v_scale)",
     ):
         PagingConfig(**VALID, kv_dtype=kv_dtype, int8_mma=value)
+
+
+def test_int8_format_sets_the_int8_pool_fields_and_survives_replace() -> None:
+    config = PagingConfig(**VALID, kv_format="int8")
+    assert (config.kv_dtype, config.keys_major, config.channel_equalization()) == (
+        torch.int8,
+        True,
+        True,
+    )
+    assert dataclasses.replace(config, window_chunks=3) == dataclasses.replace(
+        PagingConfig(**VALID, kv_dtype=torch.int8, keys_major=True),
+        window_chunks=3,
+        kv_format="int8",
+    )
+    # A field as the format sets it is accepted (what replace() passes back), any other refused.
+    assert PagingConfig(**VALID, kv_format="int8", kv_dtype=torch.int8).keys_major
+    with raises_exactly(
+        ValueError,
+        "kv_format='int8' implies the pools' dtypes, layout and MMAs: leave kv_dtype unset",
+    ):
+        PagingConfig(**VALID, kv_format="int8", kv_dtype=torch.float8_e4m3fn)
+    with raises_exactly(
+        ValueError,
+        "kv_format='k8v8' implies the pools' dtypes, layout and MMAs: leave kv_dtype unset",
+    ):
+        PagingConfig(**VALID, kv_format="k8v8", kv_dtype=torch.int8)
 
 
 def test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype() -> None:

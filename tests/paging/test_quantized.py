@@ -619,3 +619,37 @@ def test_keys_major_cache_attends_as_the_slot_major_one(mode: dict) -> None:
             keys_major.view(torch.uint8 if slot_major.element_size() == 1 else torch.int32),
             slot_major.view(torch.uint8 if slot_major.element_size() == 1 else torch.int32),
         ), name
+
+
+def test_int8_format_is_the_keys_major_int8_pool() -> None:
+    # kv_format="int8" spells the int8 dequantizing pool in the layout the format implies
+    # (keys-major scales): the same pools, codes, scales and outputs as those fields given.
+    configs = [
+        dataclasses.replace(CONFIG, kv_format="int8"),
+        dataclasses.replace(CONFIG, kv_dtype=torch.int8, keys_major=True),
+    ]
+    assert (configs[0].kv_dtype, configs[0].keys_major) == (torch.int8, True)
+    caches = [poisoned_cache(config) for config in configs]
+    sessions = [cache.open_session() for cache in caches]
+    gen = torch.Generator().manual_seed(6)
+    n = CONFIG.chunk_size
+    for _ in range(3):
+        calls = [
+            ForwardCall(cache, cache.plan(s, "main", n), softmax_scale=0.3)
+            for cache, s in zip(caches, sessions, strict=True)
+        ]
+        for layer in range(LAYERS):
+            q = torch.randn(n, HEADS, DIM, generator=gen)
+            kv = [torch.randn(n, KV_HEADS, DIM, generator=gen) + 3 for _ in range(2)]
+            outs = [call.attend(layer, q, *kv) for call in calls]
+            assert not outs[0].isnan().any()
+            assert torch.equal(outs[0], outs[1])
+        for call in calls:
+            call.commit()
+    assert caches[0].equalizers_chosen.all()
+    for name in ("k_pools", "v_pools", "k_scales", "v_scales", "k_means"):
+        ours, theirs = (getattr(cache, name) for cache in caches)
+        assert ours.shape == theirs.shape, name
+        assert torch.equal(
+            ours.contiguous().view(torch.uint8), theirs.contiguous().view(torch.uint8)
+        ), name
