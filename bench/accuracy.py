@@ -21,7 +21,8 @@ Beside each quantized row, float64 attention over the quantized rows of the same
 
 The one-switch formats (``EIGHT_BIT_FORMATS``: ``k8v8``, int8 K per slot and e4m3 V under
 frozen channel scales chosen by the first write; ``k8v16``, int8 K and V as stored) have one
-mode each, named as the format, and no equalization rows. Their mode floor is their float64
+mode each, named as the format; an equalized row equalizes K only (its factors folded into the
+query rows, as the cache does by default). Their mode floor is their float64
 emulation (``reference.eight_bit_attention``: int8 query rows, exact int32 ``Q K^T``; k8v8's P
 at 448 rounded to e4m3, and on a GPU the FP8 MMA's 13-bit accumulator, never flushed as the
 loop runs it; k8v16's P in bf16 on a GPU, float32 under the interpreter); they have no
@@ -210,16 +211,15 @@ def variants(
     formats: Sequence[str], smoothing: Sequence[bool], equalizing: Sequence[bool] = (False,)
 ) -> list[Variant]:
     """The bf16 baseline, then per quantized format its modes (``MODES``), each with and
-    without K smoothing and channel equalization as asked (the one-switch formats: without
-    equalization alone)."""
+    without K smoothing and channel equalization as asked (the one-switch formats equalize K
+    only: k8v8's V has its channel scales, k8v16's is stored as it is)."""
     rows = [Variant(BASELINE)]
     for name in formats:
-        equalize_rows = (False,) if name in EIGHT_BIT_FORMATS else equalizing
         rows += [
             Variant(name, mode, smooth, equalize)
             for mode in MODES[name]
             for smooth in smoothing
-            for equalize in equalize_rows
+            for equalize in equalizing
         ]
     return rows
 
@@ -516,9 +516,8 @@ def _attend_eight_bit(
 ) -> Tensor:
     """``attend`` for a one-switch format: paged pools of int8 K codes (and scales), V as e4m3
     codes under frozen channel scales chosen by the first frame's write (k8v8) or as it is
-    (k8v16); K smoothed when the row says."""
-    if variant.equalize:
-        raise ValueError(f"{variant.format} has no equalization rows (the format implies none)")
+    (k8v16); K smoothed and equalized (K's factors, folded into the query rows) when the row
+    says, as the cache does by default."""
     c = config
     device = data.q.device
     num_blocks, block_table, slots = _slots(c, device)
@@ -535,6 +534,9 @@ def _attend_eight_bit(
         attend_extra["v_channel_scale"] = channels
     if variant.smooth:
         write_extra["k_smooth"] = prepared.mean
+    k_factor, _ = prepared.factors(variant)
+    if k_factor is not None:
+        write_extra["k_equalizer"] = attend_extra["k_equalizer"] = k_factor
     _write_frames(data, c, k_cache, v_cache, slots, write_extra)
     return _attend_window(data, c, k_cache, v_cache, block_table, attend_extra)
 
@@ -615,11 +617,18 @@ class FloorCache:
                 raise ValueError(f"{variant.format}'s floor needs the config (its first write)")
             fmt = eight_bit_emulation(variant, self._config)
             smooth = prepared.smooth(variant)
+            k_factor, _ = prepared.factors(variant)
             first_write = self._config.chunk_size
             return _by_rows(
                 data.q,
                 lambda q: eight_bit_attention(
-                    q, data.keys, data.values, fmt, first_write=first_write, smooth=smooth
+                    q,
+                    data.keys,
+                    data.values,
+                    fmt,
+                    first_write=first_write,
+                    smooth=smooth,
+                    k_factor=k_factor,
                 ),
             )
         dtype = FORMATS[variant.format]

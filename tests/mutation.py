@@ -2209,6 +2209,13 @@ MUTANTS = [
         "tests/bench/test_accuracy.py::test_the_one_switch_formats_at_the_small_preset",
     ),
     _m(
+        "accuracy-k8-factors-written-not-attended",
+        "bench/accuracy.py",
+        'write_extra["k_equalizer"] = attend_extra["k_equalizer"] = k_factor',
+        'write_extra["k_equalizer"] = k_factor',
+        "tests/bench/test_accuracy.py::test_one_switch_rows_equalize_k_as_the_cache_does",
+    ),
+    _m(
         "sweep-passes-with-a-failed-kernel",
         "bench/sweep.py",
         "                            wrong.append(failed)\n",

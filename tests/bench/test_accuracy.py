@@ -410,13 +410,14 @@ def test_the_one_switch_formats_at_the_small_preset(tmp_path):
     # only q and K, so it matches its floor to float32; k8v8 rounds P per key tile where the
     # emulation rounds after the final max, within 2% either way.
     argv = ["accuracy", "--preset", "small", "--data", "random", "--formats", "k8v8,k8v16"]
-    assert main([*argv, "--smoothing", "on", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    argv += ["--smoothing", "on", "--equalize", "on"]  # the formats as the cache ships them
+    assert main([*argv, "--out", str(tmp_path), "--device", "cpu"]) == 0
     with open(tmp_path / "accuracy.csv", newline="") as stream:
         rows = {r["format"]: r for r in csv.DictReader(stream)}
     assert set(rows) == {"bf16", "k8v8", "k8v16"}
     k8v8, k8v16 = rows["k8v8"], rows["k8v16"]
     assert (k8v8["mode"], k8v16["mode"]) == ("k8v8", "k8v16")
-    assert k8v8["k_smooth"] == "on" and k8v8["equalize"] == "off" and not k8v8["floor_rel_l1"]
+    assert k8v8["k_smooth"] == "on" and k8v8["equalize"] == "on" and not k8v8["floor_rel_l1"]
     assert abs(float(k8v16["vs_floor"]) - 1) < 1e-3
     assert 0.98 < float(k8v8["vs_floor"]) < 1.02
     # P in e4m3 costs k8v8 several times k8v16's error (issue 45: 4% against 1.5%).
@@ -432,17 +433,32 @@ def test_a_wrong_one_switch_result_misses(tmp_path):
             out[..., ::2] *= 2
         return out
 
-    config = dataclasses.replace(TINY, data=("random",), formats=("k8v8",), smoothing=(False,))
+    config = dataclasses.replace(
+        TINY, data=("random",), formats=("k8v8",), smoothing=(False,), equalizing=(True,)
+    )
     [_, row] = run_accuracy(config, tmp_path / "a.csv", attend_fn=doubled_channels)
     assert row["format"] == "k8v8" and row["meets_goal"] == "no"
     assert float(row["vs_floor"]) > 2
 
 
-def test_one_switch_rows_have_no_equalization():
-    cases = accuracy.variants(("int8", "k8v8"), (False, True), (False, True))
+def test_one_switch_rows_equalize_k_as_the_cache_does(tmp_path):
+    # K's factors reach the write, the attention (folded into the query rows) and the
+    # emulation: with K's outlier channels (factors above 1) each row sits on its own floor,
+    # and the factors change the result (a factor missing anywhere moves it off its floor).
+    cases = accuracy.variants(("k8v8",), (True,), (False, True))
     assert [v for v in cases if v.format == "k8v8"] == [
-        Variant("k8v8", "k8v8", False, False),
         Variant("k8v8", "k8v8", True, False),
+        Variant("k8v8", "k8v8", True, True),
     ]
-    with pytest.raises(ValueError, match="no equalization"):
-        attend(Variant("k8v8", "k8v8", False, True), make_data("random", TINY), TINY, None)
+    config = dataclasses.replace(
+        TINY,
+        data=("k-outliers-q-unscaled",),
+        formats=("k8v16",),
+        smoothing=(True,),
+        equalizing=(False, True),
+    )
+    rows = run_accuracy(config, tmp_path / "a.csv")
+    by = {r["equalize"]: r for r in rows if r["format"] == "k8v16"}
+    for row in by.values():
+        assert abs(float(row["vs_floor"]) - 1) < 1e-3, row
+    assert abs(float(by["on"]["rel_l1"]) / float(by["off"]["rel_l1"]) - 1) > 0.05
