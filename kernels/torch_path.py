@@ -75,10 +75,14 @@ def write_slots(
     scale = v_channel_scale[slots[0]]
     positive = scale > 0
     ratio = torch.where(positive, value / torch.where(positive, scale, 1.0), 0.0)
+    codes = _to_codes(ratio.clamp(-QMAX[v_pool.dtype], QMAX[v_pool.dtype]), v_pool.dtype)
     if v_saturated is not None:
         over = (ratio.abs() > QMAX[v_pool.dtype]) | (~positive & (value != 0))
+        # A row of all-zero codes holding a nonzero value is lost whole (write_slots' rule).
+        kept = codes.float().abs().amax(dim=-1, keepdim=True) > 0
+        over |= (value != 0) & ~kept
         v_saturated += over.sum().to(v_saturated.dtype)
-    v_pool[slots] = _to_codes(ratio.clamp(-QMAX[v_pool.dtype], QMAX[v_pool.dtype]), v_pool.dtype)
+    v_pool[slots] = codes
 
 
 def gather_blocks(

@@ -20,7 +20,9 @@ The scale tensor is shaped ``(num_blocks, num_kv_heads, head_dim)`` in both of i
 
 A write whose value would exceed 448 codes (or is nonzero where the scale is 0) is stored
 saturated and counted in ``v_saturated`` when the caller passes one (int32 ``(1,)`` on the
-pools' device): never silently.
+pools' device): never silently. So is a row lost whole, all its codes zero while it holds a
+nonzero value (values far below the scales, e.g. 1e-6 of a frozen channel's first write): its
+nonzero elements are counted.
 """
 
 from __future__ import annotations

@@ -228,9 +228,14 @@ def _write_slots_quantized_kernel(
         ratio = tl.where(positive, ratio, 0.0)
         if COUNT_SATURATED:
             over = mask & ((tl.abs(ratio) > V_QMAX) | (~positive & (value != 0.0)))
-            tl.atomic_add(saturated_ptr, tl.sum(tl.sum(tl.sum(over.to(tl.int32), 2), 1), 0))
         ratio = tl.minimum(tl.maximum(ratio, -V_QMAX), V_QMAX)
         v_codes = round_to_code_grid(ratio, True)
+        if COUNT_SATURATED:
+            # A row whose every code is zero while it holds a nonzero value is lost whole (far
+            # below the frozen scales: issue 45's v-small): its nonzero elements count too.
+            kept = tl.max(tl.where(mask, tl.abs(v_codes), 0.0), axis=2) > 0.0
+            over = over | (mask & (value != 0.0) & ~kept[:, :, None])
+            tl.atomic_add(saturated_ptr, tl.sum(tl.sum(tl.sum(over.to(tl.int32), 2), 1), 0))
         v_scale = k_scale  # (unused: no V scale per slot)
     elif V_PLAIN:
         v_codes, v_scale = value, k_scale  # k8v16: V as it is (no V scale)
@@ -422,7 +427,9 @@ def write_slots(
     head_dim)`` (``kernels.value_channels``): frozen (block stride 0), chosen by the write that
     finds ``v_scale_chosen`` (0-dim bool, CPU) False, or per block, chosen by the write of a
     block's first slot; either from the rows written, times ``v_headroom``. V elements stored
-    saturated are added to ``v_saturated`` (int32 ``(1,)``, the pools' device) when given.
+    saturated, and the nonzero elements of a row whose codes all round to zero (lost: far
+    below its scales), are added to ``v_saturated`` (int32 ``(1,)``, the pools' device) when
+    given.
     ``check_values=False`` skips the checks that read values (no device sync).
     """
     if v_channel_scale is None and (v_scale_chosen is not None or v_saturated is not None):

@@ -2209,6 +2209,13 @@ MUTANTS = [
         "tests/bench/test_accuracy.py::test_the_one_switch_formats_at_the_small_preset",
     ),
     _m(
+        "k8v8-lost-rows-not-counted",
+        "kernels/write_slots.py",
+        "            over = over | (mask & (value != 0.0) & ~kept[:, :, None])\n",
+        "",
+        "tests/kernels/test_k8v8_write.py::test_rows_lost_under_frozen_scales_are_counted",
+    ),
+    _m(
         "accuracy-k8-factors-written-not-attended",
         "bench/accuracy.py",
         'write_extra["k_equalizer"] = attend_extra["k_equalizer"] = k_factor',

@@ -191,3 +191,40 @@ def test_torch_path_writes_as_the_kernel(monkeypatch: pytest.MonkeyPatch) -> Non
         got.append((k_pool, v_pool.view(torch.uint8), k_scale, scales, saturated))
     for a, b in zip(*got, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch-path"])
+def test_rows_lost_under_frozen_scales_are_counted(
+    monkeypatch: pytest.MonkeyPatch, torch_path: bool
+) -> None:
+    # Issue 45's v-small: rows far below the frozen channel scales store all-zero codes, a
+    # whole key's value lost; never silently: their nonzero elements join the saturated count.
+    # A zero row loses nothing, and a row keeping one nonzero code is not lost.
+    if torch_path:
+        monkeypatch.setattr(write_module, "use_torch_path", lambda tensor: True)
+    blocks, block_size, heads, dim = 2, 16, 2, 48
+    k_pool, v_pool, k_scale = poisoned(blocks, block_size, heads, dim)
+    scales = value_channels.frozen_channel_scales(blocks, heads, dim, DEVICE)
+    kwargs = dict(k_scale=k_scale, v_channel_scale=scales, v_scale_chosen=torch.tensor(False))
+    gen = torch.Generator().manual_seed(8)
+    first = torch.randn(8, heads, dim, generator=gen).to(DEVICE)
+    kernels.write_slots(
+        first, first, k_pool, v_pool, torch.arange(8).to(DEVICE, torch.int32), **kwargs
+    )
+    saturated = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    value = torch.randn(6, heads, dim, generator=gen)
+    value[0] *= 1e-6  # both heads lost
+    value[1, 1] *= 1e-6  # head 1 lost
+    value[2] = 0.0  # nothing to lose
+    value[3] *= 1e-6
+    value[3, 0, 5] = 1.0  # keeps a code: not lost
+    value[3, 0, 6] = 0.0
+    value = value.to(DEVICE)
+    slots = torch.arange(8, 14).to(DEVICE, torch.int32)
+    kernels.write_slots(value, value, k_pool, v_pool, slots, **kwargs, v_saturated=saturated)
+    lost = (
+        value.cpu()[0].ne(0).sum() + value.cpu()[1, 1].ne(0).sum() + value.cpu()[3, 1].ne(0).sum()
+    )
+    assert int(saturated) == int(lost) == 4 * dim
+    codes = v_pool.cpu()[0, 8:14].float()
+    assert (codes[0] == 0).all() and (codes[3, 0] != 0).any()
