@@ -294,9 +294,11 @@ def _check_arguments(
         )
     _checks.check_dtype("slot_mapping", slot_mapping, _checks.INDEX_DTYPES)
     quantized = quantize.is_quantized(k_pool.dtype)
-    # k8v16: int8 K codes beside V stored as it is (no V scale); k8v8: beside e4m3 V.
+    # k8v16: int8 K codes beside V stored as it is (no V scale); k8v8 (v_channel_scale): beside
+    # e4m3 V, its pools checked by _check_channel_format.
     k8v16 = k_pool.dtype == torch.int8 and v_pool.dtype.is_floating_point and v_scale is None
-    if quantize.is_quantized(v_pool.dtype) != quantized and not k8v16:
+    mixed = quantize.is_quantized(v_pool.dtype) != quantized
+    if mixed and not k8v16 and v_channel_scale is None:
         raise TypeError(
             f"v_pool is {v_pool.dtype} but k_pool is {k_pool.dtype}: both pools must be "
             "quantized or neither"

@@ -627,6 +627,14 @@ MUTANTS = [
         "[e4m3-pool]",
     ),
     _m(
+        "write-k8v8-v-scale-refused-as-mixed-pools",
+        "kernels/write_slots.py",
+        "    if mixed and not k8v16 and v_channel_scale is None:",
+        "    if mixed and not k8v16:",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_refuses_bad_arguments"
+        "[v_scale-ValueError-replaces v_scale]",
+    ),
+    _m(
         "gather-e4m3-pool-accepted",
         "kernels/gather_blocks.py",
         '    refuse_e4m3_pool("k_cache", k_cache.dtype)\n',
@@ -1350,7 +1358,7 @@ MUTANTS = [
         "kernels/write_slots.py",
         '        equalize.check_factor_values("v_equalizer", v_equalizer)\n',
         "",
-        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[equalizer-zero-int8]",
+        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[equalizer-zero]",
     ),
     _m(
         "write-flag-without-factors",
@@ -1471,7 +1479,7 @@ MUTANTS = [
         "kernels/write_slots.py",
         "        if k_smooth is None:\n            raise",
         "        if False:\n            raise",
-        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[chosen-without-mean-int8]",
+        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[chosen-without-mean]",
     ),
     _m(
         "write-slot-one-past-pool",
