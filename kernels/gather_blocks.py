@@ -162,7 +162,9 @@ def _check_dtypes(
         )
     quantized = quantize.is_quantized(k_cache.dtype)
     v_unscaled = _v_unscaled(k_cache, v_cache, scales)
-    if quantize.is_quantized(v_cache.dtype) != quantized and not v_unscaled:
+    # e4m3 V holds codes too: k8v8's, beside int8 K only.
+    v_codes = quantize.is_quantized(v_cache.dtype) or v_cache.dtype == quantize.E4M3
+    if v_codes != quantized and not v_unscaled:
         raise TypeError(
             f"v_cache is {v_cache.dtype} but k_cache is {k_cache.dtype}: both caches must be "
             "quantized or neither (or int8 K beside V with no v_scale: k8v16)"

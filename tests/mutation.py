@@ -635,6 +635,13 @@ MUTANTS = [
         "[v_scale-ValueError-replaces v_scale]",
     ),
     _m(
+        "gather-e4m3-v-beside-float-k",
+        "kernels/gather_blocks.py",
+        "    v_codes = quantize.is_quantized(v_cache.dtype) or v_cache.dtype == quantize.E4M3\n",
+        "    v_codes = quantize.is_quantized(v_cache.dtype)\n",
+        "tests/kernels/test_gather_blocks_quantized.py::test_k8_formats_refuse_v_scales_half_given",
+    ),
+    _m(
         "gather-e4m3-pool-accepted",
         "kernels/gather_blocks.py",
         '    refuse_e4m3_pool("k_cache", k_cache.dtype)\n',

@@ -245,4 +245,8 @@ def test_k8_formats_refuse_v_scales_half_given() -> None:
         kernels.gather_blocks(
             k_cache, float_v, ids, stage_k, stage_v.float(), **scales, v_scale=k_scale
         )
+    # e4m3 V beside float K is no format either (k8v8's K is int8).
+    float_k = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    with pytest.raises(TypeError, match=r"v_cache is torch\.float8_e4m3fn but k_cache is torch"):
+        kernels.gather_blocks(float_k, v_cache, ids, stage_k.float(), stage_v)
     assert not stage_k.any() and not stage_v.float().any()
