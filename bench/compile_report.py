@@ -50,17 +50,16 @@ from pathlib import Path
 from paged_video.bench import sass
 
 KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
-# paged_attention's K/V storage: the query dtype ("same"), e4m3 or int8 codes with scales
-# (dequantized before bf16/fp16 MMAs). ``_keys``: the mode over keys-major pools
-# (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale pools. ``k8v8``: int8 K (an
+# paged_attention's K/V storage: the query dtype ("same"), int8 codes with scales (dequantized
+# before bf16/fp16 MMAs; the e4m3 pool's fp8 modes were deleted, issue 45). ``_keys``: the mode
+# over keys-major pools (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale
+# pools. ``k8v8``: int8 K (an
 # int8 Q K^T MMA) and keys-major e4m3 V of frozen channel scales (an FP8 P V MMA), ``k8v8_keys``
 # with K's scales keys-major too, ``k8v8_blocks`` with V's scales per block as well. ``k8v16``: int8
 # K and V in the query dtype (a 16-bit P V MMA), ``k8v16_keys`` with K's scales keys-major.
 KV_MODES = (
     "same",
-    "fp8",
     "int8",
-    "fp8_keys",
     "int8_keys",
     "k8v8",
     "k8v8_keys",
@@ -548,8 +547,7 @@ def _paged_launches(config: Config) -> list[_Launch]:
     dtype = DTYPES[config.dtype]
     d, bs = config.head_dim, config.block_size
     empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt)  # touches no memory
-    kv_dtype = torch.int8 if config.kv_mode.startswith("int8") else torch.float8_e4m3fn
-    kv_dtype = dtype if config.kv_mode == "same" else kv_dtype
+    kv_dtype = dtype if config.kv_mode == "same" else torch.int8
     scales = {}
     if config.kv_mode != "same":
         scales = {
@@ -1158,8 +1156,8 @@ def add_parser(
         "--kv-modes",
         type=choices(KV_MODES),
         default=("same",),
-        help="paged_attention: K/V in the query dtype (same), e4m3 or int8 codes dequantized "
-        "before 16-bit MMAs (fp8, int8); a _keys suffix: the mode over keys-major pools, as "
+        help="paged_attention: K/V in the query dtype (same), int8 codes dequantized before "
+        "16-bit MMAs (int8); a _keys suffix: the mode over keys-major pools, as "
         "PagingConfig(keys_major=True) lays them out (the scales); k8v8: "
         "int8 K and keys-major e4m3 V with frozen channel scales (k8v8_keys: K's scales "
         "keys-major, k8v8_blocks: V's scales per block too; k8v16: int8 K and V in the query "

@@ -3,7 +3,7 @@ the shipped geometry under a forced tile, warp count and stage count, each run c
 the sweep's oracle before it is timed (a wrong one is reported, never timed).
 
     python -m paged_video.bench.launch_probe --block-sizes 64,1560 \\
-        --providers triton,triton-e4m3 --configs 128x64w8s3,64x64w4s2 --out DIR
+        --providers triton,triton-int8 --configs 128x64w8s3,64x64w4s2 --out DIR
 
 A config ``MxNwWsS`` is a ``M x N`` tile, ``W`` warps, ``S`` stages; ``default`` is the
 launcher's own choice. Suffixes: ``+wide`` (``default+wide``, ``128x64w8s3+wide``) makes the

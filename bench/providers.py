@@ -892,19 +892,18 @@ def _chunk_bytes(workload: Workload) -> int:
 
 # Our paged attention over quantized pools, by provider name (their goals: QUANTIZED_GOALS).
 QUANTIZED_PROVIDERS = {
-    "triton-e4m3": Quant(torch.float8_e4m3fn),
     "triton-int8": Quant(torch.int8),
-    "triton-e4m3-keys": Quant(torch.float8_e4m3fn, keys_major=True),
     "triton-int8-keys": Quant(torch.int8, keys_major=True),
     "triton-k8v8": Quant(torch.int8, kv_format="k8v8"),
     "triton-k8v16": Quant(torch.int8, kv_format="k8v16"),
 }
 assert set(QUANTIZED_PROVIDERS) == set(QUANTIZED_GOALS)
-# Run only when named (the GPU check's launch probe does): the dequantizing loops over
-# keys-major scales, which compile shorter on Triton 3.6 (e4m3 per 64 keys at block 256: 572 by
-# the 64-key pointer loop, 438 by TMA at 128 keys, against 643 over slot-major scales), untimed
-# yet; the default sweep keeps its time for the cases it has always covered.
-ON_REQUEST_QUANTIZED = ("triton-e4m3-keys", "triton-int8-keys")
+# Run only when named (the GPU check's launch probe does): the dequantizing loop over
+# keys-major scales, which compiles shorter on Triton 3.6 (the since deleted e4m3 pool per 64
+# keys at block 256: 572 by the 64-key pointer loop, 438 by TMA at 128 keys, against 643 over
+# slot-major scales), untimed yet; the default sweep keeps its time for the cases it has always
+# covered.
+ON_REQUEST_QUANTIZED = ("triton-int8-keys",)
 BASELINE = "baseline"
 PROVIDERS: tuple[Provider, ...] = (
     Provider("paged_attention", "triton", _build_triton_paged, tunable=True),

@@ -38,9 +38,7 @@ ROLES = ("ours", "baseline", "best-of", "bound", "oracle", "quantized")
 # The quantized providers and their goal: the speedup over this project's paged attention on
 # the bf16 pool at the same block size.
 QUANTIZED_GOALS = {
-    "triton-e4m3": 1.3,
     "triton-int8": 1.3,
-    "triton-e4m3-keys": 1.3,
     "triton-int8-keys": 1.3,
     # Issue 45: the fast format at least 1.5x the bf16 pool; the accurate one at least as fast.
     "triton-k8v8": 1.5,

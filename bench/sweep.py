@@ -226,7 +226,7 @@ class _Oracles:
 
     def expected(self, kernel: str, workload: Workload, quant: Quant | None = None) -> Output:
         """The oracle's result; for a ``quant`` provider the dequantizing oracle's (float64 on
-        the codes it reads; in the FP8-MMA mode on e4m3-rounded query rows too), which serves
+        the codes it reads), which serves
         every block size as well: each token is quantized alone."""
         geometry, block_size = workload.geometry, workload.block_size
         attention = kernel in ATTENTION_KERNELS

@@ -15,11 +15,12 @@ accuracy figure).
 
 ``--kv-dtype`` runs the paged rollout once per pool format given (``bench.formats``): ``bf16``
 keeps the pools unquantized in the model's dtype (bf16 at the 1.3B shape, float32 with
-``--tiny``: the header and the ``pool`` column print the dtype really used), ``e4m3`` and
-``int8`` quantize them (``PagingConfig(kv_dtype=...)``, K smoothing on, the dequantizing mode;
-the MMA modes ``e4m3-mma`` and ``int8-mma`` were deleted, issue 45); each row also gives the
-cache's pool bytes (K/V pools, scales and smoothing means) and its latents' difference from the
-plain rollout (for quantized pools: the quantization's effect, not a bug check).
+``--tiny``: the header and the ``pool`` column print the dtype really used), ``int8``
+quantizes them (``PagingConfig(kv_dtype=...)``, K smoothing on, the dequantizing mode; the MMA
+modes ``e4m3-mma`` and ``int8-mma`` and the ``e4m3`` pool were deleted, issue 45); each row also
+gives the cache's pool bytes (K/V pools, scales and smoothing means) and its latents'
+difference from the plain rollout (for quantized pools: the quantization's effect, not a bug
+check).
 
 Each row gives frames per second once the window is full (frames per block over the median
 time per block from then on), printed beside two anchors: Self-Forcing 17 FPS and LongLive

@@ -9,6 +9,7 @@ import math
 import torch
 from torch import Tensor
 
+from paged_video._removed import refuse_e4m3_pool
 from paged_video.kernels import _checks, equalize, quantize, value_channels
 
 
@@ -57,6 +58,10 @@ def check_arguments(
         v_channel_scale=v_channel_scale,
     )
     _checks.check_dtype("q", q, _checks.FLOAT_DTYPES)
+    # k8v8's V holds e4m3 codes of channel scales; e4m3 beside per-slot scales was deleted.
+    refuse_e4m3_pool("k_cache", k_cache.dtype)
+    if v_channel_scale is None:
+        refuse_e4m3_pool("v_cache", v_cache.dtype)
     k8v16 = is_k8v16(k_cache, v_cache)
     if v_channel_scale is not None:
         _check_k8v8(k_cache, v_cache, k_scale, v_scale, v_equalizer, v_channel_scale)

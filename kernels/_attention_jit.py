@@ -37,9 +37,9 @@ Query heads sharing a KV head are packed into the M dimension, so each K/V tile 
 once per KV head. Online softmax in float32 (exp2, the scale folded into one FFMA), output in
 ``q``'s dtype; optionally each row's log-sum-exp (``HAS_LSE``).
 
-Quantized caches (e4m3 or int8 codes with a float32 scale per slot and KV head) load their code
-tiles and scales like the 16-bit tiles; by default K's codes convert exactly to q's compute dtype
-(e4m3 or int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into it by a
+Quantized caches (int8 codes with a float32 scale per slot and KV head) load their code tiles
+and scales like the 16-bit tiles; by default K's codes convert exactly to q's compute dtype
+(int8 K under a bfloat16 q, up to 128 channels: float16, the query rows scaled into it by a
 power of two each), V's to float16, and the scales multiply score columns (K) and V's rows
 (probability columns in masked tiles), in a unit per sequence and KV head the launcher made
 beforehand (``v_unit_ptr``), so that float16 holds them. Channel equalization factors
@@ -391,13 +391,11 @@ def _float16_rows(q):
     """``(codes, factor)``: bfloat16 (or float32) rows ``q`` times a power of two each, as
     float16, and the factor (divide the softmax scale by it).
 
-    e4m3 K codes then convert to the ``Q K^T`` MMA's operand in one instruction per pair (a
-    hardware conversion on sm_89+; to bfloat16 it goes through float16, four instructions a
-    pair), int8 codes in 1.25 per code (``int8_to_float16``; to bfloat16, 2). Each row's
+    int8 K codes then convert to the ``Q K^T`` MMA's operand in 1.25 instructions per code
+    (``int8_to_float16``; to bfloat16, 2). Each row's
     largest magnitude lands in ``[2**13, 2**14)``: no overflow (float16 holds 65504), and every
     element within ``2**-27`` of it keeps all 8 significant bits of a bfloat16 (float16 normals
-    have 11), so its products with the codes stay exact (e4m3 codes have 4 significant bits,
-    int8 codes 7).
+    have 11), so its products with the codes stay exact (int8 codes have 7 significant bits).
     """
     amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
     exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
@@ -409,7 +407,7 @@ def _float16_rows(q):
 
 @triton.jit
 def _codes_to(codes, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """e4m3 or int8 ``codes`` converted (exactly) to ``dtype``; int8 to float16 by
+    """int8 ``codes`` converted (exactly) to ``dtype``; to float16 by
     ``int8_to_float16`` (1.25 instructions a code, against 2 for Triton's conversion to
     bfloat16)."""
     if codes.dtype == tl.int8 and dtype == tl.float16:
@@ -673,7 +671,7 @@ def _attend_tiles(
                 v = v.to(tl.float32)
         else:
             if QUANTIZED:
-                # Codes are exact in every compute dtype (e4m3: 4 significant bits, int8: 7);
+                # Codes are exact in every compute dtype (int8: 7 significant bits);
                 # K's in q's (float16 for a bfloat16 q: see _float16_rows), V's in P V's.
                 k = _codes_to(k, q.dtype, INTERPRETED)
                 v = _values_in_unit(v, v_col, p_unit, PV_DTYPE, MASKED, INTERPRETED)
@@ -1542,12 +1540,12 @@ def _paged_attention_kernel(
     )
     if UPCAST and not K8V8 and not K8V16:
         q = q.to(tl.float32)
-    # e4m3 or int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows). Not past 128
-    # channels: at head_dim 256 the e4m3 loop then spilled 20-108 bytes on Triton 3.6 (its
-    # 32-key bfloat16 loop spills none; 3.9 spilled neither way).
+    # int8 K under a bfloat16 q: Q K^T as a float16 MMA (_float16_rows). Not past 128
+    # channels: at head_dim 256 the (since deleted) e4m3 loop then spilled 20-108 bytes on
+    # Triton 3.6 (its 32-key bfloat16 loop spills none; 3.9 spilled neither way).
     FLOAT16_QK: tl.constexpr = (
         q_ptr.dtype.element_ty == tl.bfloat16
-        and (k_ptr.dtype.element_ty == tl.float8e4nv or k_ptr.dtype.element_ty == tl.int8)
+        and k_ptr.dtype.element_ty == tl.int8
         and BLOCK_D <= 128
     )
     if HAS_K_EQUALIZER:

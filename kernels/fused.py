@@ -52,7 +52,7 @@ from typing import NamedTuple, get_type_hints
 import torch
 from torch import Tensor
 
-from paged_video._removed import refuse_removed
+from paged_video._removed import refuse_e4m3_pool, refuse_removed
 from paged_video.kernels import _checks
 from paged_video.kernels._attention_checks import check_arguments as check_attention_arguments
 from paged_video.kernels.gather_blocks import gather_blocks
@@ -440,6 +440,10 @@ def _check_inputs(
         raise ValueError(
             f"query num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}"
         )
+    # k8v8's V holds e4m3 codes of channel scales; e4m3 beside per-slot scales was deleted.
+    refuse_e4m3_pool("k_pools", k_pools.dtype)
+    if not _k8v8(pools):
+        refuse_e4m3_pool("v_pools", pools.v_pools.dtype)
     quantized = is_quantized(k_pools.dtype)
     if not quantized and k_pools.dtype != query.dtype:
         raise TypeError(f"k_pools must have query's dtype {query.dtype}, got {k_pools.dtype}")

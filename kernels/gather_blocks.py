@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_video._removed import refuse_e4m3_pool
 from paged_video.kernels import _checks, quantize, torch_path
 from paged_video.kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
 from paged_video.kernels._runtime import use_torch_path
@@ -151,11 +152,19 @@ def _check_dtypes(
     """Float caches stage into any float dtype; quantized ones into their own, with scales;
     int8 K beside e4m3 or float V with no V scales (k8v8, k8v16) into their own, K's scales
     beside them."""
+    # k8v8's V holds e4m3 codes (no V scales); e4m3 beside per-slot scales was deleted.
+    refuse_e4m3_pool("k_cache", k_cache.dtype)
+    if scales["v_scale"] is not None or scales["stage_v_scale"] is not None:
+        refuse_e4m3_pool("v_cache", v_cache.dtype)
     for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
+        _checks.check_dtype(
+            name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES + (quantize.E4M3,)
+        )
     quantized = quantize.is_quantized(k_cache.dtype)
     v_unscaled = _v_unscaled(k_cache, v_cache, scales)
-    if quantize.is_quantized(v_cache.dtype) != quantized and not v_unscaled:
+    # e4m3 V holds codes too: k8v8's, beside int8 K only.
+    v_codes = quantize.is_quantized(v_cache.dtype) or v_cache.dtype == quantize.E4M3
+    if v_codes != quantized and not v_unscaled:
         raise TypeError(
             f"v_cache is {v_cache.dtype} but k_cache is {k_cache.dtype}: both caches must be "
             "quantized or neither (or int8 K beside V with no v_scale: k8v16)"
@@ -173,7 +182,7 @@ def _check_dtypes(
 def _v_unscaled(k_cache: Tensor, v_cache: Tensor, scales: dict[str, Tensor | None]) -> bool:
     """Whether V is k8v8's (e4m3 codes of channel scales) or k8v16's (float): int8 K codes
     beside such a V, and no V scales given."""
-    v_kind = v_cache.dtype == torch.float8_e4m3fn or v_cache.dtype in _checks.FLOAT_DTYPES
+    v_kind = v_cache.dtype == quantize.E4M3 or v_cache.dtype in _checks.FLOAT_DTYPES
     no_v_scales = scales["v_scale"] is None and scales["stage_v_scale"] is None
     return k_cache.dtype == torch.int8 and v_kind and no_v_scales
 
@@ -276,10 +285,8 @@ def gather_blocks(
         )
         return
     k_scales, v_scales = k_scale is not None, v_scale is not None
-    # e4m3 codes are copied as bytes: bit for bit whatever they hold, NaN codes included.
-    if k_cache.dtype == torch.float8_e4m3fn:
-        k_cache, stage_k = k_cache.view(torch.uint8), stage_k.view(torch.uint8)
-    if v_cache.dtype == torch.float8_e4m3fn:
+    # k8v8's e4m3 V codes are copied as bytes: bit for bit whatever they hold, NaN codes too.
+    if v_cache.dtype == quantize.E4M3:
         v_cache, stage_v = v_cache.view(torch.uint8), stage_v.view(torch.uint8)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     flat = all(plane_is_flat(t) for t in (k_cache, v_cache, stage_k, stage_v))

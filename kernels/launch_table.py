@@ -26,12 +26,12 @@ VARIANTS = ("cp_async", "tma", "ws")
 # A row's class is the key path at its head_dim class's built-in 64-key tile, where every block
 # takes one of these (``two_blocks`` needs tiles of 256 keys: kernels.paged_attention.MAX_PIECES).
 KV_PATHS = ("contiguous", "block_tiles", "rows")
-# K/V modes: ``same`` (the query dtype), then the quantized ones (``kv_mode``): e4m3 or int8
-# codes dequantized, or the one-switch formats; ``_keys`` when
-# the pools are ones the TMA loop reads (keys-major scales, and k8v8's V:
+# K/V modes: ``same`` (the query dtype), then the quantized ones (``kv_mode``): int8 codes
+# dequantized, or the one-switch formats (the e4m3 pool's ``fp8`` was deleted, issue 45);
+# ``_keys`` when the pools are ones the TMA loop reads (keys-major scales, and k8v8's V:
 # ``kernels.keys_major``). Their loops differ (over keys-major pools k8v8's V needs no
 # transpose), and only those take ``tma``.
-QUANTIZED_MODES = ("fp8", "int8", "k8v8", "k8v16")
+QUANTIZED_MODES = ("int8", "k8v8", "k8v16")
 MODES = ("same", *QUANTIZED_MODES, *(f"{mode}_keys" for mode in QUANTIZED_MODES))
 # The fewest keys per tile of k8v8 (the K dimension of its FP8 P V MMA): Hopper's FP8 wgmma
 # reduces over 32 at least.
@@ -127,10 +127,8 @@ def kv_mode(
     None), else the quantized mode, with ``_keys`` where the TMA loop reads the pools."""
     if kv_dtype is None and not (k8v8 or k8v16):
         return "same"
-    if k8v8 or k8v16:
-        mode = "k8v8" if k8v8 else "k8v16"
-    else:
-        mode = "int8" if kv_dtype == torch.int8 else "fp8"
+    # Else int8 codes (the e4m3 pool, the table's fp8 modes, was deleted: issue 45).
+    mode = ("k8v8" if k8v8 else "k8v16") if k8v8 or k8v16 else "int8"
     return f"{mode}_keys" if keys_major else mode
 
 

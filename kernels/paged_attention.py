@@ -384,8 +384,8 @@ def choose_tiles(
     (16-bit caches, the pointer and TMA loops; default: the table row's choice, else off).
     ``tma_ready``: the pools are ones the TMA loop reads (``_descriptor_layout``), the
     table's ``_keys`` modes: by the shipped table's rows, the quantized modes over such pools
-    at head_dim 128 take 128-key TMA tiles where a tile lies inside a block (e4m3 6.8-7.0
-    instructions per key, int8 7.2-7.4), unless the caller sets another tile or variant.
+    at head_dim 128 take 128-key TMA tiles where a tile lies inside a block (int8 7.2-7.4
+    instructions per key), unless the caller sets another tile or variant.
     ``k8v8``: the k8v8 format (int8 ``Q K^T``, FP8 ``P V``); with ``v_block_scales`` (V's
     scales per block) every key tile must lie inside one block: the key tile is the largest
     that divides the block (at least 32 keys, else a ``ValueError``). ``k8v16``: int8 ``Q K^T``,
@@ -524,11 +524,13 @@ def paged_attention(
     the softmax before it (16-bit caches; default: the table's choice).
     ``check_values=False`` skips the checks that read tensor values (no device sync).
 
-    Quantized caches (``float8_e4m3fn`` or ``int8`` codes, docs/quantization.md) need ``k_scale``
+    Quantized caches (``int8`` codes, docs/quantization.md) need ``k_scale``
     and ``v_scale``, float32 ``(num_blocks, block_size, num_kv_heads)``: a slot's row reads back
     as ``codes * scale`` (scales >= 0, as ``write_slots`` writes them). By default the codes
     convert exactly to q's compute dtype, the K scale multiplies the score columns and the V
     scale the probability columns before the PV product.
+    ``float8_e4m3fn`` caches with these scales (the e4m3 pool) were deleted (issue 45): they
+    raise a ``ValueError`` naming the k8v16 and k8v8 formats.
     ``fp8_mma`` was deleted (issue 45): any value but False raises a ``ValueError`` naming
     the k8v8 format (``v_channel_scale`` below). Pools may have any strides;
     ``kernels.keys_major`` copies of the scale pools are read faster on a GPU (docs/kernels.md).

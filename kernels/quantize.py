@@ -1,6 +1,6 @@
 """Quantized KV storage: which pool dtypes hold codes, their largest code, and scale checks.
 
-A quantized pool holds codes (``float8_e4m3fn`` or ``int8``) and a float32 scale per
+A quantized pool holds codes (``int8``) and a float32 scale per
 (slot, KV head) beside it, shaped like the pool without its last (head_dim) dimension. A row
 ``x`` of ``head_dim`` values is stored as ``scale = amax(|x|) / QMAX`` and codes
 ``round(x / scale)`` (nearest, ties to even, saturating at ``QMAX``); it reads back as
@@ -15,10 +15,13 @@ from torch import Tensor
 
 from paged_video.kernels import _checks
 
-# The largest finite code of each quantized dtype: e4m3fn's 448 (S.1111.110), int8's 127
-# (symmetric, so -128 is never written).
-QMAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+# The largest code of each quantized dtype: int8's 127 (symmetric, so -128 is never written).
+# (The e4m3 pool was deleted, issue 45: k8v8's e4m3 V has channel scales, E4M3_MAX.)
+QMAX: dict[torch.dtype, float] = {torch.int8: 127.0}
 QUANT_DTYPES = tuple(QMAX)
+# k8v8's V codes and its probabilities: e4m3fn, whose largest finite code is 448 (S.1111.110).
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
 SCALE_DTYPE = torch.float32
 
 

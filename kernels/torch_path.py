@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from paged_video.kernels.quantize import QMAX
+from paged_video.kernels.quantize import E4M3_MAX, QMAX
 
 
 def _to_codes(ratio: Tensor, dtype: torch.dtype) -> Tensor:
@@ -22,10 +22,14 @@ def _to_codes(ratio: Tensor, dtype: torch.dtype) -> Tensor:
     return (torch.round(ratio) if dtype == torch.int8 else ratio).to(dtype)
 
 
-def quantize_rows(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def quantize_rows(
+    x: Tensor, dtype: torch.dtype, qmax: float | None = None
+) -> tuple[Tensor, Tensor]:
     """``(codes, scale)`` of float32 rows ``x (..., head_dim)``, as the write kernel computes
-    them: ``scale = amax / QMAX``, codes ``x / scale`` on the code grid; zero rows all zero."""
-    qmax = QMAX[dtype]
+    them: ``scale = amax / qmax``, codes ``x / scale`` on the code grid; zero rows all zero.
+    ``qmax``: the largest code (default ``QMAX[dtype]``; ``bench accuracy`` emulates the
+    deleted e4m3 pool's write, k8v8's target, at ``E4M3_MAX``)."""
+    qmax = QMAX[dtype] if qmax is None else qmax
     scale = x.abs().amax(dim=-1) / qmax
     positive = (scale > 0).unsqueeze(-1)
     ratio = x / torch.where(positive, scale.unsqueeze(-1), 1.0)
@@ -75,9 +79,9 @@ def write_slots(
     scale = v_channel_scale[slots[0]]
     positive = scale > 0
     ratio = torch.where(positive, value / torch.where(positive, scale, 1.0), 0.0)
-    codes = _to_codes(ratio.clamp(-QMAX[v_pool.dtype], QMAX[v_pool.dtype]), v_pool.dtype)
+    codes = _to_codes(ratio.clamp(-E4M3_MAX, E4M3_MAX), v_pool.dtype)
     if v_saturated is not None:
-        over = (ratio.abs() > QMAX[v_pool.dtype]) | (~positive & (value != 0))
+        over = (ratio.abs() > E4M3_MAX) | (~positive & (value != 0))
         # A row of all-zero codes holding a nonzero value is lost whole (write_slots' rule).
         kept = codes.float().abs().amax(dim=-1, keepdim=True) > 0
         over |= (value != 0) & ~kept

@@ -31,12 +31,11 @@ import torch
 from torch import Tensor
 
 from paged_video.kernels import _checks
-from paged_video.kernels.quantize import QMAX, SCALE_DTYPE
+from paged_video.kernels.quantize import E4M3_MAX, SCALE_DTYPE
 
 # A frozen scale's room above the first write's largest value (issue 45's float64 sketch: 256
 # keeps V growing 100x after the first write at 4.0% rel L1, 16 gave 46%).
 V_HEADROOM = 256.0
-E4M3_MAX = QMAX[torch.float8_e4m3fn]
 
 
 def frozen_channel_scales(

@@ -2,7 +2,7 @@
 
 Slots are arbitrary, so a chunk may start in the middle of a block and span any number of
 blocks. A negative slot is padding and is skipped. K and V are written by one launch, cast to
-the pools' dtype, or, for quantized pools (``float8_e4m3fn``, ``int8``), quantized per
+the pools' dtype, or, for quantized pools (``int8``), quantized per
 (token, KV head) with their float32 scales written beside them in the same launch
 (``kernels._quantize_jit``; K smoothing and channel equalization optional).
 
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from paged_video._removed import refuse_e4m3_pool
 from paged_video.kernels import _checks, equalize, quantize, torch_path, value_channels
 from paged_video.kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
 from paged_video.kernels._quantize_jit import quantize_rows, round_to_code_grid
@@ -150,8 +151,6 @@ def _write_slots_quantized_kernel(
     HAS_V_EQUALIZER: tl.constexpr,
     K_QMAX: tl.constexpr,
     V_QMAX: tl.constexpr,
-    K_FP8: tl.constexpr,
-    V_FP8: tl.constexpr,
     POOL_BLOCK: tl.constexpr,
     V_CHANNEL: tl.constexpr,
     CHANNEL_BLOCK: tl.constexpr,
@@ -211,7 +210,7 @@ def _write_slots_quantized_kernel(
             other=1.0,
         )
         value = tl.div_rn(value, tl.broadcast_to(v_factor[None, :, :], value.shape))
-    k_codes, k_scale = quantize_rows(key, K_QMAX, K_FP8)
+    k_codes, k_scale = quantize_rows(key, K_QMAX, False)
     if V_CHANNEL:
         # k8v8: e4m3 codes of V over its (block, head, channel) scales (kernels.value_channels;
         # a frozen tensor's block stride is 0), saturating, the saturated ones counted.
@@ -240,7 +239,7 @@ def _write_slots_quantized_kernel(
     elif V_PLAIN:
         v_codes, v_scale = value, k_scale  # k8v16: V as it is (no V scale)
     else:
-        v_codes, v_scale = quantize_rows(value, V_QMAX, V_FP8)
+        v_codes, v_scale = quantize_rows(value, V_QMAX, False)
 
     kp_slot = _slot_offsets(slot, stride_kp_block, stride_kp_slot, POOL_BLOCK)[:, None, None]
     vp_slot = _slot_offsets(slot, stride_vp_block, stride_vp_slot, POOL_BLOCK)[:, None, None]
@@ -290,13 +289,21 @@ def _check_arguments(
     _checks.check_rank("slot_mapping", slot_mapping, 1, "(n,)")
     for name, tensor in (("key", key), ("value", value)):
         _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES)
+    # k8v8's V holds e4m3 codes of channel scales; e4m3 beside per-slot scales was deleted.
+    refuse_e4m3_pool("k_pool", k_pool.dtype)
+    if v_channel_scale is None:
+        refuse_e4m3_pool("v_pool", v_pool.dtype)
     for name, tensor in (("k_pool", k_pool), ("v_pool", v_pool)):
-        _checks.check_dtype(name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES)
+        _checks.check_dtype(
+            name, tensor, _checks.FLOAT_DTYPES + quantize.QUANT_DTYPES + (quantize.E4M3,)
+        )
     _checks.check_dtype("slot_mapping", slot_mapping, _checks.INDEX_DTYPES)
     quantized = quantize.is_quantized(k_pool.dtype)
-    # k8v16: int8 K codes beside V stored as it is (no V scale).
+    # k8v16: int8 K codes beside V stored as it is (no V scale); k8v8 (v_channel_scale): beside
+    # e4m3 V, its pools checked by _check_channel_format.
     k8v16 = k_pool.dtype == torch.int8 and v_pool.dtype.is_floating_point and v_scale is None
-    if quantize.is_quantized(v_pool.dtype) != quantized and not k8v16:
+    mixed = quantize.is_quantized(v_pool.dtype) != quantized
+    if mixed and not k8v16 and v_channel_scale is None:
         raise TypeError(
             f"v_pool is {v_pool.dtype} but k_pool is {k_pool.dtype}: both pools must be "
             "quantized or neither"
@@ -410,7 +417,8 @@ def write_slots(
     Pools are flat ``(num_slots, num_kv_heads, head_dim)`` views of the paged caches, or the
     paged caches ``(num_blocks, block_size, num_kv_heads, head_dim)`` themselves, slot
     ``block * block_size + offset``, in any layout (keys-major pools, ``kernels.keys_major``,
-    have no flat view). Quantized pools (``kernels.quantize.QUANT_DTYPES``) take codes, and
+    have no flat view). Quantized pools (``kernels.quantize.QUANT_DTYPES``: int8; a
+    ``float8_e4m3fn`` pool outside k8v8 raises, the e4m3 pool was deleted) take codes, and
     their float32 scales ``k_scale``/``v_scale``, shaped like the pools without head_dim, are
     written with them; ``k_smooth``
     ``(num_kv_heads, head_dim)`` float32 is subtracted from K before quantizing;
@@ -676,9 +684,9 @@ def _launch_quantized(
         HAS_K_EQUALIZER=k_equalizer is not None,
         HAS_V_EQUALIZER=v_equalizer is not None,
         K_QMAX=quantize.QMAX[k_pool.dtype],
-        V_QMAX=quantize.QMAX.get(v_pool.dtype, 1.0),
-        K_FP8=k_pool.dtype == torch.float8_e4m3fn,
-        V_FP8=v_pool.dtype == torch.float8_e4m3fn,
+        V_QMAX=quantize.E4M3_MAX
+        if v_channel_scale is not None
+        else quantize.QMAX.get(v_pool.dtype, 1.0),
         POOL_BLOCK=pool_block,
         V_CHANNEL=v_channel_scale is not None,
         CHANNEL_BLOCK=block_size,

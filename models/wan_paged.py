@@ -268,7 +268,7 @@ class PagedWanRollout:
     latent frame after patching (``(height / 2) * (width / 2)`` for Wan's patch), and
     ``config.max_forward_chunks`` at least the frames per block. ``guidance=True`` keeps two
     KV branches (positive and negative text), run as one batch; ``False`` one branch. A
-    quantized ``config.kv_dtype`` (``float8_e4m3fn``, ``int8``) or ``config.kv_format``
+    quantized ``config.kv_dtype`` (``int8``) or ``config.kv_format``
     (``"k8v8"``, ``"k8v16"``, history staging included) needs nothing more: the cache holds
     codes, scales and K means, and the fused op writes and attends over them.
     ``session_capacity`` is the most futures ``generate`` may fork (a fork is a session);

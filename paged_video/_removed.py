@@ -19,6 +19,17 @@ REPLACEMENTS = {
 }
 
 
+def refuse_e4m3_pool(name: str, dtype: object) -> None:
+    """Raise a ``ValueError`` where ``dtype`` (of ``name``) is ``torch.float8_e4m3fn`` as the
+    deleted e4m3 dequantizing pool's: codes with a float32 scale per (slot, KV head). k8v8
+    keeps e4m3 V codes with channel scales; its callers check those before calling this."""
+    if str(dtype) == "torch.float8_e4m3fn":
+        raise ValueError(
+            f"{name}=torch.float8_e4m3fn (the e4m3 dequantizing pool) was deleted (issue 45): "
+            f"use {_K8V16}: more accurate on every data kind; or {_K8V8}: the same bytes"
+        )
+
+
 def refuse_removed(**switches: object) -> None:
     """Raise a ``ValueError`` naming the replacement of the first deleted switch set (any value
     but ``False``, its old default)."""

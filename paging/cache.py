@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from paged_video._removed import refuse_e4m3_pool
 from paged_video.paging import window
 from paged_video.paging._validate import require_bool, require_int
 from paged_video.paging.config import KV_DTYPES, PagingConfig
@@ -171,7 +172,7 @@ class PagedKVCache:
     forks that stay near their fork point: a forward the pool cannot hold then raises
     ``PoolExhaustedError`` and changes nothing (``pool_stats`` shows what is held).
 
-    Quantized caches (``config.kv_dtype``, or a ``dtype`` of ``float8_e4m3fn``/``int8``) hold
+    Quantized caches (``config.kv_dtype``, or a ``dtype`` of ``int8``) hold
     codes in the pools and staging buffers, with float32 scales beside them: ``k_scales``/
     ``v_scales`` ``(num_layers, num_blocks, B, num_kv_heads)`` and ``stage_k_scales``/
     ``stage_v_scales`` ``(num_layers, width * B, num_kv_heads)``; with ``smooth_keys``,
@@ -209,20 +210,17 @@ class PagedKVCache:
             raise ValueError(f"branches must be a non-empty list of names, got {branches!r}")
         if len(set(branches)) != len(branches):
             raise ValueError(f"branches must be distinct, got {branches!r}")
+        refuse_e4m3_pool("dtype", dtype)
         if not isinstance(dtype, torch.dtype) or not (
             dtype.is_floating_point or dtype in KV_DTYPES
         ):
             raise TypeError(
                 f"dtype must be a floating-point torch.dtype (or a quantized one: "
-                f"float8_e4m3fn, int8), got {dtype!r}"
-            )
-        if config.kv_dtype is not None and dtype in KV_DTYPES and dtype != config.kv_dtype:
-            raise ValueError(
-                f"dtype {dtype} and config.kv_dtype {config.kv_dtype} disagree; give one of them"
+                f"int8), got {dtype!r}"
             )
         if config.keys_major and (config.kv_dtype or dtype) not in KV_DTYPES:
             raise ValueError(
-                f"config.keys_major needs quantized pools (kv_dtype float8_e4m3fn or int8), got "
+                f"config.keys_major needs quantized pools (kv_dtype int8), got "
                 f"{dtype} pools: the 16-bit kernels' TMA loops read slot-major pools"
             )
         sequences = session_capacity * len(branches)

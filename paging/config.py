@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_video._removed import refuse_removed
+from paged_video._removed import refuse_e4m3_pool, refuse_removed
 from paged_video.paging import window
 from paged_video.paging._validate import require_bool, require_int
 
@@ -18,7 +18,7 @@ MAX_TOKENS = 2**20
 MAX_CHUNKS = 2**16
 MAX_KEYS = 2**31 - 1
 # Quantized pool dtypes (kernels.quantize.QUANT_DTYPES; not imported: kernels load Triton).
-KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
+KV_DTYPES = (torch.int8,)
 # The one switch's formats (``kv_format``): the pools in the model's dtype, or k8v8 (int8 K, e4m3
 # V with channel scales: both products on 8-bit tensor cores, docs/quantization.md).
 KV_FORMATS = ("bf16", "k8v8", "k8v16", "int8")
@@ -45,21 +45,22 @@ class PagingConfig:
     out-of-window boundary tokens that whole-block reads add are masked. ``compaction`` removes
     evicted table entries; switching it off is for checking that compaction changes nothing.
 
-    ``kv_dtype`` (``None``, ``torch.float8_e4m3fn`` or ``torch.int8``) stores K/V as codes with
+    ``kv_dtype`` (``None`` or ``torch.int8``) stores K/V as codes with
     a float32 scale per (slot, KV head), quantized on write (docs/quantization.md); ``None`` keeps
     the cache's ``dtype``. ``smooth_keys`` subtracts a per-(layer, KV head) mean from K before
     quantizing, chosen from the first keys written to the layer and frozen (attention is
     unchanged by it). ``equalize_channels`` divides each (layer, KV head, channel) of K and V by
     a power of two chosen from the layer's first write and frozen, which attention folds into
     q and the output (unchanged in exact arithmetic): outlier channels then no longer take every
-    row's codes. ``None`` (the default) equalizes int8 pools only: e4m3 keeps every value's
-    relative precision whatever the row's range, so evening the channels out does not help it
-    (``channel_equalization`` gives the choice). ``keys_major`` (quantized caches only) lays
+    row's codes. ``None`` (the default) equalizes int8 pools (``channel_equalization`` gives the
+    choice). ``keys_major`` (quantized caches only) lays
     the scale pools out keys-major (``kernels.pool_layout``): a block's keys contiguous per KV
     head, which lets the scales load two at a time, at the cost of rows padded to 16 keys.
     ``fp8_mma`` and ``int8_mma`` were deleted (issue 45): ``True`` raises a ``ValueError``
     naming ``kv_format="k8v8"`` and ``kv_format="k8v16"``, which are more accurate on every
-    data kind and issue fewer instructions (docs/quantization.md).
+    data kind and issue fewer instructions (docs/quantization.md); so was the e4m3 pool
+    (``kv_dtype=torch.float8_e4m3fn`` raises naming ``kv_format="k8v16"``, more accurate on
+    every data kind, and ``kv_format="k8v8"``, the same bytes).
 
     ``kv_format`` (``None``: the switches above) is the one switch that implies them:
     ``"bf16"`` stores the pools in the cache's dtype, unquantized; ``"k8v8"`` stores K as int8
@@ -114,18 +115,17 @@ class PagingConfig:
                 "equalize_channels must be a bool or None, got "
                 f"{type(self.equalize_channels).__name__}"
             )
+        refuse_e4m3_pool("kv_dtype", self.kv_dtype)
         if self.kv_dtype is not None and not any(self.kv_dtype is d for d in KV_DTYPES):
-            raise TypeError(
-                f"kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got {self.kv_dtype!r}"
-            )
+            raise TypeError(f"kv_dtype must be None or torch.int8, got {self.kv_dtype!r}")
         if self.kv_format is not None:
             self._check_kv_format()
             for name, value in FORMAT_FIELDS.get(self.kv_format, {}).items():
                 object.__setattr__(self, name, value)  # frozen: set once, as given
         if self.equalize_channels and self.kv_dtype is None and self.kv_format in (None, "bf16"):
             raise ValueError(
-                "equalize_channels=True needs a quantized kv_dtype (torch.int8 or "
-                "torch.float8_e4m3fn): float pools store K/V as they are"
+                "equalize_channels=True needs a quantized kv_dtype (torch.int8) or kv_format: "
+                "float pools store K/V as they are"
             )
         if self.max_forward_chunks > self.window_chunks:
             raise ValueError(
@@ -185,7 +185,7 @@ class PagingConfig:
             return False
         if self.equalize_channels is not None:
             return self.equalize_channels
-        return kv_dtype is torch.int8
+        return True  # int8, the one dequantizing pool (issue 45 deleted e4m3's)
 
     @property
     def sink_tokens(self) -> int:

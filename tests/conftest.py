@@ -89,8 +89,8 @@ SLOW = (
     "tests/kernels/test_paged_attention.py::test_several_key_gaps_per_row[N16]",
     "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B1560-",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[contiguous-B16-N16-",
-    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B1-N16-e4m3]",
-    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B16-N64-e4m3]",
+    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B1-N16-int8]",
+    "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[rows-B16-N64-int8]",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[two_blocks-",
     "tests/kernels/test_paged_attention_quantized.py::test_key_paths_causal_limits_and_gaps[block_tiles-",
     "tests/kernels/test_torch_path.py::test_cpu_process_without_interpreter",
@@ -129,7 +129,7 @@ SLOW = (
 
 # The smoke selection, ``python -m pytest -n 2 -m smoke``: the iteration loop, under a minute of
 # CPU. One quick test of every kernel path (contiguous, block tiles, two blocks, rows; the TMA
-# pair loop, warp-specialized, scores ahead, the PyTorch path), every K/V format (float, e4m3,
+# pair loop, warp-specialized, scores ahead, the PyTorch path), every K/V format (float,
 # int8, k8v8, k8v16, keys-major pools), every mask kind (causal, key limits, key gaps,
 # spans) and every paging rule (eviction, compaction, the fixed table width, staging, forks,
 # shards, batches). Entries are prefixes like ``SLOW``'s; under ``-m smoke`` an entry that
@@ -146,7 +146,7 @@ SMOKE = (
     "tests/kernels/test_torch_path.py::test_write_and_gather",
     "tests/kernels/test_masks.py::test_spans_across_query_and_key_tiles[B24-per-row-lookup]",
     "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B7-int8]",
-    "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B24-e4m3]",
+    "tests/kernels/test_paged_attention_quantized.py::test_any_block_size[B24-int8]",
     "tests/kernels/test_quantized_modes.py::test_k8v16_scores_are_exact_int32_sums",
     "tests/kernels/test_k8v8_attention.py::test_k8v8_slot_major_v_and_default_tiles",
     "tests/kernels/test_write_slots.py::test_chunk_starting_mid_block",

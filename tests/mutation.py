@@ -595,6 +595,69 @@ MUTANTS = [
         "refuse_removed(int8_mma=self.int8_mma)",
         "tests/paging/test_config.py::test_fp8_mma_was_deleted_for_k8v8",
     ),
+    # The e4m3 pool, deleted (issue 45): its spelling raises naming k8v16 and k8v8.
+    _m(
+        "config-e4m3-pool-accepted",
+        "paging/config.py",
+        '        refuse_e4m3_pool("kv_dtype", self.kv_dtype)\n',
+        "",
+        "tests/paging/test_config.py::test_e4m3_pool_was_deleted_for_k8v16_and_k8v8",
+    ),
+    _m(
+        "cache-e4m3-pool-accepted",
+        "paging/cache.py",
+        '        refuse_e4m3_pool("dtype", dtype)\n',
+        "",
+        "tests/paging/test_quantized.py::test_cache_dtype_may_name_the_quantized_format",
+    ),
+    _m(
+        "attention-e4m3-pool-accepted",
+        "kernels/_attention_checks.py",
+        '    refuse_e4m3_pool("k_cache", k_cache.dtype)\n',
+        "",
+        "tests/kernels/test_quantized_modes.py::test_rejects_and_writes_nothing[e4m3-pool]",
+        "tests/kernels/test_paged_attention_quantized.py::test_rejects[e4m3-pool]",
+    ),
+    _m(
+        "write-e4m3-pool-accepted",
+        "kernels/write_slots.py",
+        '    refuse_e4m3_pool("k_pool", k_pool.dtype)\n',
+        "",
+        "tests/kernels/test_bad_input.py::test_quantized_write_slots_rejects_and_changes_nothing"
+        "[e4m3-pool]",
+    ),
+    _m(
+        "write-k8v8-v-scale-refused-as-mixed-pools",
+        "kernels/write_slots.py",
+        "    if mixed and not k8v16 and v_channel_scale is None:",
+        "    if mixed and not k8v16:",
+        "tests/kernels/test_k8v8_write.py::test_k8v8_write_refuses_bad_arguments"
+        "[v_scale-ValueError-replaces v_scale]",
+    ),
+    _m(
+        "gather-e4m3-v-beside-float-k",
+        "kernels/gather_blocks.py",
+        "    v_codes = quantize.is_quantized(v_cache.dtype) or v_cache.dtype == quantize.E4M3\n",
+        "    v_codes = quantize.is_quantized(v_cache.dtype)\n",
+        "tests/kernels/test_gather_blocks_quantized.py::test_k8_formats_refuse_v_scales_half_given",
+    ),
+    _m(
+        "gather-e4m3-pool-accepted",
+        "kernels/gather_blocks.py",
+        '    refuse_e4m3_pool("k_cache", k_cache.dtype)\n',
+        "",
+        "tests/kernels/test_bad_input.py::test_quantized_gather_blocks_rejects_and_changes_nothing"
+        "[e4m3-pool]",
+    ),
+    _m(
+        "fused-e4m3-pool-accepted",
+        "kernels/fused.py",
+        '    refuse_e4m3_pool("k_pools", k_pools.dtype)\n'
+        "    if not _k8v8(pools):\n"
+        '        refuse_e4m3_pool("v_pools", pools.v_pools.dtype)\n',
+        "",
+        "tests/kernels/test_fused_quantized.py::test_refused_call_changes_nothing[int8-e4m3-pools]",
+    ),
     _m(
         "config-int32-keys-unchecked",
         "paging/config.py",
@@ -1132,10 +1195,10 @@ MUTANTS = [
         "test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype",
     ),
     _m(
-        "config-equalizes-e4m3-by-default",
+        "config-int8-unequalized-by-default",
         "paging/config.py",
-        "        return kv_dtype is torch.int8\n",
-        "        return True\n",
+        "        return True  # int8, the one dequantizing pool",
+        "        return False  # int8, the one dequantizing pool",
         "tests/paging/test_config.py::test_channel_equalization_defaults_by_format",
     ),
     _m(
@@ -1230,7 +1293,6 @@ MUTANTS = [
         "            choice_slots=self.inputs.video_slots,\n",
         "",
         f"{SHARD_CODES}[int8-2]",
-        f"{SHARD_CODES}[e4m3-4]",
         f"{SHARD_CODES}[k8v16-2]",
         "tests/paging/test_shard_attention.py::test_merged_partials_equal_one_process",
     ),
@@ -1303,7 +1365,7 @@ MUTANTS = [
         "kernels/write_slots.py",
         '        equalize.check_factor_values("v_equalizer", v_equalizer)\n',
         "",
-        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[equalizer-zero-int8]",
+        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[equalizer-zero]",
     ),
     _m(
         "write-flag-without-factors",
@@ -1324,7 +1386,7 @@ MUTANTS = [
         "kernels/write_slots.py",
         "        return slot * stride_block",
         "        return slot * stride_slot",
-        f"{WRITE_QUANTIZED}::test_paged_pools_in_either_layout[B1-keys-major-triton-e4m3]",
+        f"{WRITE_QUANTIZED}::test_paged_pools_in_either_layout[B1-keys-major-triton-int8]",
     ),
     _m(
         "write-torch-paged-pools-by-block",
@@ -1347,7 +1409,7 @@ MUTANTS = [
         "            k_scale=_apply(k_scale, Tensor.flatten, 0, 1),\n"
         "            v_scale=_apply(v_scale, Tensor.flatten, 0, 1),\n",
         "tests/paging/test_quantized.py::"
-        "test_forwards_match_the_oracle_over_dequantized_pools[e4m3-keys-major]",
+        "test_forwards_match_the_oracle_over_dequantized_pools[int8-keys-major]",
     ),
     _m(
         "cache-keys-major-k-codes",
@@ -1424,7 +1486,7 @@ MUTANTS = [
         "kernels/write_slots.py",
         "        if k_smooth is None:\n            raise",
         "        if False:\n            raise",
-        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[chosen-without-mean-int8]",
+        f"{BAD}::test_quantized_write_slots_rejects_and_changes_nothing[chosen-without-mean]",
     ),
     _m(
         "write-slot-one-past-pool",
@@ -1861,9 +1923,9 @@ MUTANTS = [
         "        (which == 0)[None, None, :],",
         "        (which == 1)[None, None, :],",
         "tests/kernels/test_paged_attention_quantized.py::"
-        "test_key_paths_causal_limits_and_gaps[block_tiles-B1560-N64-e4m3]",
+        "test_key_paths_causal_limits_and_gaps[block_tiles-B1560-N64-int8]",
     ),
-    # -- float16 query rows for e4m3 or int8 K under a bf16 q ----------------------------------
+    # -- float16 query rows for int8 K under a bf16 q ------------------------------------------
     _m(
         "float16-rows-factor-kept-in-the-scale",
         "kernels/_attention_jit.py",
@@ -1951,7 +2013,7 @@ MUTANTS = [
         "kernels/_attention_jit.py",
         "        values = values * (scales * (1.0 / p_unit)).to(dtype)[:, None]",
         "        values = values * scales.to(dtype)[:, None]",
-        f"{FLOAT16_RANGE}[e4m3]",
+        f"{FLOAT16_RANGE}[int8]",
     ),
     _m(
         "masked-tiles-scale-values-too",
@@ -1989,7 +2051,7 @@ MUTANTS = [
         "kernels/_attention_jit.py",
         "                k_col = descs[4].load([id0 * k_scales[1] + descs[6] + slot])",
         "                k_col = descs[4].load([id0 * k_scales[1] + slot])",
-        f"{TMA_QUANTIZED}[contiguous-B128-N32-e4m3]",
+        f"{TMA_QUANTIZED}[contiguous-B128-N32-int8]",
     ),
     _m(
         "tma-keys-major-v-without-the-heads-rows",
@@ -2122,10 +2184,10 @@ MUTANTS = [
         "tests/kernels/test_launch_variants.py::test_launch_table_checks",
     ),
     _m(
-        "kv-mode-swaps-fp8-and-int8",
+        "kv-mode-codes-as-k8v16",
         "kernels/launch_table.py",
-        '        mode = "int8" if kv_dtype == torch.int8 else "fp8"',
-        '        mode = "fp8" if kv_dtype == torch.int8 else "int8"',
+        'if k8v8 or k8v16 else "int8"',
+        'if k8v8 or k8v16 else "k8v16"',
         "tests/kernels/test_launch_variants.py::test_kv_mode_names_the_tables_mode",
     ),
     _m(

@@ -51,7 +51,6 @@ def test_smoke_tests_are_not_slow_and_take_every_key_path_format_and_rule():
         "warp_specialized",
         "scores_ahead",
         "torch_path",
-        "e4m3",
         "int8]",
         "k8v8",
         "k8v16",

@@ -60,26 +60,17 @@ def test_the_goal_needs_both_cosine_and_rel_l1_and_nan_meets_nothing():
 
 
 def test_variants_are_the_baseline_then_each_format_mode_smoothing_and_equalization():
-    labels = [v.label for v in accuracy.variants(("e4m3", "int8"), (False, True), (False, True))]
-    assert labels[:5] == [
+    labels = [v.label for v in accuracy.variants(("int8",), (False, True), (False, True))]
+    assert labels == [
         "bf16 pool",
-        "e4m3 dequant",
-        "e4m3 dequant equalized",
-        "e4m3 dequant smooth-K",
-        "e4m3 dequant smooth-K equalized",
-    ]
-    assert accuracy.MODES["e4m3"] == ("dequant",)  # FP8-MMA was deleted (issue 45)
-    assert labels[5:] == [
         "int8 dequant",
         "int8 dequant equalized",
         "int8 dequant smooth-K",
         "int8 dequant smooth-K equalized",
-        *[
-            f"int8 {mode}{rest}"
-            for mode in accuracy.MODES["int8"][1:]
-            for rest in ("", " equalized", " smooth-K", " smooth-K equalized")
-        ],
     ]
+    assert accuracy.MODES["int8"] == ("dequant",)  # INT8-MMA was deleted (issue 45)
+    # The e4m3 pool was deleted too: no row runs it, its floor stays as k8v8's target.
+    assert accuracy.FORMAT_CHOICES == ("int8", "k8v8", "k8v16")
 
 
 def test_k_outliers_offset_a_few_channels_of_k_only():
@@ -141,13 +132,13 @@ def test_a_smoothed_row_is_the_kernel_over_codes_of_k_minus_the_first_frame_mean
     mean = smoothing_mean(data.keys, TINY.chunk_size)
     assert torch.equal(prepared.mean, mean)
     assert torch.allclose(mean, data.keys[: TINY.chunk_size].mean(dim=0))
-    dtype = torch.float8_e4m3fn
+    dtype = torch.int8
     keys = reference.quantize.dequantize(
         *reference.quantize.quantize(data.keys, dtype, smooth=mean)
     )
     values = reference.quantize.dequantize(*reference.quantize.quantize(data.values, dtype))
     want = reference.dense_attention(data.q, keys, values)
-    got = attend(Variant("e4m3", smooth=True), data, TINY, prepared)
+    got = attend(Variant("int8", smooth=True), data, TINY, prepared)
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
@@ -199,12 +190,15 @@ def test_the_goal_is_the_floor_and_the_absolute_targets():
     # Baseline: no floors, its own goal.
     assert meets_goal(accuracy.Metrics(0.9999, 0.001, 0.0), None, None)
     assert not meets_goal(accuracy.Metrics(0.9999, 0.03, 0.0), None, None)
-    # Targets: int8's absolute figure; e4m3's today's pool (the row unequalized).
+    # Targets: int8's absolute figure; k8v8's the deleted e4m3 pool's float64 floor (the row's
+    # smoothing), kept emulated for it.
     data = make_data("random", TINY)
     cache = FloorCache(data, reference_output(data), prepare(data, TINY))
-    e4m3 = Variant("e4m3", accuracy.DEQUANT, smooth=True, equalize=True)
-    assert target_rel_l1(e4m3, cache) == accuracy.RELATIVE_GOAL * cache.floors(e4m3.today).mode
-    assert e4m3.today == Variant("e4m3", accuracy.DEQUANT, smooth=True)
+    e4m3 = cache.floors(Variant(accuracy.E4M3_POOL, accuracy.DEQUANT, smooth=True)).mode
+    int8 = cache.floors(Variant("int8", accuracy.DEQUANT, smooth=True)).mode
+    assert 0 < e4m3 != int8
+    k8v8 = Variant("k8v8", "k8v8", smooth=True)
+    assert target_rel_l1(k8v8, cache) == accuracy.K8V8_VS_E4M3 * e4m3
     assert target_rel_l1(Variant("int8", equalize=True), cache) == accuracy.INT8_REL_L1
     assert target_rel_l1(Variant("bf16"), cache) is None
 

@@ -57,7 +57,7 @@ def _rows(figures: str = "gpu") -> list[dict]:
                 )
             )
         rows.append(measured("paged_attention", "sdpa-best", block, 1.1, role="best-of"))
-        rows.append(measured("paged_attention", "triton-e4m3", block, 0.7, role="quantized"))
+        rows.append(measured("paged_attention", "triton-int8", block, 0.7, role="quantized"))
     return rows
 
 
@@ -71,7 +71,7 @@ def test_winners_per_class() -> None:
     # The winner table: one line per block size, the winner's speedup over sdpa-best.
     [line_256] = [line for line in lines if " | 256 | " in line]
     assert "tma" in line_256 and f"{1.1 / 0.8:.2f}x" in line_256
-    assert f"{1.1 / 0.7:.2f}x" in line_256  # the e4m3 pool over sdpa-best
+    assert f"{1.1 / 0.7:.2f}x" in line_256  # the int8 pool over sdpa-best
 
 
 def test_the_table_names_the_winning_variant_where_a_block_fell_back() -> None:
@@ -293,19 +293,19 @@ def test_a_warp_specialized_row_names_the_stages_that_ran(monkeypatch) -> None:
 
 # --- quantized rows from a launch probe ------------------------------------------------------
 
-FP8, INT8 = "triton-e4m3-keys", "triton-int8-keys"
-# (provider, mode, block, config, what ran, ms). e4m3 (dequantizing) at 1560 (block_tiles): the
+K8V16, INT8 = "triton-k8v16", "triton-int8-keys"
+# (provider, mode, block, config, what ran, ms). k8v16 at 1560 (block_tiles): the
 # 64-key TMA loop wins; the launcher's default, the 128-key TMA launch, is probed twice there (as
 # default and by its settings) and counts at its faster time. At 256 (contiguous, its own class) the
 # 128-key TMA launch wins. int8 (dequantizing) at 1560: its pointer loop wins.
 PROBED = [
-    (FP8, "fp8_keys", 1560, "default", ("tma", 128, 8, 3), 4.8),
-    (FP8, "fp8_keys", 1560, "128x128w8s3+tma", ("tma", 128, 8, 3), 5.0),
-    (FP8, "fp8_keys", 1560, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.2),
-    (FP8, "fp8_keys", 1560, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.0),
-    (FP8, "fp8_keys", 256, "default", ("tma", 128, 8, 3), 4.0),
-    (FP8, "fp8_keys", 256, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.0),
-    (FP8, "fp8_keys", 256, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.1),
+    (K8V16, "k8v16_keys", 1560, "default", ("tma", 128, 8, 3), 4.8),
+    (K8V16, "k8v16_keys", 1560, "128x128w8s3+tma", ("tma", 128, 8, 3), 5.0),
+    (K8V16, "k8v16_keys", 1560, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.2),
+    (K8V16, "k8v16_keys", 1560, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.0),
+    (K8V16, "k8v16_keys", 256, "default", ("tma", 128, 8, 3), 4.0),
+    (K8V16, "k8v16_keys", 256, "128x64w8s3+cp_async", ("cp_async", 64, 8, 3), 5.0),
+    (K8V16, "k8v16_keys", 256, "128x64w8s3+tma", ("tma", 64, 8, 3), 4.1),
     (INT8, "int8_keys", 1560, "default", ("cp_async", 64, 8, 3), 6.0),
     (INT8, "int8_keys", 1560, "128x64w8s3+tma", ("tma", 64, 8, 3), 6.3),
     (INT8, "int8_keys", 1560, "128x128w8s3+tma", ("tma", 128, 8, 3), 6.6),
@@ -338,14 +338,14 @@ def test_quantized_winners_per_class_and_mode() -> None:
     choices, lines = choose.choose_quantized(_probe_rows())
     got = {(c["kv_path"], c["mode"]): (c["variant"], c["block_n"]) for c in choices}
     assert got == {
-        ("block_tiles", "fp8_keys"): ("tma", 64),
-        ("contiguous", "fp8_keys"): ("tma", 128),
+        ("block_tiles", "k8v16_keys"): ("tma", 64),
+        ("contiguous", "k8v16_keys"): ("tma", 128),
         ("block_tiles", "int8_keys"): ("cp_async", 64),
     }
-    [fp8_tiles] = [c for c in choices if c["kv_path"] == "block_tiles" and "fp8" in c["mode"]]
+    [k8v16_tiles] = [c for c in choices if c["kv_path"] == "block_tiles" and "k8v16" in c["mode"]]
     # 128-key TMA at its faster time, 4.8 (as default; not the later 5.0), over the winner's.
-    assert f"tma n128 w8 s3 {4.8 / 4.0:.3f}" in fp8_tiles["evidence"]
-    assert "launch_probe at blocks 1560" in fp8_tiles["evidence"]
+    assert f"tma n128 w8 s3 {4.8 / 4.0:.3f}" in k8v16_tiles["evidence"]
+    assert "launch_probe at blocks 1560" in k8v16_tiles["evidence"]
     assert all(c["source"] == "gpu run" and c["device"] == "NVIDIA H200" for c in choices)
     assert {c["date"] for c in choices} == {"2026-12-05"}
     launch_table.check_table({"about": "x", "choices": choices})
@@ -357,10 +357,10 @@ def test_a_probed_class_with_one_launch_keeps_its_row() -> None:
     probed = [p for p in PROBED if p[2] != 256 or p[3] == "default"]
     choices, lines = choose.choose_quantized(_probe_rows(probed=probed))
     assert {(c["kv_path"], c["mode"]) for c in choices} == {
-        ("block_tiles", "fp8_keys"),
+        ("block_tiles", "k8v16_keys"),
         ("block_tiles", "int8_keys"),
     }
-    assert any("contiguous fp8_keys: fewer than two" in line for line in lines)
+    assert any("contiguous k8v16_keys: fewer than two" in line for line in lines)
 
 
 def test_probed_cpu_figures_choose_nothing() -> None:
@@ -404,11 +404,11 @@ def test_write_from_a_probe_replaces_its_quantized_rows_only(tmp_path) -> None:
     shipped = {_key(r): r for r in launch_table.read_table()["choices"]}
     chosen = {k for k, r in written.items() if r["source"] == "gpu run" and k[2] != "same"}
     assert chosen == {
-        (128, "block_tiles", "fp8_keys"),
-        (128, "contiguous", "fp8_keys"),
+        (128, "block_tiles", "k8v16_keys"),
+        (128, "contiguous", "k8v16_keys"),
         (128, "block_tiles", "int8_keys"),
     }
-    assert written[(128, "block_tiles", "fp8_keys")]["block_n"] == 64
+    assert written[(128, "block_tiles", "k8v16_keys")]["block_n"] == 64
     assert written[(128, "block_tiles", "int8_keys")]["variant"] == "cp_async"
     kept = {k: r for k, r in shipped.items() if k not in chosen}
     assert {k: r for k, r in written.items() if k not in chosen} == kept
@@ -470,9 +470,9 @@ def test_the_launches_no_row_picked_are_listed_last() -> None:
     listed = lines[-1].removeprefix("not picked by any row (quantized launches): ").split(", ")
     picked = {f"{c['mode']} {choose._launch_label(c)}" for c in choices}
     assert listed == [
-        "fp8_keys cp_async n64 w8 s3",
         "int8_keys tma n128 w8 s3",
         "int8_keys tma n64 w8 s3",
+        "k8v16_keys cp_async n64 w8 s3",
     ]
     assert not picked & set(listed)
 

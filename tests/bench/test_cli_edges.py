@@ -92,14 +92,21 @@ def test_a_csv_that_is_not_a_sweeps_is_named_in_one_line(tmp_path, capsys):
 def test_formats_have_one_spelling_and_the_old_ones_name_the_new(capsys):
     sweep = ["sweep", "--preset", "small"]
     for argv, new in [
-        ([*sweep, "--providers", "triton-fp8"], "'triton-e4m3'"),
         ([*sweep, "--providers", "triton-fp8-mma"], "'triton-k8v8'"),
         ([*sweep, "--providers", "triton-e4m3-mma-keys"], "'triton-k8v8'"),
-        (["accuracy", "--formats", "fp8"], "'e4m3'"),
-        (["accuracy", "--formats", "float8_e4m3fn"], "'e4m3'"),
     ]:
         last = _refused(capsys, argv)
         assert f"is spelled {new} now" in last, last
+    # The e4m3 pool was deleted (issue 45): each of its spellings names k8v16 and k8v8.
+    for argv, new in [
+        ([*sweep, "--providers", "triton-e4m3"], "triton-k8v16 (more accurate"),
+        ([*sweep, "--providers", "triton-fp8"], "triton-k8v16 (more accurate"),
+        (["accuracy", "--formats", "e4m3"], "k8v16 (more accurate"),
+        (["accuracy", "--formats", "float8_e4m3fn"], "k8v16 (more accurate"),
+    ]:
+        last = _refused(capsys, argv)
+        assert "(the e4m3 dequantizing pool) was deleted (issue 45): use " + new in last, last
+        assert "k8v8 (the same bytes)" in last, last
 
 
 def test_an_old_csv_with_the_old_provider_names_reads_with_the_new(tmp_path):
@@ -128,7 +135,7 @@ def test_wan_rollout_refuses_old_spellings_and_a_missing_gpu(capsys):
 
     with pytest.raises(SystemExit):
         wan_rollout.main(["--tiny", "--kv-dtype", "float8_e4m3fn"])
-    assert "'float8_e4m3fn' is spelled 'e4m3' now" in capsys.readouterr().err
+    assert "'float8_e4m3fn' (the e4m3 dequantizing pool) was deleted" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             wan_rollout.main(["--tiny", "--device", "cuda"])

@@ -41,7 +41,8 @@ TRITON36_PYTHON = "PAGED_VIDEO_TRITON36_PYTHON"
 BLOCK_SIZES = compile_report.SHIPPED_BLOCK_SIZES
 HEAD_DIMS = (64, 128)
 QUANTIZED_BLOCKS = (16, 24, 64, 520, 1560)
-QUANTIZED_MODES = ("fp8", "int8", "fp8_keys", "int8_keys")
+# The dequantizing modes (the e4m3 pool's fp8 ones were deleted, issue 45).
+QUANTIZED_MODES = ("int8", "int8_keys")
 # k8v8 over keys-major pools at one block (its own evidence: docs/quantization.md), for the FP8
 # anchor it is weighed against and the 8-bit MMA's operands.
 K8V8_BLOCK = 64
@@ -105,7 +106,7 @@ def _variant_configs() -> list[compile_report.Config]:
 # and a GPU probe may rewrite those rows (bench choose --probe): so the tests that hold a loop
 # to a goal name the loop, not the default, and one test holds the defaults to whatever the
 # table says.
-QUANTIZED_TMA_MODES = ("fp8_keys", "int8_keys")
+QUANTIZED_TMA_MODES = ("int8_keys",)
 QUANTIZED_TMA_BLOCKS = (64, 520, 1560)
 FORCED_TMA_LAUNCH = {"variant": "tma", "block_n": 64}
 FORCED_CP_ASYNC_LAUNCH = {"variant": "cp_async", "block_n": 64}
@@ -133,7 +134,7 @@ def _quantized_tma_configs() -> list[compile_report.Config]:
 
 # The dequantizing modes over keys-major scales, where the launch table takes the 128-key TMA
 # loop (compile evidence, 2026-12-05), beside their 64-key pointer loop.
-DEQUANT_TMA_MODES = ("fp8_keys", "int8_keys")
+DEQUANT_TMA_MODES = ("int8_keys",)
 DEQUANT_TMA_BLOCKS = (256, 1560)
 
 
@@ -151,7 +152,7 @@ WIDE_HEAD_QUANTIZED = dict(
     kernels=("paged_attention",),
     head_dims=(256,),
     block_sizes=(16, 24, 1560),
-    kv_modes=("fp8", "int8"),
+    kv_modes=("int8",),
 )
 
 
@@ -700,7 +701,7 @@ def test_quantized_defaults_are_the_launch_tables(
     tiles = launcher.choose_tiles(
         block_size=block, head_dim=128, max_seqlen_q=4680, dtype=torch.bfloat16,
         dequantize=True, tma_ready=True,
-        kv_dtype=torch.int8 if mode.startswith("int8") else torch.float8_e4m3fn,
+        kv_dtype=torch.int8,
     )  # fmt: skip
     row = report.paged(report.version(minor), block, kv=mode)
     assert row["tile"] == f"{tiles['BLOCK_M']}x{tiles['BLOCK_N']}", (row, tiles)
@@ -736,9 +737,9 @@ def test_quantized_mma_and_prefetch(report: Report, mode: str, block: int) -> No
 def test_dequantizing_modes_at_head_dim_256_without_spills(
     report: Report, minor: str, mode: str, block: int
 ) -> None:
-    # Scored through float16 query rows (e4m3 and int8 K under a bf16 q, up to 128 channels),
-    # the 32-key loop at head_dim 256 spilled 20-108 bytes on Triton 3.6 (2026-12-05); with
-    # bf16 K it spills none on either Triton.
+    # Scored through float16 query rows (int8 K under a bf16 q, up to 128 channels), the
+    # (since deleted) e4m3 pool's 32-key loop at head_dim 256 spilled 20-108 bytes on Triton
+    # 3.6 (2026-12-05); with bf16 K it spills none on either Triton.
     row = report.paged(report.version(minor), block, head_dim=256, kv=mode)
     assert row["tile"] == "64x32", row
     assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
@@ -1242,14 +1243,14 @@ def test_configs_are_labelled() -> None:
     configs = compile_report.configs_for(
         kernels=("paged_attention", "write_slots"),
         block_sizes=(64,),
-        kv_modes=("same", "fp8"),
+        kv_modes=("same", "int8"),
         launches=({}, {"variant": "tma", "block_n": 128}),
     )
     assert [(c.kernel, c.kv_mode, compile_report.variant_label(c.launch)) for c in configs] == [
         ("paged_attention", "same", "default"),
         ("paged_attention", "same", "tma+block_n=128"),
-        ("paged_attention", "fp8", "default"),
-        ("paged_attention", "fp8", "tma+block_n=128"),
+        ("paged_attention", "int8", "default"),
+        ("paged_attention", "int8", "tma+block_n=128"),
         ("write_slots", "same", "default"),
     ]
     gapped = compile_report.configs_for(kernels=("paged_attention",), causal=True, gaps=2)[0]

@@ -51,9 +51,15 @@ def test_the_command_prints_one_row_per_k(capsys: pytest.CaptureFixture[str]) ->
         main([*SMALL, "--futures", "0"])
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv_dtype", ["int8"])
 def test_quantized_pools_hold_the_same_blocks(kv_dtype: str, capsys) -> None:
     # Nothing is written: the run must not stop at a forward over committed tokens whose
     # layers' mean and factors no write chose (the cache refuses those).
     assert main([*SMALL, "--futures", "2", "--kv-dtype", kv_dtype]) == 0
     assert capsys.readouterr().out.splitlines()[3].split()[:5] == ["2", "14", "4", "4", "22"]
+
+
+def test_the_deleted_e4m3_pool_names_its_replacements(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main([*SMALL, "--futures", "2", "--kv-dtype", "float8_e4m3fn"])
+    assert "(the e4m3 dequantizing pool) was deleted" in capsys.readouterr().err

@@ -22,10 +22,8 @@ from tests.helpers import DEVICE, copy_tiling
 
 gather_module = importlib.import_module("paged_video.kernels.gather_blocks")
 
-FORMATS = [
-    pytest.param(torch.float8_e4m3fn, id="e4m3"),
-    pytest.param(torch.int8, id="int8"),
-]
+# The pools with a scale per slot (the e4m3 one was deleted, issue 45).
+FORMATS = [pytest.param(torch.int8, id="int8")]
 
 
 def as_bytes(codes: torch.Tensor) -> torch.Tensor:
@@ -69,7 +67,7 @@ def written_caches(num_blocks, block_size, heads, dim, dtype, seed=0):
 
 
 def poison_blocks(caches, blocks) -> None:
-    """NaN scales and the all-ones byte (e4m3 NaN, int8 -1) in codes of ``blocks``."""
+    """NaN scales and the all-ones byte (int8 -1) in codes of ``blocks``."""
     for codes in caches[:2]:
         as_bytes(codes)[blocks] = 0xFF
     for scale in caches[2:]:
@@ -141,7 +139,7 @@ def test_repeated_ids_and_nan_codes(dtype, where, block_size, heads, dim) -> Non
     caches, _ = written_caches(5, block_size, heads, dim, dtype, seed=block_size)
     block_ids = torch.tensor([3, 1, 3, 4], dtype=torch.int64, device=DEVICE)
     poison_blocks(caches, [0, 2])
-    # NaN codes (e4m3) and -1 (int8) inside a listed block are copied as they are.
+    # -1 codes inside a listed block are copied as they are.
     as_bytes(caches[0])[3, 0, 0, :5] = 0xFF
     staging = poisoned_staging(4 * block_size + 2, heads, dim, dtype)
     check_gather(caches, block_ids, staging, 1, where)
@@ -166,7 +164,7 @@ def test_strided_caches_and_staging(dtype) -> None:
     block_size=st.integers(1, 20),
     num_blocks=st.integers(1, 5),
     heads=st.sampled_from([1, 2, 5]),
-    dtype=st.sampled_from([torch.float8_e4m3fn, torch.int8]),
+    dtype=st.just(torch.int8),
     data=st.data(),
 )
 def test_property_matches_loop(block_size, num_blocks, heads, dtype, data) -> None:
@@ -231,14 +229,14 @@ def test_k8_formats_stage_k_scales_and_v_as_stored(v_dtype, where, block_size, h
 
 
 def test_k8_formats_refuse_v_scales_half_given() -> None:
-    # A V scale pool beside int8 K and e4m3 V names V's scales as k8v8 has none: both or
-    # neither; float V with int8 K and a V scale is neither format.
+    # A V scale pool beside int8 K and e4m3 V is the deleted e4m3 pool's spelling, refused
+    # naming k8v8 (which has no V scales); float V with int8 K and a V scale is neither format.
     k_cache, v_cache, k_scale = eight_bit_k_caches(2, 4, 1, 16, torch.float8_e4m3fn)
     stage_k = torch.zeros(8, 1, 16, dtype=torch.int8, device=DEVICE)
     stage_v = torch.zeros(8, 1, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
     ids = torch.tensor([1, 0], device=DEVICE)
     scales = {"k_scale": k_scale, "stage_k_scale": torch.zeros(8, 1, device=DEVICE)}
-    with pytest.raises(ValueError, match="v_scale must be given"):
+    with pytest.raises(ValueError, match=r'v_cache=torch.float8_e4m3fn .*deleted.*"k8v8"'):
         kernels.gather_blocks(
             k_cache, v_cache, ids, stage_k, stage_v, **scales, stage_v_scale=scales["stage_k_scale"]
         )
@@ -247,4 +245,8 @@ def test_k8_formats_refuse_v_scales_half_given() -> None:
         kernels.gather_blocks(
             k_cache, float_v, ids, stage_k, stage_v.float(), **scales, v_scale=k_scale
         )
+    # e4m3 V beside float K is no format either (k8v8's K is int8).
+    float_k = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    with pytest.raises(TypeError, match=r"v_cache is torch\.float8_e4m3fn but k_cache is torch"):
+        kernels.gather_blocks(float_k, v_cache, ids, stage_k.float(), stage_v)
     assert not stage_k.any() and not stage_v.float().any()

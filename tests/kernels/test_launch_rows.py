@@ -1,10 +1,11 @@
 """Every row of the shipped launch table (``kernels/launch_choices.json``), taken as a GPU takes it.
 
 The first stage of ``bench/gpu_check.sh`` runs this file on CUDA: each row at a block size
-whose calls read it, bf16 queries, its K/V format (bf16, e4m3, int8; slot-major or keys-major
-pools), the launch recorded and the output checked against the float64 oracle. On a CPU the
-interpreter ignores the table, so there each row's routing is checked alone (``choose_tiles``
-as a GPU runs it): a row no block size reaches fails here, before a GPU window is spent on it.
+whose calls read it, bf16 queries, its K/V format (bf16, int8, k8v8, k8v16; slot-major or
+keys-major pools), the launch recorded and the output checked against the float64 oracle. On
+a CPU the interpreter ignores the table, so there each row's routing is checked alone
+(``choose_tiles`` as a GPU runs it): a row no block size reaches fails here, before a GPU
+window is spent on it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ ROWS = launch_table.read_table()["choices"]
 CANDIDATE_BLOCKS = (16, 24, 32, 40, 64, 128, 192, 256, 384, 520, 1024, 1560)
 MODE_FLAGS = {
     "same": {},
-    "fp8": {"kv_dtype": torch.float8_e4m3fn},
     "int8": {"kv_dtype": torch.int8},
     "k8v8": {"kv_dtype": torch.int8, "k8v8": True},
     "k8v16": {"kv_dtype": torch.int8, "k8v16": True},
@@ -40,7 +40,6 @@ MODE_FLAGS = {
 # poisoned read or a lost tile gives (errors of order 1).
 GPU_RTOL = {
     "same": 2e-2,
-    "fp8": 3e-2,
     "int8": 3e-2,
     "k8v8": 1.5e-1,
     "k8v16": 8e-2,
@@ -62,7 +61,7 @@ def _call_flags(row: dict) -> dict:
     base, keys_major = _mode(row)
     flags = dict(MODE_FLAGS[base])
     if base != "same":
-        flags.update(dequantize=base in ("fp8", "int8"), tma_ready=keys_major)
+        flags.update(dequantize=base == "int8", tma_ready=keys_major)
     return flags
 
 

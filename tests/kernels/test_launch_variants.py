@@ -461,6 +461,7 @@ def test_shipped_launch_table_is_complete() -> None:
         (lambda t: t["choices"][0].update(mode="int8_key"), "mode="),
         (lambda t: t["choices"][0].update(mode="int8_mma_keys"), "mode="),  # deleted (issue 45)
         (lambda t: t["choices"][0].update(mode="fp8_mma_keys"), "mode="),  # deleted (issue 45)
+        (lambda t: t["choices"][0].update(mode="fp8_keys"), "mode="),  # the e4m3 pool's, deleted
         (lambda t: t["choices"][0].update(scores_ahead=1), "scores_ahead=1"),
         (lambda t: t["choices"][0].update(num_stages=True), "num_stages=True"),
         (lambda t: t["choices"][0].update(mode="int8_keys", scores_ahead=True), "16-bit"),
@@ -480,7 +481,7 @@ def test_launch_table_checks(breakage, message: str) -> None:
     [
         pytest.param(None, {}, False, "same", id="same"),
         pytest.param(None, {}, True, "same", id="same-ready"),
-        pytest.param(torch.float8_e4m3fn, {}, False, "fp8", id="fp8"),
+        pytest.param(torch.int8, {}, False, "int8", id="int8"),
         pytest.param(torch.int8, {}, True, "int8_keys", id="int8-keys"),
         pytest.param(torch.int8, {"k8v16": True}, False, "k8v16", id="k8v16"),
     ],
@@ -527,10 +528,6 @@ QUANTIZED_ROWS = {
         # The row's stages as written: not the built-in dequantizing stage on top.
         pytest.param(
             1560, {"dequantize": True, "kv_dtype": torch.int8}, (32, False, 4, 5), id="dq"
-        ),
-        pytest.param(
-            1560, {"dequantize": True, "kv_dtype": torch.float8_e4m3fn}, (64, False, 8, 4),
-            id="dq-fp8-no-row",
         ),
         pytest.param(1560, {"dequantize": True}, (64, False, 8, 4), id="dq-codes-unnamed"),
     ],

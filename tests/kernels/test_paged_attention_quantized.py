@@ -1,9 +1,9 @@
-"""kernels.paged_attention on quantized caches (e4m3 / int8 codes, a float32 scale per slot and
-KV head) against the float64 oracle that dequantizes the same codes.
+"""kernels.paged_attention on quantized caches (int8 codes, a float32 scale per slot and KV
+head) against the float64 oracle that dequantizes the same codes.
 
 The oracle reads the codes the kernel reads, so the quantization error is not in the tolerance:
 the dequantizing mode is held to the float32 tolerance of the unquantized tests. Every slot the
-block tables do not point at holds a NaN code (e4m3) or the never-written int8 code -128, and a
+block tables do not point at holds the never-written int8 code -128, and a
 NaN scale, so a kernel that reads one slot too many, or one scale too many, fails.
 """
 
@@ -28,10 +28,8 @@ from tests.kernels.test_strided_index import column
 
 launcher = importlib.import_module("paged_video.kernels.paged_attention")
 
-FORMATS = [
-    pytest.param(torch.float8_e4m3fn, id="e4m3"),
-    pytest.param(torch.int8, id="int8"),
-]
+# The pools with a scale per slot (the e4m3 one was deleted, issue 45: test_rejects' e4m3-pool).
+FORMATS = [pytest.param(torch.int8, id="int8")]
 # The unquantized tests' float32 tolerance (ieee dots), relative to the output's magnitude: the
 # scales below spread the dequantized values over two decades.
 FP32_ATOL = 2e-5
@@ -56,8 +54,7 @@ def quantize_case(
         scale = scale * torch.exp2(
             torch.empty(scale.shape).uniform_(-spread, spread, generator=gen)
         )
-        poison = 0x7F if dtype == torch.float8_e4m3fn else -128  # e4m3 NaN; int8 never written
-        codes.view(torch.int8)[~written] = poison
+        codes.view(torch.int8)[~written] = -128  # int8's never-written code
         scale[~written] = float("nan")
         out.append((codes.to(case.q.device), scale.to(case.q.device)))
     (k_codes, k_scale), (v_codes, v_scale) = out
@@ -138,7 +135,7 @@ def test_strided_scale_pools(block_n: int) -> None:
     # Scale pools stored head-major, K's and V's with different strides: the kernel must use
     # each scale pool's own strides (block 31 in five pieces at either tile).
     case = make_paged_case(q_lens=[9, 4], k_lens=[70, 17], block_size=31, device=DEVICE)
-    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    args, scales = quantized_args(case, torch.int8)
     k_scale = scales["k_scale"].transpose(1, 2).contiguous().transpose(1, 2)
     v_scale = scales["v_scale"].permute(2, 0, 1).contiguous().permute(1, 2, 0)
     assert k_scale.stride() != v_scale.stride() != scales["v_scale"].stride()
@@ -165,7 +162,7 @@ def test_fp16_queries(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_bf16_queries_score_through_float16_rows(dtype: torch.dtype) -> None:
-    # e4m3 or int8 K under a bf16 q: each query row is scaled into float16 by a power of two (its
+    # int8 K under a bf16 q: each query row is scaled into float16 by a power of two (its
     # largest magnitude into [2**13, 2**14)) and the factor leaves the softmax scale. Rows from
     # 2**-120 to 2**60 and a zero row: without the factor they overflow float16 or vanish in it.
     case = make_paged_case(
@@ -193,22 +190,18 @@ def test_bf16_queries_score_through_float16_rows(dtype: torch.dtype) -> None:
 
 
 # (block_size, block_n, format) of each key path with small tiles: many tiles, so the unmasked
-# loop, the masked head and tail and the prefetch past the last tile all run. e4m3 on every
-# path; int8 (only the code dtype differs) on one per path.
+# loop, the masked head and tail and the prefetch past the last tile all run.
 PATHS = [
-    pytest.param(16, 16, torch.float8_e4m3fn, id="contiguous-B16-N16-e4m3"),
-    pytest.param(24, 16, torch.float8_e4m3fn, id="block_tiles-B24-N16-e4m3"),
-    pytest.param(31, 16, torch.float8_e4m3fn, id="block_tiles-B31-N16-e4m3"),
-    pytest.param(511, 256, torch.float8_e4m3fn, id="two_blocks-B511-N256-e4m3"),
-    pytest.param(1560, 64, torch.float8_e4m3fn, id="block_tiles-B1560-N64-e4m3"),
-    pytest.param(16, 64, torch.float8_e4m3fn, id="rows-B16-N64-e4m3"),
-    pytest.param(7, 16, torch.float8_e4m3fn, id="block_tiles-B7-N16-e4m3"),
-    pytest.param(31, 32, torch.float8_e4m3fn, id="block_tiles-B31-N32-e4m3"),
-    pytest.param(511, 512, torch.float8_e4m3fn, id="rows-B511-N512-e4m3"),
-    pytest.param(1, 16, torch.float8_e4m3fn, id="rows-B1-N16-e4m3"),
     pytest.param(16, 16, torch.int8, id="contiguous-B16-N16-int8"),
+    pytest.param(24, 16, torch.int8, id="block_tiles-B24-N16-int8"),
+    pytest.param(31, 16, torch.int8, id="block_tiles-B31-N16-int8"),
+    pytest.param(511, 256, torch.int8, id="two_blocks-B511-N256-int8"),
     pytest.param(1560, 64, torch.int8, id="block_tiles-B1560-N64-int8"),
+    pytest.param(16, 64, torch.int8, id="rows-B16-N64-int8"),
     pytest.param(7, 16, torch.int8, id="block_tiles-B7-N16-int8"),
+    pytest.param(31, 32, torch.int8, id="block_tiles-B31-N32-int8"),
+    pytest.param(511, 512, torch.int8, id="rows-B511-N512-int8"),
+    pytest.param(1, 16, torch.int8, id="rows-B1-N16-int8"),
 ]
 
 
@@ -303,10 +296,23 @@ def _bad_calls():
             id="k-scale-not-tensor",
         ),
         pytest.param(
-            swap("v_cache", lambda a, s: a["v_cache"].view(torch.int8)),
+            swap("v_cache", lambda a, s: a["v_cache"].view(torch.uint8)),
             TypeError,
             "v_cache",
             id="mixed-formats",
+        ),
+        pytest.param(  # the deleted e4m3 pool (issue 45)
+            lambda a, s: (
+                {
+                    **a,
+                    "k_cache": a["k_cache"].view(torch.float8_e4m3fn),
+                    "v_cache": a["v_cache"].view(torch.float8_e4m3fn),
+                },
+                s,
+            ),
+            ValueError,
+            'k_cache=torch.float8_e4m3fn .*deleted.*"k8v16".*"k8v8"',
+            id="e4m3-pool",
         ),
         pytest.param(
             swap("q", lambda a, s: a["q"].to(torch.float8_e4m3fn)), TypeError, "q", id="q-fp8"
@@ -327,7 +333,7 @@ def _bad_calls():
 def test_rejects(change, error, word) -> None:
     case = make_paged_case(q_lens=[4, 6], k_lens=[9, 20], block_size=8)
     names = ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k")
-    args, scales = quantized_args(case, torch.float8_e4m3fn)
+    args, scales = quantized_args(case, torch.int8)
     args, scales = change(dict(zip(names, args, strict=True)), scales)
     sentinel = torch.full_like(case.q, 7.0)
     with pytest.raises(error, match=word):
@@ -416,7 +422,7 @@ def test_offsets_past_int32(dtype: torch.dtype) -> None:
 
 def poisoned_keys_major(pool: Tensor) -> Tensor:
     """``kernels.keys_major(pool)``'s layout (codes or scales), its padding poisoned like an
-    unwritten slot (NaN e4m3 code, int8 -128, NaN scale): a kernel that reads past a block's
+    unwritten slot (int8 -128, NaN scale): a kernel that reads past a block's
     keys into the padding fails."""
     blocks, block_size, *rest = pool.shape
     row = pool_layout.padded_keys(block_size)
@@ -424,17 +430,14 @@ def poisoned_keys_major(pool: Tensor) -> Tensor:
     if pool.dtype == torch.float32:
         storage.fill_(float("nan"))
     else:
-        storage.view(torch.int8).fill_(0x7F if pool.dtype == torch.float8_e4m3fn else -128)
+        storage.view(torch.int8).fill_(-128)
     view = storage[..., :block_size].permute(0, len(rest) + 1, *range(1, len(rest) + 1))
     view.copy_(pool)
     assert view.stride() == kernels.keys_major(pool).stride()
     return view
 
 
-KV_MODES = [
-    pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
-    pytest.param(torch.int8, {}, id="int8"),
-]
+KV_MODES = [pytest.param(torch.int8, {}, id="int8")]
 
 
 @pytest.mark.parametrize("dtype, mode", KV_MODES)
@@ -502,7 +505,7 @@ def test_keys_major_pools_are_read_as_stored_only_when_aligned(
 ) -> None:
     launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
     case = make_paged_case(q_lens=[5], k_lens=[70], block_size=24, head_dim=64, device=DEVICE)
-    args, scales = quantized_args(case, torch.float8_e4m3fn, spread=0.5)
+    args, scales = quantized_args(case, torch.int8, spread=0.5)
     v = _layout(args[2], layout)
     laid_out = {
         **scales,
@@ -595,7 +598,7 @@ def test_tma_refuses_quantized_pools_its_descriptors_cannot_read(
 ) -> None:
     # A slot-major scale pool holds a head's scales 4 bytes apart, too narrow for a descriptor's
     # rows. Refused by name, nothing written.
-    dtype = torch.float8_e4m3fn
+    dtype = torch.int8
     case = make_paged_case(
         q_lens=[5], k_lens=[70], block_size=block_size, head_dim=64, device=DEVICE
     )

@@ -1,7 +1,7 @@
 """paged_attention's int8 ``Q K^T`` sums, channel equalization factors, and every quantized mode
-over V scales of any range a pool can hold (the INT8-MMA and FP8-MMA modes were deleted, issue
-45). Pools are NaN-poisoned outside what the tables point at, outputs NaN-poisoned before the
-launch.
+over V scales of any range a pool can hold (the INT8-MMA and FP8-MMA modes and the e4m3 pool
+were deleted, issue 45). Pools are NaN-poisoned outside what the tables point at, outputs
+NaN-poisoned before the launch.
 """
 
 from __future__ import annotations
@@ -72,10 +72,7 @@ def test_k8v16_scores_are_exact_int32_sums() -> None:
     torch.testing.assert_close(lse.cpu().double(), exact * 2.0**-10, rtol=2.0**-21, atol=0)
 
 
-MODES = [
-    pytest.param(torch.float8_e4m3fn, "dequant", id="e4m3-dequant"),
-    pytest.param(torch.int8, "dequant", id="int8-dequant"),
-]
+MODES = [pytest.param(torch.int8, "dequant", id="int8-dequant")]
 
 
 @pytest.mark.parametrize("dtype, mode", MODES)
@@ -135,7 +132,6 @@ def _v_scales_over_decades(
 @pytest.mark.parametrize(
     "dtype, modes",
     [
-        pytest.param(torch.float8_e4m3fn, {}, id="e4m3"),
         pytest.param(torch.int8, {}, id="int8"),
     ],
 )
@@ -219,10 +215,21 @@ def test_k8v8_tiles_take_32_keys_at_least(monkeypatch) -> None:
 
 
 def _bad_calls():
-    e4m3 = torch.float8_e4m3fn
     return [
+        pytest.param(  # the deleted e4m3 pool: e4m3 codes with a scale per slot (issue 45)
+            torch.float8_e4m3fn,
+            {},
+            ValueError,
+            r"k_cache=torch.float8_e4m3fn \(the e4m3 dequantizing pool\) was deleted"
+            r'.*"k8v16".*"k8v8"',
+            id="e4m3-pool",
+        ),
         pytest.param(
-            e4m3, {"int8_mma": True}, ValueError, 'int8_mma was deleted.*"k8v16"', id="int8-mma"
+            torch.int8,
+            {"int8_mma": True},
+            ValueError,
+            'int8_mma was deleted.*"k8v16"',
+            id="int8-mma",
         ),
         pytest.param(torch.int8, {"fp8_mma": 1}, ValueError, "fp8_mma was deleted", id="fp8-mma"),
         pytest.param(

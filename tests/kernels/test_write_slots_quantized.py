@@ -22,12 +22,10 @@ from tests.helpers import DEVICE, ON_GPU, copy_tiling
 
 write_module = importlib.import_module("paged_video.kernels.write_slots")
 
-FORMATS = [
-    pytest.param(torch.float8_e4m3fn, id="e4m3"),
-    pytest.param(torch.int8, id="int8"),
-]
-# A code no write produces: e4m3's NaN (S.1111.111), and int8's -128 (the format is symmetric).
-POISON_CODE = {torch.float8_e4m3fn: 0x7F, torch.int8: 0x80}
+# The pools with a scale per slot (the e4m3 one was deleted, issue 45: test_e4m3_pool_refused).
+FORMATS = [pytest.param(torch.int8, id="int8")]
+# A code no write produces: int8's -128 (the format is symmetric).
+POISON_CODE = {torch.int8: 0x80}
 
 
 def as_bytes(codes: torch.Tensor) -> torch.Tensor:
@@ -301,7 +299,7 @@ def test_zero_tiny_huge_and_one_hot_rows(dtype, where) -> None:
     value[2, 0] = 1e-30  # a tiny row: scale ~2e-33, still a float32 normal
     value[2, 2] = 0.0
     value[2, 2, 7] = -3e37  # one value: one code -QMAX, the rest 0
-    value[3, 1] = torch.linspace(-1, 1, dim)  # every binade of e4m3 down to its subnormals
+    value[3, 1] = torch.linspace(-1, 1, dim)  # many binades, down to codes of 0
     value[3, 1, :40] *= torch.logspace(0, -4, 40, device=value.device)
     value[4] = 6e4  # a constant row: every code QMAX
     slots = torch.tensor([5, 0, 3, 1, 2, 4], device=DEVICE)
@@ -339,7 +337,7 @@ def test_half_inputs_and_strided_views(dtype) -> None:
 
 
 def test_slots_past_int32_offsets() -> None:
-    dtype, heads, dim = torch.float8_e4m3fn, 1, 64
+    dtype, heads, dim = torch.int8, 1, 64
     num_slots = 2**31 // (heads * dim) + 64
     k_pool = torch.empty(num_slots, heads, dim, dtype=dtype, device=DEVICE)  # never touched
     v_pool = torch.empty_like(k_pool)
@@ -353,34 +351,35 @@ def test_slots_past_int32_offsets() -> None:
         assert_rows_quantized(pool[slots], scale[slots], x, dtype, bitwise=not ON_GPU)
 
 
-@pytest.mark.parametrize("k_dtype, v_dtype", [(torch.int8, torch.float8_e4m3fn)])
-def test_formats_may_differ_between_k_and_v(k_dtype, v_dtype) -> None:
-    key, value, mean = random_kv(12, 2, 80, seed=3)
-    k_pool, _, k_scale, _ = poisoned_pools(20, 2, 80, k_dtype)
-    _, v_pool, _, v_scale = poisoned_pools(20, 2, 80, v_dtype)
-    slots = torch.randperm(20, generator=torch.Generator().manual_seed(0))[:12].to(DEVICE)
-    check_quantized_write(key, value, slots, (k_pool, v_pool, k_scale, v_scale), k_smooth=mean)
+@pytest.mark.parametrize("k_e4m3", [True, False], ids=["e4m3-kv", "int8-k-e4m3-v"])
+def test_e4m3_pool_refused(k_e4m3) -> None:
+    """The deleted e4m3 pool (e4m3 codes with a scale per slot) raises naming what replaced
+    it, and writes nothing."""
+    key, value, _ = random_kv(4, 2, 16, seed=3)
+    k_pool, v_pool, k_scale, v_scale = poisoned_pools(8, 2, 16, torch.int8)
+    v_pool = torch.full(v_pool.shape, float("nan"), device=DEVICE).to(torch.float8_e4m3fn)
+    if k_e4m3:
+        k_pool = v_pool.clone()
+    before = [t.clone() for t in (k_pool, v_pool, k_scale, v_scale)]
+    slots = torch.arange(4, device=DEVICE)
+    with pytest.raises(ValueError, match=r'e4m3 dequantizing pool.*"k8v16".*"k8v8"'):
+        kernels.write_slots(key, value, k_pool, v_pool, slots, k_scale=k_scale, v_scale=v_scale)
+    for tensor, old in zip((k_pool, v_pool, k_scale, v_scale), before, strict=True):
+        assert torch.equal(as_bytes(tensor), as_bytes(old))
 
 
 @triton.jit
 def _no_rounding(ratio, IS_FP8: tl.constexpr):
     # What a kernel without the explicit rounding would do: leave it to the conversion, which
-    # truncates to int8 and, in the interpreter, rounds some e4m3 values a binade down.
+    # truncates to int8.
     return ratio
 
 
 @triton.jit
 def _coarse_grid(ratio, IS_FP8: tl.constexpr):
-    # Rounding to a grid twice as coarse (e4m3: one mantissa bit fewer; int8: even integers
-    # up to 126): about half the codes one code off.
-    if IS_FP8:
-        exponent = (ratio.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        step_exponent = tl.maximum(exponent, 127 - 6) - 2
-        magic = (step_exponent << 23).to(tl.float32, bitcast=True) * 12582912.0
-        rounded = (ratio + magic) - magic
-    else:
-        rounded = tl.minimum(tl.maximum(_grid(ratio * 0.5, IS_FP8) * 2.0, -126.0), 126.0)
-    return rounded
+    # Rounding to a grid twice as coarse (int8: even integers up to 126): about half the
+    # codes one code off.
+    return tl.minimum(tl.maximum(_grid(ratio * 0.5, IS_FP8) * 2.0, -126.0), 126.0)
 
 
 _grid = importlib.import_module("paged_video.kernels._quantize_jit").round_to_code_grid

@@ -19,12 +19,12 @@ from paged_video.reference.wan_rollout import reference_rollout
 from tests.models.test_wan_rollout import BLOCKS, CFG, run_both
 from tests.models.tiny import ATOL, assert_close_to_quantized_oracle, rollout_inputs, tiny_wan
 
-QUANTIZED = [torch.float8_e4m3fn, torch.int8]
+QUANTIZED = [torch.int8]
 # The quantized rollout against the unquantized reference (same model and inputs), measured on
-# this test's rollout: largest difference 5.3e-3 (e4m3) and 1.2e-3 (int8), mean 6.5e-4 and
-# 1.5e-4, latents of mean magnitude 0.95. Bounds at about twice that.
-UNQUANTIZED_MAX = {torch.float8_e4m3fn: 1e-2, torch.int8: 3e-3}
-UNQUANTIZED_MEAN = {torch.float8_e4m3fn: 1.5e-3, torch.int8: 3e-4}
+# this test's rollout: largest difference 1.2e-3, mean 1.5e-4, latents of mean magnitude 0.95.
+# Bounds at about twice that.
+UNQUANTIZED_MAX = {torch.int8: 3e-3}
+UNQUANTIZED_MEAN = {torch.int8: 3e-4}
 # kv_format rollouts against the unquantized reference (test_k8_format_rollouts_..., one branch,
 # 3 blocks, under the interpreter): largest difference 1.5e-3 (k8v8) and 4.4e-4 (k8v16), mean
 # 3.2e-4 and 7.7e-5, latents of mean magnitude about 0.95; bounds at about twice that.
@@ -40,7 +40,7 @@ def assert_same_reads(paged, dense, branches) -> None:
                 assert ours.positions[branch] == theirs.positions, (block, ours.step, branch)
 
 
-@pytest.mark.parametrize("kv_dtype", QUANTIZED, ids=["e4m3", "int8"])
+@pytest.mark.parametrize("kv_dtype", QUANTIZED, ids=["int8"])
 def test_sliding_window_rollout_on_quantized_pools(kv_dtype):
     # Sink 1 frame, window 4, 2 frames per block, blocks of 16 tokens, both CFG branches: the
     # window slides and evicts from block 2 on; 8 blocks; unwritten pool slots NaN.

@@ -59,7 +59,7 @@ def rollout_inputs(frames: int, *, blocks: int, action_tokens: int = 3, seed: in
 
 def poison(cache) -> None:
     """NaN in every pool slot (a read of an unwritten slot shows as NaN); quantized pools: in
-    the scales (int8 codes cannot be NaN) and, for float8_e4m3fn, the codes too."""
+    the scales (int8 codes cannot be NaN) and, for k8v8's e4m3 V, the codes too."""
     for pool in (cache.k_pools, cache.v_pools, cache.k_scales, cache.v_scales):
         if pool.dtype != torch.int8:
             pool.fill_(float("nan"))
@@ -102,7 +102,7 @@ def assert_within_flipped_codes(
     flip where float32 rounding moves K (the ranks project token shards or one branch, and
     merge partials), and the int8 rollouts of tests/models/sharded_worker.py are chaotic in
     that: one process moves 6% (its noise moved by 1e-7 relative) to 26% (1e-6) from itself.
-    Measured there: 5.7% (window shards), 24% (CFG x shards), 0.002% (e4m3); ranks that chose
+    Measured there: 5.7% (window shards), 24% (CFG x shards); ranks that chose
     from their own tokens or branch, 1200% and 124%.
     """
     assert not torch.isnan(got).any()

@@ -69,12 +69,12 @@ def test_a_window_past_int32_keys_is_refused() -> None:
         (
             "kv_dtype",
             torch.float16,
-            "kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got torch.float16",
+            "kv_dtype must be None or torch.int8, got torch.float16",
         ),
         (
             "kv_dtype",
             "int8",
-            "kv_dtype must be None, torch.float8_e4m3fn or torch.int8, got 'int8'",
+            "kv_dtype must be None or torch.int8, got 'int8'",
         ),
     ],
 )
@@ -83,7 +83,7 @@ def test_wrong_type_names_the_field(field: str, value: object, message: str) -> 
         PagingConfig(**{**VALID, field: value})
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
 @pytest.mark.parametrize("value", [True, "yes"], ids=["true", "str"])
 def test_fp8_mma_was_deleted_for_k8v8(kv_dtype, value: object) -> None:
     # Issue 45: the old spelling names the new one (k8v8 dominates FP8-MMA).
@@ -120,13 +120,8 @@ def test_int8_format_sets_the_int8_pool_fields_and_survives_replace() -> None:
         window_chunks=3,
         kv_format="int8",
     )
-    # A field as the format sets it is accepted (what replace() passes back), any other refused.
+    # A field as the format sets it is accepted (what replace() passes back).
     assert PagingConfig(**VALID, kv_format="int8", kv_dtype=torch.int8).keys_major
-    with raises_exactly(
-        ValueError,
-        "kv_format='int8' implies the pools' dtypes, layout and MMAs: leave kv_dtype unset",
-    ):
-        PagingConfig(**VALID, kv_format="int8", kv_dtype=torch.float8_e4m3fn)
     with raises_exactly(
         ValueError,
         "kv_format='k8v8' implies the pools' dtypes, layout and MMAs: leave kv_dtype unset",
@@ -134,12 +129,26 @@ def test_int8_format_sets_the_int8_pool_fields_and_survives_replace() -> None:
         PagingConfig(**VALID, kv_format="k8v8", kv_dtype=torch.int8)
 
 
+def test_e4m3_pool_was_deleted_for_k8v16_and_k8v8() -> None:
+    # Issue 45: the old spelling names the new ones (k8v16 more accurate on every data kind,
+    # k8v8 the same bytes).
+    with raises_exactly(
+        ValueError,
+        "kv_dtype=torch.float8_e4m3fn (the e4m3 dequantizing pool) was deleted (issue 45): use "
+        'kv_format="k8v16" (PagingConfig; to paged_attention: an int8 k_cache with k_scale and '
+        "a v_cache in q's dtype, no v_scale): more accurate on every data kind; or "
+        'kv_format="k8v8" (PagingConfig; to paged_attention: an int8 k_cache with k_scale and '
+        "an e4m3 v_cache with v_channel_scale): the same bytes",
+    ):
+        PagingConfig(**VALID, kv_dtype=torch.float8_e4m3fn)
+
+
 def test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype() -> None:
     with raises_exactly(TypeError, "equalize_channels must be a bool or None, got int"):
         PagingConfig(**VALID, kv_dtype=torch.int8, equalize_channels=1)
     with raises_exactly(
         ValueError,
-        "equalize_channels=True needs a quantized kv_dtype (torch.int8 or torch.float8_e4m3fn): "
+        "equalize_channels=True needs a quantized kv_dtype (torch.int8) or kv_format: "
         "float pools store K/V as they are",
     ):
         PagingConfig(**VALID, equalize_channels=True)
@@ -148,10 +157,9 @@ def test_equalize_channels_is_a_bool_or_none_and_needs_a_quantized_kv_dtype() ->
 @pytest.mark.parametrize(
     ("kv_dtype", "given", "equalized"),
     [
-        (torch.int8, None, True),  # the default: int8 on ...
-        (torch.float8_e4m3fn, None, False),  # ... e4m3 off
+        (torch.int8, None, True),  # the default: on
         (torch.int8, False, False),
-        (torch.float8_e4m3fn, True, True),
+        (torch.int8, True, True),
         (None, None, False),
         (None, False, False),
     ],

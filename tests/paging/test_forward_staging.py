@@ -195,7 +195,6 @@ SMALL_BLOCKS = PagingConfig(
 )
 POOLS = {
     "float32": {},
-    "e4m3": {"kv_dtype": torch.float8_e4m3fn},
     "int8": {"kv_dtype": torch.int8},
     "exact-window": {"exact_window": True},
     "int8-keys-major": {"kv_dtype": torch.int8, "keys_major": True},
@@ -281,7 +280,7 @@ def test_kernels_single_staged_row_equals_its_row_in_a_batch(pools: str, lengths
 
 attention_module = importlib.import_module("paged_video.kernels.paged_attention")
 # Slot-major pools of a bfloat16 cache: 16-bit (the table's "same" rows) or quantized.
-GPU_POOLS = {"bf16": {}, **{name: POOLS[name] for name in ("e4m3", "int8")}}
+GPU_POOLS = {"bf16": {}, **{name: POOLS[name] for name in ("int8",)}}
 
 
 def gpu_launches(config: PagingConfig, head_dim: int) -> list[dict]:

@@ -27,11 +27,9 @@ from tests.paging.twin import plain_torch_kernels
 
 attention_module = importlib.import_module("paged_video.kernels.paged_attention")
 
-FORMATS = [
-    pytest.param(torch.float8_e4m3fn, id="e4m3"),
-    pytest.param(torch.int8, id="int8"),
-]
-POISON = {torch.float8_e4m3fn: 0x7F, torch.int8: -128}
+# The pools with a scale per slot (the e4m3 one was deleted, issue 45).
+FORMATS = [pytest.param(torch.int8, id="int8")]
+POISON = {torch.int8: -128}
 ATOL = 2e-5
 LAYERS, HEADS, KV_HEADS, DIM = 2, 2, 1, 8
 # Chunks of 6 over blocks of 4 (the sink ends mid-block), a window of two chunks: evictions and
@@ -331,10 +329,7 @@ def test_cache_tensors(dtype: torch.dtype | None, staged: bool) -> None:
         assert cache.staging.k_scales is cache.stage_k_scales
 
 
-MODES = [
-    pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
-    pytest.param({"kv_dtype": torch.int8}, id="int8"),
-]
+MODES = [pytest.param({"kv_dtype": torch.int8}, id="int8")]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 24])
@@ -423,15 +418,15 @@ def test_pool_bytes_of_quantized_pools_are_at_most_54_percent_of_bf16(dtype: tor
 def test_cache_dtype_may_name_the_quantized_format() -> None:
     cache = PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int8)
     assert cache.k_pools.dtype == torch.int8 and cache.k_scales.shape == cache.k_pools.shape[:-1]
-    config = dataclasses.replace(CONFIG, kv_dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"dtype torch\.int8 and config\.kv_dtype"):
-        PagedKVCache(config, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int8)
+    # The deleted e4m3 pool (issue 45) names what replaced it.
+    with pytest.raises(ValueError, match=r'dtype=torch\.float8_e4m3fn .*"k8v16".*"k8v8"'):
+        PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="dtype must be a floating-point"):
         PagedKVCache(CONFIG, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int16)
 
 
 def test_quantized_pools_too_large_to_allocate_name_the_scales() -> None:
-    config = dataclasses.replace(CONFIG, kv_dtype=torch.float8_e4m3fn)
+    config = dataclasses.replace(CONFIG, kv_dtype=torch.int8)
     with pytest.raises(ValueError, match=r"cannot allocate the pools .* float32 scales"):
         PagedKVCache(config, num_layers=2**40, num_kv_heads=1, head_dim=4)
 
@@ -584,7 +579,6 @@ def test_tokens_committed_under_an_unchosen_state_are_refused_never_attended(poo
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param({"kv_dtype": torch.float8_e4m3fn}, id="e4m3"),
         pytest.param({"kv_dtype": torch.int8}, id="int8"),
     ],
 )

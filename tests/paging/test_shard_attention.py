@@ -133,8 +133,6 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     [
         (2, {"kv_dtype": torch.int8}, False),
         (4, {"kv_dtype": torch.int8}, True),
-        (2, {"kv_dtype": torch.float8_e4m3fn}, True),
-        (4, {"kv_dtype": torch.float8_e4m3fn}, False),
         (2, {"kv_format": "k8v8"}, True),
         (4, {"kv_format": "k8v8"}, False),
         (2, {"kv_format": "k8v16"}, False),
@@ -143,8 +141,6 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     ids=[
         "int8-2",
         "int8-4-staged",
-        "e4m3-2-staged",
-        "e4m3-4",
         "k8v8-2-staged",
         "k8v8-4",
         "k8v16-2",
