@@ -72,7 +72,7 @@ def _texts_outside(figure) -> list[str]:
     ids=["gpu", "cpu-noisy", "cpu-gqa"],
 )
 def test_no_text_leaves_any_plot_with_every_provider(overrides):
-    from paged_video.bench.plot import draw_kernel, draw_speedup
+    from paged_video.bench.plot import LEGEND_WIDTH, draw_kernel, draw_speedup
 
     rows = _every_provider_rows(**overrides)
     if overrides.get("heads"):  # two geometries: every line names its own
@@ -85,6 +85,13 @@ def test_no_text_leaves_any_plot_with_every_provider(overrides):
     assert any("triton-k8v16" in label and "x at B=1560" in label for label in labels), labels
     for name, figure in figures.items():
         assert not _texts_outside(figure), (name, _texts_outside(figure))
+        # Legend entries are wrapped to LEGEND_WIDTH: with few providers a long unwrapped one
+        # may still fit a wide figure, so the width is held too.
+        for ax in figure.axes:
+            legend = ax.get_legend()
+            for text in legend.get_texts() if legend else ():
+                lines = text.get_text().split("\n")
+                assert max(map(len, lines)) <= LEGEND_WIDTH, (name, text.get_text())
 
 
 def test_the_check_sees_a_title_cut_off():
