@@ -207,21 +207,40 @@ def _stage_buffers(workload: Workload) -> tuple[Tensor, Tensor]:
 # --- paged_attention -----------------------------------------------------------------------
 
 
-def _build_triton_paged(workload: Workload, tile: Tile | None) -> Bench:
-    w = workload
+def _paged_bench(
+    w: Workload,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    tile: Tile | None,
+    backend: str,
+    **scales: Tensor | None,
+) -> Bench:
+    """Our paged attention over ``w``'s sequences in the given pools (and their scales): the
+    output buffer and the tile keywords made here, outside the timed call."""
     out = torch.empty_like(w.q)
     tiles = _tile_arguments(tile)
 
     def run() -> Tensor:
         return kernels.paged_attention(
-            *w.attention_args(),
+            w.q,
+            k_cache,
+            v_cache,
+            w.block_table,
+            w.cu_seqlens_q,
+            w.seq_lens_k,
             max_seqlen_q=w.geometry.q_tokens,
             out=out,
             check_values=False,
+            **scales,
             **tiles,
         )
 
-    return Bench(run, backend="triton paged_attention")
+    return Bench(run, backend=backend)
+
+
+def _build_triton_paged(workload: Workload, tile: Tile | None) -> Bench:
+    w = workload
+    return _paged_bench(w, w.k_cache, w.v_cache, tile, "triton paged_attention")
 
 
 # This project's kernel at each launch the launch table can choose (``bench choose`` turns
@@ -390,26 +409,10 @@ def _eight_bit_paged_provider(name: str, quant: Quant) -> Provider:
         if kv_format == "k8v8":
             v_cache = kernels.keys_major(v_cache)
         k_scale = kernels.keys_major(pools.k_scale)
-        out = torch.empty_like(w.q)
-        tiles = _tile_arguments(tile)
-
-        def run() -> Tensor:
-            return kernels.paged_attention(
-                w.q,
-                pools.k_cache,
-                v_cache,
-                w.block_table,
-                w.cu_seqlens_q,
-                w.seq_lens_k,
-                max_seqlen_q=w.geometry.q_tokens,
-                out=out,
-                k_scale=k_scale,
-                v_channel_scale=pools.v_channel_scale,
-                check_values=False,
-                **tiles,
-            )
-
-        return Bench(run, backend=f"triton paged_attention {quant}")
+        scales = {"k_scale": k_scale, "v_channel_scale": pools.v_channel_scale}
+        return _paged_bench(
+            w, pools.k_cache, v_cache, tile, f"triton paged_attention {quant}", **scales
+        )
 
     def unsupported(workload: Workload) -> str | None:
         device = workload.q.device
@@ -434,26 +437,10 @@ def _quantized_paged_provider(name: str, quant: Quant) -> Provider:
         k_scale, v_scale = pools.k_scale, pools.v_scale
         if quant.keys_major:
             k_scale, v_scale = kernels.keys_major(k_scale), kernels.keys_major(v_scale)
-        out = torch.empty_like(w.q)
-        tiles = _tile_arguments(tile)
-
-        def run() -> Tensor:
-            return kernels.paged_attention(
-                w.q,
-                pools.k_cache,
-                pools.v_cache,
-                w.block_table,
-                w.cu_seqlens_q,
-                w.seq_lens_k,
-                max_seqlen_q=w.geometry.q_tokens,
-                out=out,
-                k_scale=k_scale,
-                v_scale=v_scale,
-                check_values=False,
-                **tiles,
-            )
-
-        return Bench(run, backend=f"triton paged_attention {quant}")
+        return _paged_bench(
+            w, pools.k_cache, pools.v_cache, tile, f"triton paged_attention {quant}",
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
     return Provider(
         "paged_attention", name, build, role="quantized", tunable=True, quant=quant,
