@@ -717,14 +717,10 @@ def _attend_tiles(
                 v = v.to(tl.float8e4nv, bitcast=True)
             pv = tl.dot(p_codes, v)
             if V_BLOCK_SCALES:
-                v_channels = tl.load(
-                    v_scales[0] + id0.to(tl.int64) * v_scales[1] + offs_d * v_scales[2],
-                    mask=offs_d < HEAD_DIM,
-                    other=0.0,
-                )
-                acc = acc * rescale[:, None] + pv * v_channels[None, :]
+                v_channels = _v_block_channels(v_scales, id0, HEAD_DIM, BLOCK_D)
             else:
-                acc = acc * rescale[:, None] + pv
+                v_channels = 1.0
+            acc = _k8v8_flush(acc, pv, rescale, v_channels, V_BLOCK_SCALES)
         else:
             if QUANTIZED and MASKED and not K8V16:
                 probs = probs * (v_col * (1.0 / p_unit))[None, :]
@@ -866,6 +862,30 @@ def _attend_tiles_ahead(
 
 
 @triton.jit
+def _k8v8_descriptor_tiles(
+    descs,
+    k_id0,
+    k_slot,
+    v_id0,
+    v_slot,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    V_KEYS_MAJOR: tl.constexpr,
+):
+    """A k8v8 tile's K rows (from slot ``k_slot`` of block ``k_id0``, in the 8-bit MMA's key
+    order: K's descriptor reads runs of 16 pool rows) and V's (``v_slot`` of ``v_id0``, keys by
+    position), one descriptor load each."""
+    first_row = k_id0 * BLOCK_SIZE + k_slot
+    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])
+    if V_KEYS_MAJOR:
+        v = tl.trans(descs[1].load([v_id0 * descs[3] + descs[2], v_slot]))
+    else:
+        v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])
+    return tl.reshape(k, (BLOCK_N, BLOCK_D)), v
+
+
+@triton.jit
 def _attend_k8v8_ahead(
     state,
     q,
@@ -939,15 +959,11 @@ def _attend_k8v8_ahead(
             PIECE_OFFSET, PIECE_SIZE, False, False,
         )  # fmt: skip
         if DESCRIPTOR_LOADS:
-            k_slot = PIECE_OFFSET + k_start % PIECE_SIZE
+            k, v = _k8v8_descriptor_tiles(
+                descs, k_id0, PIECE_OFFSET + k_start % PIECE_SIZE, v_id0,
+                PIECE_OFFSET + v_start % PIECE_SIZE, BLOCK_SIZE, BLOCK_N, BLOCK_D, V_KEYS_MAJOR,
+            )  # fmt: skip
             v_slot = PIECE_OFFSET + v_start % PIECE_SIZE
-            first_row = k_id0 * BLOCK_SIZE + k_slot
-            k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])
-            k = tl.reshape(k, (BLOCK_N, BLOCK_D))
-            if V_KEYS_MAJOR:
-                v = tl.trans(descs[1].load([v_id0 * descs[3] + descs[2], v_slot]))
-            else:
-                v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])
             k_col = descs[4].load([v_id0 * k_scales[1] + descs[6] + v_slot])
         else:
             if SCALAR_BASE:
@@ -986,11 +1002,7 @@ def _attend_k8v8_ahead(
             v = v.to(tl.float8e4nv, bitcast=True)
         next_qk = tl.dot(q, tl.trans(k))
         if V_BLOCK_SCALES:
-            v_channels = tl.load(
-                v_scales[0] + v_id0.to(tl.int64) * v_scales[1] + offs_d * v_scales[2],
-                mask=offs_d < HEAD_DIM,
-                other=0.0,
-            )
+            v_channels = _v_block_channels(v_scales, v_id0, HEAD_DIM, BLOCK_D)
         else:
             v_channels = 1.0
         acc, row_max, row_sum, qk = _k8v8_step(
@@ -1000,6 +1012,124 @@ def _attend_k8v8_ahead(
         k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
         v_id0, v_id1, v_ids = (next_v_id0, next_v_id1, next_v_ids)
     return acc, row_max, row_sum
+
+
+@triton.jit
+def _attend_k8v8_pv_behind(
+    state,
+    q,
+    caches,
+    descs,
+    table,
+    first_tile,
+    num_tiles,
+    positions_end,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
+    V_KEYS_MAJOR: tl.constexpr,
+    SCALES_KEYS_MAJOR: tl.constexpr,
+    WIDE_SCALES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    TMA: tl.constexpr,
+    PIECE_OFFSET: tl.constexpr,
+    PIECE_SIZE: tl.constexpr,
+):
+    """``_attend_tiles``' unmasked loop over k8v8 caches for 64-key tiles inside one block
+    (tile j at ``first_tile + j * BLOCK_N``) with each tile's ``P V`` MMA running under the next
+    tile's softmax (FlashAttention-3's overlap within a warpgroup): iteration j issues tile j's
+    int8 ``Q K^T`` MMA (Triton waits for it at once), adds the ``P V`` sum issued last iteration
+    into the float32 acc, issues tile j - 1's FP8 ``P V`` MMA over the probabilities carried
+    from last iteration, then runs tile j's softmax while that MMA runs. Triton leaves a dot in
+    flight across iterations only if its accumulator is float32, so it is the ``P V`` MMA that
+    can run under a softmax: the int8 score MMA issued a tile ahead (``_attend_k8v8_ahead``) is
+    waited for right after its issue.
+
+    Iteration j reads K's rows and scales of tile ``min(j, last)`` and V's of tile ``max(j - 1,
+    0)``; iteration 0 issues a ``P V`` of zero probabilities and the last takes no softmax step
+    (``num_tiles + 1`` iterations); the last sum is added after the loop. The probabilities are
+    carried in float32 and converted to e4m3 at the MMA: carried as e4m3 codes, each code sat
+    in a register of its own and was packed again for the MMA (about 100 instructions more a
+    64-key tile, on both Tritons). It holds a tile of ``P V`` sums beside acc, so 128-key tiles
+    keep ``_attend_k8v8_ahead`` (both Tritons spilled, docs/quantization.md), as do V's
+    per-block channel scales (their 64 channels a thread, loaded for the deferred flush,
+    spilled 12-76 bytes): V's scales here are the frozen ones, applied in the epilogue."""
+    acc, row_max, row_sum = state
+    k_cache = caches[0]
+    v_cache = caches[1]
+    k_scales = caches[2]
+    table_row, stride_table_col = table
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d[None, :] < HEAD_DIM
+    # A slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the loop.
+    v_head = v_cache[0] if V_KEYS_MAJOR else v_cache[0].to(tl.pointer_type(tl.uint8))
+    k_offs = _fp8_mma_key_order(offs_n)
+    k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
+    v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    last = num_tiles - 1
+    rows: tl.constexpr = q.shape[0]
+    # Carried: the P V sum issued last iteration (pv, with its rescale) and the probabilities
+    # the next P V MMA takes (with theirs).
+    pv = tl.zeros([rows, BLOCK_D], dtype=tl.float32)
+    probs = tl.zeros([rows, BLOCK_N], dtype=tl.float32)
+    pv_rescale = tl.full([rows], 1.0, dtype=tl.float32)
+    p_rescale = pv_rescale
+    k_id0, _, _ = _tile_block_ids(
+        table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE,
+        "contiguous", PIECE_OFFSET, PIECE_SIZE, False, False,
+    )  # fmt: skip
+    v_id0 = k_id0
+    steps = num_tiles + (num_tiles > 0)  # the tiles, and a P V after the last softmax
+    for j in range(steps):
+        k_start = first_tile + tl.minimum(j, last) * BLOCK_N
+        v_start = first_tile + BLOCK_N * tl.maximum(j - 1, 0)
+        next_k_id0, _, _ = _tile_block_ids(
+            table_row, stride_table_col, first_tile + tl.minimum(j + 1, last) * BLOCK_N,
+            positions_end, BLOCK_N, BLOCK_SIZE, "contiguous", PIECE_OFFSET, PIECE_SIZE, False,
+            False,
+        )  # fmt: skip
+        k_slot = PIECE_OFFSET + k_start % PIECE_SIZE
+        if TMA:
+            k, v = _k8v8_descriptor_tiles(
+                descs, k_id0, k_slot, v_id0, PIECE_OFFSET + v_start % PIECE_SIZE, BLOCK_SIZE,
+                BLOCK_N, BLOCK_D, V_KEYS_MAJOR,
+            )  # fmt: skip
+            k_col = descs[4].load([k_id0 * k_scales[1] + descs[6] + k_slot])
+        else:
+            k_ptrs = k_tile + _tile_base(
+                k_id0, k_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
+            )
+            v_ptrs = v_tile + _tile_base(
+                v_id0, v_start, v_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR
+            )
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+            ks_rows = _tile_rows(
+                k_id0, 0, 0, k_start, k_scales, BLOCK_N, BLOCK_SIZE, "contiguous", OFFSETS_32,
+                PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, False,
+            )  # fmt: skip
+            k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
+        k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
+        if not V_KEYS_MAJOR:
+            v = v.to(tl.float8e4nv, bitcast=True)
+        qk = tl.dot(q, tl.trans(k))
+        acc = acc * pv_rescale[:, None] + pv
+        pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
+        pv_rescale = p_rescale
+        probs, p_rescale, row_max, row_sum = _k8v8_softmax(
+            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles
+        )
+        v_id0 = k_id0
+        k_id0 = next_k_id0
+    return acc * pv_rescale[:, None] + pv, row_max, row_sum
 
 
 @triton.jit
@@ -1024,22 +1154,50 @@ def _k8v8_step(
     (carried as int32 and converted at the step, 8 instructions more issued with no MMA in
     flight at block 1560)."""
     acc, row_max, row_sum = state
-    scores = qk * k_col[None, :]
+    probs, rescale, row_max, row_sum = _k8v8_softmax(qk, k_col, row_max, row_sum, scale_log2, skip)
+    pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
+    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
+    next_scores = next_qk.to(tl.float32)
+    acc = _k8v8_flush(acc, pv, rescale, v_channels, V_BLOCK_SCALES)
+    return acc, row_max, row_sum, next_scores
+
+
+@triton.jit
+def _k8v8_softmax(scores, k_col, row_max, row_sum, scale_log2, skip):
+    """A k8v8 tile's online-softmax step up to ``P V``: its scores (int8 sums, in float or
+    int32) times K's scales by column; returns the probabilities (biased so that a row's
+    largest is 448, e4m3's largest), their row rescale and the new row maxima and sums. Where
+    the scalar ``skip`` holds, none: every probability 0, rescale 1, the row state as it
+    was."""
+    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
+    scores = scores.to(tl.float32) * k_col[None, :]
     new_max = tl.where(skip, row_max, tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2))
     # Subtracting +inf makes every probability 0 (scale_log2 >= 0, as in _attend_tiles).
     bias = tl.where(skip, float("inf"), new_max - LOG2_E4M3_MAX)
     probs = tl.math.exp2(scores * scale_log2[:, None] - bias[:, None])
     rescale = tl.math.exp2(tl.where(skip, 0.0, row_max - new_max))
     row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-    p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)
-    pv = tl.dot(p_codes, v)
-    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
-    next_scores = next_qk.to(tl.float32)
+    return probs, rescale, new_max, row_sum
+
+
+@triton.jit
+def _k8v8_flush(acc, pv, rescale, v_channels, V_BLOCK_SCALES: tl.constexpr):
+    """A tile's FP8 ``P V`` MMA sum added into the float32 ``acc`` (rescaled first), times its
+    block's channel scales where V's are per block (``V_BLOCK_SCALES``)."""
     if V_BLOCK_SCALES:
-        acc = acc * rescale[:, None] + pv * v_channels[None, :]
-    else:
-        acc = acc * rescale[:, None] + pv
-    return acc, new_max, row_sum, next_scores
+        return acc * rescale[:, None] + pv * v_channels[None, :]
+    return acc * rescale[:, None] + pv
+
+
+@triton.jit
+def _v_block_channels(v_scales, block_id, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Block ``block_id``'s V channel scales (k8v8 with per-block scales), 0 past the head."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(
+        v_scales[0] + block_id.to(tl.int64) * v_scales[1] + offs_d * v_scales[2],
+        mask=offs_d < HEAD_DIM,
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -1215,6 +1373,15 @@ def _attend_piece(
     # than the tile: block 24 (16 + 8) spilled 16-40 bytes so (64- and 128-key tiles), none in
     # _attend_tiles' loop.
     K8V8_AHEAD: tl.constexpr = K8V8 and (KV_PATH != "block_tiles" or PIECE_SIZE % BLOCK_N == 0)
+    # k8v8's unmasked 64-key tiles inside one block run each P V MMA under the next softmax
+    # (_attend_k8v8_pv_behind; it holds a tile of P V sums more: at 128 keys it spilled).
+    K8V8_PV_BEHIND: tl.constexpr = (
+        K8V8
+        and not V_BLOCK_SCALES
+        and BLOCK_N == 64
+        and KV_PATH != "two_blocks"
+        and PIECE_SIZE % BLOCK_N == 0
+    )
     lo = _piece_position(run_lo, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     hi = _piece_position(run_hi, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     full = lo if MASKED_ONLY else _piece_position(full_end, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
@@ -1270,6 +1437,12 @@ def _attend_piece(
             state = _attend_block_pairs(
                 state, q, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_SIZE, UPCAST, DOT_PRECISION, AHEAD,
+            )  # fmt: skip
+        elif not masked and K8V8_PV_BEHIND:
+            state = _attend_k8v8_pv_behind(
+                state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, OFFSETS_32, V_KEYS_MAJOR, SCALES_KEYS_MAJOR,
+                WIDE_SCALES, INTERPRETED, TMA, PIECE_OFFSET, PIECE_SIZE,
             )  # fmt: skip
         elif not masked and K8V8_AHEAD:
             state = _attend_k8v8_ahead(

@@ -1566,6 +1566,42 @@ MUTANTS = [
         "    if len(devices) > 2:",
         f"{REFUSALS}[float-attend-query-device]",
     ),
+    # -- k8v8's 64-key loop with each P V MMA under the next softmax ---------------------
+    _m(
+        "pv-behind-last-sum-never-added",
+        "kernels/_attention_jit.py",
+        "    return acc * pv_rescale[:, None] + pv, row_max, row_sum",
+        "    return acc, row_max, row_sum",
+        f"{K8}::test_k8v8_p_v_under_the_next_softmax",
+    ),
+    _m(
+        "pv-behind-no-extra-iteration",
+        "kernels/_attention_jit.py",
+        "    steps = num_tiles + (num_tiles > 0)",
+        "    steps = num_tiles",
+        f"{K8}::test_k8v8_p_v_under_the_next_softmax",
+    ),
+    _m(
+        "pv-behind-softmax-in-the-extra-iteration",
+        "kernels/_attention_jit.py",
+        "            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles\n",
+        "            qk, k_col, row_max, row_sum, scale_log2, j > num_tiles\n",
+        f"{K8}::test_k8v8_p_v_under_the_next_softmax",
+    ),
+    _m(
+        "pv-behind-v-of-the-scores-tile",
+        "kernels/_attention_jit.py",
+        "        v_id0 = k_id0\n        k_id0 = next_k_id0\n",
+        "        v_id0 = next_k_id0\n        k_id0 = next_k_id0\n",
+        f"{K8}::test_k8v8_p_v_under_the_next_softmax",
+    ),
+    _m(
+        "pv-behind-sum-added-unrescaled",
+        "kernels/_attention_jit.py",
+        "        acc = acc * pv_rescale[:, None] + pv\n",
+        "        acc = acc + pv\n",
+        f"{K8}::test_k8v8_p_v_under_the_next_softmax",
+    ),
     # -- the loop with the scores a tile ahead (scores_ahead) ------------------------------
     _m(
         "ahead-first-iteration-takes-a-softmax-step",
@@ -2056,8 +2092,8 @@ MUTANTS = [
     _m(
         "tma-keys-major-v-without-the-heads-rows",
         "kernels/_attention_jit.py",
-        "                v = tl.trans(descs[1].load([v_id0 * descs[3] + descs[2], v_slot]))",
-        "                v = tl.trans(descs[1].load([v_id0 * descs[3], v_slot]))",
+        "        v = tl.trans(descs[1].load([v_id0 * descs[3] + descs[2], v_slot]))",
+        "        v = tl.trans(descs[1].load([v_id0 * descs[3], v_slot]))",
         f"{K8}::test_k8v8_descriptor_loop[frozen]",
     ),
     _m(
@@ -2337,8 +2373,8 @@ MUTANTS = [
     _m(
         "fp8-tma-k-rows-from-the-pools-runs",
         "kernels/_attention_jit.py",
-        "            k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
-        "            k = descs[0].load([first_row // 16, 0, 0, 0, descs[2]])",
+        "    k = descs[0].load([first_row // 16, 0, 0, first_row % 16, descs[2]])",
+        "    k = descs[0].load([first_row // 16, 0, 0, 0, descs[2]])",
         f"{K8}::test_k8v8_descriptor_loop_tiles_starting_mid_run",
     ),
     _m(
@@ -2376,7 +2412,7 @@ MUTANTS = [
         "kernels/_attention_jit.py",
         "                v_id0, v_id1, v_ids, v_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,",
         "                k_id0, k_id1, k_ids, k_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,",
-        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N64]",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N128]",
     ),
     _m(
         "k8v8-ahead-descriptor-scales-of-the-next-tile",
@@ -2390,21 +2426,21 @@ MUTANTS = [
         "kernels/_attention_jit.py",
         "        v_id0, v_id1, v_ids = (next_v_id0, next_v_id1, next_v_ids)",
         "        v_id0, v_id1, v_ids = (next_k_id0, next_k_id1, next_k_ids)",
-        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N64]",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N128]",
     ),
     _m(
         "k8v8-ahead-no-extra-iteration",
         "kernels/_attention_jit.py",
         "    for j in range(num_tiles + (num_tiles > 0)):",
         "    for j in range(num_tiles):",
-        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N64]",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N128]",
     ),
     _m(
         "k8v8-ahead-first-step-taken",
         "kernels/_attention_jit.py",
         "    rescale = tl.math.exp2(tl.where(skip, 0.0, row_max - new_max))",
         "    rescale = tl.math.exp2(row_max - new_max)",
-        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N64]",
+        "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N128]",
     ),
     _m(
         "k8v8-masked-probabilities-unbiased",
@@ -2416,8 +2452,8 @@ MUTANTS = [
     _m(
         "k8v8-block-scales-skipped",
         "kernels/_attention_jit.py",
-        "                acc = acc * rescale[:, None] + pv * v_channels[None, :]",
-        "                acc = acc * rescale[:, None] + pv",
+        "        return acc * rescale[:, None] + pv * v_channels[None, :]",
+        "        return acc * rescale[:, None] + pv",
         "tests/kernels/test_k8v8_attention.py::test_k8v8_per_block_scales[B64-N64]",
         "tests/kernels/test_k8v8_attention.py::test_tiny_v_scales_on_the_keys_that_matter",
     ),

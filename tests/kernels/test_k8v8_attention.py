@@ -232,6 +232,34 @@ def test_k8v8_descriptor_loop(monkeypatch: pytest.MonkeyPatch, per_block: bool) 
     assert [flags["TMA"] for flags in launches] == [True]
 
 
+@pytest.mark.parametrize(
+    "block_size, head_dim, variant, keys_major",
+    [
+        pytest.param(256, 64, "tma", True, id="tma-B256"),
+        pytest.param(64, 80, None, True, id="pointer-B64-hd80"),
+        pytest.param(128, 80, None, False, id="slot-major-v-B128"),
+    ],
+)
+def test_k8v8_p_v_under_the_next_softmax(
+    monkeypatch: pytest.MonkeyPatch, block_size: int, head_dim: int, variant, keys_major: bool
+) -> None:
+    # 64-key tiles inside a block: each tile's P V MMA issued an iteration after its softmax and
+    # added into acc the iteration after that (_attend_k8v8_pv_behind). Runs of 6, 1, 2 and 0
+    # unmasked tiles over permuted blocks, each behind a masked tail, so a missing first or
+    # last P V, a doubled softmax step or V a tile off shows.
+    case = make_paged_case(
+        q_lens=[7, 3, 4, 2], k_lens=[6 * 64 + 3, 64 + 9, 128, 20], block_size=block_size,
+        num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE,
+    )  # fmt: skip
+    k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=False, keys_major=keys_major)
+    if keys_major:
+        k_scale = pool_layout.keys_major(k_scale)
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
+    launch = {} if variant is None else dict(variant=variant)
+    check(case, (k_codes, v_codes, k_scale, scales), block_n=64, launch=launch)
+    assert [(flags["BLOCK_N"], flags["TMA"]) for flags in launches] == [(64, variant == "tma")]
+
+
 def test_k8v8_tiles_across_block_pieces() -> None:
     # Block 24 at 128-key tiles: pieces of 16 and 8 slots, each piece's unmasked tiles
     # gathered from 8 or 16 blocks (_attend_tiles' unmasked loop, not the scores ahead).
