@@ -1015,7 +1015,7 @@ def _attend_k8v8_ahead(
 
 
 @triton.jit
-def _attend_k8v8_pv_behind(
+def _attend_pv_behind(
     state,
     q,
     caches,
@@ -1033,30 +1033,38 @@ def _attend_k8v8_pv_behind(
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
     WIDE_SCALES: tl.constexpr,
+    K8V16: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
 ):
-    """``_attend_tiles``' unmasked loop over k8v8 caches for 64-key tiles inside one block
-    (tile j at ``first_tile + j * BLOCK_N``) with each tile's ``P V`` MMA running under the next
-    tile's softmax (FlashAttention-3's overlap within a warpgroup): iteration j issues tile j's
-    int8 ``Q K^T`` MMA (Triton waits for it at once), adds the ``P V`` sum issued last iteration
-    into the float32 acc, issues tile j - 1's FP8 ``P V`` MMA over the probabilities carried
-    from last iteration, then runs tile j's softmax while that MMA runs. Triton leaves a dot in
-    flight across iterations only if its accumulator is float32, so it is the ``P V`` MMA that
-    can run under a softmax: the int8 score MMA issued a tile ahead (``_attend_k8v8_ahead``) is
-    waited for right after its issue.
+    """``_attend_tiles``' unmasked loop over k8v8 or (``K8V16``) k8v16 caches for tiles inside
+    one block (tile j at ``first_tile + j * BLOCK_N``) with each tile's ``P V`` MMA running
+    under the next tile's softmax (FlashAttention-3's overlap within a warpgroup): iteration j
+    issues tile j's int8 ``Q K^T`` MMA (Triton waits for it at once), then tile j - 1's ``P V``
+    MMA over the probabilities carried from last iteration, then runs tile j's softmax while
+    that MMA runs. Triton leaves a dot in flight across iterations only if its accumulator is
+    float32, so it is the ``P V`` MMA that can run under a softmax: the int8 score MMA issued a
+    tile ahead (``_attend_k8v8_ahead``) is waited for right after its issue.
+
+    k8v8's FP8 ``P V`` sums into an accumulator of its own (its ~13-bit sums span one tile),
+    added into the float32 acc the next iteration, after that iteration's score MMA wait (and
+    the last after the loop); k8v16's 16-bit ``P V`` accumulates into acc in place, rescaled
+    before it issues.
 
     Iteration j reads K's rows and scales of tile ``min(j, last)`` and V's of tile ``max(j - 1,
     0)``; iteration 0 issues a ``P V`` of zero probabilities and the last takes no softmax step
-    (``num_tiles + 1`` iterations); the last sum is added after the loop. The probabilities are
-    carried in float32 and converted to e4m3 at the MMA: carried as e4m3 codes, each code sat
-    in a register of its own and was packed again for the MMA (about 100 instructions more a
-    64-key tile, on both Tritons). It holds a tile of ``P V`` sums beside acc, so 128-key tiles
-    keep ``_attend_k8v8_ahead`` (both Tritons spilled, docs/quantization.md), as do V's
-    per-block channel scales (their 64 channels a thread, loaded for the deferred flush,
-    spilled 12-76 bytes): V's scales here are the frozen ones, applied in the epilogue."""
+    (``num_tiles + 1`` iterations). The probabilities are carried in float32 and converted at
+    the MMA: carried as e4m3 codes, each code sat in a register of its own and was packed again
+    for the MMA (about 100 instructions more a 64-key tile, on both Tritons). 64-key tiles only:
+    at 128 keys the carried probabilities beside a tile of scores spilled on both Tritons
+    (docs/quantization.md), and those tiles keep ``_attend_k8v8_ahead`` (k8v8) or
+    ``_attend_tiles`` (k8v16); so do k8v8's per-block V channel scales (their 64 channels a
+    thread, loaded for the deferred add, spilled 12-76 bytes): V's scales here are the frozen
+    ones, applied in the epilogue."""
     acc, row_max, row_sum = state
     k_cache = caches[0]
     v_cache = caches[1]
@@ -1065,15 +1073,16 @@ def _attend_k8v8_pv_behind(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d[None, :] < HEAD_DIM
-    # A slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the loop.
-    v_head = v_cache[0] if V_KEYS_MAJOR else v_cache[0].to(tl.pointer_type(tl.uint8))
-    k_offs = _fp8_mma_key_order(offs_n)
+    # k8v8: a slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the
+    # loop; K's rows (and scales) in the 8-bit MMA's key order, so P feeds the FP8 MMA as is.
+    v_head = v_cache[0] if V_KEYS_MAJOR or K8V16 else v_cache[0].to(tl.pointer_type(tl.uint8))
+    k_offs = offs_n if K8V16 else _fp8_mma_key_order(offs_n)
     k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
     v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
     last = num_tiles - 1
     rows: tl.constexpr = q.shape[0]
-    # Carried: the P V sum issued last iteration (pv, with its rescale) and the probabilities
-    # the next P V MMA takes (with theirs).
+    # Carried: k8v8's P V sum issued last iteration (pv, with its rescale) and the
+    # probabilities the next P V MMA takes (with theirs).
     pv = tl.zeros([rows, BLOCK_D], dtype=tl.float32)
     probs = tl.zeros([rows, BLOCK_N], dtype=tl.float32)
     pv_rescale = tl.full([rows], 1.0, dtype=tl.float32)
@@ -1093,12 +1102,14 @@ def _attend_k8v8_pv_behind(
             False,
         )  # fmt: skip
         k_slot = PIECE_OFFSET + k_start % PIECE_SIZE
-        if TMA:
+        v_slot = PIECE_OFFSET + v_start % PIECE_SIZE
+        if TMA and K8V16:
+            k = descs[0].load([k_id0 * BLOCK_SIZE + k_slot, descs[2]])
+            v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])
+        elif TMA:
             k, v = _k8v8_descriptor_tiles(
-                descs, k_id0, k_slot, v_id0, PIECE_OFFSET + v_start % PIECE_SIZE, BLOCK_SIZE,
-                BLOCK_N, BLOCK_D, V_KEYS_MAJOR,
-            )  # fmt: skip
-            k_col = descs[4].load([k_id0 * k_scales[1] + descs[6] + k_slot])
+                descs, k_id0, k_slot, v_id0, v_slot, BLOCK_SIZE, BLOCK_N, BLOCK_D, V_KEYS_MAJOR
+            )
         else:
             k_ptrs = k_tile + _tile_base(
                 k_id0, k_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
@@ -1112,24 +1123,37 @@ def _attend_k8v8_pv_behind(
             else:
                 k = tl.load(k_ptrs, mask=d_mask, other=0.0)
                 v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+        if TMA:
+            k_col = descs[4].load([k_id0 * k_scales[1] + descs[6] + k_slot])
+        else:
             ks_rows = _tile_rows(
                 k_id0, 0, 0, k_start, k_scales, BLOCK_N, BLOCK_SIZE, "contiguous", OFFSETS_32,
                 PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, False,
             )  # fmt: skip
             k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
-        k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
-        if not V_KEYS_MAJOR:
+        if not K8V16:
+            k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
+        if K8V16 and UPCAST:
+            v = v.to(tl.float32)
+        elif not (K8V16 or V_KEYS_MAJOR):
             v = v.to(tl.float8e4nv, bitcast=True)
         qk = tl.dot(q, tl.trans(k))
-        acc = acc * pv_rescale[:, None] + pv
-        pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
-        pv_rescale = p_rescale
-        probs, p_rescale, row_max, row_sum = _k8v8_softmax(
-            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles
+        if K8V16:
+            acc = tl.dot(
+                probs.to(v.dtype), v, acc * p_rescale[:, None], input_precision=DOT_PRECISION
+            )
+        else:
+            acc = acc * pv_rescale[:, None] + pv
+            pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
+            pv_rescale = p_rescale
+        probs, p_rescale, row_max, row_sum = _int8_scores_softmax(
+            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles, not K8V16
         )
         v_id0 = k_id0
         k_id0 = next_k_id0
-    return acc * pv_rescale[:, None] + pv, row_max, row_sum
+    if not K8V16:
+        acc = acc * pv_rescale[:, None] + pv
+    return acc, row_max, row_sum
 
 
 @triton.jit
@@ -1154,7 +1178,9 @@ def _k8v8_step(
     (carried as int32 and converted at the step, 8 instructions more issued with no MMA in
     flight at block 1560)."""
     acc, row_max, row_sum = state
-    probs, rescale, row_max, row_sum = _k8v8_softmax(qk, k_col, row_max, row_sum, scale_log2, skip)
+    probs, rescale, row_max, row_sum = _int8_scores_softmax(
+        qk, k_col, row_max, row_sum, scale_log2, skip, True
+    )
     pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
     # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
     next_scores = next_qk.to(tl.float32)
@@ -1163,17 +1189,20 @@ def _k8v8_step(
 
 
 @triton.jit
-def _k8v8_softmax(scores, k_col, row_max, row_sum, scale_log2, skip):
-    """A k8v8 tile's online-softmax step up to ``P V``: its scores (int8 sums, in float or
-    int32) times K's scales by column; returns the probabilities (biased so that a row's
-    largest is 448, e4m3's largest), their row rescale and the new row maxima and sums. Where
-    the scalar ``skip`` holds, none: every probability 0, rescale 1, the row state as it
-    was."""
+def _int8_scores_softmax(scores, k_col, row_max, row_sum, scale_log2, skip, E4M3_P: tl.constexpr):
+    """An 8-bit ``Q K^T`` tile's online-softmax step up to ``P V``: its scores (int8 sums, in
+    float or int32) times K's scales by column; returns the probabilities (``E4M3_P``, k8v8's:
+    biased so that a row's largest is 448, e4m3's largest), their row rescale and the new row
+    maxima and sums. Where the scalar ``skip`` holds, none: every probability 0, rescale 1,
+    the row state as it was."""
     # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
     scores = scores.to(tl.float32) * k_col[None, :]
     new_max = tl.where(skip, row_max, tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2))
     # Subtracting +inf makes every probability 0 (scale_log2 >= 0, as in _attend_tiles).
-    bias = tl.where(skip, float("inf"), new_max - LOG2_E4M3_MAX)
+    if E4M3_P:
+        bias = tl.where(skip, float("inf"), new_max - LOG2_E4M3_MAX)
+    else:
+        bias = tl.where(skip, float("inf"), new_max)
     probs = tl.math.exp2(scores * scale_log2[:, None] - bias[:, None])
     rescale = tl.math.exp2(tl.where(skip, 0.0, row_max - new_max))
     row_sum = row_sum * rescale + tl.sum(probs, axis=1)
@@ -1373,11 +1402,10 @@ def _attend_piece(
     # than the tile: block 24 (16 + 8) spilled 16-40 bytes so (64- and 128-key tiles), none in
     # _attend_tiles' loop.
     K8V8_AHEAD: tl.constexpr = K8V8 and (KV_PATH != "block_tiles" or PIECE_SIZE % BLOCK_N == 0)
-    # k8v8's unmasked 64-key tiles inside one block run each P V MMA under the next softmax
-    # (_attend_k8v8_pv_behind; it holds a tile of P V sums more: at 128 keys it spilled).
-    K8V8_PV_BEHIND: tl.constexpr = (
-        K8V8
-        and not V_BLOCK_SCALES
+    # k8v8's and k8v16's unmasked 64-key tiles inside one block run each P V MMA under the
+    # next softmax (_attend_pv_behind; at 128 keys it spilled, 32-188 bytes).
+    PV_BEHIND: tl.constexpr = (
+        (K8V16 or (K8V8 and not V_BLOCK_SCALES))
         and BLOCK_N == 64
         and KV_PATH != "two_blocks"
         and PIECE_SIZE % BLOCK_N == 0
@@ -1438,11 +1466,12 @@ def _attend_piece(
                 state, q, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_SIZE, UPCAST, DOT_PRECISION, AHEAD,
             )  # fmt: skip
-        elif not masked and K8V8_PV_BEHIND:
-            state = _attend_k8v8_pv_behind(
+        elif not masked and PV_BEHIND:
+            state = _attend_pv_behind(
                 state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_D, HEAD_DIM, BLOCK_SIZE, OFFSETS_32, V_KEYS_MAJOR, SCALES_KEYS_MAJOR,
-                WIDE_SCALES, INTERPRETED, TMA, PIECE_OFFSET, PIECE_SIZE,
+                WIDE_SCALES, K8V16, UPCAST, DOT_PRECISION, INTERPRETED, TMA, PIECE_OFFSET,
+                PIECE_SIZE,
             )  # fmt: skip
         elif not masked and K8V8_AHEAD:
             state = _attend_k8v8_ahead(

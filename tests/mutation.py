@@ -1570,8 +1570,8 @@ MUTANTS = [
     _m(
         "pv-behind-last-sum-never-added",
         "kernels/_attention_jit.py",
-        "    return acc * pv_rescale[:, None] + pv, row_max, row_sum",
-        "    return acc, row_max, row_sum",
+        "    if not K8V16:\n        acc = acc * pv_rescale[:, None] + pv\n",
+        "",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
     ),
     _m(
@@ -1584,8 +1584,8 @@ MUTANTS = [
     _m(
         "pv-behind-softmax-in-the-extra-iteration",
         "kernels/_attention_jit.py",
-        "            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles\n",
-        "            qk, k_col, row_max, row_sum, scale_log2, j > num_tiles\n",
+        "            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles, not K8V16\n",
+        "            qk, k_col, row_max, row_sum, scale_log2, j > num_tiles, not K8V16\n",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
     ),
     _m(
@@ -1596,10 +1596,25 @@ MUTANTS = [
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
     ),
     _m(
+        "pv-behind-k8v16-acc-unrescaled",
+        "kernels/_attention_jit.py",
+        "                probs.to(v.dtype), v, acc * p_rescale[:, None], "
+        "input_precision=DOT_PRECISION",
+        "                probs.to(v.dtype), v, acc, input_precision=DOT_PRECISION",
+        "tests/kernels/test_k8v16.py::test_k8v16_p_v_under_the_next_softmax",
+    ),
+    _m(
+        "pv-behind-k8v16-v-of-the-scores-tile",
+        "kernels/_attention_jit.py",
+        "            v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])\n        elif TMA:",
+        "            v = descs[1].load([k_id0 * BLOCK_SIZE + k_slot, descs[2]])\n        elif TMA:",
+        "tests/kernels/test_k8v16.py::test_k8v16_p_v_under_the_next_softmax[tma-B256]",
+    ),
+    _m(
         "pv-behind-sum-added-unrescaled",
         "kernels/_attention_jit.py",
-        "        acc = acc * pv_rescale[:, None] + pv\n",
-        "        acc = acc + pv\n",
+        "            acc = acc * pv_rescale[:, None] + pv\n",
+        "            acc = acc + pv\n",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
     ),
     # -- the loop with the scores a tile ahead (scores_ahead) ------------------------------

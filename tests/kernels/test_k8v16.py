@@ -6,17 +6,21 @@ accuracy; pools poisoned outside what is written, outputs poisoned before the la
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from paged_video import kernels, reference
+from paged_video.kernels import pool_layout
 from paged_video.reference.quantize import dequantize, quantize
-from tests.helpers import DEVICE, nan_like
+from tests.helpers import DEVICE, nan_like, record_launches
 from tests.kernels.paged_case import assert_lse_close, make_paged_case
 from tests.kernels.test_k8v8_attention import masked_case
 
 FP32_ATOL = 2e-5
 LSE_RTOL = 2e-6
+launcher = importlib.import_module("paged_video.kernels.paged_attention")
 
 
 def k8v16_pools(case):
@@ -39,17 +43,56 @@ def k8v16_pools(case):
 )
 def test_k8v16_against_the_oracle_over_rounded_queries(block_size: int, block_n: int) -> None:
     case, kwargs = masked_case(block_size, block_n, "repeated" if block_size == 7 else "permuted")
+    check(case, k8v16_pools(case), block_m=16, block_n=block_n, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "block_size, head_dim, variant",
+    [
+        pytest.param(256, 64, "tma", id="tma-B256"),
+        pytest.param(64, 80, None, id="pointer-B64-hd80"),
+        pytest.param(128, 80, None, id="pointer-B128-hd80"),
+    ],
+)
+def test_k8v16_p_v_under_the_next_softmax(
+    monkeypatch: pytest.MonkeyPatch, block_size: int, head_dim: int, variant
+) -> None:
+    # 64-key tiles inside a block: each tile's P V MMA issued an iteration after its softmax,
+    # into acc in place (_attend_pv_behind). Runs of 6, 1, 2 and 0 unmasked tiles over permuted
+    # blocks, each behind a masked tail, so a missing first or last P V, a doubled softmax step
+    # or V a tile off shows.
+    case = make_paged_case(
+        q_lens=[7, 3, 4, 2], k_lens=[6 * 64 + 3, 64 + 9, 128, 20], block_size=block_size,
+        num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE,
+    )  # fmt: skip
     k_codes, v_cache, k_scale = k8v16_pools(case)
+    if variant == "tma":
+        k_scale = pool_layout.keys_major(k_scale)
+    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
+    launch = {} if variant is None else dict(variant=variant)
+    check(case, (k_codes, v_cache, k_scale), block_n=64, **launch)
+    assert [(flags["BLOCK_N"], flags["TMA"]) for flags in launches] == [(64, variant == "tma")]
+
+
+def check(case, pools: tuple, **kwargs) -> None:
+    """The kernel's output within float32 accuracy of the float64 oracle over the int8-rounded
+    query rows and the dequantized keys, its LSE of those rows (``kwargs``: launcher
+    keywords)."""
+    k_codes, v_cache, k_scale = pools
     args = (case.q, k_codes, v_cache, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
     got, lse = kernels.paged_attention(
         *args, max_seqlen_q=case.max_seqlen_q, k_scale=k_scale, out=nan_like(case.q),
-        block_m=16, block_n=block_n, return_lse=True, **kwargs,
+        return_lse=True, **kwargs,
     )  # fmt: skip
     assert not torch.isnan(got).any()
     q_rows = dequantize(*quantize(case.q.cpu().double(), torch.int8))
-    k = dequantize(k_codes.cpu(), k_scale.cpu())
+    k = dequantize(k_codes.cpu(), k_scale.cpu().contiguous())
     k[k_codes.cpu() == -128] = float("nan")
-    masks = {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in kwargs.items()}
+    masks = {
+        n: v.cpu() if isinstance(v, torch.Tensor) else v
+        for n, v in kwargs.items()
+        if n in ("causal", "key_limits", "key_gap")
+    }
     oracle_args = (q_rows, k, case.v_cache.cpu().double(), case.block_table.cpu(),
                    case.cu_seqlens_q.cpu(), case.seq_lens_k.cpu())  # fmt: skip
     want, want_lse = reference.paged_attention(

@@ -244,7 +244,7 @@ def test_k8v8_p_v_under_the_next_softmax(
     monkeypatch: pytest.MonkeyPatch, block_size: int, head_dim: int, variant, keys_major: bool
 ) -> None:
     # 64-key tiles inside a block: each tile's P V MMA issued an iteration after its softmax and
-    # added into acc the iteration after that (_attend_k8v8_pv_behind). Runs of 6, 1, 2 and 0
+    # added into acc the iteration after that (_attend_pv_behind). Runs of 6, 1, 2 and 0
     # unmasked tiles over permuted blocks, each behind a masked tail, so a missing first or
     # last P V, a doubled softmax step or V a tile off shows.
     case = make_paged_case(
