@@ -255,7 +255,7 @@ stage_choose() {
         sources=("$out_dir/launches/sweep.csv")
         [ -s "$out_dir/sweep.csv" ] && sources+=("$out_dir/sweep.csv")
     fi
-    for probe_csv in "$out_dir"/probe_dequant/probe.csv; do
+    for probe_csv in "$out_dir"/probe_dequant/probe.csv "$out_dir"/probe_eight_bit/probe.csv; do
         grep -q ",ok," "$probe_csv" 2>/dev/null && sources+=(--probe "$probe_csv")
     done
     if [ "$device" = cpu ]; then
@@ -278,12 +278,19 @@ stage_peers_setup() {
 # the last runs), then its 64-key pointer loop and its 64-key TMA loop (bench/COMPILE.md; the
 # e4m3 pool's were deleted, issue 45).
 dequant_int8=triton-int8-keys
+# The 8-bit formats: the table's launch (at 1560 the 128-key TMA loop) against the 64-key
+# pointer loop, whose P V MMA runs under the next tile's softmax (_attend_pv_behind: fewer
+# instructions with no MMA in flight, more in all; docs/quantization.md).
 stage_probes() {
     local each=$((limit_probe * 30 / 100)) rc=0
     "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
         --block-sizes "$dequant_blocks" \
         --runs "$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$dequant_int8@128x64w8s4+tma" \
         --time-limit "$each" --out "$out_dir/probe_dequant" 2>&1 | tail -n 5 || rc=1
+    "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
+        --block-sizes "$dequant_blocks" \
+        --runs "triton-k8v8@default,triton-k8v8@128x64w8s3+cp_async,triton-k8v16@default,triton-k8v16@128x64w8s3+cp_async" \
+        --time-limit "$each" --out "$out_dir/probe_eight_bit" 2>&1 | tail -n 5 || rc=1
     return $rc
 }
 
@@ -347,7 +354,7 @@ for stage in "${stages[@]}"; do
         launches) run_stage launches launches/sweep.csv ;;
         choose|choose2) run_stage "$stage" launch_choices.json ;;
         peers_setup) run_stage peers_setup ;;
-        probes) run_stage probes probe_dequant/probe.csv ;;
+        probes) run_stage probes probe_dequant/probe.csv probe_eight_bit/probe.csv ;;
         peers) run_stage peers peers/sweep.csv ;;
         rollout) run_stage rollout rollout.csv ;;
         accuracy) run_stage accuracy accuracy.csv ;;

@@ -30,7 +30,7 @@ WRITES = {
     "sweep": {"sweep.csv", "sweep.log"},
     "launches": {"launches/sweep.csv"},
     "choose": {"launch_choices.json"},
-    "probes": {"probe_dequant/probe.csv"},
+    "probes": {"probe_dequant/probe.csv", "probe_eight_bit/probe.csv"},
     "choose2": {"launch_choices.json"},
     "peers": {"peers/sweep.csv"},
     "rollout": {"rollout.csv"},
@@ -102,9 +102,12 @@ def test_the_dry_run_runs_every_stage_and_writes_what_the_next_reads(dry_run) ->
     # The launches and the probes, as choose reads them; the table it wrote passes its checks.
     launches = read_rows(out / "launches" / "sweep.csv")
     assert {r["provider"] for r in launches} >= set(choose.LAUNCH_PROVIDERS)
-    for name in ("probe_dequant",):
+    for name, modes in (
+        ("probe_dequant", {"int8_keys"}),
+        ("probe_eight_bit", {"k8v8_keys", "k8v16_keys"}),
+    ):
         probed = choose.read_probe(out / name / "probe.csv")
-        assert any(r["outcome"] == "ok" and r["mode"].endswith("_keys") for r in probed), name
+        assert {r["mode"] for r in probed if r["outcome"] == "ok"} == modes, name
     table = launch_table.read_table(out / "launch_choices.json")
     assert any(r["device"].startswith("cpu") for r in table["choices"])
     assert "not picked by any row (launch providers)" in printed["2"]
@@ -148,11 +151,13 @@ def test_the_gpu_check_names_real_providers_and_runs_and_fits_two_calls() -> Non
     for listed in ("launch_providers", "peer_providers"):
         assert set(variables[listed].split(",")) <= names, listed
     probes = re.findall(r'--runs\s+"([^"]+)"', script)
-    assert len(probes) == 1, probes  # the dequantizing modes' candidates (the MMA modes: deleted)
+    # The dequantizing int8 mode's candidates, then the 8-bit formats' (the MMA modes: deleted).
+    assert len(probes) == 2, probes
     for runs in probes:
         for name, value in variables.items():
             runs = runs.replace(f"${name}", value)
         assert len(parse_runs(runs)) >= 3, runs
+    assert {p for p, _ in parse_runs(probes[1])} == {"triton-k8v8", "triton-k8v16"}
     limits = _gpu_limits(script)
     stage_limit = {
         "versions": "VERSIONS", "peers_setup": "PEERS_SETUP", "tests": "TESTS", "sweep": "SWEEP",
