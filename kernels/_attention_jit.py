@@ -751,15 +751,18 @@ def _unmasked_tile(
     PIECE_SIZE: tl.constexpr,
     DESCRIPTOR_LOADS: tl.constexpr,
     SCALAR_BASE: tl.constexpr,
+    KEYS_ALIGNED: tl.constexpr = False,
 ):
-    """One 16-bit cache's whole key tile at piece position ``n_start`` from its block ids (as
+    """One cache's whole key tile at piece position ``n_start`` from its block ids (as
     ``_attend_tiles`` loads an unmasked tile): by descriptor (``desc`` at column ``desc_col``),
-    from the loop-invariant pointer tile ``tile`` plus a scalar base, or by per-row offsets
-    (``tile`` then points at the head's channels)."""
+    from the loop-invariant pointer tile ``tile`` plus a scalar base (``KEYS_ALIGNED``: as
+    ``_tile_base``'s), or by per-row offsets (``tile`` then points at the head's channels)."""
     if DESCRIPTOR_LOADS:
         return desc.load([id0 * BLOCK_SIZE + PIECE_OFFSET + n_start % PIECE_SIZE, desc_col])
     if SCALAR_BASE:
-        ptrs = tile + _tile_base(id0, n_start, cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False)
+        ptrs = tile + _tile_base(
+            id0, n_start, cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, KEYS_ALIGNED
+        )
     else:
         rows = _tile_rows(
             id0, id1, ids, n_start, cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32,
@@ -959,11 +962,11 @@ def _attend_k8v8_ahead(
             PIECE_OFFSET, PIECE_SIZE, False, False,
         )  # fmt: skip
         if DESCRIPTOR_LOADS:
-            k, v = _k8v8_descriptor_tiles(
-                descs, k_id0, PIECE_OFFSET + k_start % PIECE_SIZE, v_id0,
-                PIECE_OFFSET + v_start % PIECE_SIZE, BLOCK_SIZE, BLOCK_N, BLOCK_D, V_KEYS_MAJOR,
-            )  # fmt: skip
             v_slot = PIECE_OFFSET + v_start % PIECE_SIZE
+            k, v = _k8v8_descriptor_tiles(
+                descs, k_id0, PIECE_OFFSET + k_start % PIECE_SIZE, v_id0, v_slot, BLOCK_SIZE,
+                BLOCK_N, BLOCK_D, V_KEYS_MAJOR,
+            )  # fmt: skip
             k_col = descs[4].load([v_id0 * k_scales[1] + descs[6] + v_slot])
         else:
             if SCALAR_BASE:
@@ -1072,7 +1075,6 @@ def _attend_pv_behind(
     table_row, stride_table_col = table
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < HEAD_DIM
     # k8v8: a slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the
     # loop; K's rows (and scales) in the 8-bit MMA's key order, so P feeds the FP8 MMA as is.
     v_head = v_cache[0] if V_KEYS_MAJOR or K8V16 else v_cache[0].to(tl.pointer_type(tl.uint8))
@@ -1111,18 +1113,16 @@ def _attend_pv_behind(
                 descs, k_id0, k_slot, v_id0, v_slot, BLOCK_SIZE, BLOCK_N, BLOCK_D, V_KEYS_MAJOR
             )
         else:
-            k_ptrs = k_tile + _tile_base(
-                k_id0, k_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
-            )
-            v_ptrs = v_tile + _tile_base(
-                v_id0, v_start, v_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR
-            )
-            if HEAD_DIM == BLOCK_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=d_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+            k = _unmasked_tile(
+                k_cache, descs[0], descs[2], k_tile, k_id0, 0, 0, k_start, BLOCK_N, BLOCK_D,
+                HEAD_DIM, BLOCK_SIZE, "contiguous", OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
+                True,
+            )  # fmt: skip
+            v = _unmasked_tile(
+                v_cache, descs[1], descs[2], v_tile, v_id0, 0, 0, v_start, BLOCK_N, BLOCK_D,
+                HEAD_DIM, BLOCK_SIZE, "contiguous", OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
+                True, V_KEYS_MAJOR,
+            )  # fmt: skip
         if TMA:
             k_col = descs[4].load([k_id0 * k_scales[1] + descs[6] + k_slot])
         else:
