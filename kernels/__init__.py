@@ -20,12 +20,17 @@ else:
         merge_attention_states,
         merge_stacked_attention_states,
     )
-    from paged_video.kernels.paged_attention import choose_tiles, paged_attention
+    from paged_video.kernels.paged_attention import (
+        call_tiles,
+        choose_tiles,
+        paged_attention,
+    )
     from paged_video.kernels.pool_layout import keys_major
     from paged_video.kernels.write_slots import write_slots
 
 __all__ = [
     "backend",
+    "call_tiles",
     "choose_tiles",
     "gather_blocks",
     "key_limits_from_spans",

@@ -484,6 +484,68 @@ def choose_tiles(
     }
 
 
+def _eight_bit_formats(
+    k_scale: Tensor | None, v_scale: Tensor | None, v_channel_scale: Tensor | None
+) -> tuple[bool, bool, bool]:
+    """``(k8v8, k8v16, v_block_scales)`` of a call's scale tensors: k8v8 has V's channel
+    scales (per block unless frozen), k8v16 int8 K's scales and no V scales (V as stored)."""
+    k8v8 = v_channel_scale is not None
+    k8v16 = k_scale is not None and v_scale is None and not k8v8
+    return k8v8, k8v16, k8v8 and not value_channels.is_frozen(v_channel_scale)
+
+
+def call_tiles(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    max_seqlen_q: int,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    v_channel_scale: Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    variant: str | None = None,
+    scores_ahead: bool | None = None,
+) -> dict[str, int | str | bool]:
+    """The launch ``paged_attention`` takes on this machine for these tensors and settings (the
+    keywords of the same names): ``choose_tiles``' result for the call, whose ``VARIANT`` is
+    the loop asked for before the pools' layout is weighed, and ``TMA_READY``, whether the
+    pools are ones the TMA loop reads (else a ``tma`` choice runs ``cp_async``). For a
+    notebook asking which loop a call runs, and for oracles that model the kernel's tile
+    (``bench accuracy``'s k8v8 emulation adds the FP8 MMA's sums into float32 once a tile, as
+    the kernel does). The tensors are taken as ``paged_attention`` checks them: only their
+    ranks are checked here."""
+    for name, tensor, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if tensor.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D, got shape {tuple(tensor.shape)}")
+    k8v8, k8v16, v_block_scales = _eight_bit_formats(k_scale, v_scale, v_channel_scale)
+    head_dim = q.shape[2]
+    scales = (k_scale, v_scale) if k_scale is not None else None
+    if k8v8 or k8v16:
+        scales = (k_scale,)  # (V's scales are per channel: no descriptor reads them)
+    block_d = _block_d(head_dim, k8v8 or k8v16)
+    tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, k8v8)
+    tiles = choose_tiles(
+        block_size=k_cache.shape[1],
+        head_dim=head_dim,
+        max_seqlen_q=max_seqlen_q,
+        dtype=q.dtype,
+        block_m=block_m,
+        block_n=block_n,
+        heads_per_kv_head=q.shape[1] // k_cache.shape[2],
+        dequantize=v_scale is not None,
+        variant=variant,
+        scores_ahead=scores_ahead,
+        tma_ready=tma_ready,
+        kv_dtype=k_cache.dtype,
+        k8v8=k8v8,
+        v_block_scales=v_block_scales,
+        k8v16=k8v16,
+    )
+    return {**tiles, "TMA_READY": tma_ready}
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -591,32 +653,21 @@ def paged_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
-    k8v8 = v_channel_scale is not None
-    # k8v16: int8 K with its scales, V as stored (16-bit), no V scales.
-    k8v16 = k_scale is not None and v_scale is None and not k8v8
-    v_block_scales = k8v8 and not value_channels.is_frozen(v_channel_scale)
-    scales = (k_scale, v_scale) if k_scale is not None else None
-    if k8v8 or k8v16:
-        scales = (k_scale,)  # (V's scales are per channel: no descriptor reads them)
-    block_d = _block_d(head_dim, k8v8 or k8v16)
-    tma_ready = _descriptor_layout(k_cache, v_cache, block_d, head_dim, scales, k8v8)
-    tiles = choose_tiles(
-        block_size=block_size,
-        head_dim=head_dim,
+    k8v8, k8v16, v_block_scales = _eight_bit_formats(k_scale, v_scale, v_channel_scale)
+    tiles = call_tiles(
+        q,
+        k_cache,
+        v_cache,
         max_seqlen_q=max_seqlen_q,
-        dtype=q.dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        v_channel_scale=v_channel_scale,
         block_m=block_m,
         block_n=block_n,
-        heads_per_kv_head=group,
-        dequantize=v_scale is not None,
         variant=variant,
         scores_ahead=scores_ahead,
-        tma_ready=tma_ready,
-        kv_dtype=k_cache.dtype,
-        k8v8=k8v8,
-        v_block_scales=v_block_scales,
-        k8v16=k8v16,
     )
+    tma_ready = tiles.pop("TMA_READY")
     chosen_variant = tiles.pop("VARIANT")
     if tiles["TMA"] and not tma_ready:
         if variant is not None:

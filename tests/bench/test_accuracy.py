@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -29,6 +30,8 @@ from paged_video.bench.accuracy import (
     target_rel_l1,
 )
 from paged_video.bench.cli import main
+from paged_video.kernels import _runtime
+from paged_video.reference.eight_bit_attention import FP8_MMA_ACC_BITS
 from paged_video.reference.quantized_attention import quantized_attention
 
 # One query frame of 8 tokens over 3 frames of keys, blocks of 5 (a frame straddles blocks).
@@ -456,3 +459,46 @@ def test_one_switch_rows_equalize_k_as_the_cache_does(tmp_path):
     for row in by.values():
         assert abs(float(row["vs_floor"]) - 1) < 1e-3, row
     assert abs(float(by["on"]["rel_l1"]) / float(by["off"]["rel_l1"]) - 1) > 0.05
+
+
+@pytest.mark.parametrize(
+    ("block_size", "launch"),
+    [
+        pytest.param(1560, {"BLOCK_N": 128, "TMA": True}, id="frame-blocks-tma-128"),
+        pytest.param(64, {"BLOCK_N": 64, "TMA": False}, id="block-64-pointer-64"),
+    ],
+)
+def test_the_k8v8_floor_on_a_gpu_flushes_once_a_tile_of_the_launch(
+    block_size: int, launch: dict, monkeypatch
+):
+    # On a GPU the k8v8 loop adds each key tile's FP8 MMA sum (13-bit accumulator) into float32:
+    # its emulation must too, at the tile the bench's own launch takes, not once a sequence
+    # (4.3% on random data where the kernel's arithmetic gives 3.7%). The launch is the GPU's
+    # (the launch table; the kernels then take the plain-PyTorch path on the CPU), and the
+    # bench's pools are laid out as the cache's, so it takes the table's keys-major rows.
+    attention_module = importlib.import_module("paged_video.kernels.paged_attention")
+    launches = []
+    choose_tiles = attention_module.choose_tiles
+
+    def spy(**kwargs) -> dict:
+        tiles = choose_tiles(**kwargs)
+        launches.append({**kwargs, **tiles})
+        return tiles
+
+    config = AccuracyConfig(
+        heads=1, q_rows=16, sink_chunks=1, window_chunks=1, block_size=block_size,
+        q_dtype=torch.bfloat16, data=("random",),
+    )  # fmt: skip
+    variant = Variant("k8v8", "k8v8", True, True)
+    data = make_data("random", config)
+    monkeypatch.setattr(_runtime, "interpreter_active", lambda: False)
+    monkeypatch.setattr(attention_module, "interpreter_active", lambda: False)
+    monkeypatch.setattr(attention_module, "choose_tiles", spy)
+    attend(variant, data, config, prepare(data, config))
+    [attended] = [t for t in launches if t["k8v8"]]
+    assert attended["tma_ready"], "the bench's k8v8 pools are not laid out as the cache's"
+    assert {key: attended[key] for key in launch} == launch
+    assert accuracy.kernel_tile_keys(variant, config) == launch["BLOCK_N"]
+    monkeypatch.setattr(accuracy, "kernel_tile_keys", lambda *_: launch["BLOCK_N"])
+    fmt = accuracy.eight_bit_emulation(variant, dataclasses.replace(config, device="cuda"))
+    assert fmt.acc_bits == FP8_MMA_ACC_BITS and fmt.flush_keys == launch["BLOCK_N"]

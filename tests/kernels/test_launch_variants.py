@@ -292,6 +292,36 @@ def test_descriptor_layout_conditions(change: dict) -> None:
     assert not launcher._descriptor_layout(bad, bad, block_d, d)
 
 
+@pytest.mark.parametrize("scales_keys_major", [True, False], ids=["keys-major", "slot-major"])
+def test_call_tiles_is_the_launch_a_call_takes(scales_keys_major: bool, monkeypatch) -> None:
+    # A k8v8 call on a GPU: the table's keys-major row (TMA over 128-key tiles at block 1560)
+    # only where the pools are ones the TMA loop reads (paged_attention takes its launch from
+    # call_tiles). Meta tensors: shapes and strides without memory.
+    monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
+    heads, head_dim, block_size = 1, 128, 1560
+    k_cache = torch.zeros(2, block_size, heads, head_dim, dtype=torch.int8, device="meta")
+    v_cache = kernels.pool_layout.empty_keys_major(
+        2, block_size, heads, head_dim, dtype=torch.float8_e4m3fn, device="meta"
+    )
+    k_scale = torch.empty(2, block_size, heads, device="meta")
+    if scales_keys_major:
+        k_scale = kernels.pool_layout.empty_keys_major(
+            2, block_size, heads, dtype=torch.float32, device="meta"
+        )
+    channels = torch.empty(1, heads, head_dim, device="meta").expand(2, -1, -1)
+    q = torch.empty(64, heads, head_dim, dtype=torch.bfloat16, device="meta")
+    tiles = kernels.call_tiles(
+        q, k_cache, v_cache, max_seqlen_q=64, k_scale=k_scale, v_channel_scale=channels
+    )
+    assert tiles["TMA_READY"] is scales_keys_major
+    if scales_keys_major:
+        assert (tiles["BLOCK_N"], tiles["TMA"], tiles["VARIANT"]) == (128, True, "tma")
+    else:
+        assert (tiles["BLOCK_N"], tiles["TMA"]) == (64, False)
+    with pytest.raises(ValueError, match="k_cache must be 4-D"):
+        kernels.call_tiles(q, k_cache[0], v_cache, max_seqlen_q=64)
+
+
 def test_launch_table_routes_gpu_defaults(monkeypatch) -> None:
     monkeypatch.setattr(launcher, "interpreter_active", lambda: False)
     choices = {
