@@ -16,8 +16,10 @@ from paged_video.bench import accuracy
 from paged_video.bench.accuracy import (
     ACCURACY_COLUMNS,
     AccuracyConfig,
+    Data,
     FloorCache,
     Floors,
+    Prepared,
     Variant,
     attend,
     make_data,
@@ -502,3 +504,27 @@ def test_the_k8v8_floor_on_a_gpu_flushes_once_a_tile_of_the_launch(
     monkeypatch.setattr(accuracy, "kernel_tile_keys", lambda *_: launch["BLOCK_N"])
     fmt = accuracy.eight_bit_emulation(variant, dataclasses.replace(config, device="cuda"))
     assert fmt.acc_bits == FP8_MMA_ACC_BITS and fmt.flush_keys == launch["BLOCK_N"]
+
+
+@pytest.mark.parametrize(
+    ("variant", "best_scale"),
+    [
+        pytest.param(Variant("int8", "dequant", True, True), False, id="int8-stored"),
+        pytest.param(Variant("int8", "dequant", True, True), True, id="int8-best-scale"),
+        pytest.param(Variant("e4m3", "dequant", True, False), False, id="e4m3-k8v8-target"),
+        pytest.param(Variant("k8v8", "k8v8", True, True), False, id="k8v8"),
+        pytest.param(Variant("k8v16", "k8v16", True, True), False, id="k8v16"),
+    ],
+)
+def test_every_floor_is_computed_on_the_datas_device(variant: Variant, best_scale: bool):
+    # On a GPU the floors run over CUDA tensors, and a tensor an emulation makes on the CPU
+    # crashes the report there (the 2026-12-04 window's did, in quantize_best_scale; k8v8's
+    # emulation made four). Meta tensors turn the same mistake into an error on a CPU.
+    data = make_data("random", TINY)
+    prepared = prepare(data, TINY)
+    meta = Data(*(t.to("meta") for t in dataclasses.astuple(data)))
+    meta_prepared = Prepared(*(t.to("meta") for t in dataclasses.astuple(prepared)))
+    config = dataclasses.replace(TINY, device="meta")
+    floors = FloorCache(meta, meta.q.to(torch.float64), meta_prepared, config)
+    out = floors._emulate(variant, best_scale=best_scale)
+    assert out.device.type == "meta" and out.shape == data.q.shape

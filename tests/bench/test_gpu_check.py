@@ -121,6 +121,12 @@ def test_the_dry_run_runs_every_stage_and_writes_what_the_next_reads(dry_run) ->
     ]
     assert all(float(r["steady_fps"]) > 0 for r in rollout)
     assert "Self-Forcing 17 FPS, LongLive 20.7 FPS" in printed["2"]
+    # Accuracy: every quantized format kept, each against its own float64 emulation (on a GPU
+    # the only check of the 8-bit formats' arithmetic as the hardware rounds it).
+    with open(out / "accuracy.csv", newline="") as stream:
+        accurate = list(csv.DictReader(stream))
+    assert {r["format"] for r in accurate} == {"bf16", "int8", "k8v8", "k8v16"}
+    assert all(r["mode_floor_rel_l1"] for r in accurate if r["format"] != "bf16")
     with open(out / "compile.csv", newline="") as stream:
         compiled = list(csv.DictReader(stream))
     assert compiled and all(not r["error"] for r in compiled)
