@@ -29,7 +29,8 @@
 #             OUT_DIR), and the launch providers no row picked.
 # Part 2 (versions and peers_setup again, then):
 #   probes    the quantized loop candidates (bench.launch_probe: the dequantizing modes over
-#             keys-major scales);
+#             keys-major scales; k8v8 and k8v16, the table's launch against the 64-key loop
+#             with each P V under the next softmax, at blocks 1560 then 16);
 #   choose2   the launch table again from both (16-bit and quantized rows);
 #   peers     our kernel, the table's launch and the staged path beside sdpa-best, FlexAttention,
 #             sageattention 1.0.6 and FlashAttention-4 (bench/peer_wheels.sh: wheels carried,
@@ -84,6 +85,9 @@ if [ "$device" = cuda ]; then
     geometry=(--preset shipped)
     probe_geometry=()
     dequant_blocks=1560 peer_blocks=16,1560
+    # The 8-bit formats' 64-key loops against the table's 128-key ones: frame-sized blocks,
+    # then block 16's gathered tiles (the rows path) if the stage's time is left.
+    eight_bit_blocks=1560,16
     # 8 heads, not 40: the one-switch formats' float64 emulations (k8v8's models its 13-bit
     # accumulator a k-step at a time) join int8's rows within the stage's limit (an estimate).
     accuracy_geometry=(--heads 8)
@@ -100,7 +104,7 @@ else
     tiny=(--device cpu --chunk-sizes 16 --heads 2 --gqa-groups 1 --cpu-reps 1)
     geometry=(--preset small "${tiny[@]}")
     probe_geometry=(--preset small --device cpu)
-    dequant_blocks=16 peer_blocks=16
+    dequant_blocks=16 peer_blocks=16 eight_bit_blocks=16
     accuracy_geometry=(--device cpu --heads 1 --head-dim 32 --chunk-size 16 --sink-chunks 1
         --window-chunks 1 --queries 8 --block-size 16 --data random --equalize off)
     rollout_shape=(--tiny --device cpu --blocks 2)
@@ -291,7 +295,7 @@ stage_probes() {
         --runs "$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$dequant_int8@128x64w8s4+tma" \
         --time-limit "$each" --out "$out_dir/probe_dequant" 2>&1 | tail -n 5 || rc=1
     "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
-        --block-sizes "$dequant_blocks" \
+        --block-sizes "$eight_bit_blocks" \
         --runs "triton-k8v8@default,triton-k8v8@128x64w8s3+cp_async,triton-k8v16@default,triton-k8v16@128x64w8s3+cp_async" \
         --time-limit "$each" --out "$out_dir/probe_eight_bit" 2>&1 | tail -n 5 || rc=1
     return $rc

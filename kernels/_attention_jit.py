@@ -1032,6 +1032,7 @@ def _attend_pv_behind(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_PATH: tl.constexpr,
     OFFSETS_32: tl.constexpr,
     V_KEYS_MAJOR: tl.constexpr,
     SCALES_KEYS_MAJOR: tl.constexpr,
@@ -1078,9 +1079,16 @@ def _attend_pv_behind(
     # k8v8: a slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the
     # loop; K's rows (and scales) in the 8-bit MMA's key order, so P feeds the FP8 MMA as is.
     v_head = v_cache[0] if V_KEYS_MAJOR or K8V16 else v_cache[0].to(tl.pointer_type(tl.uint8))
-    k_offs = offs_n if K8V16 else _fp8_mma_key_order(offs_n)
-    k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
-    v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    # Tiles inside one block take a scalar base (and descriptors); tiles gathered from the
+    # pieces of several blocks (the rows path, small pieces) per-row offsets from their ids.
+    SCALAR_BASE: tl.constexpr = PIECE_SIZE % BLOCK_N == 0
+    if SCALAR_BASE:
+        k_offs = offs_n if K8V16 else _fp8_mma_key_order(offs_n)
+        k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
+        v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    else:
+        k_tile = k_cache[0] + offs_d[None, :] * k_cache[3]
+        v_tile = v_head + offs_d[None, :] * v_cache[3]
     last = num_tiles - 1
     rows: tl.constexpr = q.shape[0]
     # Carried: k8v8's P V sum issued last iteration (pv, with its rescale) and the
@@ -1089,46 +1097,72 @@ def _attend_pv_behind(
     probs = tl.zeros([rows, BLOCK_N], dtype=tl.float32)
     pv_rescale = tl.full([rows], 1.0, dtype=tl.float32)
     p_rescale = pv_rescale
-    k_id0, _, _ = _tile_block_ids(
-        table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE,
-        "contiguous", PIECE_OFFSET, PIECE_SIZE, False, False,
+    k_id0, k_id1, k_ids = _tile_block_ids(
+        table_row, stride_table_col, first_tile, positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH,
+        PIECE_OFFSET, PIECE_SIZE, False, False,
     )  # fmt: skip
-    v_id0 = k_id0
+    v_id0, v_id1, v_ids = k_id0, k_id1, k_ids
     steps = num_tiles + (num_tiles > 0)  # the tiles, and a P V after the last softmax
     for j in range(steps):
         k_start = first_tile + tl.minimum(j, last) * BLOCK_N
         v_start = first_tile + BLOCK_N * tl.maximum(j - 1, 0)
-        next_k_id0, _, _ = _tile_block_ids(
+        next_k_id0, next_k_id1, next_k_ids = _tile_block_ids(
             table_row, stride_table_col, first_tile + tl.minimum(j + 1, last) * BLOCK_N,
-            positions_end, BLOCK_N, BLOCK_SIZE, "contiguous", PIECE_OFFSET, PIECE_SIZE, False,
-            False,
+            positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, False,
         )  # fmt: skip
+        if SCALAR_BASE:
+            # V's next tile is this K's: its one id carried.
+            next_v_id0, next_v_id1, next_v_ids = k_id0, k_id1, k_ids
+        else:
+            # A gathered tile's ids read apart for V: carried two iterations from K's, they
+            # cost Triton 3.9's pipeliner the K tile's prefetch (stored through registers).
+            next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(
+                table_row, stride_table_col, first_tile + j * BLOCK_N, positions_end, BLOCK_N,
+                BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, False,
+            )  # fmt: skip
         k_slot = PIECE_OFFSET + k_start % PIECE_SIZE
         v_slot = PIECE_OFFSET + v_start % PIECE_SIZE
-        if TMA and K8V16:
+        if TMA and SCALAR_BASE and K8V16:
             k = descs[0].load([k_id0 * BLOCK_SIZE + k_slot, descs[2]])
             v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])
-        elif TMA:
+        elif TMA and SCALAR_BASE:
             k, v = _k8v8_descriptor_tiles(
                 descs, k_id0, k_slot, v_id0, v_slot, BLOCK_SIZE, BLOCK_N, BLOCK_D, V_KEYS_MAJOR
             )
-        else:
+        elif SCALAR_BASE:
             k = _unmasked_tile(
                 k_cache, descs[0], descs[2], k_tile, k_id0, 0, 0, k_start, BLOCK_N, BLOCK_D,
-                HEAD_DIM, BLOCK_SIZE, "contiguous", OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
+                HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
                 True,
             )  # fmt: skip
             v = _unmasked_tile(
                 v_cache, descs[1], descs[2], v_tile, v_id0, 0, 0, v_start, BLOCK_N, BLOCK_D,
-                HEAD_DIM, BLOCK_SIZE, "contiguous", OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
+                HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
                 True, V_KEYS_MAJOR,
             )  # fmt: skip
-        if TMA:
+        else:
+            # K's rows in the 8-bit MMA's key order (k8v8), V's in position order.
+            k_rows = _tile_rows(
+                k_id0, k_id1, k_ids, k_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, not K8V16,
+            )  # fmt: skip
+            v_rows = _tile_rows(
+                v_id0, v_id1, v_ids, v_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR, False,
+            )  # fmt: skip
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_tile + k_rows[:, None])
+                v = tl.load(v_tile + v_rows[:, None])
+            else:
+                d_mask = offs_d[None, :] < HEAD_DIM
+                k = tl.load(k_tile + k_rows[:, None], mask=d_mask, other=0.0)
+                v = tl.load(v_tile + v_rows[:, None], mask=d_mask, other=0.0)
+        if TMA and SCALAR_BASE:
             k_col = descs[4].load([k_id0 * k_scales[1] + descs[6] + k_slot])
         else:
             ks_rows = _tile_rows(
-                k_id0, 0, 0, k_start, k_scales, BLOCK_N, BLOCK_SIZE, "contiguous", OFFSETS_32,
-                PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, False,
+                k_id0, k_id1, k_ids, k_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,
+                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, False,
             )  # fmt: skip
             k_col = _load_scales(k_scales[0], ks_rows, 0, False, WIDE_SCALES, BLOCK_N)
         if not K8V16:
@@ -1149,8 +1183,8 @@ def _attend_pv_behind(
         probs, p_rescale, row_max, row_sum = _int8_scores_softmax(
             qk, k_col, row_max, row_sum, scale_log2, j == num_tiles, not K8V16
         )
-        v_id0 = k_id0
-        k_id0 = next_k_id0
+        v_id0, v_id1, v_ids = next_v_id0, next_v_id1, next_v_ids
+        k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
     if not K8V16:
         acc = acc * pv_rescale[:, None] + pv
     return acc, row_max, row_sum
@@ -1402,13 +1436,19 @@ def _attend_piece(
     # than the tile: block 24 (16 + 8) spilled 16-40 bytes so (64- and 128-key tiles), none in
     # _attend_tiles' loop.
     K8V8_AHEAD: tl.constexpr = K8V8 and (KV_PATH != "block_tiles" or PIECE_SIZE % BLOCK_N == 0)
-    # k8v8's and k8v16's unmasked 64-key tiles inside one block run each P V MMA under the
-    # next softmax (_attend_pv_behind; at 128 keys it spilled, 32-188 bytes).
+    # k8v8's and k8v16's unmasked 64-key tiles run each P V MMA under the next softmax
+    # (_attend_pv_behind; at 128 keys it spilled, 32-188 bytes): tiles inside one block, and
+    # tiles gathered from several blocks' pieces, k8v8's only from a keys-major V in runs of 8
+    # keys or more (8 bytes a copy: block 7's pieces of 4, 2 and 1 went through shared memory
+    # and spilled 120-524 bytes).
+    GATHERED_PV_BEHIND: tl.constexpr = BLOCK_N % PIECE_SIZE == 0 and (
+        K8V16 or (V_KEYS_MAJOR and PIECE_SIZE % 8 == 0)
+    )
     PV_BEHIND: tl.constexpr = (
         (K8V16 or (K8V8 and not V_BLOCK_SCALES))
         and BLOCK_N == 64
         and KV_PATH != "two_blocks"
-        and PIECE_SIZE % BLOCK_N == 0
+        and (PIECE_SIZE % BLOCK_N == 0 or GATHERED_PV_BEHIND)
     )
     lo = _piece_position(run_lo, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
     hi = _piece_position(run_hi, BLOCK_SIZE, PIECE_OFFSET, PIECE_SIZE)
@@ -1469,9 +1509,9 @@ def _attend_piece(
         elif not masked and PV_BEHIND:
             state = _attend_pv_behind(
                 state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
-                BLOCK_D, HEAD_DIM, BLOCK_SIZE, OFFSETS_32, V_KEYS_MAJOR, SCALES_KEYS_MAJOR,
-                WIDE_SCALES, K8V16, UPCAST, DOT_PRECISION, INTERPRETED, TMA, PIECE_OFFSET,
-                PIECE_SIZE,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, V_KEYS_MAJOR,
+                SCALES_KEYS_MAJOR, WIDE_SCALES, K8V16, UPCAST, DOT_PRECISION, INTERPRETED, TMA,
+                PIECE_OFFSET, PIECE_SIZE,
             )  # fmt: skip
         elif not masked and K8V8_AHEAD:
             state = _attend_k8v8_ahead(

@@ -1591,9 +1591,27 @@ MUTANTS = [
     _m(
         "pv-behind-v-of-the-scores-tile",
         "kernels/_attention_jit.py",
-        "        v_id0 = k_id0\n        k_id0 = next_k_id0\n",
-        "        v_id0 = next_k_id0\n        k_id0 = next_k_id0\n",
+        "            next_v_id0, next_v_id1, next_v_ids = k_id0, k_id1, k_ids\n",
+        "            next_v_id0, next_v_id1, next_v_ids = next_k_id0, next_k_id1, next_k_ids\n",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
+    ),
+    _m(
+        "pv-behind-gathered-v-of-the-scores-tile",
+        "kernels/_attention_jit.py",
+        "            next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(\n"
+        "                table_row, stride_table_col, first_tile + j * BLOCK_N,",
+        "            next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(\n"
+        "                table_row, stride_table_col, first_tile + tl.minimum(j + 1, last)"
+        " * BLOCK_N,",
+        f"{K8}::test_k8v8_p_v_under_the_next_softmax[rows-B16]",
+        "tests/kernels/test_k8v16.py::test_k8v16_p_v_under_the_next_softmax[pieces-B24-hd80]",
+    ),
+    _m(
+        "pv-behind-gathered-k-in-position-order",
+        "kernels/_attention_jit.py",
+        "                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, not K8V16,\n",
+        "                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, False,\n",
+        f"{K8}::test_k8v8_p_v_under_the_next_softmax[pieces-B24]",
     ),
     _m(
         "pv-behind-k8v16-acc-unrescaled",
@@ -1606,8 +1624,10 @@ MUTANTS = [
     _m(
         "pv-behind-k8v16-v-of-the-scores-tile",
         "kernels/_attention_jit.py",
-        "            v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])\n        elif TMA:",
-        "            v = descs[1].load([k_id0 * BLOCK_SIZE + k_slot, descs[2]])\n        elif TMA:",
+        "            v = descs[1].load([v_id0 * BLOCK_SIZE + v_slot, descs[2]])\n"
+        "        elif TMA and SCALAR_BASE:",
+        "            v = descs[1].load([k_id0 * BLOCK_SIZE + k_slot, descs[2]])\n"
+        "        elif TMA and SCALAR_BASE:",
         "tests/kernels/test_k8v16.py::test_k8v16_p_v_under_the_next_softmax[tma-B256]",
     ),
     _m(
@@ -1650,8 +1670,8 @@ MUTANTS = [
     _m(
         "ahead-v-block-ids-of-the-k-tile",
         "kernels/_attention_jit.py",
-        "        v_id0, v_id1, v_ids = next_v_id0, next_v_id1, next_v_ids",
-        "        v_id0, v_id1, v_ids = next_k_id0, next_k_id1, next_k_ids",
+        "        v_id0, v_id1, v_ids = next_v_id0, next_v_id1, next_v_ids\n    return state",
+        "        v_id0, v_id1, v_ids = next_k_id0, next_k_id1, next_k_ids\n    return state",
         f"{AHEAD}::test_scores_ahead_over_long_runs_across_blocks",
     ),
     _m(

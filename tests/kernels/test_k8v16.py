@@ -54,15 +54,18 @@ def test_k8v16_against_the_oracle_over_rounded_queries(block_size: int, block_n:
         pytest.param(256, 64, "tma", id="tma-B256"),
         pytest.param(64, 80, None, id="pointer-B64-hd80"),
         pytest.param(128, 80, None, id="pointer-B128-hd80"),
+        pytest.param(16, 128, None, id="rows-B16"),
+        pytest.param(24, 80, None, id="pieces-B24-hd80"),
+        pytest.param(7, 128, None, id="pieces-B7"),
     ],
 )
 def test_k8v16_p_v_under_the_next_softmax(
     monkeypatch: pytest.MonkeyPatch, block_size: int, head_dim: int, variant
 ) -> None:
-    # 64-key tiles inside a block: each tile's P V MMA issued an iteration after its softmax,
-    # into acc in place (_attend_pv_behind). Runs of 6, 1, 2 and 0 unmasked tiles over permuted
-    # blocks, each behind a masked tail, so a missing first or last P V, a doubled softmax step
-    # or V a tile off shows.
+    # 64-key tiles, inside a block or gathered from blocks (rows) or block pieces: each tile's
+    # P V MMA issued an iteration after its softmax, into acc in place (_attend_pv_behind).
+    # Runs of 6, 1, 2 and 0 unmasked tiles over permuted blocks, each behind a masked tail, so
+    # a missing first or last P V, a doubled softmax step or V a tile off shows.
     case = make_paged_case(
         q_lens=[7, 3, 4, 2], k_lens=[6 * 64 + 3, 64 + 9, 128, 20], block_size=block_size,
         num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE,

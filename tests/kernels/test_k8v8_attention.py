@@ -238,15 +238,22 @@ def test_k8v8_descriptor_loop(monkeypatch: pytest.MonkeyPatch, per_block: bool) 
         pytest.param(256, 64, "tma", True, id="tma-B256"),
         pytest.param(64, 80, None, True, id="pointer-B64-hd80"),
         pytest.param(128, 80, None, False, id="slot-major-v-B128"),
+        pytest.param(16, 128, None, True, id="rows-B16"),
+        pytest.param(32, 80, None, True, id="rows-B32-hd80"),
+        pytest.param(24, 128, None, True, id="pieces-B24"),
+        pytest.param(48, 80, None, True, id="pieces-B48-hd80"),
     ],
 )
 def test_k8v8_p_v_under_the_next_softmax(
     monkeypatch: pytest.MonkeyPatch, block_size: int, head_dim: int, variant, keys_major: bool
 ) -> None:
-    # 64-key tiles inside a block: each tile's P V MMA issued an iteration after its softmax and
-    # added into acc the iteration after that (_attend_pv_behind). Runs of 6, 1, 2 and 0
-    # unmasked tiles over permuted blocks, each behind a masked tail, so a missing first or
-    # last P V, a doubled softmax step or V a tile off shows.
+    # 64-key tiles, inside a block or gathered from blocks (rows) or block pieces (48 = 32 +
+    # 16, 24 = 16 + 8; block 7's pieces of 4, 2, 1 keep the plain loop): each tile's P V MMA
+    # issued an iteration after its softmax and added into acc the iteration after that
+    # (_attend_pv_behind), V's rows from the ids of the tile before (a tile of several blocks
+    # reads V of the blocks K read). Runs of 6, 1, 2 and 0 unmasked tiles over permuted
+    # blocks, each behind a masked tail, so a missing first or last P V, a doubled softmax
+    # step or V a tile off shows.
     case = make_paged_case(
         q_lens=[7, 3, 4, 2], k_lens=[6 * 64 + 3, 64 + 9, 128, 20], block_size=block_size,
         num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE,
