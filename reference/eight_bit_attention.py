@@ -151,10 +151,7 @@ def _codes_by_group(x32: Tensor, amax: Tensor, dtype: torch.dtype, expand: int) 
 
 def _group_amax(x32: Tensor, rows: int) -> Tensor:
     """``(ceil(L / rows), H)`` amax of ``|x32 (L, H, D)|`` over runs of ``rows`` rows and D."""
-    length = x32.shape[0]
-    padded = torch.zeros(math.ceil(length / rows) * rows, *x32.shape[1:], dtype=torch.float32)
-    padded[:length] = x32.abs()
-    return padded.unflatten(0, (-1, rows)).amax(dim=(1, 3))
+    return _pad_keys(x32.abs(), 0, rows).unflatten(0, (-1, rows)).amax(dim=(1, 3))
 
 
 def quantize_queries(q: Tensor, fmt: EightBitFormat, k_factor: Tensor | None = None) -> Codes:
@@ -201,13 +198,12 @@ def quantize_values(v: Tensor, fmt: EightBitFormat, first_write: int | None = No
     v32 = v.to(torch.float32)
     length, heads, dim = v32.shape
     if fmt.v_scales == "none":
-        return Codes(v.to(torch.float64), torch.ones(heads, dim, dtype=torch.float32))
+        return Codes(v.to(torch.float64), v32.new_ones(heads, dim))
     if fmt.v_scales == "slot":
         return _codes_by_group(v32, v32.abs().amax(dim=-1), E4M3, 1)
     if fmt.v_scales == "block":
         keys = fmt.v_keys_per_scale
-        padded = torch.zeros(math.ceil(length / keys) * keys, heads, dim, dtype=torch.float32)
-        padded[:length] = v32.abs()
+        padded = _pad_keys(v32.abs(), 0, keys)
         scale = padded.unflatten(0, (-1, keys)).amax(dim=1) / QMAX[E4M3]
         per_key = scale.repeat_interleave(keys, dim=0)[:length]
     else:
@@ -298,7 +294,7 @@ def attend_codes(
     # Step 5: probabilities.
     row_max = scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
     probs = torch.exp(scores - row_max)
-    unit = torch.ones(heads, 1, dim, dtype=torch.float64)
+    unit = q64.new_ones(heads, 1, dim)
     if fmt.v_scales == "slot":
         # Today's FP8-MMA: P times each key's V scale, in a unit of the largest / 448.
         v_rows = per_head(values.scale.to(torch.float64))[:, None, :]  # (H, 1, Lk)

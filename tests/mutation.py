@@ -1458,6 +1458,13 @@ MUTANTS = [
         f"{EIGHT_BIT}::test_the_rounded_normalizer_makes_a_constant_v_exact",
     ),
     _m(
+        "eight-bit-unit-on-the-cpu",
+        "reference/eight_bit_attention.py",
+        "    unit = q64.new_ones(heads, 1, dim)",
+        "    unit = torch.ones(heads, 1, dim, dtype=torch.float64)",
+        f"{EIGHT_BIT}::test_the_emulation_runs_on_the_inputs_device",
+    ),
+    _m(
         "eight-bit-block-scales-shifted",
         "reference/eight_bit_attention.py",
         "per_flush[:, None, : flushed.shape[-2]]",
@@ -2298,6 +2305,13 @@ MUTANTS = [
         "        return oracle_attention(w, q=q_rows, keys=keys, values=w.values)",
         "        return oracle_attention(w, keys=keys, values=w.values)",
         "tests/bench/test_quantized.py::test_the_one_switch_oracles_are_their_formats_arithmetic",
+    ),
+    _m(
+        "sweep-k8v8-oracle-on-the-cpu",
+        "bench/sweep.py",
+        "    out = torch.empty(w.q.shape, dtype=torch.float64, device=w.q.device)",
+        "    out = torch.empty(w.q.shape, dtype=torch.float64)",
+        "tests/bench/test_quantized.py::test_the_one_switch_oracles_stay_on_the_workloads_device",
     ),
     _m(
         "sweep-k8v8-oracle-p-unrounded",
