@@ -2343,6 +2343,13 @@ MUTANTS = [
         "tests/kernels/test_k8v8_write.py::test_rows_lost_under_frozen_scales_are_counted",
     ),
     _m(
+        "accuracy-k8v16-floor-p-always-bf16-on-a-gpu",
+        "bench/accuracy.py",
+        "        p_dtype=None if upcast else config.q_dtype,",
+        "        p_dtype=None if upcast else torch.bfloat16,",
+        "tests/bench/test_accuracy.py::test_the_k8v16_floor_on_a_gpu_rounds_p_to_the_queries_dtype",
+    ),
+    _m(
         "accuracy-k8-factors-written-not-attended",
         "bench/accuracy.py",
         'write_extra["k_equalizer"] = attend_extra["k_equalizer"] = k_factor',

@@ -502,3 +502,13 @@ def test_the_k8v8_floor_on_a_gpu_flushes_once_a_tile_of_the_launch(
     monkeypatch.setattr(accuracy, "kernel_tile_keys", lambda *_: launch["BLOCK_N"])
     fmt = accuracy.eight_bit_emulation(variant, dataclasses.replace(config, device="cuda"))
     assert fmt.acc_bits == FP8_MMA_ACC_BITS and fmt.flush_keys == launch["BLOCK_N"]
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_k8v16_floor_on_a_gpu_rounds_p_to_the_queries_dtype(q_dtype: torch.dtype) -> None:
+    # The kernel's k8v16 P V takes P in V's dtype, the queries' (float32 queries upcast V).
+    config = AccuracyConfig(heads=1, q_rows=16, q_dtype=q_dtype, device="cuda")
+    fmt = accuracy.eight_bit_emulation(Variant("k8v16", "k8v16"), config)
+    assert fmt.p_dtype == (None if q_dtype == torch.float32 else q_dtype)
+    cpu = accuracy.eight_bit_emulation(Variant("k8v16", "k8v16"), AccuracyConfig(q_dtype=q_dtype))
+    assert cpu.p_dtype is None  # the interpreter upcasts every q
