@@ -1445,8 +1445,8 @@ MUTANTS = [
     _m(
         "eight-bit-accumulator-exact",
         "reference/eight_bit_attention.py",
-        "acc = truncate_mantissa(acc + partials[..., step, :], bits)",
-        "acc = acc + partials[..., step, :]",
+        "acc = truncate_mantissa(acc + flushes[..., step, :], bits)",
+        "acc = acc + flushes[..., step, :]",
         f"{EIGHT_BIT}::test_the_accumulator_loses_what_its_bits_and_flushes_predict",
         f"{EIGHT_BIT}::test_e4m3_scores_go_through_the_accumulator",
     ),
