@@ -588,10 +588,13 @@ def eight_bit_emulation(variant: Variant, config: AccuracyConfig) -> EightBitFor
             flush_tiles=1,
             tile_keys=kernel_tile_keys(variant, config),
         )
+    # k8v16's P V is 16-bit in V's dtype, q's (probs.to(v.dtype)); float32 queries and the
+    # interpreter upcast V, and P stays float32 (UPCAST).
+    upcast = not on_gpu or config.q_dtype == torch.float32
     return EightBitFormat(
         q_rows_per_scale=1,
         v_scales="none",
-        p_dtype=torch.bfloat16 if on_gpu else None,
+        p_dtype=None if upcast else config.q_dtype,
         acc_bits=None,
     )
 

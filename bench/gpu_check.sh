@@ -222,7 +222,7 @@ stage_tests() {
     failures=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" "$out_dir/tests.log" | sort -u)
     [ -z "$failures" ] || head -n 40 <<<"$failures"
     if [ "$device" = cpu ]; then
-        echo "collected $(grep -oE "^[0-9]+ tests collected" "$out_dir/tests.log" | cut -d' ' -f1)" \
+        echo "collected $(grep -oE "[0-9]+ tests? collected" "$out_dir/tests.log" | cut -d' ' -f1)" \
             "listed tests; the launch-table rows routed:"
     else
         echo "passed $(grep -c " PASSED" "$out_dir/tests.log"), failed $(grep -c . <<<"$failures")"

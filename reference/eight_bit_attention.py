@@ -151,10 +151,7 @@ def _codes_by_group(x32: Tensor, amax: Tensor, dtype: torch.dtype, expand: int) 
 
 def _group_amax(x32: Tensor, rows: int) -> Tensor:
     """``(ceil(L / rows), H)`` amax of ``|x32 (L, H, D)|`` over runs of ``rows`` rows and D."""
-    length = x32.shape[0]
-    padded = x32.new_zeros(math.ceil(length / rows) * rows, *x32.shape[1:])
-    padded[:length] = x32.abs()
-    return padded.unflatten(0, (-1, rows)).amax(dim=(1, 3))
+    return _pad_keys(x32.abs(), 0, rows).unflatten(0, (-1, rows)).amax(dim=(1, 3))
 
 
 def quantize_queries(q: Tensor, fmt: EightBitFormat, k_factor: Tensor | None = None) -> Codes:
@@ -206,8 +203,7 @@ def quantize_values(v: Tensor, fmt: EightBitFormat, first_write: int | None = No
         return _codes_by_group(v32, v32.abs().amax(dim=-1), E4M3, 1)
     if fmt.v_scales == "block":
         keys = fmt.v_keys_per_scale
-        padded = v32.new_zeros(math.ceil(length / keys) * keys, heads, dim)
-        padded[:length] = v32.abs()
+        padded = _pad_keys(v32.abs(), 0, keys)
         scale = padded.unflatten(0, (-1, keys)).amax(dim=1) / QMAX[E4M3]
         per_key = scale.repeat_interleave(keys, dim=0)[:length]
     else:
@@ -235,15 +231,15 @@ def _accumulate(partials: Tensor, bits: int | None, steps_per_flush: int) -> Ten
     """Sum ``partials (..., S, D)`` (exact sums of one k-step each) along S with the two-level
     accumulator: truncated to ``bits`` after each step, flushed (exactly) every
     ``steps_per_flush`` steps. Returns the flushed sums ``(..., ceil(S / steps), D)``."""
-    steps = partials.shape[-2]
-    flushes = []
-    acc = torch.zeros_like(partials[..., 0, :])
-    for step in range(steps):
-        acc = truncate_mantissa(acc + partials[..., step, :], bits)
-        if (step + 1) % steps_per_flush == 0 or step == steps - 1:
-            flushes.append(acc)
-            acc = torch.zeros_like(acc)
-    return torch.stack(flushes, dim=-2)
+    # Every flush at once, a step of each at a time: ``steps_per_flush`` operations, not one
+    # per k-step (the shipped window's 878 were ~1,300 kernel launches per call on a GPU). The
+    # zero steps that pad the last flush change nothing: ``x + 0`` is exact and truncation
+    # keeps what it kept.
+    flushes = _pad_keys(partials, -2, steps_per_flush).unflatten(-2, (-1, steps_per_flush))
+    acc = torch.zeros_like(flushes[..., 0, :])
+    for step in range(steps_per_flush):
+        acc = truncate_mantissa(acc + flushes[..., step, :], bits)
+    return acc
 
 
 def _pad_keys(x: Tensor, dim: int, multiple: int) -> Tensor:
@@ -298,7 +294,7 @@ def attend_codes(
     # Step 5: probabilities.
     row_max = scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
     probs = torch.exp(scores - row_max)
-    unit = scores.new_ones(heads, 1, dim)
+    unit = q64.new_ones(heads, 1, dim)
     if fmt.v_scales == "slot":
         # Today's FP8-MMA: P times each key's V scale, in a unit of the largest / 448.
         v_rows = per_head(values.scale.to(torch.float64))[:, None, :]  # (H, 1, Lk)

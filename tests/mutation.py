@@ -1445,8 +1445,8 @@ MUTANTS = [
     _m(
         "eight-bit-accumulator-exact",
         "reference/eight_bit_attention.py",
-        "acc = truncate_mantissa(acc + partials[..., step, :], bits)",
-        "acc = acc + partials[..., step, :]",
+        "acc = truncate_mantissa(acc + flushes[..., step, :], bits)",
+        "acc = acc + flushes[..., step, :]",
         f"{EIGHT_BIT}::test_the_accumulator_loses_what_its_bits_and_flushes_predict",
         f"{EIGHT_BIT}::test_e4m3_scores_go_through_the_accumulator",
     ),
@@ -1456,6 +1456,13 @@ MUTANTS = [
         'normalizer = probs if fmt.normalizer == "unrounded" else weights * unit[..., :1]',
         "normalizer = probs",
         f"{EIGHT_BIT}::test_the_rounded_normalizer_makes_a_constant_v_exact",
+    ),
+    _m(
+        "eight-bit-unit-on-the-cpu",
+        "reference/eight_bit_attention.py",
+        "    unit = q64.new_ones(heads, 1, dim)",
+        "    unit = torch.ones(heads, 1, dim, dtype=torch.float64)",
+        f"{EIGHT_BIT}::test_the_emulation_runs_on_the_inputs_device",
     ),
     _m(
         "eight-bit-block-scales-shifted",
@@ -2320,6 +2327,13 @@ MUTANTS = [
         "tests/bench/test_quantized.py::test_the_one_switch_oracles_are_their_formats_arithmetic",
     ),
     _m(
+        "sweep-k8v8-oracle-on-the-cpu",
+        "bench/sweep.py",
+        "    out = torch.empty(w.q.shape, dtype=torch.float64, device=w.q.device)",
+        "    out = torch.empty(w.q.shape, dtype=torch.float64)",
+        "tests/bench/test_quantized.py::test_the_one_switch_oracles_stay_on_the_workloads_device",
+    ),
+    _m(
         "sweep-k8v8-oracle-p-unrounded",
         "bench/sweep.py",
         'v_scales="frozen", acc_bits=None)',
@@ -2347,6 +2361,13 @@ MUTANTS = [
         "            over = over | (mask & (value != 0.0) & ~kept[:, :, None])\n",
         "",
         "tests/kernels/test_k8v8_write.py::test_rows_lost_under_frozen_scales_are_counted",
+    ),
+    _m(
+        "accuracy-k8v16-floor-p-always-bf16-on-a-gpu",
+        "bench/accuracy.py",
+        "        p_dtype=None if upcast else config.q_dtype,",
+        "        p_dtype=None if upcast else torch.bfloat16,",
+        "tests/bench/test_accuracy.py::test_the_k8v16_floor_on_a_gpu_rounds_p_to_the_queries_dtype",
     ),
     _m(
         "accuracy-k8-factors-written-not-attended",

@@ -528,3 +528,13 @@ def test_every_floor_is_computed_on_the_datas_device(variant: Variant, best_scal
     floors = FloorCache(meta, meta.q.to(torch.float64), meta_prepared, config)
     out = floors._emulate(variant, best_scale=best_scale)
     assert out.device.type == "meta" and out.shape == data.q.shape
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_k8v16_floor_on_a_gpu_rounds_p_to_the_queries_dtype(q_dtype: torch.dtype) -> None:
+    # The kernel's k8v16 P V takes P in V's dtype, the queries' (float32 queries upcast V).
+    config = AccuracyConfig(heads=1, q_rows=16, q_dtype=q_dtype, device="cuda")
+    fmt = accuracy.eight_bit_emulation(Variant("k8v16", "k8v16"), config)
+    assert fmt.p_dtype == (None if q_dtype == torch.float32 else q_dtype)
+    cpu = accuracy.eight_bit_emulation(Variant("k8v16", "k8v16"), AccuracyConfig(q_dtype=q_dtype))
+    assert cpu.p_dtype is None  # the interpreter upcasts every q

@@ -3,6 +3,8 @@ the dequantizing oracle, rated against the bf16 pool in the ratio table."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ from paged_video.bench.sweep import (
 from paged_video.bench.table import format_ratios, quantized_cases
 from paged_video.bench.workload import (
     Geometry,
+    Workload,
     dequantized_sequences,
     make_workload,
     oracle_attention,
@@ -112,6 +115,39 @@ def test_the_one_switch_oracles_are_their_formats_arithmetic():
     emulated = _dequantizing_oracle(workload, QUANTIZED_PROVIDERS["triton-k8v8"])
     error = (emulated - exact_p).abs().max()
     assert 1e-4 * exact_p.abs().max() < error < 0.1 * exact_p.abs().max()
+
+
+def _moved(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def _on(device: str, workload: Workload) -> Workload:
+    """``workload`` with every tensor (its one-switch pools too) moved to ``device``."""
+    moved = {
+        f.name: getattr(workload, f.name).to(device)
+        for f in dataclasses.fields(workload)
+        if isinstance(getattr(workload, f.name), torch.Tensor)
+    }
+    pools = {
+        name: dataclasses.replace(
+            p, **{f.name: _moved(getattr(p, f.name), device) for f in dataclasses.fields(p)}
+        )
+        for name, p in workload.quantized.items()
+    }
+    return dataclasses.replace(workload, **moved, quantized=pools)
+
+
+@pytest.mark.parametrize("kv_format", ["k8v8", "k8v16"])
+def test_the_one_switch_oracles_stay_on_the_workloads_device(kv_format: str) -> None:
+    # On a GPU the kernel's result is compared with the oracle's on the GPU: a k8v8 oracle
+    # computed and left on the CPU raised there (and at the shipped geometry its CPU emulation
+    # outlasts the GPU check's sweep stage). The meta device stands in for the GPU here: a
+    # tensor made on or moved to the CPU on the way fails, or comes back off it.
+    workload = make_workload(TINY, 5)
+    eight_bit_pools(workload, kv_format)  # the pools, written on the CPU by the kernels
+    on_meta = _on("meta", workload)
+    oracle = _dequantizing_oracle(on_meta, QUANTIZED_PROVIDERS[f"triton-{kv_format}"])
+    assert oracle.device.type == "meta" and oracle.shape == workload.q.shape
 
 
 def _k8v8_wrong_channel_scales(workload, tile):

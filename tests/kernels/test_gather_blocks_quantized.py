@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_video import kernels
-from paged_video.kernels.pool_layout import keys_major
+from paged_video.kernels.pool_layout import keys_aligned, keys_major
 from paged_video.reference.quantize import nearest_code_error
 from tests.helpers import DEVICE, copy_tiling
 
@@ -184,14 +185,24 @@ def eight_bit_k_caches(num_blocks, block_size, heads, dim, v_dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, heads, dim)
     k_cache = torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen)
-    k_scale = keys_major(torch.rand(shape[:-1], generator=gen))
+    # Keys-major copies made on the device: one moved there loses its padding (Tensor.to packs
+    # a tensor that is not dense), and its rows their 16-byte alignment.
+    k_scale = keys_major(torch.rand(shape[:-1], generator=gen).to(DEVICE))
     if v_dtype == torch.float8_e4m3fn:
         v_bytes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-        v_cache = keys_major(v_bytes.view(v_dtype))
+        v_cache = keys_major(v_bytes.view(v_dtype).to(DEVICE))
     else:
         v_cache = torch.randn(shape, generator=gen).to(v_dtype)
         v_cache.view(-1)[::7] = float("nan")
-    return tuple(t.to(DEVICE) for t in (k_cache, v_cache, k_scale))
+        v_cache = v_cache.to(DEVICE)
+    return k_cache.to(DEVICE), v_cache, k_scale
+
+
+def test_the_k8_caches_are_laid_out_as_the_cache_on_the_device(monkeypatch) -> None:
+    # The meta device stands in for a GPU: blocks of 7 keys are padded to 16 a row.
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("meta"))
+    _, v_cache, k_scale = eight_bit_k_caches(3, 7, 2, 16, torch.float8_e4m3fn)
+    assert v_cache.device.type == "meta" and keys_aligned(v_cache) and keys_aligned(k_scale)
 
 
 @pytest.mark.parametrize("v_dtype", [torch.float8_e4m3fn, torch.float32], ids=["k8v8", "k8v16"])

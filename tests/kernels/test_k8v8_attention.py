@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import sys
 
 import pytest
 import torch
@@ -60,11 +61,25 @@ def k8v8_pools(
     ratio = v_cache.nan_to_num(0.0) / scales[:, None]
     v_codes = ratio.clamp(-448, 448).to(torch.float8_e4m3fn)
     v_codes.view(torch.uint8)[~written] = E4M3_NAN
+    v_codes = v_codes.to(DEVICE)
     if keys_major:
+        # On the device: a padded keys-major copy moved there loses its padding (Tensor.to
+        # packs a tensor that is not dense), and its rows their 16-byte alignment.
         v_codes = pool_layout.keys_major(v_codes)
     if not per_block:
         scales = scales[:1].to(DEVICE).expand(blocks, heads, dim)
-    return k_codes.to(DEVICE), v_codes.to(DEVICE), k_scale.to(DEVICE), scales.to(DEVICE)
+    return k_codes.to(DEVICE), v_codes, k_scale.to(DEVICE), scales.to(DEVICE)
+
+
+@pytest.mark.parametrize("block_size", [24, 520])
+def test_the_pools_are_keys_major_and_aligned_on_the_device(monkeypatch, block_size: int):
+    # On a GPU the pools are made there: V made keys-major on the CPU and moved lost its
+    # padding and alignment at blocks of 24 or 520 keys, so no k8v8 launch-table row (TMA over
+    # keys-major V) took the call. The meta device stands in for the GPU.
+    case = make_paged_case(q_lens=[3], k_lens=[40], block_size=block_size, device="cpu")
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("meta"))
+    v_codes = k8v8_pools(case, per_block=False)[1]
+    assert v_codes.device.type == "meta" and pool_layout.keys_aligned(v_codes)
 
 
 def dequantized(pools: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:

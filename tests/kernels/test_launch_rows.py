@@ -3,20 +3,23 @@
 The first stage of ``bench/gpu_check.sh`` runs this file on CUDA: each row at a block size
 whose calls read it, bf16 queries, its K/V format (bf16, int8, k8v8, k8v16; slot-major or
 keys-major pools), the launch recorded and the output checked against the float64 oracle. On
-a CPU the interpreter ignores the table, so there each row's routing is checked alone
-(``choose_tiles`` as a GPU runs it): a row no block size reaches fails here, before a GPU
-window is spent on it.
+a CPU the interpreter ignores the table, so there the same call takes the GPU's launch
+choice (``call_tiles`` with the launcher on a mocked GPU) and the plain-PyTorch path computes
+it: a row no block size or no test pool reaches, or a check that cannot run, fails here,
+before a GPU window is spent on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from paged_video import kernels, reference
-from paged_video.kernels import launch_table
+from paged_video.kernels import _runtime, launch_table
 from paged_video.kernels.paged_attention import table_key
 from paged_video.reference.quantize import quantize
 from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
@@ -82,6 +85,17 @@ def _takes_row(tiles: dict, row: dict) -> bool:
     return (tiles["VARIANT"], tiles["BLOCK_N"]) == (row["variant"], row["block_n"])
 
 
+@contextlib.contextmanager
+def gpu_launch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """On a CPU: the launcher chooses the GPU's launch (the table read) and the plain-PyTorch
+    path computes the call, as the interpreter cannot run a GPU launch. On a GPU: as it is."""
+    with monkeypatch.context() as patch:
+        if not ON_GPU:
+            patch.setattr(launcher, "interpreter_active", lambda: False)
+            patch.setattr(_runtime, "interpreter_active", lambda: False)
+        yield
+
+
 def block_taking(monkeypatch: pytest.MonkeyPatch, row: dict) -> int | None:
     """The smallest candidate block size whose calls take the row's own launch."""
     for block_size in CANDIDATE_BLOCKS:
@@ -96,8 +110,6 @@ def block_taking(monkeypatch: pytest.MonkeyPatch, row: dict) -> int | None:
 def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> None:
     block_size = block_taking(monkeypatch, row)
     assert block_size is not None, f"no block size in {CANDIDATE_BLOCKS} takes {row}"
-    if not ON_GPU:
-        return  # the interpreter takes its own tiles: the routing above is the CPU's part
     base, keys_major = _mode(row)
     case = make_paged_case(
         q_lens=[70, 33],
@@ -116,6 +128,8 @@ def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> No
         # V as e4m3 codes of frozen channel scales, keys-major as the cache stores it.
         pools = k8v8_pools(case, per_block=False, keys_major=keys_major)
         k, v, k_scale, v_channel_scale = pools
+        if keys_major:  # K's scales too, as the cache stores them (else no descriptor reads them)
+            k_scale = kernels.keys_major(k_scale)
         kwargs.update(k_scale=k_scale, v_channel_scale=v_channel_scale)
         want_kv = tuple(t.to(DEVICE) for t in dequantized(pools))
     elif base == "k8v16":
@@ -132,10 +146,17 @@ def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> No
         flags = {n: f for n, f in MODE_FLAGS[base].items() if n != "kv_dtype"}
         kwargs.update(k_scale=k_scale, v_scale=v_scale, **flags)
     args = (case.q, k, v, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
-    launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
-    got = kernels.paged_attention(*args, out=nan_like(case.q), **kwargs)
-    ran = [(flags["BLOCK_N"], flags["TMA"]) for flags in launches]
-    assert (row["block_n"], row["variant"] == "tma") in ran, (row, ran)
+    taken = (row["block_n"], row["variant"] == "tma")
+    with gpu_launch(monkeypatch):
+        tiles = kernels.call_tiles(*args[:3], **kwargs)
+        launches = record_launches(monkeypatch, launcher, "_paged_attention_kernel")
+        got = kernels.paged_attention(*args, out=nan_like(case.q), **kwargs)
+    # The launch it takes (a descriptor loop over pools no descriptor reads runs cp_async).
+    variant = tiles["VARIANT"] if tiles["TMA_READY"] or not tiles["TMA"] else "cp_async"
+    assert (tiles["BLOCK_N"], variant) == (row["block_n"], row["variant"]), (row, tiles)
+    if ON_GPU:
+        ran = [(flags["BLOCK_N"], flags["TMA"]) for flags in launches]
+        assert taken in ran, (row, ran)
     if base in ("k8v8", "k8v16"):
         # The oracle over the values the codes stand for (k8v16: K's codes, V as stored).
         if base == "k8v16":
@@ -143,12 +164,17 @@ def test_every_launch_table_row_is_taken_and_right(monkeypatch, row: dict) -> No
             want_kv = (codes.masked_fill(k == -128, float("nan")), v)
         oracle_args = (case.q, *want_kv, *args[3:])
         want = reference.paged_attention(
-            *oracle_args, out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE)
+            *oracle_args,
+            max_seqlen_q=case.max_seqlen_q,
+            out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE),
         )
     else:
         scales = {n: kwargs[n] for n in ("k_scale", "v_scale") if n in kwargs}
         want = reference.paged_attention(
-            *args, **scales, out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE)
+            *args,
+            **scales,
+            max_seqlen_q=case.max_seqlen_q,
+            out=torch.empty(case.q.shape, dtype=torch.float64, device=DEVICE),
         )
     assert not torch.isnan(got).any(), "NaN: a poisoned slot was read or an output left unwritten"
     error = (got.double() - want).abs().max().item()

@@ -256,3 +256,17 @@ def test_small_v_scales_on_the_keys_with_the_mass_pass_only_in_their_own_block(
         assert rel_l1(out, expected) < 0.08
     else:
         assert (out == 0).all()
+
+
+@pytest.mark.parametrize("v_scales", eba.V_SCALES)
+@pytest.mark.parametrize("k_dtype", [torch.int8, E4M3])
+def test_the_emulation_runs_on_the_inputs_device(v_scales: str, k_dtype: torch.dtype) -> None:
+    # `bench accuracy` emulates on the data's device (a GPU's, in the GPU check): a tensor the
+    # emulation makes on the CPU meets the inputs there. The meta device stands in for it.
+    q, k, v = (
+        torch.empty(*shape, device="meta") for shape in ((8, 2, 32), (70, 1, 32), (70, 1, 32))
+    )
+    fmt = eba.EightBitFormat(k_dtype=k_dtype, v_scales=v_scales, flush_tiles=1, tile_keys=32)
+    smooth, factor = torch.zeros(1, 32, device="meta"), torch.ones(1, 32, device="meta")
+    out = eba.eight_bit_attention(q, k, v, fmt, first_write=16, smooth=smooth, k_factor=factor)
+    assert out.device.type == "meta" and out.shape == (8, 2, 32)
