@@ -24,7 +24,7 @@ from paged_video import kernels, reference
 from paged_video.kernels import pool_layout
 from paged_video.kernels.paged_attention import choose_tiles
 from paged_video.reference.quantize import dequantize, quantize
-from tests.helpers import DEVICE, nan_like, record_launches
+from tests.helpers import DEVICE, ON_GPU, nan_like, record_launches
 from tests.kernels.paged_case import PagedCase, assert_lse_close, make_paged_case
 from tests.kernels.test_strided_index import column, column_major
 
@@ -453,9 +453,11 @@ def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
     # pools hold, in sequence order through a permuted table: int8 query rows per row, exact
     # int32 scores, P at 448 in e4m3, the unrounded normalizer, a flush every 64-key tile (block
     # 64: V's scales per 64 keys, its fast format, or frozen), an exact accumulator (the
-    # interpreter's float32). Tile 0's keys are 3x longer, so every row's maximum lies in the
-    # first tile the kernel attends and its running max is the final one: the emulation then
-    # rounds the same probabilities, and the two agree to float32 accuracy.
+    # interpreter's float32; a GPU's FP8 MMA truncates, allowed for below). Tile 0's keys are
+    # 3x longer, so every row's maximum lies in the first tile the kernel attends and its
+    # running max is the final one: the emulation then rounds the same probabilities, and the
+    # two agree to float32 accuracy (every 448 p lies 2.9e-6 or more, relative, from an e4m3
+    # rounding midpoint: the GPU's exp2.approx and float32 scores move it ~1e-6).
     from paged_video.reference import eight_bit_attention as eight_bit
 
     block, keys, heads, kv_heads, dim = 64, 256, 4, 2, 80
@@ -488,4 +490,14 @@ def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
     scores = torch.einsum("qhd,khd->hqk", q_rows, k_rows.repeat_interleave(2, dim=1))
     assert (scores.argmax(dim=-1) < block).all()
     size = want.abs().max().item()
-    assert (got.double().cpu() - want).abs().max().item() <= 1e-5 * size
+    limit = 1e-5 * size
+    if ON_GPU:
+        # Hopper's FP8 MMA keeps ~13 mantissa bits within a 64-key tile (P V): the emulation's
+        # 13-bit model moves this output by 1.5e-4 (frozen) and 1.1e-4 (per block) of its
+        # size, 10-15x the float32 bound; the hardware's truncation order is not the model's,
+        # so the kernel is held within twice the model's shift of the exact accumulator.
+        acc13 = dataclasses.replace(fmt, acc_bits=eight_bit.FP8_MMA_ACC_BITS)
+        truncated = eight_bit.attend_codes(queries, key_codes, values, acc13)
+        limit += MARGIN * (truncated - want).abs().max().item()
+    error = (got.double().cpu() - want).abs().max().item()
+    assert error <= limit, f"{error:.3e} > {limit:.3e}"
