@@ -51,6 +51,38 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--library-device",
+        default=None,
+        help="make the tensors the library creates without a device on this one (meta: a CPU "
+        "run then fails where a GPU run would put a CPU tensor beside CUDA data; "
+        "tests/library_device.py)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    device = config.getoption("--library-device", None)
+    if device:
+        from tests.library_device import library_tensors_on
+
+        config._library_device = library_tensors_on(device)  # type: ignore[attr-defined]
+        config._library_device_mode = config._library_device.__enter__()  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    mode = getattr(config, "_library_device_mode", None)
+    if mode is not None:
+        terminalreporter.section(f"library tensors made on {mode.device}")
+        for path, function, line in sorted(mode.moved):
+            terminalreporter.write_line(f"{path}:{line} ({function})")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "_library_device"):
+        config._library_device.__exit__(None, None, None)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE

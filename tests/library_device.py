@@ -1,0 +1,93 @@
+"""A CPU stand-in for a GPU's device mismatch: tensors the library makes without a device land
+on another device ("meta"), while the tests' own tensors stay on the CPU.
+
+On a GPU every tensor made without ``device=`` is a CPU tensor beside the CUDA data, and fails
+only there. Here, under ``library_tensors_on("meta")``, each factory call (``torch.zeros``,
+``torch.tensor``, ``torch.arange``, ...) without a device whose nearest caller outside torch is
+library code (``paged_video``) makes a meta tensor instead, which collides with the CPU data as
+the CPU tensor would with CUDA's (the tests' data keep relying on the CPU default, as on a GPU
+run they are moved with ``.to(DEVICE)``). Opt in for a whole run with
+``python -m pytest --library-device=meta``; a focused test wraps the call it checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+
+REPO = Path(__file__).resolve().parents[1]
+LIBRARY = tuple(
+    str(REPO / name) + os.sep
+    for name in ("bench", "integrations", "kernels", "models", "paging", "reference")
+)
+TORCH = str(Path(torch.__file__).resolve().parent) + os.sep
+
+# Tensors the library makes on the CPU on purpose: ``(path in the repository, function)``. They
+# stay on the CPU here, as they do beside CUDA data.
+INTENDED_CPU: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("kernels/fused.py", "empty"),  # CPU_FLAGS: flags read on the host
+        ("kernels/torch_path.py", "paged_attention"),  # runs CPU tensors only
+        ("reference/quantized_attention.py", "paged_quantized_attention"),  # on the CPU
+    }
+)
+
+
+@functools.cache
+def _origin(filename: str) -> str:
+    """``"torch"``, ``"wrapper"`` (a tests' conftest fixture standing in for a torch function),
+    the library file's repository path, or ``""`` (a test, Triton, anything else)."""
+    path = os.path.realpath(filename)
+    if path.startswith(TORCH) or path == os.path.realpath(__file__):
+        return "torch"
+    if path.startswith(str(REPO / "tests") + os.sep) and path.endswith("conftest.py"):
+        return "wrapper"
+    if path.startswith(LIBRARY):
+        return Path(path).relative_to(REPO).as_posix()
+    return ""
+
+
+def library_caller(frame: FrameType | None) -> tuple[str, str, int] | None:
+    """The library file, function and line of the nearest caller outside torch (and the tests'
+    fixture wrappers), or None when that caller is not the library's."""
+    while frame is not None:
+        origin = _origin(frame.f_code.co_filename)
+        if origin not in ("torch", "wrapper"):
+            return (origin, frame.f_code.co_name, frame.f_lineno) if origin else None
+        frame = frame.f_back
+    return None
+
+
+class LibraryDevice(TorchFunctionMode):
+    """Factory calls without a device made by the library go to ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.moved: set[tuple[str, str, int]] = set()  # the call sites sent to ``device``
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None:
+            caller = library_caller(sys._getframe(1))
+            if caller is not None and caller[:2] not in INTENDED_CPU:
+                kwargs["device"] = self.device
+                self.moved.add(caller)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def library_tensors_on(device: str | torch.device = "meta") -> Iterator[LibraryDevice]:
+    """Within the block, tensors the library makes without a device are made on ``device``
+    (the mode yielded records where)."""
+    with LibraryDevice(torch.device(device)) as mode:
+        yield mode
