@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import linecache
 import os
 import sys
 from collections.abc import Iterator
@@ -30,16 +31,45 @@ LIBRARY = tuple(
     for name in ("bench", "integrations", "kernels", "models", "paging", "reference")
 )
 TORCH = str(Path(torch.__file__).resolve().parent) + os.sep
+COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
-# Tensors the library makes on the CPU on purpose: ``(path in the repository, function)``. They
-# stay on the CPU here, as they do beside CUDA data.
-INTENDED_CPU: frozenset[tuple[str, str]] = frozenset(
+# Tensors the library makes on the CPU on purpose: ``(path in the repository, function, text of
+# the line)``, an empty text naming every line of the function. They stay on the CPU here, as they
+# do beside CUDA data. (A call given a CPU ``generator=`` stays on the CPU too: it is drawn there
+# on purpose, so that a seed gives the same numbers on any device.)
+INTENDED_CPU: frozenset[tuple[str, str, str]] = frozenset(
     {
-        ("kernels/fused.py", "empty"),  # CPU_FLAGS: flags read on the host
-        ("kernels/torch_path.py", "paged_attention"),  # runs CPU tensors only
-        ("reference/quantized_attention.py", "paged_quantized_attention"),  # on the CPU
+        ("bench/accuracy.py", "make_data", ""),  # drawn on the CPU, then moved
+        ("bench/accuracy.py", "_attend_eight_bit", '"v_scale_chosen": torch.tensor('),
+        # Host flags and 0-dim scalars the fused op reads without a device sync (CPU_FLAGS,
+        # stage tags, LayerInputs' layer, stage_from and stage_key).
+        ("kernels/fused.py", "empty", ""),
+        ("paging/cache.py", "_allocate", "_chosen = torch.zeros("),
+        ("paging/cache.py", "_allocate", "self.stage_tags = torch.full("),
+        ("paging/staging.py", "__init__", "self.tags = torch.full("),
+        ("paging/forward.py", "__init__", "self._keep_from = torch.tensor("),
+        ("paging/forward.py", "__init__", "self._stage_key = torch.tensor("),
+        ("paging/forward.py", "__init__", "self._layers = [torch.tensor("),
+        ("models/wan_paged.py", "__init__", "self.layer_index = torch.tensor("),
+        ("kernels/torch_path.py", "paged_attention", ""),  # runs CPU tensors only
+        ("reference/quantized_attention.py", "paged_quantized_attention", ""),  # on the CPU
+        # A forward's plan, built on the host and moved by one copy (paging/transfer.py).
+        ("paging/plan.py", "_build", ""),
+        ("paging/shard.py", "project", ""),
+        ("paging/shard.py", "local_keys", ""),
+        ("paging/shard.py", "local_slots", ""),
+        ("paging/shard.py", "local_inputs", ""),
+        ("paging/shard.py", "__init__", "self._local_stage_from = "),
+        ("paging/transfer.py", "pack", "torch.empty("),
+        ("reference/quantize.py", "quantize_best_scale", "torch.linspace("),  # read as floats
     }
 )
+
+
+def intended_cpu(path: str, function: str, line: int) -> bool:
+    """Whether the call at ``path:line`` (in ``function``) is listed in ``INTENDED_CPU``."""
+    text = linecache.getline(str(REPO / path), line)
+    return any((path, function) == entry[:2] and entry[2] in text for entry in INTENDED_CPU)
 
 
 @functools.cache
@@ -62,7 +92,12 @@ def library_caller(frame: FrameType | None) -> tuple[str, str, int] | None:
     while frame is not None:
         origin = _origin(frame.f_code.co_filename)
         if origin not in ("torch", "wrapper"):
-            return (origin, frame.f_code.co_name, frame.f_lineno) if origin else None
+            if not origin:
+                return None
+            function = frame.f_code.co_name
+            if function in COMPREHENSIONS and frame.f_back is not None:
+                function = frame.f_back.f_code.co_name  # their own frames before Python 3.12
+            return origin, function, frame.f_lineno
         frame = frame.f_back
     return None
 
@@ -78,8 +113,10 @@ class LibraryDevice(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _device_constructors() and kwargs.get("device") is None:
-            caller = library_caller(sys._getframe(1))
-            if caller is not None and caller[:2] not in INTENDED_CPU:
+            generator = kwargs.get("generator")
+            cpu_drawn = generator is not None and generator.device.type == "cpu"
+            caller = None if cpu_drawn else library_caller(sys._getframe(1))
+            if caller is not None and not intended_cpu(*caller):
                 kwargs["device"] = self.device
                 self.moved.add(caller)
         return func(*args, **kwargs)
