@@ -41,6 +41,8 @@ INTENDED_CPU: frozenset[tuple[str, str, str]] = frozenset(
     {
         ("bench/accuracy.py", "make_data", ""),  # drawn on the CPU, then moved
         ("bench/accuracy.py", "_attend_eight_bit", '"v_scale_chosen": torch.tensor('),
+        ("bench/providers.py", "eight_bit_pools", '"v_scale_chosen": torch.tensor('),
+        ("bench/sweep.py", "bytes_moved", ".element_size()"),  # read for its size
         # Host flags and 0-dim scalars the fused op reads without a device sync (CPU_FLAGS,
         # stage tags, LayerInputs' layer, stage_from and stage_key).
         ("kernels/fused.py", "empty", ""),
@@ -51,6 +53,7 @@ INTENDED_CPU: frozenset[tuple[str, str, str]] = frozenset(
         ("paging/forward.py", "__init__", "self._stage_key = torch.tensor("),
         ("paging/forward.py", "__init__", "self._layers = [torch.tensor("),
         ("models/wan_paged.py", "__init__", "self.layer_index = torch.tensor("),
+        ("models/wan_paged.py", "_read", "torch.arange("),  # the host's record of what was read
         ("kernels/torch_path.py", "paged_attention", ""),  # runs CPU tensors only
         ("reference/quantized_attention.py", "paged_quantized_attention", ""),  # on the CPU
         # A forward's plan, built on the host and moved by one copy (paging/transfer.py).
