@@ -61,26 +61,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# The --library-device mode's context and the mode itself, held for the whole run.
+_LIBRARY_DEVICE = pytest.StashKey[tuple]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     device = config.getoption("--library-device", None)
     if device:
         from tests.library_device import library_tensors_on
 
-        config._library_device = library_tensors_on(device)  # type: ignore[attr-defined]
-        config._library_device_mode = config._library_device.__enter__()  # type: ignore[attr-defined]
+        context = library_tensors_on(device)
+        config.stash[_LIBRARY_DEVICE] = (context, context.__enter__())
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    mode = getattr(config, "_library_device_mode", None)
-    if mode is not None:
+    if _LIBRARY_DEVICE in config.stash:
+        mode = config.stash[_LIBRARY_DEVICE][1]
         terminalreporter.section(f"library tensors made on {mode.device}")
         for path, function, line in sorted(mode.moved):
             terminalreporter.write_line(f"{path}:{line} ({function})")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if hasattr(config, "_library_device"):
-        config._library_device.__exit__(None, None, None)
+    if _LIBRARY_DEVICE in config.stash:
+        config.stash[_LIBRARY_DEVICE][0].__exit__(None, None, None)
 
 
 @pytest.fixture
