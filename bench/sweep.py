@@ -263,11 +263,11 @@ K8V8_EMULATION = EightBitFormat(q_rows_per_scale=1, v_scales="frozen", acc_bits=
 
 
 def eight_bit_oracle(workload: Workload, kv_format: str) -> Tensor:
-    """Float64 ``(total_q, heads, head_dim)``: k8v16 as float64 attention over the int8-rounded
-    query rows, the dequantized keys and V as stored; k8v8 as its emulation over the pool's own
-    codes and frozen channel scales (``reference.eight_bit_attention.attend_codes``), per
-    sequence, KV head and slice of queries so the float64 scores stay under
-    ``ORACLE_CHUNK_BYTES``."""
+    """Float64 ``(total_q, heads, head_dim)`` on the workload's device: k8v16 as float64
+    attention over the int8-rounded query rows, the dequantized keys and V as stored; k8v8 as
+    its emulation over the pool's own codes and frozen channel scales
+    (``reference.eight_bit_attention.attend_codes``, on the CPU), per sequence, KV head and slice
+    of queries so the float64 scores stay under ``ORACLE_CHUNK_BYTES``."""
     w = workload
     g = w.geometry
     pools = eight_bit_pools(w, kv_format)
@@ -287,7 +287,7 @@ def eight_bit_oracle(workload: Workload, kv_format: str) -> Tensor:
     # P V's partial sums, per k-step of 32 keys and channel, dominate: keep them in the budget.
     per_query = group * (g.kv_tokens + 31) // 32 * g.head_dim * 8 * 4
     rows = max(1, ORACLE_CHUNK_BYTES // per_query)
-    out = torch.empty(w.q.shape, dtype=torch.float64)
+    out = torch.empty(w.q.shape, dtype=torch.float64, device=w.q.device)
     for seq in sequences:
         v_codes = gather_sequence(pools.v_cache, w.block_table[seq], g.kv_tokens).cpu()
         ks, kc = k_scales[seq].cpu(), k_codes[seq].cpu()

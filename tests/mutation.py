@@ -1740,6 +1740,13 @@ MUTANTS = [
         "test_the_int8_floor_holds_the_codes_write_slots_stores_on_float32_ties",
     ),
     _m(
+        "sweep-k8v8-oracle-on-the-cpu",
+        "bench/sweep.py",
+        "out = torch.empty(w.q.shape, dtype=torch.float64, device=w.q.device)",
+        "out = torch.empty(w.q.shape, dtype=torch.float64)",
+        "tests/bench/test_quantized.py::test_the_one_switch_oracles_are_on_the_workloads_device",
+    ),
+    _m(
         "eight-bit-choice-output-on-the-cpu",
         "bench/eight_bit_choice.py",
         "dtype=torch.float64, device=data.q.device)",

@@ -21,6 +21,7 @@ from paged_video.bench.sweep import (
     WrongResultError,
     _dequantizing_oracle,
     bytes_moved,
+    eight_bit_oracle,
     run_sweep,
     selected_providers,
 )
@@ -34,6 +35,7 @@ from paged_video.bench.workload import (
 from paged_video.reference.attention import gather_sequence
 from tests.bench.rows import STEADY_CEILINGS, measured
 from tests.bench.tiny import TINY, paged_config
+from tests.library_device import library_tensors_on
 
 
 def test_quantized_pools_hold_the_codes_write_slots_makes():
@@ -112,6 +114,16 @@ def test_the_one_switch_oracles_are_their_formats_arithmetic():
     emulated = _dequantizing_oracle(workload, QUANTIZED_PROVIDERS["triton-k8v8"])
     error = (emulated - exact_p).abs().max()
     assert 1e-4 * exact_p.abs().max() < error < 0.1 * exact_p.abs().max()
+
+
+@pytest.mark.parametrize("kv_format", ["k8v8", "k8v16"])
+def test_the_one_switch_oracles_are_on_the_workloads_device(kv_format):
+    # The sweep compares a kernel's output with its oracle: on a GPU, an oracle left on the CPU
+    # crashes the comparison. Here a tensor the oracle makes without a device goes to meta.
+    workload = make_workload(TINY, 5)
+    with library_tensors_on("meta"):
+        oracle = eight_bit_oracle(workload, kv_format)
+    assert oracle.device == workload.q.device
 
 
 def _k8v8_wrong_channel_scales(workload, tile):
