@@ -54,6 +54,9 @@ INTENDED_CPU: frozenset[tuple[str, str, str]] = frozenset(
         ("paging/forward.py", "__init__", "self._layers = [torch.tensor("),
         ("models/wan_paged.py", "__init__", "self.layer_index = torch.tensor("),
         ("models/wan_paged.py", "_read", "torch.arange("),  # the host's record of what was read
+        # Indices: a CPU index tensor indexes a CUDA tensor (torch moves it).
+        ("reference/wan_rollout.py", "__init__", "self.read: Tensor = torch.empty("),
+        ("reference/wan_rollout.py", "reference_rollout", "history.read = torch.tensor("),
         ("kernels/torch_path.py", "paged_attention", ""),  # runs CPU tensors only
         ("reference/quantized_attention.py", "paged_quantized_attention", ""),  # on the CPU
         # A forward's plan, built on the host and moved by one copy (paging/transfer.py).
