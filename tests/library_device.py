@@ -59,6 +59,12 @@ INTENDED_CPU: frozenset[tuple[str, str, str]] = frozenset(
         ("reference/wan_rollout.py", "reference_rollout", "history.read = torch.tensor("),
         ("kernels/torch_path.py", "paged_attention", ""),  # runs CPU tensors only
         ("reference/quantized_attention.py", "paged_quantized_attention", ""),  # on the CPU
+        # The compile report's launch arguments: never run, compiled from their dtypes alone.
+        ("bench/compile_report.py", "_paged_launches", ""),
+        ("bench/compile_report.py", "_anchor_launch", ""),
+        ("bench/compile_report.py", "_tutorial_launch", ""),
+        ("bench/compile_report.py", "_launches", ""),
+        ("bench/compile_report.py", "<lambda>", "torch.empty("),
         # A forward's plan, built on the host and moved by one copy (paging/transfer.py).
         ("paging/plan.py", "_build", ""),
         ("paging/shard.py", "project", ""),
