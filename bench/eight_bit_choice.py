@@ -125,7 +125,7 @@ def emulate(candidate: Candidate, data: Data, prepared: Prepared, first_write: i
     queries = eba.quantize_queries(data.q, fmt, k_factor)
     keys = eba.quantize_keys(data.keys, fmt, smooth=prepared.mean, factor=k_factor)
     values = eba.quantize_values(data.values, fmt, first_write)
-    out = torch.empty(data.q.shape, dtype=torch.float64)
+    out = torch.empty(data.q.shape, dtype=torch.float64, device=data.q.device)
     per_scale = fmt.q_rows_per_scale
     for start in range(0, data.q.shape[0], ROWS_PER_CALL):
         rows = slice(start, start + ROWS_PER_CALL)

@@ -51,6 +51,42 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--library-device",
+        default=None,
+        help="make the tensors the library creates without a device on this one (meta: a CPU "
+        "run then fails where a GPU run would put a CPU tensor beside CUDA data; "
+        "tests/library_device.py)",
+    )
+
+
+# The --library-device mode's context and the mode itself, held for the whole run.
+_LIBRARY_DEVICE = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    device = config.getoption("--library-device", None)
+    if device:
+        from tests.library_device import library_tensors_on
+
+        context = library_tensors_on(device)
+        config.stash[_LIBRARY_DEVICE] = (context, context.__enter__())
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if _LIBRARY_DEVICE in config.stash:
+        mode = config.stash[_LIBRARY_DEVICE][1]
+        terminalreporter.section(f"library tensors made on {mode.device}")
+        for path, function, line in sorted(mode.moved):
+            terminalreporter.write_line(f"{path}:{line} ({function})")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _LIBRARY_DEVICE in config.stash:
+        config.stash[_LIBRARY_DEVICE][0].__exit__(None, None, None)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE

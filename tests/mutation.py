@@ -1767,6 +1767,13 @@ MUTANTS = [
         "test_the_int8_floor_holds_the_codes_write_slots_stores_on_float32_ties",
     ),
     _m(
+        "eight-bit-choice-output-on-the-cpu",
+        "bench/eight_bit_choice.py",
+        "dtype=torch.float64, device=data.q.device)",
+        "dtype=torch.float64)",
+        "tests/bench/test_eight_bit_choice.py::test_a_candidate_is_emulated_on_the_datas_device",
+    ),
+    _m(
         "accuracy-switch-refuses-both",
         "bench/cli.py",
         '    if text == "both":\n        return ("off", "on")',

@@ -3,13 +3,17 @@ the emulation of their format, the verdicts are the issue's goals."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from paged_video.bench import eight_bit_choice as choice
 from paged_video.bench.accuracy import (
     AccuracyConfig,
+    Data,
     FloorCache,
+    Prepared,
     Variant,
     make_data,
     prepare,
@@ -110,3 +114,17 @@ def test_the_chosen_formats_meet_their_goals_on_small_data(seed: int) -> None:
         bound = 1.1 * table["today int8 pool"][kind] if kind in INT8_BOUND else 0.015
         assert accurate[kind] <= bound, kind
         assert fast[kind] >= 1.5 * accurate[kind], kind
+
+
+@pytest.mark.parametrize(
+    "name", ["int8-slot/frozen16/e4m3/acc13", "e4m3-tile64/block256/e4m3/acc13"]
+)
+def test_a_candidate_is_emulated_on_the_datas_device(name: str) -> None:
+    # Over CUDA data an output made on the CPU crashes the comparison with the float64 reference
+    # (on the data's device); meta tensors turn the same mistake into an error on a CPU.
+    data = make_data("random", TINY)
+    prepared = prepare(data, TINY)
+    meta = Data(*(t.to("meta") for t in dataclasses.astuple(data)))
+    meta_prepared = Prepared(*(t.to("meta") for t in dataclasses.astuple(prepared)))
+    out = choice.emulate(choice.candidates()[name], meta, meta_prepared, TINY.chunk_size)
+    assert out.device.type == "meta" and out.shape == data.q.shape
