@@ -43,9 +43,11 @@ def cases(draw, block_size: int):
     tiles = draw(st.lists(st.sampled_from([0, 1, 2, 3, 5]), min_size=sequences, max_size=sequences))
     tails = draw(st.lists(st.integers(0, span + 5), min_size=sequences, max_size=sequences))
     k_lens = [t * span + tail for t, tail in zip(tiles, tails, strict=True)]
-    # The first sequence has queries and a tile of every piece or more: the k8v8 check needs
-    # roundings to measure, and every piece's loop tiles to run (but where masks end them).
-    k_lens[0] = max(k_lens[0], tile_keys(block_size, "smallest") + tails[0])
+    # The first sequence has queries and 1 to 3 tiles of the smallest piece (more of the
+    # others): the k8v8 check needs roundings to measure, and every piece's loop tiles to run
+    # (but where masks end them), a tile after another's P V (a V a tile off) from 2 on.
+    smallest = tile_keys(block_size, "smallest")
+    k_lens[0] = max(k_lens[0], draw(st.integers(1, 3)) * smallest + tails[0])
     q_lens = draw(st.lists(st.integers(0, 8), min_size=sequences, max_size=sequences))
     q_lens[0] = max(q_lens[0], 1)
     num_kv_heads = draw(st.sampled_from([1, 2]))
