@@ -73,6 +73,7 @@ VLLM_OMNI_INSTALL = "tests/integrations/test_vllm_omni_install.py"
 VLLM_OMNI_CHECK = "tests/integrations/test_vllm_omni_check.py"
 EIGHT_BIT = "tests/reference/test_eight_bit_attention.py"
 K8 = "tests/kernels/test_k8v8_attention.py"
+PV_PROPERTY = "tests/kernels/test_pv_behind_property.py::test_property_p_v_under_the_next_softmax"
 KEYS_MAJOR_FLAG = (
     "tests/kernels/test_paged_attention_quantized.py::"
     "test_keys_major_pools_are_read_as_stored_only_when_aligned"
@@ -1643,6 +1644,20 @@ MUTANTS = [
         "            acc = acc * pv_rescale[:, None] + pv\n",
         "            acc = acc + pv\n",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
+    ),
+    _m(
+        "pv-behind-gathered-v-rows-of-the-k-ids",
+        "kernels/_attention_jit.py",
+        "_tile_rows(\n                v_id0, v_id1, v_ids, v_start, v_cache,",
+        "_tile_rows(\n                k_id0, k_id1, k_ids, v_start, v_cache,",
+        PV_PROPERTY,
+    ),
+    _m(
+        "pv-behind-one-tile-runs-lose-their-p-v",
+        "kernels/_attention_jit.py",
+        "    steps = num_tiles + (num_tiles > 0)",
+        "    steps = num_tiles + (num_tiles > 1)",
+        PV_PROPERTY,
     ),
     # -- the loop with the scores a tile ahead (scores_ahead) ------------------------------
     _m(
