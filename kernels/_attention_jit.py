@@ -752,11 +752,14 @@ def _unmasked_tile(
     DESCRIPTOR_LOADS: tl.constexpr,
     SCALAR_BASE: tl.constexpr,
     KEYS_ALIGNED: tl.constexpr = False,
+    MMA_ORDER: tl.constexpr = False,
 ):
     """One cache's whole key tile at piece position ``n_start`` from its block ids (as
     ``_attend_tiles`` loads an unmasked tile): by descriptor (``desc`` at column ``desc_col``),
-    from the loop-invariant pointer tile ``tile`` plus a scalar base (``KEYS_ALIGNED``: as
-    ``_tile_base``'s), or by per-row offsets (``tile`` then points at the head's channels)."""
+    from the loop-invariant pointer tile ``tile`` plus a scalar base, or by per-row offsets
+    (``tile`` then points at the head's channels; ``_key_tile_pointers`` makes either).
+    ``KEYS_ALIGNED``, ``MMA_ORDER``: as ``_tile_rows``' (a scalar base's tile has its rows'
+    order built in)."""
     if DESCRIPTOR_LOADS:
         return desc.load([id0 * BLOCK_SIZE + PIECE_OFFSET + n_start % PIECE_SIZE, desc_col])
     if SCALAR_BASE:
@@ -766,12 +769,33 @@ def _unmasked_tile(
     else:
         rows = _tile_rows(
             id0, id1, ids, n_start, cache, BLOCK_N, BLOCK_SIZE, KV_PATH, OFFSETS_32,
-            PIECE_OFFSET, PIECE_SIZE, False, False,
+            PIECE_OFFSET, PIECE_SIZE, KEYS_ALIGNED, MMA_ORDER,
         )  # fmt: skip
         ptrs = tile + rows[:, None]
     if HEAD_DIM == BLOCK_D:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def _key_tile_pointers(
+    k_head, k_cache, v_head, v_cache, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCALAR_BASE: tl.constexpr, MMA_ORDER: tl.constexpr,
+):  # fmt: skip
+    """K's and V's loop-invariant pointer tiles for ``_unmasked_tile`` (from the head pointers
+    ``k_head``, ``v_head`` and the caches' strides): a tile's rows and channels for a scalar
+    base, K's rows in the 8-bit MMA's key order (``MMA_ORDER``), V's in position order; else
+    the head's channels, for per-row offsets."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    if SCALAR_BASE:
+        k_offs = _fp8_mma_key_order(offs_n) if MMA_ORDER else offs_n
+        k_tile = k_head + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
+        v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    else:
+        k_tile = k_head + offs_d[None, :] * k_cache[3]
+        v_tile = v_head + offs_d[None, :] * v_cache[3]
+    return k_tile, v_tile
 
 
 @triton.jit
@@ -929,19 +953,13 @@ def _attend_k8v8_ahead(
     k_scales = caches[2]
     v_scales = caches[3]
     table_row, stride_table_col = table
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d[None, :] < HEAD_DIM
     SCALAR_BASE: tl.constexpr = KV_PATH != "two_blocks" and PIECE_SIZE % BLOCK_N == 0
     DESCRIPTOR_LOADS: tl.constexpr = TMA and SCALAR_BASE
     # A slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the loop.
     v_head = v_cache[0] if V_KEYS_MAJOR else v_cache[0].to(tl.pointer_type(tl.uint8))
-    k_dims = k_cache[0] + offs_d[None, :] * k_cache[3]
-    v_dims = v_head + offs_d[None, :] * v_cache[3]
-    if SCALAR_BASE:
-        k_offs = _fp8_mma_key_order(offs_n)
-        k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
-        v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
+    k_tile, v_tile = _key_tile_pointers(
+        k_cache[0], k_cache, v_head, v_cache, BLOCK_N, BLOCK_D, SCALAR_BASE, True
+    )
     last = num_tiles - 1
     qk = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
     k_id0, k_id1, k_ids = _tile_block_ids(
@@ -969,32 +987,16 @@ def _attend_k8v8_ahead(
             )  # fmt: skip
             k_col = descs[4].load([v_id0 * k_scales[1] + descs[6] + v_slot])
         else:
-            if SCALAR_BASE:
-                k_base = _tile_base(
-                    k_id0, k_start, k_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False
-                )
-                v_base = _tile_base(
-                    v_id0, v_start, v_cache, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR
-                )
-                k_ptrs = k_tile + k_base
-                v_ptrs = v_tile + v_base
-            else:
-                k_rows = _tile_rows(
-                    k_id0, k_id1, k_ids, k_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
-                    OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, True,
-                )  # fmt: skip
-                v_rows = _tile_rows(
-                    v_id0, v_id1, v_ids, v_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
-                    OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR, False,
-                )  # fmt: skip
-                k_ptrs = k_dims + k_rows[:, None]
-                v_ptrs = v_dims + v_rows[:, None]
-            if HEAD_DIM == BLOCK_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=d_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+            k = _unmasked_tile(
+                k_cache, descs[0], descs[2], k_tile, k_id0, k_id1, k_ids, k_start, BLOCK_N,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE,
+                False, SCALAR_BASE, False, True,
+            )  # fmt: skip
+            v = _unmasked_tile(
+                v_cache, descs[1], descs[2], v_tile, v_id0, v_id1, v_ids, v_start, BLOCK_N,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE,
+                False, SCALAR_BASE, V_KEYS_MAJOR,
+            )  # fmt: skip
             ks_rows = _tile_rows(
                 v_id0, v_id1, v_ids, v_start, k_scales, BLOCK_N, BLOCK_SIZE, KV_PATH,
                 OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, SCALES_KEYS_MAJOR, False,
@@ -1074,21 +1076,15 @@ def _attend_pv_behind(
     v_cache = caches[1]
     k_scales = caches[2]
     table_row, stride_table_col = table
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     # k8v8: a slot-major V is read as bytes (as _attend_tiles reads it) and transposed in the
     # loop; K's rows (and scales) in the 8-bit MMA's key order, so P feeds the FP8 MMA as is.
     v_head = v_cache[0] if V_KEYS_MAJOR or K8V16 else v_cache[0].to(tl.pointer_type(tl.uint8))
     # Tiles inside one block take a scalar base (and descriptors); tiles gathered from the
     # pieces of several blocks (the rows path, small pieces) per-row offsets from their ids.
     SCALAR_BASE: tl.constexpr = PIECE_SIZE % BLOCK_N == 0
-    if SCALAR_BASE:
-        k_offs = offs_n if K8V16 else _fp8_mma_key_order(offs_n)
-        k_tile = k_cache[0] + (k_offs[:, None] * k_cache[2] + offs_d[None, :] * k_cache[3])
-        v_tile = v_head + (offs_n[:, None] * v_cache[2] + offs_d[None, :] * v_cache[3])
-    else:
-        k_tile = k_cache[0] + offs_d[None, :] * k_cache[3]
-        v_tile = v_head + offs_d[None, :] * v_cache[3]
+    k_tile, v_tile = _key_tile_pointers(
+        k_cache[0], k_cache, v_head, v_cache, BLOCK_N, BLOCK_D, SCALAR_BASE, not K8V16
+    )
     last = num_tiles - 1
     rows: tl.constexpr = q.shape[0]
     # Carried: k8v8's P V sum issued last iteration (pv, with its rescale) and the
@@ -1129,34 +1125,18 @@ def _attend_pv_behind(
             k, v = _k8v8_descriptor_tiles(
                 descs, k_id0, k_slot, v_id0, v_slot, BLOCK_SIZE, BLOCK_N, BLOCK_D, V_KEYS_MAJOR
             )
-        elif SCALAR_BASE:
-            k = _unmasked_tile(
-                k_cache, descs[0], descs[2], k_tile, k_id0, 0, 0, k_start, BLOCK_N, BLOCK_D,
-                HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
-                True,
-            )  # fmt: skip
-            v = _unmasked_tile(
-                v_cache, descs[1], descs[2], v_tile, v_id0, 0, 0, v_start, BLOCK_N, BLOCK_D,
-                HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False,
-                True, V_KEYS_MAJOR,
-            )  # fmt: skip
         else:
             # K's rows in the 8-bit MMA's key order (k8v8), V's in position order.
-            k_rows = _tile_rows(
-                k_id0, k_id1, k_ids, k_start, k_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
-                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, not K8V16,
+            k = _unmasked_tile(
+                k_cache, descs[0], descs[2], k_tile, k_id0, k_id1, k_ids, k_start, BLOCK_N,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE,
+                False, SCALAR_BASE, False, not K8V16,
             )  # fmt: skip
-            v_rows = _tile_rows(
-                v_id0, v_id1, v_ids, v_start, v_cache, BLOCK_N, BLOCK_SIZE, KV_PATH,
-                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, V_KEYS_MAJOR, False,
+            v = _unmasked_tile(
+                v_cache, descs[1], descs[2], v_tile, v_id0, v_id1, v_ids, v_start, BLOCK_N,
+                BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, PIECE_OFFSET, PIECE_SIZE,
+                False, SCALAR_BASE, V_KEYS_MAJOR,
             )  # fmt: skip
-            if HEAD_DIM == BLOCK_D:
-                k = tl.load(k_tile + k_rows[:, None])
-                v = tl.load(v_tile + v_rows[:, None])
-            else:
-                d_mask = offs_d[None, :] < HEAD_DIM
-                k = tl.load(k_tile + k_rows[:, None], mask=d_mask, other=0.0)
-                v = tl.load(v_tile + v_rows[:, None], mask=d_mask, other=0.0)
         if TMA and SCALAR_BASE:
             k_col = descs[4].load([k_id0 * k_scales[1] + descs[6] + k_slot])
         else:

@@ -1617,8 +1617,8 @@ MUTANTS = [
     _m(
         "pv-behind-gathered-k-in-position-order",
         "kernels/_attention_jit.py",
-        "                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, not K8V16,\n",
-        "                OFFSETS_32, PIECE_OFFSET, PIECE_SIZE, False, False,\n",
+        "                False, SCALAR_BASE, False, not K8V16,\n",
+        "                False, SCALAR_BASE, False, False,\n",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax[pieces-B24]",
     ),
     _m(
@@ -1648,8 +1648,12 @@ MUTANTS = [
     _m(
         "pv-behind-gathered-v-rows-of-the-k-ids",
         "kernels/_attention_jit.py",
-        "_tile_rows(\n                v_id0, v_id1, v_ids, v_start, v_cache,",
-        "_tile_rows(\n                k_id0, k_id1, k_ids, v_start, v_cache,",
+        "False, SCALAR_BASE, False, not K8V16,\n            )  # fmt: skip\n"
+        "            v = _unmasked_tile(\n"
+        "                v_cache, descs[1], descs[2], v_tile, v_id0, v_id1, v_ids, v_start,",
+        "False, SCALAR_BASE, False, not K8V16,\n            )  # fmt: skip\n"
+        "            v = _unmasked_tile(\n"
+        "                v_cache, descs[1], descs[2], v_tile, k_id0, k_id1, k_ids, v_start,",
         PV_PROPERTY,
     ),
     _m(

@@ -6,7 +6,6 @@ accuracy; pools poisoned outside what is written, outputs poisoned before the la
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import pytest
@@ -17,8 +16,7 @@ from paged_video.kernels import pool_layout
 from paged_video.reference.quantize import dequantize, quantize
 from tests.helpers import DEVICE, nan_like, record_launches
 from tests.kernels.paged_case import assert_lse_close, make_paged_case
-from tests.kernels.test_k8v8_attention import masked_case
-from tests.kernels.test_strided_index import column
+from tests.kernels.test_k8v8_attention import masked_case, p_v_behind_case
 
 FP32_ATOL = 2e-5
 LSE_RTOL = 2e-6
@@ -66,12 +64,7 @@ def test_k8v16_p_v_under_the_next_softmax(
     # P V MMA issued an iteration after its softmax, into acc in place (_attend_pv_behind).
     # Runs of 6, 1, 2 and 0 unmasked tiles over permuted blocks, each behind a masked tail, so
     # a missing first or last P V, a doubled softmax step or V a tile off shows.
-    case = make_paged_case(
-        q_lens=[7, 3, 4, 2], k_lens=[6 * 64 + 3, 64 + 9, 128, 20], block_size=block_size,
-        num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE,
-    )  # fmt: skip
-    # The block table as a strided view: the loop reads its ids through the table's strides.
-    case = dataclasses.replace(case, block_table=column(case.block_table, 0))
+    case = p_v_behind_case(block_size, head_dim)
     k_codes, v_cache, k_scale = k8v16_pools(case)
     if variant == "tma":
         k_scale = pool_layout.keys_major(k_scale)

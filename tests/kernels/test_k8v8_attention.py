@@ -247,6 +247,17 @@ def test_k8v8_descriptor_loop(monkeypatch: pytest.MonkeyPatch, per_block: bool) 
     assert [flags["TMA"] for flags in launches] == [True]
 
 
+def p_v_behind_case(block_size: int, head_dim: int) -> PagedCase:
+    """The P-V-behind tests' case (k8v8's and k8v16's): runs of 6, 1, 2 and 0 whole 64-key
+    tiles, each behind a masked tail, GQA 2, the block table as a strided view (the loop
+    reads its ids through the table's strides)."""
+    case = make_paged_case(
+        q_lens=[7, 3, 4, 2], k_lens=[6 * 64 + 3, 64 + 9, 128, 20], block_size=block_size,
+        num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE,
+    )  # fmt: skip
+    return dataclasses.replace(case, block_table=column(case.block_table, 0))
+
+
 @pytest.mark.parametrize(
     "block_size, head_dim, variant, keys_major",
     [
@@ -269,12 +280,7 @@ def test_k8v8_p_v_under_the_next_softmax(
     # reads V of the blocks K read). Runs of 6, 1, 2 and 0 unmasked tiles over permuted
     # blocks, each behind a masked tail, so a missing first or last P V, a doubled softmax
     # step or V a tile off shows.
-    case = make_paged_case(
-        q_lens=[7, 3, 4, 2], k_lens=[6 * 64 + 3, 64 + 9, 128, 20], block_size=block_size,
-        num_heads=4, num_kv_heads=2, head_dim=head_dim, device=DEVICE,
-    )  # fmt: skip
-    # The block table as a strided view: the loop reads its ids through the table's strides.
-    case = dataclasses.replace(case, block_table=column(case.block_table, 0))
+    case = p_v_behind_case(block_size, head_dim)
     k_codes, v_codes, k_scale, scales = k8v8_pools(case, per_block=False, keys_major=keys_major)
     if keys_major:
         k_scale = pool_layout.keys_major(k_scale)
