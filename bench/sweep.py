@@ -266,7 +266,7 @@ def eight_bit_oracle(workload: Workload, kv_format: str) -> Tensor:
     """Float64 ``(total_q, heads, head_dim)`` on the workload's device: k8v16 as float64
     attention over the int8-rounded query rows, the dequantized keys and V as stored; k8v8 as
     its emulation over the pool's own codes and frozen channel scales
-    (``reference.eight_bit_attention.attend_codes``, on the CPU), per sequence, KV head and slice
+    (``reference.eight_bit_attention.attend_codes``), per sequence, KV head and slice
     of queries so the float64 scores stay under ``ORACLE_CHUNK_BYTES``."""
     w = workload
     g = w.geometry
