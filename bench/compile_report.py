@@ -1,11 +1,12 @@
 """``python -m paged_video.bench compile``: what the GPU would run, read on a CPU.
 
-Compiles the launches ``paged_attention``, ``write_slots`` and ``gather_blocks`` would make at
-given geometries for a named target (default ``cuda:90``, built as sm_90a) with Triton's own
-ahead-of-time path (``triton.compile`` on an ``ASTSource`` with an explicit ``GPUTarget``), and
-reads the cubin Triton itself built, ptxas flags and all: registers and stack from
-``cuobjdump -res-usage``, everything else from its ``cuobjdump -sass`` (``bench/sass.py``), both
-the tools of the same Triton wheel. Spills are the bytes of the SASS's local stores and loads,
+Compiles the launches ``paged_attention``, ``write_slots``, ``gather_blocks`` and ``regrow``
+(``kernels.regrow``: a write's check and the codes' rescale) would make at given geometries
+for a named target (default ``cuda:90``, built as sm_90a) with Triton's own ahead-of-time path
+(``triton.compile`` on an ``ASTSource`` with an explicit ``GPUTarget``), and reads the cubin
+Triton itself built, ptxas flags and all: registers and stack from ``cuobjdump -res-usage``,
+everything else from its ``cuobjdump -sass`` (``bench/sass.py``), both the tools of the same
+Triton wheel. Spills are the bytes of the SASS's local stores and loads,
 checked against the ``ptxas -v`` log of Triton's own build.
 
 Each launch of ``paged_attention`` comes with two yardsticks from ``bench/reference_loop.py``
@@ -49,7 +50,7 @@ from pathlib import Path
 
 from paged_video.bench import sass
 
-KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks")
+KERNEL_NAMES = ("paged_attention", "write_slots", "gather_blocks", "regrow")
 # paged_attention's K/V storage: the query dtype ("same"), int8 codes with scales (dequantized
 # before bf16/fp16 MMAs; the e4m3 pool's fp8 modes were deleted, issue 45). ``_keys``: the mode
 # over keys-major pools (``kernels.keys_major``, ``PagingConfig(keys_major=True)``): the scale
@@ -701,9 +702,33 @@ def _launches(config: Config) -> list[_Launch]:
                 empty(2 * bs, config.kv_heads, d),
                 check_values=False,
             )
+    elif config.kernel == "regrow":
+        # A later write's check over its rows (K smoothed), then the int8 codes of the pools a
+        # cache of this block size holds, rescaled (kernels.regrow).
+        from paged_video.kernels import regrow
+
+        heads = config.kv_heads
+        ones = torch.ones(heads, d)
+        with _recording("paged_video.kernels.regrow") as (real, calls):
+            tokens = config.max_seqlen_q
+            slots = torch.zeros(tokens, dtype=torch.int64)
+            regrow.channel_squares(empty(tokens, heads, d), ones, slots)
+            codes = torch.empty(2, bs, heads, d, dtype=torch.int8)
+            regrow.regrow_codes(codes, ones, ones, torch.zeros(heads, dtype=torch.bool))
     else:
         raise ValueError(f"unknown kernel {config.kernel!r}")
-    return [_Launch(config.kernel, real[n], args, kwargs, {}) for n, args, kwargs in calls]
+    # A launcher of several kernels (regrow) names each row's.
+    named = {n for n, _, _ in calls}
+    return [
+        _Launch(
+            config.kernel if len(named) == 1 else f"{config.kernel}/{n.strip('_')}",
+            real[n],
+            args,
+            kwargs,
+            {},
+        )
+        for n, args, kwargs in calls
+    ]
 
 
 def _compile(fn: object, args: tuple, kwargs: dict, target: object) -> tuple[object, str]:

@@ -17,12 +17,14 @@ write of ``REGROW_MIN_ROWS`` rows or more):
    from the start);
 3. the write then quantizes its rows with the new factors.
 
-Everything runs on the device with no sync: the codes kernel reads the head's flag and leaves
-the codes alone when it is off, so a write where nothing grew costs the candidate factors'
-reduction and one launch whose programs exit at once. Heads decide alone, so a rank holding
-some of the heads (Ulysses) regrows as one process does. The threshold keeps the rows of an
-ordinary frame (whose factors move by one power of two at most) from requantizing the layer;
-a write of a few rows (whose channels' widths are noise) never regrows.
+Everything runs on the device with no sync: one pass over the write's rows sums each channel's
+squares (``channel_squares``), the rule runs on ``(heads, head_dim)`` tensors, and the codes
+kernel reads each head's flag and leaves its codes alone when it is off, so a write where
+nothing grew costs that pass, a few tiny operations and one launch whose programs exit at
+once. Heads decide alone, so a rank holding some of the heads (Ulysses) regrows as one process
+does. The threshold keeps the rows of an ordinary frame (whose factors move by one power of two
+at most) from requantizing the layer; a write of a few rows (whose channels' widths are noise)
+never regrows.
 """
 
 from __future__ import annotations
@@ -44,15 +46,102 @@ REGROW_LOG2 = 2
 # two at most where nothing grew), and every regrowth costs the grown channels' older codes
 # bits for good.
 REGROW_MIN_ROWS = 64
+FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
+
+
+@triton.jit
+def _channel_squares_kernel(
+    rows_ptr,
+    smooth_ptr,
+    slot_mapping_ptr,
+    squares_ptr,
+    counts_ptr,
+    num_tokens,
+    head_dim,
+    stride_row_tok,
+    stride_row_head,
+    stride_row_dim,
+    stride_smooth_head,
+    stride_smooth_dim,
+    HAS_SMOOTH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (KV head, channel chunk): over the rows with a slot, the sum of squares of the
+    finite values of ``rows - smooth`` and their count, in one pass (the rows are read once;
+    float32 sums in a fixed order, so every run gives the same bits)."""
+    head = tl.program_id(0)
+    dim = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dim_mask = dim < head_dim
+    row_head = head.to(tl.int64) * stride_row_head + dim * stride_row_dim
+    if HAS_SMOOTH:
+        smooth_offsets = head * stride_smooth_head + dim * stride_smooth_dim
+        mean = tl.load(smooth_ptr + smooth_offsets, mask=dim_mask, other=0.0)
+    squares = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    counts = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.int32)
+    for start in range(0, num_tokens, BLOCK_T):
+        token = start + tl.arange(0, BLOCK_T)
+        slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1)
+        mask = (slot >= 0)[:, None] & dim_mask[None, :]
+        offsets = token.to(tl.int64)[:, None] * stride_row_tok + row_head[None, :]
+        x = tl.load(rows_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            x = x - mean[None, :]
+        # False for NaN (no comparison holds) and for infinities.
+        finite = mask & (tl.abs(x) <= FLOAT32_MAX)
+        x = tl.where(finite, x, 0.0)
+        squares += x * x
+        counts += finite.to(tl.int32)
+    out = head * head_dim + dim
+    tl.store(squares_ptr + out, tl.sum(squares, axis=0), mask=dim_mask)
+    tl.store(counts_ptr + out, tl.sum(counts, axis=0), mask=dim_mask)
+
+
+def channel_squares(
+    rows: Tensor, smooth: Tensor | None, slot_mapping: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(squares, counts)`` ``(heads, head_dim)``: over the rows ``(tokens, heads, head_dim)``
+    with a slot (``slot_mapping[t] >= 0``), the float32 sum of squares of the finite values of
+    ``rows - smooth`` and how many there are: what ``equalize.choose_factors`` reduces, read
+    once on a GPU (a write's check costs one pass over its rows)."""
+    num_tokens, heads, head_dim = rows.shape
+    used = slot_mapping[:num_tokens] >= 0
+    if use_torch_path(rows):
+        x = rows.to(torch.float32)
+        if smooth is not None:
+            x = x - smooth
+        finite = x.isfinite() & used[:, None, None]
+        squares = torch.where(finite, x, 0.0).square().sum(dim=0)
+        return squares, finite.sum(dim=0, dtype=torch.int32)
+    squares = torch.empty(heads, head_dim, dtype=torch.float32, device=rows.device)
+    counts = torch.empty(heads, head_dim, dtype=torch.int32, device=rows.device)
+    block_d = min(triton.next_power_of_2(head_dim), 64)
+    _channel_squares_kernel[(heads, triton.cdiv(head_dim, block_d))](
+        rows,
+        rows if smooth is None else smooth,  # a placeholder, never read without HAS_SMOOTH
+        slot_mapping,
+        squares,
+        counts,
+        num_tokens,
+        head_dim,
+        *rows.stride(),
+        *((0, 0) if smooth is None else smooth.stride()),
+        HAS_SMOOTH=smooth is not None,
+        BLOCK_T=32,
+        BLOCK_D=block_d,
+    )
+    return squares, counts
 
 
 def regrown_factors(
-    frozen: Tensor, rows: Tensor, smooth: Tensor | None, used: Tensor, share: float
+    frozen: Tensor, rows: Tensor, smooth: Tensor | None, slot_mapping: Tensor, share: float
 ) -> tuple[Tensor, Tensor]:
     """``(new factors (heads, head_dim), grown (heads,) bool)``: the rule above for the rows
-    ``(tokens, heads, head_dim)`` (minus ``smooth``, where ``used``) against ``frozen``."""
-    candidate = equalize.choose_factors(rows, smooth, used, share)
-    grown = (candidate >= frozen * 2.0**REGROW_LOG2).any(dim=-1) & (used.sum() >= REGROW_MIN_ROWS)
+    ``(tokens, heads, head_dim)`` with a slot (minus ``smooth``) against ``frozen``."""
+    squares, counts = channel_squares(rows, smooth, slot_mapping)
+    candidate = equalize.factors_of_squares(squares, counts, share)
+    enough = (slot_mapping[: rows.shape[0]] >= 0).sum() >= REGROW_MIN_ROWS
+    grown = (candidate >= frozen * 2.0**REGROW_LOG2).any(dim=-1) & enough
     return torch.where(grown[:, None], torch.maximum(frozen, candidate), frozen), grown
 
 
@@ -144,7 +233,7 @@ def regrow(
     ``rows`` (those with a slot), regrow every tensor of ``codes`` (the pool, staged copies),
     then update ``factor`` in place."""
     old = factor.clone()
-    new, grown = regrown_factors(old, rows, smooth, slot_mapping >= 0, share)
+    new, grown = regrown_factors(old, rows, smooth, slot_mapping, share)
     for tensor in codes:
         regrow_codes(tensor, old, new, grown)
     factor.copy_(new)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from paged_video import kernels
+from paged_video.kernels import equalize
 from paged_video.kernels.pool_layout import keys_major
 from paged_video.kernels.regrow import REGROW_LOG2, REGROW_MIN_ROWS, regrow_codes, regrown_factors
 from paged_video.reference.quantize import K_SHARE, V_SHARE, channel_factors
@@ -109,6 +110,31 @@ def test_regrow_rounds_half_to_even(where: str) -> None:
     assert codes[:, 0, 1].tolist() == quarters
 
 
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
+def test_channel_squares_match_what_choose_factors_reduces(smooth: bool) -> None:
+    # The one-pass kernel against the plain-PyTorch path and choose_factors' rule: rows without
+    # a slot (huge padding), NaN and infinite values left out per element, strided bf16-held rows.
+    gen = torch.Generator().manual_seed(11)
+    heads, dim, tokens = 3, 80, 70
+    rows = torch.randn(tokens, heads + 1, dim, generator=gen)[:, 1:] * 3.0
+    rows[5] = 1e6
+    rows[7, 0, 2] = float("nan")
+    rows[9, 2, :5] = float("inf")
+    slots = torch.arange(tokens)
+    slots[5] = -1
+    mean = torch.randn(heads, dim, generator=gen) if smooth else None
+    rows, slots = rows.to(DEVICE), slots.to(DEVICE)
+    mean = None if mean is None else mean.to(DEVICE)
+    with backend("torch"):
+        want_squares, want_counts = regrow_module.channel_squares(rows, mean, slots)
+    squares, counts = regrow_module.channel_squares(rows, mean, slots)
+    assert torch.equal(counts, want_counts)
+    assert counts[0, 2] == tokens - 2 and counts[2, 0] == tokens - 2 and counts[1, 0] == tokens - 1
+    torch.testing.assert_close(squares, want_squares, rtol=1e-6, atol=0)
+    from_rule = equalize.factors_of_squares(squares, counts, K_SHARE)
+    assert torch.equal(from_rule, equalize.choose_factors(rows, mean, slots >= 0, K_SHARE))
+
+
 def test_regrown_factors_rule() -> None:
     # A head regrows where one channel's factor is 2**REGROW_LOG2 times the frozen one or more
     # (then to the elementwise maximum), from REGROW_MIN_ROWS rows on; the other heads keep
@@ -117,7 +143,7 @@ def test_regrown_factors_rule() -> None:
     heads, dim = 3, 32
     rows = torch.randn(REGROW_MIN_ROWS, heads, dim, generator=gen)
     rows[:, :, 3] *= 40.0
-    used = torch.ones(REGROW_MIN_ROWS, dtype=torch.bool)
+    slots = torch.arange(REGROW_MIN_ROWS)
     candidate = channel_factors(rows, share=K_SHARE)
     assert candidate[:, 3].min() >= 2.0 ** (REGROW_LOG2 + 1)
     frozen = candidate.clone()
@@ -126,14 +152,14 @@ def test_regrown_factors_rule() -> None:
     frozen[1, 3] /= 2.0 ** (REGROW_LOG2 - 1)  # head 1: one power of two short
     frozen[2, 3] *= 2.0  # head 2: frozen above what the rows choose; others too
     frozen[2, 5] = candidate[2, 5] / 2.0 ** (REGROW_LOG2 - 1)
-    new, grown = regrown_factors(frozen, rows, None, used, K_SHARE)
+    new, grown = regrown_factors(frozen, rows, None, slots, K_SHARE)
     assert grown.tolist() == [True, False, False]
     assert torch.equal(new[0], torch.maximum(frozen[0], candidate[0]))
     assert new[0, 7] == frozen[0, 7] > candidate[0, 7] and new[0, 3] == candidate[0, 3]
     assert torch.equal(new[1:], frozen[1:])
     # One row short of the minimum: nothing regrows.
-    used[0] = False
-    _, grown = regrown_factors(frozen, rows, None, used, K_SHARE)
+    slots[0] = -1
+    _, grown = regrown_factors(frozen, rows, None, slots, K_SHARE)
     assert not grown.any()
 
 
