@@ -72,6 +72,7 @@ FAIL_FAST = "tests/models/test_fail_fast.py"
 VLLM_OMNI_INSTALL = "tests/integrations/test_vllm_omni_install.py"
 VLLM_OMNI_CHECK = "tests/integrations/test_vllm_omni_check.py"
 EIGHT_BIT = "tests/reference/test_eight_bit_attention.py"
+REGROW = "tests/reference/test_regrow.py"
 K8 = "tests/kernels/test_k8v8_attention.py"
 PV_PROPERTY = "tests/kernels/test_pv_behind_property.py::test_property_p_v_under_the_next_softmax"
 KEYS_MAJOR_FLAG = (
@@ -1471,6 +1472,42 @@ MUTANTS = [
         "per_flush[:, None, : flushed.shape[-2]]",
         "per_flush[:, None, 1 : flushed.shape[-2] + 1]",
         f"{EIGHT_BIT}::test_exact_p_and_accumulator_leave_only_v_codes[block]",
+    ),
+    # -- reference/regrow.py: equalization factors that regrow --------------------------------
+    _m(
+        "regrow-at-twice",
+        "reference/regrow.py",
+        "candidate64 >= frozen64 * 2.0**REGROW_LOG2",
+        "candidate64 >= frozen64 * 2.0",
+        f"{REGROW}::test_a_head_grows_only_at_four_times_a_factor",
+    ),
+    _m(
+        "regrow-takes-the-candidate",
+        "reference/regrow.py",
+        "torch.maximum(frozen64, candidate64), frozen64",
+        "candidate64, frozen64",
+        f"{REGROW}::test_grown_factors_are_the_elementwise_maximum",
+    ),
+    _m(
+        "regrow-every-head",
+        "reference/regrow.py",
+        "torch.where(grown[:, None], torch.maximum",
+        "torch.where(grown.any(), torch.maximum",
+        f"{REGROW}::test_a_head_grows_only_at_four_times_a_factor",
+    ),
+    _m(
+        "regrow-codes-truncated",
+        "reference/regrow.py",
+        "torch.round(codes.to(torch.float64) * ratio)",
+        "torch.trunc(codes.to(torch.float64) * ratio)",
+        f"{REGROW}::test_codes_halve_ties_to_even",
+    ),
+    _m(
+        "regrow-codes-kept",
+        "reference/regrow.py",
+        "codes = [regrow_codes(stored, factor, new) for stored in codes]",
+        "pass",
+        f"{REGROW}::test_a_grown_head_restates_what_is_stored_and_writes_under_the_new_factors",
     ),
     # -- the launchers' argument checks --------------------------------------------------------
     _m(
