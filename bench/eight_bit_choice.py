@@ -6,7 +6,9 @@ Every ``bench accuracy`` data kind (bf16-rounded, the same generator and geometr
 candidate: rel L1 against float64 attention, beside today's pools' float64 emulations
 (``reference.quantized_attention``: the e4m3 and int8 pools dequantizing, FP8-MMA, INT8-MMA).
 As the cache does, K is smoothed by the first frame's mean, int8 K equalized by factors chosen
-from that frame (e4m3 K is not), and frozen V scales come from that frame too.
+from that frame (e4m3 K is not), and frozen V scales come from that frame too. A ``/regrow``
+candidate's K factors regrow frame by frame where a frame's are 4x wider (``reference.regrow``:
+K written a frame at a time, the codes stored before restated).
 
 Candidates are named ``K/V/P/accumulator`` (``CANDIDATES``): K ``int8``/``e4m3`` per ``slot`` or
 per ``tile64``; V ``frozen16`` (per channel frozen at the first write with headroom 16),
@@ -31,6 +33,7 @@ from paged_video.bench.accuracy import AccuracyConfig, Data, Prepared
 from paged_video.bench.results import sig3
 from paged_video.kernels.equalize import K_SHARE, choose_factors
 from paged_video.reference import eight_bit_attention as eba
+from paged_video.reference import regrow
 from paged_video.reference.quantized_attention import quantized_attention
 
 E4M3 = torch.float8_e4m3fn
@@ -43,12 +46,18 @@ ROWS_PER_CALL = 64
 
 @dataclass(frozen=True)
 class Candidate:
-    """A format, whether K is equalized and K's share of the channels' width (smoothing is always
-    on, as the cache's default)."""
+    """A format, whether K is equalized, K's share of the channels' width and whether K's factors
+    regrow after the first write (``reference.regrow``; else frozen there). Smoothing is always
+    on, as the cache's default."""
 
     format: eba.EightBitFormat
     equalize_k: bool = True
     k_share: float = K_SHARE
+    regrow: bool = False
+
+    def __post_init__(self) -> None:
+        if self.regrow and not self.equalize_k:
+            raise ValueError("regrow needs equalize_k: only equalization factors regrow")
 
 
 def _fmt(k: str, v: str, p: str = "e4m3", acc: str = "acc13", flush: int = 1) -> Candidate:
@@ -101,6 +110,8 @@ def candidates() -> dict[str, Candidate]:
         out[name + "/q-row"] = Candidate(per_row)
         for share in (0.25, 1.0):
             out[f"{name}/q-row/k-share{share:g}"] = Candidate(per_row, k_share=share)
+        # K's factors regrow where a later frame's are 4x or more (the cache's rule).
+        out[name + "/q-row/regrow"] = Candidate(per_row, regrow=True)
     return out
 
 
@@ -116,14 +127,11 @@ E4M3_POOL = "today e4m3 pool"
 
 def emulate(candidate: Candidate, data: Data, prepared: Prepared, first_write: int) -> torch.Tensor:
     """Float64 output of ``candidate`` on ``data`` (K smoothed, int8 K equalized, V frozen from
-    the first ``first_write`` keys)."""
+    the first ``first_write`` keys; K written ``first_write`` keys a frame, as the cache
+    writes)."""
     fmt = candidate.format
-    k_factor = prepared.smoothed_k_factor if candidate.equalize_k else None
-    if candidate.equalize_k and candidate.k_share != K_SHARE:
-        first = data.keys[:first_write]
-        k_factor = choose_factors(first, prepared.mean, share=candidate.k_share)
+    keys, k_factor = stored_keys(candidate, data.keys, prepared.mean, first_write)
     queries = eba.quantize_queries(data.q, fmt, k_factor)
-    keys = eba.quantize_keys(data.keys, fmt, smooth=prepared.mean, factor=k_factor)
     values = eba.quantize_values(data.values, fmt, first_write)
     out = torch.empty(data.q.shape, dtype=torch.float64, device=data.q.device)
     per_scale = fmt.q_rows_per_scale
@@ -133,6 +141,35 @@ def emulate(candidate: Candidate, data: Data, prepared: Prepared, first_write: i
         chunk = eba.Codes(queries.codes[rows], queries.scale[scales])
         out[rows] = eba.attend_codes(chunk, keys, values, fmt)
     return out
+
+
+def stored_keys(
+    candidate: Candidate, keys: torch.Tensor, mean: torch.Tensor, frame: int
+) -> tuple[eba.Codes, torch.Tensor | None]:
+    """K's codes as the cache stores ``keys`` written ``frame`` keys at a time (minus ``mean``),
+    and the factors they are stored under (None: K not equalized): chosen by the first frame,
+    then frozen or, for a ``regrow`` candidate, regrown by each later frame
+    (``reference.regrow.replay_writes``)."""
+    fmt = candidate.format
+    if not candidate.equalize_k:
+        return eba.quantize_keys(keys, fmt, smooth=mean), None
+
+    def choose(rows: torch.Tensor) -> torch.Tensor:
+        return choose_factors(rows, mean, share=candidate.k_share)
+
+    def quantize(rows: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return eba.quantize_keys(rows, fmt, smooth=mean, factor=factor)
+
+    if not candidate.regrow:
+        factor = choose(keys[:frame])
+        return quantize(keys, factor), factor
+    if frame % fmt.k_keys_per_scale:
+        raise ValueError(
+            f"a regrowing K is written {frame} keys a frame: a multiple of its "
+            f"{fmt.k_keys_per_scale} keys per scale"
+        )
+    replayed = regrow.replay_writes(keys.split(frame), quantize, choose)
+    return eba.Codes(replayed.codes, replayed.scale), replayed.factor
 
 
 def emulate_today(name: str, data: Data, prepared: Prepared) -> torch.Tensor:

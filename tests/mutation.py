@@ -1509,6 +1509,14 @@ MUTANTS = [
         "pass",
         f"{REGROW}::test_a_grown_head_restates_what_is_stored_and_writes_under_the_new_factors",
     ),
+    _m(
+        "eight-bit-choice-regrow-frozen",
+        "bench/eight_bit_choice.py",
+        "replayed = regrow.replay_writes(keys.split(frame), quantize, choose)",
+        "replayed = regrow.replay_writes(keys.split(frame), quantize, choose, regrow=False)",
+        "tests/bench/test_eight_bit_choice.py::"
+        "test_regrowing_factors_win_on_k_grows_and_change_nothing_on_random_data",
+    ),
     # -- the launchers' argument checks --------------------------------------------------------
     _m(
         "write-mean-rechosen",
