@@ -1482,6 +1482,13 @@ MUTANTS = [
         f"{REGROW}::test_a_head_grows_only_at_four_times_a_factor",
     ),
     _m(
+        "regrow-any-rows",
+        "reference/regrow.py",
+        ".any(dim=-1) & (rows >= REGROW_MIN_ROWS)",
+        ".any(dim=-1)",
+        f"{REGROW}::test_a_write_of_fewer_than_64_rows_never_grows",
+    ),
+    _m(
         "regrow-takes-the-candidate",
         "reference/regrow.py",
         "torch.maximum(frozen64, candidate64), frozen64",

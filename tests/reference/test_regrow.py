@@ -33,15 +33,27 @@ def test_a_head_grows_only_at_four_times_a_factor() -> None:
     candidate = torch.tensor(
         [[2.0, 4.0, 2.0, 1.0], [1.0, 1.0, 4.0, 1.0], [1.0, 8.0, 1.0, 1.0]]
     )  # 2x at most; 4x on a factor of 1; 4x on a factor of 2
-    new, grown = regrow.grow(frozen, candidate)
+    new, grown = regrow.grow(frozen, candidate, rows=64)
     assert grown.tolist() == [False, True, True]
     assert torch.equal(new[0], frozen[0])
+
+
+def test_a_write_of_fewer_than_64_rows_never_grows() -> None:
+    frozen = torch.ones(1, 4)
+    candidate = torch.tensor([[1.0, 256.0, 1.0, 1.0]])
+    assert not regrow.grow(frozen, candidate, rows=63)[1].any()
+    assert torch.equal(regrow.grow(frozen, candidate, rows=63)[0], frozen)
+    assert regrow.grow(frozen, candidate, rows=64)[1].all()
+    rows = constant_rows(63, 1, 8, {(0, 2): 64.0})
+    assert not regrow.regrown_factors(torch.ones(1, 8), rows, share=1.0)[1].any()
+    rows = constant_rows(64, 1, 8, {(0, 2): 64.0})
+    assert regrow.regrown_factors(torch.ones(1, 8), rows, share=1.0)[0][0, 2] == 64.0
 
 
 def test_grown_factors_are_the_elementwise_maximum() -> None:
     frozen = torch.tensor([[4.0, 1.0, 2.0, 1.0]])
     candidate = torch.tensor([[1.0, 16.0, 2.0, 2.0]])
-    new, grown = regrow.grow(frozen, candidate)
+    new, grown = regrow.grow(frozen, candidate, rows=100)
     assert grown.tolist() == [True]
     assert new.tolist() == [[4.0, 16.0, 2.0, 2.0]] and new.dtype == torch.float32
 
@@ -97,41 +109,41 @@ def test_a_sequence_that_never_grows_stores_the_frozen_factors_codes_bit_for_bit
     generator = torch.Generator().manual_seed(0)
     gain = torch.ones(2, 16)
     gain[0, 3] = gain[1, 9] = 30.0  # wide from the first write on: chosen, never regrown
-    rows = torch.randn(5 * 12, 2, 16, generator=generator) * gain
-    smooth = rows[:12].mean(dim=0)
+    rows = torch.randn(4 * 64, 2, 16, generator=generator) * gain
+    smooth = rows[:64].mean(dim=0)
     quantize, choose = int8_writes(smooth)
-    replayed = regrow.replay_writes(rows.split(12), quantize, choose)
-    factor = choose(rows[:12])
+    replayed = regrow.replay_writes(rows.split(64), quantize, choose)
+    factor = choose(rows[:64])
     assert factor[0, 3] > 1 and not replayed.grown.any()
     frozen_codes, frozen_scale = quantize(rows, factor)
     assert torch.equal(replayed.codes, frozen_codes) and torch.equal(replayed.scale, frozen_scale)
     assert torch.equal(replayed.factor, factor)
-    not_regrown = regrow.replay_writes(rows.split(12), quantize, choose, regrow=False)
+    not_regrown = regrow.replay_writes(rows.split(64), quantize, choose, regrow=False)
     assert torch.equal(not_regrown.codes, frozen_codes)
 
 
 def test_a_grown_head_restates_what_is_stored_and_writes_under_the_new_factors() -> None:
     generator = torch.Generator().manual_seed(1)
-    rows = torch.randn(3 * 16, 2, 16, generator=generator)
-    rows[16:, 1, 5] *= 100.0  # head 1's channel 5 grows after the first write
+    rows = torch.randn(3 * 64, 2, 16, generator=generator)
+    rows[64:, 1, 5] *= 100.0  # head 1's channel 5 grows after the first write
     quantize, choose = int8_writes()
-    writes = rows.split(16)
+    writes = rows.split(64)
     replayed = regrow.replay_writes(writes, quantize, choose)
     assert replayed.grown.tolist() == [[False, False], [False, True], [False, False]]
     first = choose(writes[0])
-    new = regrow.grow(first, choose(writes[1]))[0]
+    new = regrow.grow(first, choose(writes[1]), rows=64)[0]
     assert torch.equal(replayed.factor, new) and new[1, 5] >= 4 * first[1, 5]
     assert torch.equal(new[0], first[0])
     codes, scale = quantize(writes[0], first)
-    assert torch.equal(replayed.codes[:16, 0], codes[:, 0])  # head 0 untouched
-    assert torch.equal(replayed.codes[:16], regrow.regrow_codes(codes, first, new))
-    assert torch.equal(replayed.scale[:16], scale)  # scales unchanged
-    later_codes, later_scale = quantize(rows[16:], new)
-    assert torch.equal(replayed.codes[16:], later_codes)
-    assert torch.equal(replayed.scale[16:], later_scale)
+    assert torch.equal(replayed.codes[:64, 0], codes[:, 0])  # head 0 untouched
+    assert torch.equal(replayed.codes[:64], regrow.regrow_codes(codes, first, new))
+    assert torch.equal(replayed.scale[:64], scale)  # scales unchanged
+    later_codes, later_scale = quantize(rows[64:], new)
+    assert torch.equal(replayed.codes[64:], later_codes)
+    assert torch.equal(replayed.scale[64:], later_scale)
     # What the first write's codes stand for moves by half a code step at most.
     before = rq.dequantize(codes, scale) * first
-    after = rq.dequantize(replayed.codes[:16], replayed.scale[:16]) * new
+    after = rq.dequantize(replayed.codes[:64], replayed.scale[:64]) * new
     step = scale.to(torch.float64)[..., None] * new
     assert ((after - before).abs() <= step / 2).all()
     # Without regrowth the first factors stay and the later rows are stored under them.
