@@ -6,7 +6,8 @@ codes; subtracting a mean does not help. Dividing each channel by a factor befor
 evens the channels out. Attention multiplies q by K's factors and its output by V's, so the
 result is unchanged in exact arithmetic; the factors are powers of two, so also in floating
 point (barring overflow). A layer's factors are chosen from its first write (K minus its
-smoothing mean) and never change, so stored rows are never rewritten.
+smoothing mean); a later write whose rows are many times wider regrows them, rescaling the
+stored codes of that KV head (``kernels.regrow``).
 
 The rule (``reference.quantize.channel_factors`` is its float64 oracle): per (head, channel)
 the root mean square over the write's finite rows, divided by the head's median channel's; its

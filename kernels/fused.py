@@ -25,11 +25,14 @@ Why the odd-looking choices:
 * Channel equalization: each layer's factors ``k_equalizers[layer]``/``v_equalizers[layer]``
   divide K (after the mean) and V before quantizing and are folded back into q and the output
   by attention. The first call that writes video keys chooses them from those rows (after the
-  mean), and ``equalizers_chosen[layer]``, a CPU flag, freezes them like the mean.
+  mean), and ``equalizers_chosen[layer]``, a CPU flag, freezes them like the mean; a later call
+  whose video rows are many times wider regrows them (``kernels.regrow``: the stored codes of
+  that KV head rescaled, the staged copies too, on the device with no sync).
   ``write_slots`` owns both the mean and the factors (``k_smooth_chosen``,
   ``equalizers_chosen``), so a driver that writes the cache without this op agrees. A call that
   writes only some of the forward's video tokens (one rank of a sequence-sharded window) gets
-  the single process's slots in ``choice_slots`` and chooses from those rows first.
+  the single process's slots in ``choice_slots`` and chooses, or regrows, from those rows
+  first.
 * Every argument is checked before the first write: a refused call leaves the pools, scales,
   means, flags, the staging buffers and the tags as they were, and names the argument as the
   caller wrote it.
@@ -59,7 +62,7 @@ from paged_video.kernels.gather_blocks import gather_blocks
 from paged_video.kernels.paged_attention import paged_attention
 from paged_video.kernels.quantize import SCALE_DTYPE, check_scales, is_quantized
 from paged_video.kernels.value_channels import is_frozen
-from paged_video.kernels.write_slots import choose_unset, write_slots
+from paged_video.kernels.write_slots import choose_unset, regrow_chosen, write_slots
 
 NAMESPACE = "paged_video"
 OP_NAME = "write_attend"
@@ -536,10 +539,16 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_equalizer = pools.k_equalizers[layer_index]
             v_equalizer = None if v_unscaled else pools.v_equalizers[layer_index]
             equalizers_chosen = pools.equalizers_chosen[layer_index]
+    # Staged copies of the layer's codes: regrown factors rescale them with the pools'.
+    staged = {}
+    if first_block >= 0 and is_quantized(k_cache.dtype):
+        staged = {"stage_k": pools.stage_k[layer_index], "stage_v": pools.stage_v[layer_index]}
     if inputs.choice_slots is not None:
         # This call writes only some of the forward's video tokens (one rank of a sharded
         # window): whatever a first write freezes is chosen here from all of them, by the rule
-        # write_slots follows, so the write below finds the flags set, as on every other rank.
+        # write_slots follows, so the write below finds the flags set, as on every other rank;
+        # a later write's regrowth likewise.
+        factors_were_chosen = equalizers_chosen is not None and bool(equalizers_chosen)
         choose_unset(
             key,
             value,
@@ -552,6 +561,18 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             v_channel_scale=channels.get("v_channel_scale"),
             v_scale_chosen=pools.v_scales_chosen[layer_index] if k8v8 else None,
         )
+        if factors_were_chosen:
+            regrow_chosen(
+                key,
+                value,
+                inputs.choice_slots,
+                k_pool=k_cache,
+                v_pool=v_cache,
+                k_smooth=k_smooth,
+                k_equalizer=k_equalizer,
+                v_equalizer=v_equalizer,
+                **staged,
+            )
     # Only video keys choose the mean and the factors (and k8v8's V scales); action rows are
     # written with them.
     v_chosen = pools.v_scales_chosen[layer_index] if k8v8 else None
@@ -578,8 +599,10 @@ def _write_attend_impl(*args: object) -> tuple[Tensor, Tensor]:
             k_equalizer=k_equalizer,
             v_equalizer=v_equalizer,
             equalizers_chosen=factors_chosen,
+            regrow_factors=inputs.choice_slots is None,
             check_values=False,
             **write_channels,
+            **staged,
         )
     attend = {
         "max_seqlen_q": inputs.max_seqlen_q,

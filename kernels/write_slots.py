@@ -12,7 +12,8 @@ Given a cache's per-layer flags ``k_smooth_chosen`` and ``equalizers_chosen``, t
 that finds one unset chooses what it guards from the rows it writes (the mean first, then the
 factors of K minus that mean: ``choose_k_mean``, ``choose_equalizers``) and sets it, so each has
 one owner: every later write of the layer, through the fused op or a driver of its own,
-subtracts the same frozen mean and divides by the same frozen factors.
+subtracts the same frozen mean and divides by the same factors, which it regrows first where
+its rows are many times wider (``regrow_chosen``, ``kernels.regrow``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from paged_video._removed import refuse_e4m3_pool
-from paged_video.kernels import _checks, equalize, quantize, torch_path, value_channels
+from paged_video.kernels import _checks, equalize, quantize, regrow, torch_path, value_channels
 from paged_video.kernels._copy_tiles import copy_tiles, plane_is_flat, plane_mask, plane_offsets
 from paged_video.kernels._quantize_jit import quantize_rows, round_to_code_grid
 from paged_video.kernels._runtime import use_torch_path
@@ -410,6 +411,9 @@ def write_slots(
     v_scale_chosen: Tensor | None = None,
     v_headroom: float = value_channels.V_HEADROOM,
     v_saturated: Tensor | None = None,
+    stage_k: Tensor | None = None,
+    stage_v: Tensor | None = None,
+    regrow_factors: bool = True,
     check_values: bool = True,
 ) -> None:
     """Write ``key[t]``/``value[t]`` to pool slot ``slot_mapping[t]`` for ``t < len(slot_mapping)``.
@@ -438,6 +442,11 @@ def write_slots(
     saturated, and the nonzero elements of a row whose codes all round to zero (lost: far
     below its scales), are added to ``v_saturated`` (int32 ``(1,)``, the pools' device) when
     given.
+    A write that finds ``equalizers_chosen`` already set regrows the factors first where its
+    own rows are many times wider (``kernels.regrow``: the head's stored codes rescaled, in the
+    pools and in ``stage_k``/``stage_v``, staged copies of them, e.g. history staging's);
+    ``regrow_factors=False`` leaves that to a caller that did it from more rows
+    (``regrow_chosen``: a rank of a sharded window, from every rank's).
     ``check_values=False`` skips the checks that read values (no device sync).
     """
     if v_channel_scale is None and (v_scale_chosen is not None or v_saturated is not None):
@@ -463,11 +472,12 @@ def write_slots(
             k_pool, v_pool, k_scale, v_scale, v_equalizer, v_channel_scale, v_scale_chosen,
             v_headroom, v_saturated,
         )  # fmt: skip
+    _check_staged_copies(stage_k, stage_v, k_pool, v_pool, regrow_factors)
     slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    choose_unset(
+    chosen = choose_unset(
         key[:num_tokens],
         value[:num_tokens],
         slot_mapping,
@@ -477,6 +487,23 @@ def write_slots(
         v_equalizer=v_equalizer,
         equalizers_chosen=equalizers_chosen,
     )
+    if (
+        regrow_factors
+        and equalizers_chosen is not None
+        and not any(flag is equalizers_chosen for flag in chosen)
+    ):
+        regrow_chosen(
+            key[:num_tokens],
+            value[:num_tokens],
+            slot_mapping,
+            k_pool=k_pool,
+            v_pool=v_pool,
+            k_smooth=k_smooth,
+            k_equalizer=k_equalizer,
+            v_equalizer=v_equalizer,
+            stage_k=stage_k,
+            stage_v=stage_v,
+        )
     if v_channel_scale is not None:
         _choose_channel_scales(
             value[:num_tokens], slot_mapping, v_pool.shape[1], v_channel_scale, v_scale_chosen,
@@ -573,6 +600,38 @@ def choose_unset(
         v_scale_chosen.fill_(True)
         chosen.append(v_scale_chosen)
     return chosen
+
+
+def regrow_chosen(
+    key: Tensor,
+    value: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    k_smooth: Tensor | None = None,
+    k_equalizer: Tensor | None = None,
+    v_equalizer: Tensor | None = None,
+    stage_k: Tensor | None = None,
+    stage_v: Tensor | None = None,
+) -> None:
+    """What a write of a layer whose factors are chosen does before it quantizes: regrow K's
+    factors (and an int8 V pool's) where the rows with a slot are many times wider
+    (``kernels.regrow``), rescaling the codes of ``k_pool``/``v_pool`` and of the staged
+    copies ``stage_k``/``stage_v``. ``write_slots`` calls it with the rows it writes; a caller
+    that writes only part of a forward's tokens (one rank of a sharded window) calls it with
+    every token's rows and slots (as ``choose_unset``), then writes with
+    ``regrow_factors=False``."""
+    for factor, rows, pool, staged, share, smooth in (
+        (k_equalizer, key, k_pool, stage_k, equalize.K_SHARE, k_smooth),
+        (v_equalizer, value, v_pool, stage_v, equalize.V_SHARE, None),
+    ):
+        # Factors divide only int8 codes with a scale per slot: K of every quantized format,
+        # V of the int8 pool (k8v8's V has channel scales, k8v16's is stored as it is).
+        if factor is None or pool.dtype != torch.int8:
+            continue
+        copies = (pool,) if staged is None else (pool, staged)
+        regrow.regrow(factor, rows, slot_mapping, share, copies, smooth)
 
 
 def choose_k_mean(mean: Tensor, key: Tensor, slot_mapping: Tensor) -> None:
@@ -693,6 +752,36 @@ def _launch_quantized(
         COUNT_SATURATED=v_saturated is not None,
         V_PLAIN=v_plain,
     )
+
+
+def _check_staged_copies(
+    stage_k: Tensor | None,
+    stage_v: Tensor | None,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    regrow_factors: object,
+) -> None:
+    """``stage_k``/``stage_v``, when given, hold codes of their pool's dtype, heads and
+    head_dim, on its device (``(tokens, num_kv_heads, head_dim)``: history staging's)."""
+    if not isinstance(regrow_factors, bool):
+        raise TypeError(f"regrow_factors must be a bool, got {type(regrow_factors).__name__}")
+    for name, staged, pool_name, pool in (
+        ("stage_k", stage_k, "k_pool", k_pool),
+        ("stage_v", stage_v, "v_pool", v_pool),
+    ):
+        if staged is None:
+            continue
+        _checks.check_tensor(name, staged)
+        if staged.dim() != 3 or staged.shape[1:] != pool.shape[-2:]:
+            raise ValueError(
+                f"{name} must have shape (tokens, {', '.join(map(str, pool.shape[-2:]))}) "
+                f"({pool_name}'s num_kv_heads, head_dim), got {tuple(staged.shape)}"
+            )
+        if staged.dtype != pool.dtype or staged.device != pool.device:
+            raise ValueError(
+                f"{name} must hold {pool_name}'s codes ({pool.dtype} on {pool.device}), got "
+                f"{staged.dtype} on {staged.device}"
+            )
 
 
 def _check_channel_format(
