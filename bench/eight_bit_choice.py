@@ -29,12 +29,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from paged_video.bench import accuracy
-from paged_video.bench.accuracy import AccuracyConfig, Data, Prepared
+from paged_video.bench.accuracy import AccuracyConfig, Data, Prepared, Variant
 from paged_video.bench.results import sig3
 from paged_video.kernels.equalize import K_SHARE, choose_factors
 from paged_video.reference import eight_bit_attention as eba
-from paged_video.reference import regrow
-from paged_video.reference.quantized_attention import quantized_attention
 
 E4M3 = torch.float8_e4m3fn
 FAST_RANDOM_GOAL = 0.04
@@ -117,10 +115,10 @@ def candidates() -> dict[str, Candidate]:
 
 # Today's pools: (format, mode, equalized), K smoothed.
 TODAY = {
-    "today e4m3 pool": (E4M3, "dequant", False),
-    "today FP8-MMA": (E4M3, "fp8-mma", False),
-    "today int8 pool": (torch.int8, "dequant", True),
-    "today INT8-MMA": (torch.int8, "int8-mma", True),
+    "today e4m3 pool": (accuracy.E4M3_POOL, "dequant", False),
+    "today FP8-MMA": (accuracy.E4M3_POOL, "fp8-mma", False),
+    "today int8 pool": ("int8", "dequant", True),
+    "today INT8-MMA": ("int8", "int8-mma", True),
 }
 E4M3_POOL = "today e4m3 pool"
 
@@ -149,7 +147,7 @@ def stored_keys(
     """K's codes as the cache stores ``keys`` written ``frame`` keys at a time (minus ``mean``),
     and the factors they are stored under (None: K not equalized): chosen by the first frame,
     then frozen or, for a ``regrow`` candidate, regrown by each later frame
-    (``reference.regrow.replay_writes``)."""
+    (``bench.accuracy.written_rows``)."""
     fmt = candidate.format
     if not candidate.equalize_k:
         return eba.quantize_keys(keys, fmt, smooth=mean), None
@@ -168,24 +166,18 @@ def stored_keys(
             f"a regrowing K is written {frame} keys a frame: a multiple of its "
             f"{fmt.k_keys_per_scale} keys per scale"
         )
-    replayed = regrow.replay_writes(keys.split(frame), quantize, choose)
+    replayed = accuracy.written_rows(keys, frame, quantize, smooth=mean, share=candidate.k_share)
     return eba.Codes(replayed.codes, replayed.scale), replayed.factor
 
 
-def emulate_today(name: str, data: Data, prepared: Prepared) -> torch.Tensor:
-    dtype, mode, equalize = TODAY[name]
-    k_factor, v_factor = (
-        (prepared.smoothed_k_factor, prepared.v_factor) if equalize else (None, None)
-    )
-    # The rows write_slots stores (float32 quotients), as bench accuracy's floors take them.
-    k_codes, k_scale = accuracy.stored_rows(data.keys, dtype, smooth=prepared.mean, factor=k_factor)
-    v_codes, v_scale = accuracy.stored_rows(data.values, dtype, factor=v_factor)
-    return accuracy._by_rows(
-        data.q,
-        lambda q: quantized_attention(
-            q, k_codes, k_scale, v_codes, v_scale, mode=mode, k_factor=k_factor, v_factor=v_factor
-        ),
-    )
+def emulate_today(
+    name: str, data: Data, prepared: Prepared, config: AccuracyConfig
+) -> torch.Tensor:
+    """Float64 output of today's pool ``name``: ``bench accuracy``'s floor of it, K smoothed (the
+    rows its write stores, frame by frame: equalized int8 factors regrow)."""
+    pool, mode, equalize = TODAY[name]
+    variant = Variant(pool, mode, smooth=True, equalize=equalize)
+    return accuracy.floor_output(variant, data, prepared, config)
 
 
 def measure(
@@ -201,7 +193,7 @@ def measure(
         expected = accuracy.reference_output(data)
         prepared = accuracy.prepare(data, config)
         for name in TODAY:
-            out = emulate_today(name, data, prepared)
+            out = emulate_today(name, data, prepared, config)
             table[name][kind] = accuracy.metrics(out, expected).rel_l1
         for name, candidate in chosen.items():
             out = emulate(candidate, data, prepared, config.chunk_size)

@@ -64,9 +64,14 @@ def regrow_codes(codes: Tensor, frozen: Tensor, new: Tensor) -> Tensor:
     ``round(code x frozen / new)``, ties to even; the row scales stay as they are."""
     if codes.dtype != torch.int8:
         raise TypeError(f"codes must be int8 (the regrowing pools' codes), got {codes.dtype}")
-    ratio = frozen.to(torch.float64) / new.to(torch.float64)
-    if not bool(((ratio > 0) & (ratio <= 1)).all()):
+    if not bool((new >= frozen).all()):
         raise ValueError("new must be at least frozen everywhere (factors only grow)")
+    return _restated(codes, frozen, new)
+
+
+def _restated(codes: Tensor, frozen: Tensor, new: Tensor) -> Tensor:
+    """:func:`regrow_codes` without its checks (no sync: :func:`grow`'s factors only grow)."""
+    ratio = frozen.to(torch.float64) / new.to(torch.float64)
     # code x 2**-k is exact in float64; torch.round rounds half to even.
     return torch.round(codes.to(torch.float64) * ratio).to(torch.int8)
 
@@ -105,8 +110,8 @@ def replay_writes(
         if index and regrow:
             new, grown = grow(factor, choose(rows), rows=rows.shape[0])
             grown_per_write.append(grown)
-            if bool(grown.any()):
-                codes = [regrow_codes(stored, factor, new) for stored in codes]
+            # A head that did not grow keeps its factors, so its codes come back as they were.
+            codes = [_restated(stored, factor, new) for stored in codes]
             factor = new
         elif index:
             grown_per_write.append(torch.zeros_like(grown_per_write[0]))

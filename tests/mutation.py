@@ -1512,15 +1512,15 @@ MUTANTS = [
     _m(
         "regrow-codes-kept",
         "reference/regrow.py",
-        "codes = [regrow_codes(stored, factor, new) for stored in codes]",
+        "codes = [_restated(stored, factor, new) for stored in codes]",
         "pass",
         f"{REGROW}::test_a_grown_head_restates_what_is_stored_and_writes_under_the_new_factors",
     ),
     _m(
         "eight-bit-choice-regrow-frozen",
         "bench/eight_bit_choice.py",
-        "replayed = regrow.replay_writes(keys.split(frame), quantize, choose)",
-        "replayed = regrow.replay_writes(keys.split(frame), quantize, choose, regrow=False)",
+        "    if not candidate.regrow:\n        factor = choose(keys[:frame])",
+        "    if True:\n        factor = choose(keys[:frame])",
         "tests/bench/test_eight_bit_choice.py::"
         "test_regrowing_factors_win_on_k_grows_and_change_nothing_on_random_data",
     ),
@@ -1836,6 +1836,30 @@ MUTANTS = [
         "reference.quantize.quantize_best_scale if best_scale else reference.quantize.quantize",
         "tests/bench/test_accuracy.py::"
         "test_the_int8_floor_holds_the_codes_write_slots_stores_on_float32_ties",
+    ),
+    _m(
+        "accuracy-int8-factors-frozen",
+        "bench/accuracy.py",
+        '        write_extra |= equalizers | {"equalizers_chosen": torch.tensor(False)}',
+        "        write_extra |= equalizers",
+        "tests/bench/test_accuracy.py::"
+        "test_the_int8_floor_holds_the_codes_write_slots_stores_as_factors_regrow",
+    ),
+    _m(
+        "accuracy-one-switch-factors-frozen",
+        "bench/accuracy.py",
+        '        write_extra |= factors | {"equalizers_chosen": torch.tensor(False)}',
+        "        write_extra |= factors",
+        "tests/bench/test_accuracy.py::test_one_switch_rows_and_floors_regrow_k_as_the_cache_does",
+    ),
+    _m(
+        "accuracy-floor-factors-frozen",
+        "bench/accuracy.py",
+        "    return regrow.replay_writes(x.split(frame), quantize, choose)",
+        "    return regrow.replay_writes(x.split(frame), quantize, choose, regrow=False)",
+        "tests/bench/test_accuracy.py::"
+        "test_the_int8_floor_holds_the_codes_write_slots_stores_as_factors_regrow",
+        "tests/bench/test_accuracy.py::test_one_switch_rows_and_floors_regrow_k_as_the_cache_does",
     ),
     _m(
         "eight-bit-choice-output-on-the-cpu",
@@ -2468,8 +2492,8 @@ MUTANTS = [
     _m(
         "accuracy-k8-factors-written-not-attended",
         "bench/accuracy.py",
-        'write_extra["k_equalizer"] = attend_extra["k_equalizer"] = k_factor',
-        'write_extra["k_equalizer"] = k_factor',
+        "        attend_extra |= factors\n    _write_frames(data, c, k_cache, v_cache,",
+        "    _write_frames(data, c, k_cache, v_cache,",
         "tests/bench/test_accuracy.py::test_one_switch_rows_equalize_k_as_the_cache_does",
     ),
     _m(
