@@ -53,6 +53,7 @@ UNCHOSEN = (
     "test_tokens_committed_under_an_unchosen_state_are_refused_never_attended"
 )
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
+REGROW = "tests/kernels/test_regrow.py"
 QUANTIZED_TMA_DEFAULT = (
     "tests/kernels/test_launch_variants.py::test_k8v16_over_tma_ready_pools_takes_128_key_tma_tiles"
 )
@@ -2730,9 +2731,80 @@ MUTANTS = [
         "fused-choice-slots-skip-v-channel-scales",
         "kernels/fused.py",
         "            v_scale_chosen=pools.v_scales_chosen[layer_index] if k8v8 else None,\n"
-        "        )\n    # Only video keys choose",
-        "            v_scale_chosen=None,\n        )\n    # Only video keys choose",
+        "        )\n        if factors_were_chosen:",
+        "            v_scale_chosen=None,\n        )\n        if factors_were_chosen:",
         f"{SHARD_CODES}[k8v8-2-staged]",
+    ),
+    # -- kernels/regrow.py: equalization factors that regrow with wider rows -------------------
+    _m(
+        "regrow-never",
+        "kernels/regrow.py",
+        "REGROW_LOG2 = 2\n",
+        "REGROW_LOG2 = 99\n",
+        "tests/paging/test_k8v8_cache.py::test_keys_that_grow_after_the_first_write_regrow_the_factors",
+    ),
+    _m(
+        "regrow-threshold-strict",
+        "kernels/regrow.py",
+        "(candidate >= frozen * 2.0**REGROW_LOG2)",
+        "(candidate > frozen * 2.0**REGROW_LOG2)",
+        f"{REGROW}::test_regrown_factors_rule",
+    ),
+    _m(
+        "regrow-min-rows-off-by-one",
+        "kernels/regrow.py",
+        "(used.sum() >= REGROW_MIN_ROWS)",
+        "(used.sum() > REGROW_MIN_ROWS)",
+        f"{REGROW}::test_regrown_factors_rule",
+    ),
+    _m(
+        "regrow-takes-the-writes-factors",
+        "kernels/regrow.py",
+        "torch.maximum(frozen, candidate), frozen)",
+        "candidate, frozen)",
+        f"{REGROW}::test_regrown_factors_rule",
+    ),
+    _m(
+        "regrow-codes-truncated",
+        "kernels/regrow.py",
+        "rounded = round_to_code_grid(codes * (old / new)[None, :], IS_FP8=False)",
+        "rounded = codes * (old / new)[None, :]",
+        f"{REGROW}::test_regrow_rounds_half_to_even[triton]",
+    ),
+    _m(
+        "regrow-codes-of-every-head",
+        "kernels/regrow.py",
+        "    if tl.load(grown_ptr + head) != 0:",
+        "    if True:",
+        f"{REGROW}::test_regrow_codes_in_every_layout[slot-major-B7-triton]",
+    ),
+    _m(
+        "regrow-torch-path-every-head",
+        "kernels/regrow.py",
+        "codes.copy_(torch.where(grown[:, None], rounded, codes))",
+        "codes.copy_(rounded)",
+        f"{REGROW}::test_regrow_codes_in_every_layout[keys-major-B24-torch]",
+    ),
+    _m(
+        "regrow-k-only",
+        "kernels/write_slots.py",
+        "        (v_equalizer, value, v_pool, stage_v, equalize.V_SHARE, None),\n",
+        "",
+        f"{REGROW}::test_a_later_write_regrows_the_heads_whose_rows_grew[B7-triton]",
+    ),
+    _m(
+        "regrow-leaves-the-staged-copies",
+        "kernels/fused.py",
+        "            **write_channels,\n            **staged,\n",
+        "            **write_channels,\n",
+        "tests/paging/test_forward_staging.py::test_regrown_factors_rescale_the_staged_history",
+    ),
+    _m(
+        "regrow-sharded-rank-never-regrows",
+        "kernels/fused.py",
+        "        if factors_were_chosen:\n            regrow_chosen(",
+        "        if False:\n            regrow_chosen(",
+        f"{SHARD_CODES}[int8-4-grows]",
     ),
 ]
 

@@ -212,6 +212,34 @@ def test_kernels_staged_equal_unstaged_bit_for_bit(pools: dict) -> None:
         pair.forward([(0, "main")], chunks, commit=True)
 
 
+@pytest.mark.parametrize("pools", ["int8", "k8v8", "k8v16"])
+def test_regrown_factors_rescale_the_staged_history(pools: str) -> None:
+    # A probe repeated over one history keeps its staged rows; the second probe's keys have 4
+    # channels of KV head 0 100x wider (its queries' 100x narrower), which regrows that head's
+    # K factors (``kernels.regrow``): the staged rows must be rescaled as the pool's are, or
+    # the staged output differs from the unstaged one (Twin.run checks each, bit for bit).
+    config = dataclasses.replace(
+        PagingConfig(block_size=16, chunk_size=64, sink_chunks=1, window_chunks=2),
+        **POOLS[pools],
+    )
+    pair = Twin(config, num_layers=1, num_kv_heads=2, head_dim=16)
+    pair.open()
+    pair.forward([(0, "main")], commit=True)
+    pair.forward([(0, "main")], commit=False)
+    chosen = pair.staged.k_equalizers[0].clone()
+    gain = torch.ones(2, 16)
+    gain[0, :4] = 100.0
+    pair.key_gain = gain
+    # The grown channels' logits as before, so the history's rows keep their weight.
+    pair.query_gain = 1.0 / gain.amax(dim=0)
+    spy = mock.patch.object(fused, "gather_blocks", wraps=gather_blocks)
+    with spy as restages:
+        pair.forward([(0, "main")], commit=False)
+    assert restages.call_args.kwargs["first_block"] > 0, "the probe must keep its staged history"
+    regrown = pair.staged.k_equalizers[0]
+    assert (regrown[0, :4] > chosen[0, :4]).all() and torch.equal(regrown[1], chosen[1])
+
+
 @st.composite
 def staged_runs(draw) -> tuple[PagingConfig, list[tuple[int, bool, int]], int]:
     """A small geometry, a pool format and three single-row forwards (chunks, commit, action

@@ -10,7 +10,7 @@ import torch
 
 from paged_video.kernels import paged_attention, write_slots
 from paged_video.kernels.value_channels import V_HEADROOM
-from paged_video.paging import PagedKVCache
+from paged_video.paging import PagedKVCache, PagingConfig
 from paged_video.paging.forward import ForwardCall
 from tests.paging.test_quantized import CONFIG, DIM, HEADS, KV_HEADS, LAYERS, storage_of
 
@@ -172,3 +172,38 @@ def test_staging_refuses_per_block_channel_scales_and_changes_nothing() -> None:
     after = (cache.k_pools, cache.stage_k, cache.stage_k_scales)
     bits = [(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after, strict=True)]
     assert all(torch.equal(a, b) for a, b in bits)
+
+
+@pytest.mark.parametrize("kv_format", ["k8v8", "k8v16"])
+def test_keys_that_grow_after_the_first_write_regrow_the_factors(kv_format: str) -> None:
+    # From the second frame on, 4 K channels are 100x wider (bench accuracy's k-grows, with q's
+    # channels 10x narrower): the first write's factors leave the other channels a code or two
+    # (26-33% rel L1 against the float cache with the regrowth switched off), the regrown ones
+    # (kernels.regrow) keep the format's own error (3.4-5.0%).
+    config = PagingConfig(
+        block_size=24, chunk_size=96, sink_chunks=1, window_chunks=2, kv_format=kv_format
+    )
+    geometry = dict(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    caches = (
+        PagedKVCache(config, **geometry),
+        PagedKVCache(dataclasses.replace(config, kv_format="bf16"), **geometry),
+    )
+    sessions = [cache.open_session() for cache in caches]
+    gen = torch.Generator().manual_seed(3)
+    gain = torch.ones(1, 64)
+    for frame in range(3):
+        if frame == 1:
+            gain[:, :4] = 100.0
+        calls = [
+            ForwardCall(cache, cache.plan(s, "main", 96), softmax_scale=64**-0.5)
+            for cache, s in zip(caches, sessions, strict=True)
+        ]
+        q = torch.randn(96, 2, 64, generator=gen) / gain.sqrt()
+        k = torch.randn(96, 1, 64, generator=gen) * gain
+        v = torch.randn(96, 1, 64, generator=gen)
+        got, want = (call.attend(0, q, k, v) for call in calls)
+        rel = ((got - want).abs().sum() / want.abs().sum()).item()
+        assert rel < 0.06, (frame, rel)
+        for call in calls:
+            call.commit()
+    assert (caches[0].k_equalizers[0, 0, :4] == 8).all()

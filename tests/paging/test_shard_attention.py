@@ -129,14 +129,16 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("degree", "pools", "staged"),
+    ("degree", "pools", "staged", "grow"),
     [
-        (2, {"kv_dtype": torch.int8}, False),
-        (4, {"kv_dtype": torch.int8}, True),
-        (2, {"kv_format": "k8v8"}, True),
-        (4, {"kv_format": "k8v8"}, False),
-        (2, {"kv_format": "k8v16"}, False),
-        (4, {"kv_format": "k8v16"}, True),
+        (2, {"kv_dtype": torch.int8}, False, False),
+        (4, {"kv_dtype": torch.int8}, True, False),
+        (2, {"kv_format": "k8v8"}, True, False),
+        (4, {"kv_format": "k8v8"}, False, False),
+        (2, {"kv_format": "k8v16"}, False, False),
+        (4, {"kv_format": "k8v16"}, True, False),
+        (2, {"kv_format": "k8v8"}, True, True),
+        (4, {"kv_dtype": torch.int8}, False, True),
     ],
     ids=[
         "int8-2",
@@ -145,10 +147,12 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
         "k8v8-4",
         "k8v16-2",
         "k8v16-4-staged",
+        "k8v8-2-staged-grows",
+        "int8-4-grows",
     ],
 )
 @pytest.mark.usefixtures("plain")
-def test_ranks_store_the_single_process_codes(degree, pools, staged):
+def test_ranks_store_the_single_process_codes(degree, pools, staged, grow):
     # What a model's processor does (``models.parallel``): the fused op with
     # ``call.layer(i)``'s inputs, every token's q/k/v on every rank. Each rank's first write
     # of a layer must freeze the single process's K mean and equalization factors (and k8v8's
@@ -156,10 +160,13 @@ def test_ranks_store_the_single_process_codes(degree, pools, staged):
     # own, so every block a rank stores holds the single process's codes and scales, bit for
     # bit; a rank that chose from its own tokens differs.
     # The first forward has two CFG rows (the later ones one: staged where the cache stages),
-    # and chunks of 4 tokens over blocks of 3 start mid-block.
+    # and chunks of 4 tokens over blocks of 3 start mid-block. ``grow``: chunks of 40 tokens
+    # (writes of 64 rows or more) whose keys have, from the second forward on, 4 channels of
+    # KV head 0 100x wider, so the K factors regrow (``kernels.regrow``): from every video
+    # token's rows on each rank too, as one process's write.
     config = PagingConfig(
         block_size=3,
-        chunk_size=4,
+        chunk_size=40 if grow else 4,
         sink_chunks=1,
         window_chunks=2,
         max_forward_chunks=2,
@@ -182,7 +189,14 @@ def test_ranks_store_the_single_process_codes(degree, pools, staged):
     sessions = [cache.open_session() for cache in caches]
     generator = torch.Generator().manual_seed(7)
     offsets = 8 * torch.randn(KV_HEADS, 16, generator=generator)  # what smoothing removes
-    for chunks, commit, rows in [(2, False, 2), (2, True, 2), (1, True, 1), (2, True, 1)]:
+    growth = torch.ones(KV_HEADS, 16)
+    first_choice = None
+    for step, (chunks, commit, rows) in enumerate(
+        [(2, False, 2), (2, True, 2), (1, True, 1), (2, True, 1)]
+    ):
+        if grow and step == 1:
+            growth[0, :4] = 100.0
+            first_choice = single.k_equalizers.clone()
         branches = ("positive", "negative")[:rows]
         n = chunks * config.chunk_size * rows
         calls = []
@@ -193,7 +207,7 @@ def test_ranks_store_the_single_process_codes(degree, pools, staged):
         for layer in range(2):
             q = torch.randn(n, HEADS, 16, generator=generator)
             k, v = torch.randn(2, n, KV_HEADS, 16, generator=generator)
-            k = k * widths_of(n, 16, generator) + offsets
+            k = k * widths_of(n, 16, generator) * growth + offsets
             v = v * widths_of(n, 16, generator)
             none = k[:0]
             want = write_attend(q, k, v, none, none, single.pool_tensors, calls[0].layer(layer))
@@ -233,3 +247,5 @@ def test_ranks_store_the_single_process_codes(degree, pools, staged):
             stored += 1
     held = {b for s in sessions[0].sequences.values() for b in s.block_table if b}
     assert stored == len(held) > degree
+    if grow:
+        assert (single.k_equalizers[:, 0, :4] > first_choice[:, 0, :4]).all()

@@ -105,6 +105,10 @@ class Twin:
         self.scale = head_dim**-0.5
         self.generator = torch.Generator().manual_seed(seed)
         self.sessions: list[tuple[Session, Session]] = []
+        # Multiply the video keys' channels ``(num_kv_heads, head_dim)`` (rows that grow) and
+        # the queries' ``(head_dim,)``.
+        self.key_gain: Tensor | None = None
+        self.query_gain: Tensor | None = None
 
     @property
     def staged(self) -> PagedKVCache:
@@ -166,6 +170,10 @@ class Twin:
         for layer in layers if layers is not None else range(self.staged.num_layers):
             q = self._random(video, heads)
             k, v = self._random(video, kv_heads), self._random(video, kv_heads)
+            if self.key_gain is not None:
+                k = k * self.key_gain
+            if self.query_gain is not None:
+                q = q * self.query_gain
             ak, av = self._random(actions, kv_heads), self._random(actions, kv_heads)
             pair = tuple(call.attend(layer, q, k, v, ak, av) for call in calls)
             assert not torch.isnan(pair[1]).any(), "the unstaged path read an unwritten slot"
