@@ -73,7 +73,7 @@ FAIL_FAST = "tests/models/test_fail_fast.py"
 VLLM_OMNI_INSTALL = "tests/integrations/test_vllm_omni_install.py"
 VLLM_OMNI_CHECK = "tests/integrations/test_vllm_omni_check.py"
 EIGHT_BIT = "tests/reference/test_eight_bit_attention.py"
-REGROW = "tests/reference/test_regrow.py"
+REGROW_ORACLE = "tests/reference/test_regrow.py"
 K8 = "tests/kernels/test_k8v8_attention.py"
 PV_PROPERTY = "tests/kernels/test_pv_behind_property.py::test_property_p_v_under_the_next_softmax"
 KEYS_MAJOR_FLAG = (
@@ -1476,46 +1476,46 @@ MUTANTS = [
     ),
     # -- reference/regrow.py: equalization factors that regrow --------------------------------
     _m(
-        "regrow-at-twice",
+        "reference-regrow-at-twice",
         "reference/regrow.py",
         "candidate64 >= frozen64 * 2.0**REGROW_LOG2",
         "candidate64 >= frozen64 * 2.0",
-        f"{REGROW}::test_a_head_grows_only_at_four_times_a_factor",
+        f"{REGROW_ORACLE}::test_a_head_grows_only_at_four_times_a_factor",
     ),
     _m(
-        "regrow-any-rows",
+        "reference-regrow-any-rows",
         "reference/regrow.py",
         ".any(dim=-1) & (rows >= REGROW_MIN_ROWS)",
         ".any(dim=-1)",
-        f"{REGROW}::test_a_write_of_fewer_than_64_rows_never_grows",
+        f"{REGROW_ORACLE}::test_a_write_of_fewer_than_64_rows_never_grows",
     ),
     _m(
-        "regrow-takes-the-candidate",
+        "reference-regrow-takes-the-candidate",
         "reference/regrow.py",
         "torch.maximum(frozen64, candidate64), frozen64",
         "candidate64, frozen64",
-        f"{REGROW}::test_grown_factors_are_the_elementwise_maximum",
+        f"{REGROW_ORACLE}::test_grown_factors_are_the_elementwise_maximum",
     ),
     _m(
-        "regrow-every-head",
+        "reference-regrow-every-head",
         "reference/regrow.py",
         "torch.where(grown[:, None], torch.maximum",
         "torch.where(grown.any(), torch.maximum",
-        f"{REGROW}::test_a_head_grows_only_at_four_times_a_factor",
+        f"{REGROW_ORACLE}::test_a_head_grows_only_at_four_times_a_factor",
     ),
     _m(
-        "regrow-codes-truncated",
+        "reference-regrow-codes-truncated",
         "reference/regrow.py",
         "torch.round(codes.to(torch.float64) * ratio)",
         "torch.trunc(codes.to(torch.float64) * ratio)",
-        f"{REGROW}::test_codes_halve_ties_to_even",
+        f"{REGROW_ORACLE}::test_codes_halve_ties_to_even",
     ),
     _m(
-        "regrow-codes-kept",
+        "reference-regrow-codes-kept",
         "reference/regrow.py",
         "codes = [_restated(stored, factor, new) for stored in codes]",
         "pass",
-        f"{REGROW}::test_a_grown_head_restates_what_is_stored_and_writes_under_the_new_factors",
+        f"{REGROW_ORACLE}::test_a_grown_head_restates_what_is_stored_and_writes_under_the_new_factors",
     ),
     _m(
         "eight-bit-choice-regrow-frozen",
