@@ -8,7 +8,8 @@ candidate: rel L1 against float64 attention, beside today's pools' float64 emula
 As the cache does, K is smoothed by the first frame's mean, int8 K equalized by factors chosen
 from that frame (e4m3 K is not), and frozen V scales come from that frame too. A ``/regrow``
 candidate's K factors regrow frame by frame where a frame's are 4x wider (``reference.regrow``:
-K written a frame at a time, the codes stored before restated).
+K written a frame at a time, the codes stored before restated), as the cache's do; today's
+int8 pools are ``bench accuracy``'s floors, so their K and V factors regrow too.
 
 Candidates are named ``K/V/P/accumulator`` (``CANDIDATES``): K ``int8``/``e4m3`` per ``slot`` or
 per ``tile64``; V ``frozen16`` (per channel frozen at the first write with headroom 16),
