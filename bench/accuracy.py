@@ -13,7 +13,8 @@ Beside each quantized row, float64 attention over the quantized rows of the same
 (``reference.quantized_attention``) gives the floor the kernel cannot beat:
 
 - ``floor``: attention over the rows exactly as the pool stores them (``stored_rows``: scale
-  ``amax / qmax`` and codes in float32, as ``write_slots`` computes them);
+  ``amax / qmax`` and codes in float32, as ``write_slots`` computes them; equalized, frame by
+  frame with the factors regrowing and the codes stored before restated, ``written_rows``);
 - ``best scale``: the same with, per row, the scale of least squared error (no per-row scale
   does better);
 - ``mode floor``: the attention mode's own float64 emulation (``floor`` for the dequantizing
@@ -57,7 +58,9 @@ K smoothing subtracts a per-(head, channel) mean before quantizing; softmax does
 query's scores all shift by ``q . mean``). Equalization divides each (head, channel) by a power
 of two chosen by ``kernels.equalize.choose_factors``, which attention folds back into q (K's
 factors) and the output (V's). Both are chosen as the cache chooses them: from the first write
-(the first frame of the sink), then frozen.
+(the first frame of the sink); the mean is then frozen, while each later frame's write regrows
+the factors where its rows are many times wider (``kernels.regrow``; its float64 oracle
+``reference.regrow`` replays the same frames for the floors, ``written_rows``).
 
 Goal of a quantized row: rel L1 (``sum|o - r| / sum|r|``) within ``RELATIVE_GOAL`` x its mode
 floor, and an absolute target: int8 <= ``INT8_REL_L1``; k8v8 no worse than ``K8V8_VS_E4M3`` x
@@ -89,14 +92,19 @@ from paged_video.bench.results import PROVENANCE_COLUMNS, CsvWriter, provenance,
 from paged_video.bench.table import aligned
 from paged_video.bench.timing import figures_kind
 from paged_video.kernels import torch_path
-from paged_video.kernels.equalize import K_SHARE, choose_factors
+from paged_video.kernels.equalize import K_SHARE, V_SHARE, choose_factors
 from paged_video.kernels.pool_layout import empty_keys_major
 from paged_video.kernels.quantize import E4M3_MAX
 from paged_video.kernels.value_channels import V_HEADROOM, frozen_channel_scales
+from paged_video.reference import regrow
 from paged_video.reference.eight_bit_attention import (
     FP8_MMA_ACC_BITS,
+    Codes,
     EightBitFormat,
-    eight_bit_attention,
+    attend_codes,
+    quantize_keys,
+    quantize_queries,
+    quantize_values,
 )
 from paged_video.reference.quantized_attention import quantized_attention
 
@@ -449,13 +457,26 @@ def attend(variant: Variant, data: Data, config: AccuracyConfig, prepared: Prepa
     attend_extra: dict[str, object] = dict(scales)
     if variant.smooth:
         write_extra["k_smooth"] = prepared.mean
-    k_factor, v_factor = prepared.factors(variant)
     if variant.equalize:
-        equalizers = {"k_equalizer": k_factor, "v_equalizer": v_factor}
-        write_extra |= equalizers
+        equalizers = _cache_factors(variant, prepared)
+        write_extra |= equalizers | {"equalizers_chosen": torch.tensor(False)}
         attend_extra |= equalizers
     _write_frames(data, c, k_cache.view(flat), v_cache.view(flat), slots, write_extra)
     return _attend_window(data, c, k_cache, v_cache, block_table, attend_extra)
+
+
+def _cache_factors(variant: Variant, prepared: Prepared) -> dict[str, Tensor]:
+    """The factors a write of ``variant``'s pool takes (K's; the int8 pool's V's too), as a
+    cache holds them: copies of the first frame's, which the first write, finding
+    ``equalizers_chosen`` unset, chooses again (the same ones) and each later write regrows in
+    place (``kernels.regrow``)."""
+    k_factor, v_factor = prepared.factors(variant)
+    if k_factor is None or v_factor is None:
+        raise ValueError(f"{variant.label} is not equalized: it has no factors")
+    factors = {"k_equalizer": k_factor.clone()}
+    if variant.format not in EIGHT_BIT_FORMATS:
+        factors["v_equalizer"] = v_factor.clone()
+    return factors
 
 
 def _write_frames(
@@ -532,9 +553,10 @@ def _attend_eight_bit(
         attend_extra["v_channel_scale"] = channels
     if variant.smooth:
         write_extra["k_smooth"] = prepared.mean
-    k_factor, _ = prepared.factors(variant)
-    if k_factor is not None:
-        write_extra["k_equalizer"] = attend_extra["k_equalizer"] = k_factor
+    if variant.equalize:
+        factors = _cache_factors(variant, prepared)
+        write_extra |= factors | {"equalizers_chosen": torch.tensor(False)}
+        attend_extra |= factors
     _write_frames(data, c, k_cache, v_cache, slots, write_extra)
     return _attend_window(data, c, k_cache, v_cache, block_table, attend_extra)
 
@@ -629,7 +651,7 @@ class FloorCache:
         data: Data,
         expected: Tensor,
         prepared: Prepared,
-        config: AccuracyConfig | None = None,
+        config: AccuracyConfig,
     ) -> None:
         self._data, self._expected, self._prepared = data, expected, prepared
         self._config = config
@@ -650,46 +672,100 @@ class FloorCache:
         return self._rel_l1[key]
 
     def _emulate(self, variant: Variant, *, best_scale: bool) -> Tensor:
-        data, prepared = self._data, self._prepared
-        if variant.format in EIGHT_BIT_FORMATS:
-            if self._config is None:
-                raise ValueError(f"{variant.format}'s floor needs the config (its first write)")
-            fmt = eight_bit_emulation(variant, self._config)
-            smooth = prepared.smooth(variant)
-            k_factor, _ = prepared.factors(variant)
-            first_write = self._config.chunk_size
-            return _by_rows(
-                data.q,
-                lambda q: eight_bit_attention(
-                    q,
-                    data.keys,
-                    data.values,
-                    fmt,
-                    first_write=first_write,
-                    smooth=smooth,
-                    k_factor=k_factor,
-                ),
+        return floor_output(
+            variant, self._data, self._prepared, self._config, best_scale=best_scale
+        )
+
+
+def written_rows(
+    x: Tensor,
+    frame: int,
+    quantize: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    *,
+    smooth: Tensor | None,
+    share: float,
+) -> regrow.Replayed:
+    """What a pool holds after ``x`` is written ``frame`` rows at a time as the cache writes it,
+    equalized: the first frame chooses the factors (``choose_factors`` of the rows minus
+    ``smooth``, ``share``), each later frame regrows them (``reference.regrow.replay_writes``,
+    the oracle of ``kernels.regrow``) and stores ``quantize(rows, factors) -> (codes,
+    scales)`` (which subtracts ``smooth`` itself)."""
+
+    def choose(rows: Tensor) -> Tensor:
+        return choose_factors(rows, smooth, share=share)
+
+    return regrow.replay_writes(x.split(frame), quantize, choose)
+
+
+def floor_output(
+    variant: Variant,
+    data: Data,
+    prepared: Prepared,
+    config: AccuracyConfig,
+    *,
+    best_scale: bool = False,
+) -> Tensor:
+    """Float64 attention over the rows ``variant``'s pool stores (``best_scale``: each stored
+    with its least-squares scale instead), written frame by frame as the cache writes them:
+    equalized int8 factors regrow (``written_rows``), so the floor reads the codes the kernel
+    stores. A one-switch format: its emulation (``eight_bit_emulation``)."""
+    frame, smooth = config.chunk_size, prepared.smooth(variant)
+    if variant.format in EIGHT_BIT_FORMATS:
+        fmt = eight_bit_emulation(variant, config)
+        if variant.equalize:
+            replayed = written_rows(
+                data.keys,
+                frame,
+                lambda rows, factor: quantize_keys(rows, fmt, smooth=smooth, factor=factor),
+                smooth=smooth,
+                share=K_SHARE,
             )
-        dtype = _EMULATED_DTYPES[variant.format]
-        k_factor, v_factor = prepared.factors(variant)
-        quantize = reference.quantize.quantize_best_scale if best_scale else stored_rows
-        k_codes, k_scale = quantize(
-            data.keys, dtype, smooth=prepared.smooth(variant), factor=k_factor
+            keys, k_factor = Codes(replayed.codes, replayed.scale), replayed.factor
+        else:
+            keys, k_factor = quantize_keys(data.keys, fmt, smooth=smooth), None
+        queries = quantize_queries(data.q, fmt, k_factor)  # one scale per row
+        values = quantize_values(data.values, fmt, frame)
+        out = torch.empty(data.q.shape, dtype=torch.float64, device=data.q.device)
+        for start in range(0, data.q.shape[0], REFERENCE_ROWS):
+            rows = slice(start, start + REFERENCE_ROWS)
+            chunk = Codes(queries.codes[rows], queries.scale[rows])
+            out[rows] = attend_codes(chunk, keys, values, fmt)
+        return out
+    dtype = _EMULATED_DTYPES[variant.format]
+    quantize = reference.quantize.quantize_best_scale if best_scale else stored_rows
+    k_factor, v_factor = prepared.factors(variant)
+    if variant.equalize and dtype == torch.int8:
+        k_rows = written_rows(
+            data.keys,
+            frame,
+            lambda rows, factor: quantize(rows, dtype, smooth=smooth, factor=factor),
+            smooth=smooth,
+            share=K_SHARE,
         )
+        v_rows = written_rows(
+            data.values,
+            frame,
+            lambda rows, factor: quantize(rows, dtype, factor=factor),
+            smooth=None,
+            share=V_SHARE,
+        )
+        (k_codes, k_scale, k_factor, _), (v_codes, v_scale, v_factor, _) = k_rows, v_rows
+    else:
+        k_codes, k_scale = quantize(data.keys, dtype, smooth=smooth, factor=k_factor)
         v_codes, v_scale = quantize(data.values, dtype, factor=v_factor)
-        return _by_rows(
-            data.q,
-            lambda q: quantized_attention(
-                q,
-                k_codes,
-                k_scale,
-                v_codes,
-                v_scale,
-                mode=variant.mode,
-                k_factor=k_factor,
-                v_factor=v_factor,
-            ),
-        )
+    return _by_rows(
+        data.q,
+        lambda q: quantized_attention(
+            q,
+            k_codes,
+            k_scale,
+            v_codes,
+            v_scale,
+            mode=variant.mode,
+            k_factor=k_factor,
+            v_factor=v_factor,
+        ),
+    )
 
 
 def target_rel_l1(variant: Variant, cache: FloorCache) -> float | None:
@@ -836,7 +912,8 @@ def describe(config: AccuracyConfig) -> list[str]:
         f"k-/v-grows: {OUTLIER_CHANNELS} channels per head {GROWTH:g} times wider after the "
         f"first frame; v-small: the first {SMALL_V_KEYS} keys carry the mass with V times "
         f"{SMALL_V_SCALE:g}; "
-        "smoothing mean and equalization factors from the first frame (the cache's first write)",
+        "smoothing mean and equalization factors from the first frame (the cache's first "
+        "write), the factors regrown by later frames 4x wider",
         "floor: float64 attention over the stored rows; best scale: with each row's "
         "least-squares scale; mode floor: the mode's float64 emulation (q and P roundings)",
         f"goal: rel L1 <= {RELATIVE_GOAL} x mode floor, and int8 <= {100 * INT8_REL_L1}%, "

@@ -6,7 +6,10 @@ Every ``bench accuracy`` data kind (bf16-rounded, the same generator and geometr
 candidate: rel L1 against float64 attention, beside today's pools' float64 emulations
 (``reference.quantized_attention``: the e4m3 and int8 pools dequantizing, FP8-MMA, INT8-MMA).
 As the cache does, K is smoothed by the first frame's mean, int8 K equalized by factors chosen
-from that frame (e4m3 K is not), and frozen V scales come from that frame too.
+from that frame (e4m3 K is not), and frozen V scales come from that frame too. A ``/regrow``
+candidate's K factors regrow frame by frame where a frame's are 4x wider (``reference.regrow``:
+K written a frame at a time, the codes stored before restated), as the cache's do; today's
+int8 pools are ``bench accuracy``'s floors, so their K and V factors regrow too.
 
 Candidates are named ``K/V/P/accumulator`` (``CANDIDATES``): K ``int8``/``e4m3`` per ``slot`` or
 per ``tile64``; V ``frozen16`` (per channel frozen at the first write with headroom 16),
@@ -27,11 +30,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from paged_video.bench import accuracy
-from paged_video.bench.accuracy import AccuracyConfig, Data, Prepared
+from paged_video.bench.accuracy import AccuracyConfig, Data, Prepared, Variant
 from paged_video.bench.results import sig3
 from paged_video.kernels.equalize import K_SHARE, choose_factors
 from paged_video.reference import eight_bit_attention as eba
-from paged_video.reference.quantized_attention import quantized_attention
 
 E4M3 = torch.float8_e4m3fn
 FAST_RANDOM_GOAL = 0.04
@@ -43,12 +45,18 @@ ROWS_PER_CALL = 64
 
 @dataclass(frozen=True)
 class Candidate:
-    """A format, whether K is equalized and K's share of the channels' width (smoothing is always
-    on, as the cache's default)."""
+    """A format, whether K is equalized, K's share of the channels' width and whether K's factors
+    regrow after the first write (``reference.regrow``; else frozen there). Smoothing is always
+    on, as the cache's default."""
 
     format: eba.EightBitFormat
     equalize_k: bool = True
     k_share: float = K_SHARE
+    regrow: bool = False
+
+    def __post_init__(self) -> None:
+        if self.regrow and not self.equalize_k:
+            raise ValueError("regrow needs equalize_k: only equalization factors regrow")
 
 
 def _fmt(k: str, v: str, p: str = "e4m3", acc: str = "acc13", flush: int = 1) -> Candidate:
@@ -101,29 +109,28 @@ def candidates() -> dict[str, Candidate]:
         out[name + "/q-row"] = Candidate(per_row)
         for share in (0.25, 1.0):
             out[f"{name}/q-row/k-share{share:g}"] = Candidate(per_row, k_share=share)
+        # K's factors regrow where a later frame's are 4x or more (the cache's rule).
+        out[name + "/q-row/regrow"] = Candidate(per_row, regrow=True)
     return out
 
 
 # Today's pools: (format, mode, equalized), K smoothed.
 TODAY = {
-    "today e4m3 pool": (E4M3, "dequant", False),
-    "today FP8-MMA": (E4M3, "fp8-mma", False),
-    "today int8 pool": (torch.int8, "dequant", True),
-    "today INT8-MMA": (torch.int8, "int8-mma", True),
+    "today e4m3 pool": (accuracy.E4M3_POOL, "dequant", False),
+    "today FP8-MMA": (accuracy.E4M3_POOL, "fp8-mma", False),
+    "today int8 pool": ("int8", "dequant", True),
+    "today INT8-MMA": ("int8", "int8-mma", True),
 }
 E4M3_POOL = "today e4m3 pool"
 
 
 def emulate(candidate: Candidate, data: Data, prepared: Prepared, first_write: int) -> torch.Tensor:
     """Float64 output of ``candidate`` on ``data`` (K smoothed, int8 K equalized, V frozen from
-    the first ``first_write`` keys)."""
+    the first ``first_write`` keys; K written ``first_write`` keys a frame, as the cache
+    writes)."""
     fmt = candidate.format
-    k_factor = prepared.smoothed_k_factor if candidate.equalize_k else None
-    if candidate.equalize_k and candidate.k_share != K_SHARE:
-        first = data.keys[:first_write]
-        k_factor = choose_factors(first, prepared.mean, share=candidate.k_share)
+    keys, k_factor = stored_keys(candidate, data.keys, prepared.mean, first_write)
     queries = eba.quantize_queries(data.q, fmt, k_factor)
-    keys = eba.quantize_keys(data.keys, fmt, smooth=prepared.mean, factor=k_factor)
     values = eba.quantize_values(data.values, fmt, first_write)
     out = torch.empty(data.q.shape, dtype=torch.float64, device=data.q.device)
     per_scale = fmt.q_rows_per_scale
@@ -135,20 +142,43 @@ def emulate(candidate: Candidate, data: Data, prepared: Prepared, first_write: i
     return out
 
 
-def emulate_today(name: str, data: Data, prepared: Prepared) -> torch.Tensor:
-    dtype, mode, equalize = TODAY[name]
-    k_factor, v_factor = (
-        (prepared.smoothed_k_factor, prepared.v_factor) if equalize else (None, None)
-    )
-    # The rows write_slots stores (float32 quotients), as bench accuracy's floors take them.
-    k_codes, k_scale = accuracy.stored_rows(data.keys, dtype, smooth=prepared.mean, factor=k_factor)
-    v_codes, v_scale = accuracy.stored_rows(data.values, dtype, factor=v_factor)
-    return accuracy._by_rows(
-        data.q,
-        lambda q: quantized_attention(
-            q, k_codes, k_scale, v_codes, v_scale, mode=mode, k_factor=k_factor, v_factor=v_factor
-        ),
-    )
+def stored_keys(
+    candidate: Candidate, keys: torch.Tensor, mean: torch.Tensor, frame: int
+) -> tuple[eba.Codes, torch.Tensor | None]:
+    """K's codes as the cache stores ``keys`` written ``frame`` keys at a time (minus ``mean``),
+    and the factors they are stored under (None: K not equalized): chosen by the first frame,
+    then frozen or, for a ``regrow`` candidate, regrown by each later frame
+    (``bench.accuracy.written_rows``)."""
+    fmt = candidate.format
+    if not candidate.equalize_k:
+        return eba.quantize_keys(keys, fmt, smooth=mean), None
+
+    def choose(rows: torch.Tensor) -> torch.Tensor:
+        return choose_factors(rows, mean, share=candidate.k_share)
+
+    def quantize(rows: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return eba.quantize_keys(rows, fmt, smooth=mean, factor=factor)
+
+    if not candidate.regrow:
+        factor = choose(keys[:frame])
+        return quantize(keys, factor), factor
+    if frame % fmt.k_keys_per_scale:
+        raise ValueError(
+            f"a regrowing K is written {frame} keys a frame: a multiple of its "
+            f"{fmt.k_keys_per_scale} keys per scale"
+        )
+    replayed = accuracy.written_rows(keys, frame, quantize, smooth=mean, share=candidate.k_share)
+    return eba.Codes(replayed.codes, replayed.scale), replayed.factor
+
+
+def emulate_today(
+    name: str, data: Data, prepared: Prepared, config: AccuracyConfig
+) -> torch.Tensor:
+    """Float64 output of today's pool ``name``: ``bench accuracy``'s floor of it, K smoothed (the
+    rows its write stores, frame by frame: equalized int8 factors regrow)."""
+    pool, mode, equalize = TODAY[name]
+    variant = Variant(pool, mode, smooth=True, equalize=equalize)
+    return accuracy.floor_output(variant, data, prepared, config)
 
 
 def measure(
@@ -164,7 +194,7 @@ def measure(
         expected = accuracy.reference_output(data)
         prepared = accuracy.prepare(data, config)
         for name in TODAY:
-            out = emulate_today(name, data, prepared)
+            out = emulate_today(name, data, prepared, config)
             table[name][kind] = accuracy.metrics(out, expected).rel_l1
         for name, candidate in chosen.items():
             out = emulate(candidate, data, prepared, config.chunk_size)

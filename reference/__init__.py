@@ -5,7 +5,7 @@ if __name__ != "paged_video.reference":  # a bare `import reference` found this 
 
     hand_over(__name__, __file__)
 else:
-    from paged_video.reference import quantize, quantized_attention
+    from paged_video.reference import quantize, quantized_attention, regrow
     from paged_video.reference.attention import attention_mask, dense_attention, paged_attention
     from paged_video.reference.masks import (
         MaskSegment,
@@ -38,6 +38,7 @@ __all__ = [
     "per_segment_attention",
     "quantize",
     "quantized_attention",
+    "regrow",
     "resident_positions",
     "slots_read",
 ]

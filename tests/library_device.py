@@ -41,6 +41,8 @@ INTENDED_CPU: frozenset[tuple[str, str, str]] = frozenset(
     {
         ("bench/accuracy.py", "make_data", ""),  # drawn on the CPU, then moved
         ("bench/accuracy.py", "_attend_eight_bit", '"v_scale_chosen": torch.tensor('),
+        ("bench/accuracy.py", "_attend_eight_bit", '"equalizers_chosen": torch.tensor('),
+        ("bench/accuracy.py", "attend", '"equalizers_chosen": torch.tensor('),
         ("bench/providers.py", "eight_bit_pools", '"v_scale_chosen": torch.tensor('),
         ("bench/sweep.py", "bytes_moved", ".element_size()"),  # read for its size
         # Host flags and 0-dim scalars the fused op reads without a device sync (CPU_FLAGS,

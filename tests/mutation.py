@@ -73,6 +73,7 @@ FAIL_FAST = "tests/models/test_fail_fast.py"
 VLLM_OMNI_INSTALL = "tests/integrations/test_vllm_omni_install.py"
 VLLM_OMNI_CHECK = "tests/integrations/test_vllm_omni_check.py"
 EIGHT_BIT = "tests/reference/test_eight_bit_attention.py"
+REGROW_ORACLE = "tests/reference/test_regrow.py"
 K8 = "tests/kernels/test_k8v8_attention.py"
 PV_PROPERTY = "tests/kernels/test_pv_behind_property.py::test_property_p_v_under_the_next_softmax"
 KEYS_MAJOR_FLAG = (
@@ -1473,6 +1474,57 @@ MUTANTS = [
         "per_flush[:, None, 1 : flushed.shape[-2] + 1]",
         f"{EIGHT_BIT}::test_exact_p_and_accumulator_leave_only_v_codes[block]",
     ),
+    # -- reference/regrow.py: equalization factors that regrow --------------------------------
+    _m(
+        "reference-regrow-at-twice",
+        "reference/regrow.py",
+        "candidate64 >= frozen64 * 2.0**REGROW_LOG2",
+        "candidate64 >= frozen64 * 2.0",
+        f"{REGROW_ORACLE}::test_a_head_grows_only_at_four_times_a_factor",
+    ),
+    _m(
+        "reference-regrow-any-rows",
+        "reference/regrow.py",
+        ".any(dim=-1) & (rows >= REGROW_MIN_ROWS)",
+        ".any(dim=-1)",
+        f"{REGROW_ORACLE}::test_a_write_of_fewer_than_64_rows_never_grows",
+    ),
+    _m(
+        "reference-regrow-takes-the-candidate",
+        "reference/regrow.py",
+        "torch.maximum(frozen64, candidate64), frozen64",
+        "candidate64, frozen64",
+        f"{REGROW_ORACLE}::test_grown_factors_are_the_elementwise_maximum",
+    ),
+    _m(
+        "reference-regrow-every-head",
+        "reference/regrow.py",
+        "torch.where(grown[:, None], torch.maximum",
+        "torch.where(grown.any(), torch.maximum",
+        f"{REGROW_ORACLE}::test_a_head_grows_only_at_four_times_a_factor",
+    ),
+    _m(
+        "reference-regrow-codes-truncated",
+        "reference/regrow.py",
+        "torch.round(codes.to(torch.float64) * ratio)",
+        "torch.trunc(codes.to(torch.float64) * ratio)",
+        f"{REGROW_ORACLE}::test_codes_halve_ties_to_even",
+    ),
+    _m(
+        "reference-regrow-codes-kept",
+        "reference/regrow.py",
+        "codes = [_restated(stored, factor, new) for stored in codes]",
+        "pass",
+        f"{REGROW_ORACLE}::test_a_grown_head_restates_what_is_stored_and_writes_under_the_new_factors",
+    ),
+    _m(
+        "eight-bit-choice-regrow-frozen",
+        "bench/eight_bit_choice.py",
+        "    if not candidate.regrow:\n        factor = choose(keys[:frame])",
+        "    if True:\n        factor = choose(keys[:frame])",
+        "tests/bench/test_eight_bit_choice.py::"
+        "test_regrowing_factors_win_on_k_grows_and_change_nothing_on_random_data",
+    ),
     # -- the launchers' argument checks --------------------------------------------------------
     _m(
         "write-mean-rechosen",
@@ -1785,6 +1837,30 @@ MUTANTS = [
         "reference.quantize.quantize_best_scale if best_scale else reference.quantize.quantize",
         "tests/bench/test_accuracy.py::"
         "test_the_int8_floor_holds_the_codes_write_slots_stores_on_float32_ties",
+    ),
+    _m(
+        "accuracy-int8-factors-frozen",
+        "bench/accuracy.py",
+        '        write_extra |= equalizers | {"equalizers_chosen": torch.tensor(False)}',
+        "        write_extra |= equalizers",
+        "tests/bench/test_accuracy.py::"
+        "test_the_int8_floor_holds_the_codes_write_slots_stores_as_factors_regrow",
+    ),
+    _m(
+        "accuracy-one-switch-factors-frozen",
+        "bench/accuracy.py",
+        '        write_extra |= factors | {"equalizers_chosen": torch.tensor(False)}',
+        "        write_extra |= factors",
+        "tests/bench/test_accuracy.py::test_one_switch_rows_and_floors_regrow_k_as_the_cache_does",
+    ),
+    _m(
+        "accuracy-floor-factors-frozen",
+        "bench/accuracy.py",
+        "    return regrow.replay_writes(x.split(frame), quantize, choose)",
+        "    return regrow.replay_writes(x.split(frame), quantize, choose, regrow=False)",
+        "tests/bench/test_accuracy.py::"
+        "test_the_int8_floor_holds_the_codes_write_slots_stores_as_factors_regrow",
+        "tests/bench/test_accuracy.py::test_one_switch_rows_and_floors_regrow_k_as_the_cache_does",
     ),
     _m(
         "eight-bit-choice-output-on-the-cpu",
@@ -2417,8 +2493,8 @@ MUTANTS = [
     _m(
         "accuracy-k8-factors-written-not-attended",
         "bench/accuracy.py",
-        'write_extra["k_equalizer"] = attend_extra["k_equalizer"] = k_factor',
-        'write_extra["k_equalizer"] = k_factor',
+        "        attend_extra |= factors\n    _write_frames(data, c, k_cache, v_cache,",
+        "    _write_frames(data, c, k_cache, v_cache,",
         "tests/bench/test_accuracy.py::test_one_switch_rows_equalize_k_as_the_cache_does",
     ),
     _m(
