@@ -2744,6 +2744,20 @@ MUTANTS = [
         "tests/paging/test_k8v8_cache.py::test_keys_that_grow_after_the_first_write_regrow_the_factors",
     ),
     _m(
+        "regrow-squares-of-non-finite-values",
+        "kernels/regrow.py",
+        "        finite = mask & (tl.abs(x) <= FLOAT32_MAX)\n",
+        "        finite = mask\n",
+        f"{REGROW}::test_channel_squares_match_what_choose_factors_reduces",
+    ),
+    _m(
+        "regrow-squares-of-rows-without-a-slot",
+        "kernels/regrow.py",
+        "        mask = (slot >= 0)[:, None] & dim_mask[None, :]\n",
+        "        mask = (token < num_tokens)[:, None] & dim_mask[None, :]\n",
+        f"{REGROW}::test_channel_squares_match_what_choose_factors_reduces",
+    ),
+    _m(
         "regrow-threshold-strict",
         "kernels/regrow.py",
         "(candidate >= frozen * 2.0**REGROW_LOG2)",
@@ -2753,8 +2767,8 @@ MUTANTS = [
     _m(
         "regrow-min-rows-off-by-one",
         "kernels/regrow.py",
-        "(used.sum() >= REGROW_MIN_ROWS)",
-        "(used.sum() > REGROW_MIN_ROWS)",
+        ">= 0).sum() >= REGROW_MIN_ROWS",
+        ">= 0).sum() > REGROW_MIN_ROWS",
         f"{REGROW}::test_regrown_factors_rule",
     ),
     _m(
