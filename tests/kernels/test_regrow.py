@@ -102,7 +102,10 @@ def test_regrow_rounds_half_to_even(where: str) -> None:
     new = torch.tensor([[2.0, 4.0]])
     with backend(where):
         regrow_codes(
-            codes := codes.to(DEVICE), old.to(DEVICE), new.to(DEVICE), torch.tensor([True])
+            codes := codes.to(DEVICE),
+            old.to(DEVICE),
+            new.to(DEVICE),
+            torch.tensor([True], device=DEVICE),
         )
     halves = [2, -2, 4, -4, 2, 0, 0, 64, -64, 3, 5, 0]
     quarters = [1, -1, 2, -2, 1, 0, 0, 32, -32, 2, 2, 0]
@@ -280,7 +283,14 @@ def test_nothing_regrows_without_a_set_flag_or_with_few_rows(where: str) -> None
     start += REGROW_MIN_ROWS
     explicit = {k: v for k, v in state.items() if k != "equalizers_chosen"}
     explicit["k_smooth_chosen"] = state["k_smooth_chosen"]
-    _write(where, wide, wide, pools, torch.arange(start, start + REGROW_MIN_ROWS), explicit)
+    _write(
+        where,
+        wide,
+        wide,
+        pools,
+        torch.arange(start, start + REGROW_MIN_ROWS, device=DEVICE),
+        explicit,
+    )
     assert torch.equal(state["k_equalizer"], chosen_k)
     assert torch.equal(pools[0][:REGROW_MIN_ROWS], first)
     # The same rows with the flag set and enough of them do regrow (the case can fail).

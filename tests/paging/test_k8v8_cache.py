@@ -12,6 +12,7 @@ from paged_video.kernels import paged_attention, write_slots
 from paged_video.kernels.value_channels import V_HEADROOM
 from paged_video.paging import PagedKVCache, PagingConfig
 from paged_video.paging.forward import ForwardCall
+from tests.helpers import DEVICE
 from tests.paging.test_quantized import CONFIG, DIM, HEADS, KV_HEADS, LAYERS, storage_of
 
 
@@ -183,7 +184,8 @@ def test_keys_that_grow_after_the_first_write_regrow_the_factors(kv_format: str)
     config = PagingConfig(
         block_size=24, chunk_size=96, sink_chunks=1, window_chunks=2, kv_format=kv_format
     )
-    geometry = dict(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    # On a GPU the pools are CUDA tensors and the kernels compiled (bench/gpu_tests.txt).
+    geometry = dict(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32, device=DEVICE)
     caches = (
         PagedKVCache(config, **geometry),
         PagedKVCache(dataclasses.replace(config, kv_format="bf16"), **geometry),
@@ -198,9 +200,9 @@ def test_keys_that_grow_after_the_first_write_regrow_the_factors(kv_format: str)
             ForwardCall(cache, cache.plan(s, "main", 96), softmax_scale=64**-0.5)
             for cache, s in zip(caches, sessions, strict=True)
         ]
-        q = torch.randn(96, 2, 64, generator=gen) / gain.sqrt()
-        k = torch.randn(96, 1, 64, generator=gen) * gain
-        v = torch.randn(96, 1, 64, generator=gen)
+        q = (torch.randn(96, 2, 64, generator=gen) / gain.sqrt()).to(DEVICE)
+        k = (torch.randn(96, 1, 64, generator=gen) * gain).to(DEVICE)
+        v = torch.randn(96, 1, 64, generator=gen).to(DEVICE)
         got, want = (call.attend(0, q, k, v) for call in calls)
         rel = ((got - want).abs().sum() / want.abs().sum()).item()
         assert rel < 0.06, (frame, rel)
