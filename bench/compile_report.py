@@ -712,7 +712,7 @@ def _launches(config: Config) -> list[_Launch]:
         with _recording("paged_video.kernels.regrow") as (real, calls):
             tokens = config.max_seqlen_q
             slots = torch.zeros(tokens, dtype=torch.int64)
-            regrow.channel_squares(empty(tokens, heads, d), ones, slots)
+            regrow.regrown_factors(ones, empty(tokens, heads, d), ones, slots, 0.5)
             codes = torch.empty(2, bs, heads, d, dtype=torch.int8)
             regrow.regrow_codes(codes, ones, ones, torch.zeros(heads, dtype=torch.bool))
     else:

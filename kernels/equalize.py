@@ -52,16 +52,10 @@ def choose_factors(
     if used is not None:
         finite = finite & used[:, None, None]
     squares = torch.where(finite, rows, 0.0).square().sum(dim=0)
-    return factors_of_squares(squares, finite.sum(dim=0), share)
-
-
-def factors_of_squares(squares: Tensor, counts: Tensor, share: float) -> Tensor:
-    """The rule (``choose_factors``) from per (head, channel) sums of squares ``squares``
-    float32 over ``counts`` finite values."""
-    rms = (squares / counts.clamp_min(1)).sqrt()
+    rms = (squares / finite.sum(dim=0).clamp_min(1)).sqrt()
     median = rms.median(dim=-1, keepdim=True).values
     ratio = torch.log2(rms / median)
-    usable = ratio.isfinite() & (median > 0) & (counts > 0)
+    usable = ratio.isfinite() & (median > 0) & finite.any(dim=0)
     exponent = torch.where(usable, torch.round(share * ratio), 0.0).clamp(0, MAX_FACTOR_LOG2)
     return torch.exp2(exponent)
 

@@ -17,14 +17,13 @@ write of ``REGROW_MIN_ROWS`` rows or more):
    from the start);
 3. the write then quantizes its rows with the new factors.
 
-Everything runs on the device with no sync: one pass over the write's rows sums each channel's
-squares (``channel_squares``), the rule runs on ``(heads, head_dim)`` tensors, and the codes
-kernel reads each head's flag and leaves its codes alone when it is off, so a write where
-nothing grew costs that pass, a few tiny operations and one launch whose programs exit at
-once. Heads decide alone, so a rank holding some of the heads (Ulysses) regrows as one process
-does. The threshold keeps the rows of an ordinary frame (whose factors move by one power of two
-at most) from requantizing the layer; a write of a few rows (whose channels' widths are noise)
-never regrows.
+Everything runs on the device with no sync, in two launches: one program per KV head reads the
+write's rows once, sums each channel's squares and applies the rule (the factors, the flag), and
+the codes kernel's few programs per head read the flag and exit when it is off, so a write where
+nothing grew costs one pass over its rows and a launch that does nothing. Heads decide alone, so
+a rank holding some of the heads (Ulysses) regrows as one process does. The threshold keeps the
+rows of an ordinary frame (whose factors move by one power of two at most) from requantizing the
+layer; a write of a few rows (whose channels' widths are noise) never regrows.
 """
 
 from __future__ import annotations
@@ -46,16 +45,22 @@ REGROW_LOG2 = 2
 # two at most where nothing grew), and every regrowth costs the grown channels' older codes
 # bits for good.
 REGROW_MIN_ROWS = 64
+# Programs per KV head of the codes' rescale (each loops over a share of the slots).
+CODES_LANES = 32
 FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
+# x + ROUND_MAGIC - ROUND_MAGIC rounds a small float32 x to an integer, ties to even.
+ROUND_MAGIC = tl.constexpr(1.5 * 2**23)
+MAX_FACTOR_LOG2 = tl.constexpr(float(equalize.MAX_FACTOR_LOG2))
 
 
 @triton.jit
-def _channel_squares_kernel(
+def _regrow_rule_kernel(
     rows_ptr,
     smooth_ptr,
     slot_mapping_ptr,
-    squares_ptr,
-    counts_ptr,
+    frozen_ptr,
+    new_ptr,
+    grown_ptr,
     num_tokens,
     head_dim,
     stride_row_tok,
@@ -63,15 +68,21 @@ def _channel_squares_kernel(
     stride_row_dim,
     stride_smooth_head,
     stride_smooth_dim,
+    stride_factor_head,
+    stride_factor_dim,
+    SHARE: tl.constexpr,
+    THRESHOLD: tl.constexpr,
+    MIN_ROWS: tl.constexpr,
     HAS_SMOOTH: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program (KV head, channel chunk): over the rows with a slot, the sum of squares of the
-    finite values of ``rows - smooth`` and their count, in one pass (the rows are read once;
-    float32 sums in a fixed order, so every run gives the same bits)."""
+    """Program (KV head): steps 1 and the flag in one launch. Over the rows with a slot, each
+    channel's sum of squares of the finite values of ``rows - smooth`` (the rows read once,
+    float32 sums in a fixed order), then ``equalize.choose_factors``' rule on them, then the
+    head's regrowth: ``new`` factors and ``grown`` (0 or 1)."""
     head = tl.program_id(0)
-    dim = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dim = tl.arange(0, BLOCK_D)
     dim_mask = dim < head_dim
     row_head = head.to(tl.int64) * stride_row_head + dim * stride_row_dim
     if HAS_SMOOTH:
@@ -79,9 +90,11 @@ def _channel_squares_kernel(
         mean = tl.load(smooth_ptr + smooth_offsets, mask=dim_mask, other=0.0)
     squares = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     counts = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.int32)
+    rows_used = tl.zeros([BLOCK_T], dtype=tl.int32)
     for start in range(0, num_tokens, BLOCK_T):
         token = start + tl.arange(0, BLOCK_T)
         slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1)
+        rows_used += (slot >= 0).to(tl.int32)
         mask = (slot >= 0)[:, None] & dim_mask[None, :]
         offsets = token.to(tl.int64)[:, None] * stride_row_tok + row_head[None, :]
         x = tl.load(rows_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -92,57 +105,66 @@ def _channel_squares_kernel(
         x = tl.where(finite, x, 0.0)
         squares += x * x
         counts += finite.to(tl.int32)
-    out = head * head_dim + dim
-    tl.store(squares_ptr + out, tl.sum(squares, axis=0), mask=dim_mask)
-    tl.store(counts_ptr + out, tl.sum(counts, axis=0), mask=dim_mask)
-
-
-def channel_squares(
-    rows: Tensor, smooth: Tensor | None, slot_mapping: Tensor
-) -> tuple[Tensor, Tensor]:
-    """``(squares, counts)`` ``(heads, head_dim)``: over the rows ``(tokens, heads, head_dim)``
-    with a slot (``slot_mapping[t] >= 0``), the float32 sum of squares of the finite values of
-    ``rows - smooth`` and how many there are: what ``equalize.choose_factors`` reduces, read
-    once on a GPU (a write's check costs one pass over its rows)."""
-    num_tokens, heads, head_dim = rows.shape
-    used = slot_mapping[:num_tokens] >= 0
-    if use_torch_path(rows):
-        x = rows.to(torch.float32)
-        if smooth is not None:
-            x = x - smooth
-        finite = x.isfinite() & used[:, None, None]
-        squares = torch.where(finite, x, 0.0).square().sum(dim=0)
-        return squares, finite.sum(dim=0, dtype=torch.int32)
-    squares = torch.empty(heads, head_dim, dtype=torch.float32, device=rows.device)
-    counts = torch.empty(heads, head_dim, dtype=torch.int32, device=rows.device)
-    block_d = min(triton.next_power_of_2(head_dim), 64)
-    _channel_squares_kernel[(heads, triton.cdiv(head_dim, block_d))](
-        rows,
-        rows if smooth is None else smooth,  # a placeholder, never read without HAS_SMOOTH
-        slot_mapping,
-        squares,
-        counts,
-        num_tokens,
-        head_dim,
-        *rows.stride(),
-        *((0, 0) if smooth is None else smooth.stride()),
-        HAS_SMOOTH=smooth is not None,
-        BLOCK_T=32,
-        BLOCK_D=block_d,
-    )
-    return squares, counts
+    count = tl.sum(counts, axis=0)
+    rms = tl.sqrt(tl.sum(squares, axis=0) / tl.maximum(count, 1).to(tl.float32))
+    # The head's median channel, the lower middle one as torch.median's: padding sorts last.
+    ranked = tl.sort(tl.where(dim_mask, rms, float("inf")))
+    # (Broadcast over the channels: the interpreter cannot combine a scalar's bool with a block.)
+    median = tl.sum(tl.where(dim == (head_dim - 1) // 2, ranked, 0.0), axis=0) + 0.0 * rms
+    # Where the ratio is not a finite positive quotient (a zero or overflowed channel, a zero
+    # median) the exponent is 0, as the plain path's non-finite log2 gives.
+    usable = (rms > 0.0) & (rms <= FLOAT32_MAX) & (median > 0.0) & (median <= FLOAT32_MAX)
+    usable = usable & (count > 0)
+    ratio = tl.log2(tl.where(usable, rms, 1.0) / tl.where(usable, median, 1.0))
+    # Rounded half to even (as torch.round), then 2**exponent built exactly from its bits.
+    exponent = (SHARE * ratio + ROUND_MAGIC) - ROUND_MAGIC
+    exponent = tl.minimum(tl.maximum(tl.where(usable, exponent, 0.0), 0.0), MAX_FACTOR_LOG2)
+    candidate = ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    factor = head * stride_factor_head + dim * stride_factor_dim
+    frozen = tl.load(frozen_ptr + factor, mask=dim_mask, other=1.0)
+    wider = dim_mask & (candidate >= frozen * THRESHOLD)
+    enough = (tl.sum(rows_used, axis=0) >= MIN_ROWS).to(tl.int32)
+    grown = tl.max(wider.to(tl.int32), axis=0) * enough
+    new = tl.where(grown != 0, tl.maximum(frozen, candidate), frozen)
+    tl.store(new_ptr + factor, new, mask=dim_mask)
+    tl.store(grown_ptr + head, grown.to(tl.int8))
 
 
 def regrown_factors(
     frozen: Tensor, rows: Tensor, smooth: Tensor | None, slot_mapping: Tensor, share: float
 ) -> tuple[Tensor, Tensor]:
     """``(new factors (heads, head_dim), grown (heads,) bool)``: the rule above for the rows
-    ``(tokens, heads, head_dim)`` with a slot (minus ``smooth``) against ``frozen``."""
-    squares, counts = channel_squares(rows, smooth, slot_mapping)
-    candidate = equalize.factors_of_squares(squares, counts, share)
-    enough = (slot_mapping[: rows.shape[0]] >= 0).sum() >= REGROW_MIN_ROWS
-    grown = (candidate >= frozen * 2.0**REGROW_LOG2).any(dim=-1) & enough
-    return torch.where(grown[:, None], torch.maximum(frozen, candidate), frozen), grown
+    ``(tokens, heads, head_dim)`` with a slot (minus ``smooth``) against ``frozen``; one launch
+    on a GPU."""
+    num_tokens, heads, head_dim = rows.shape
+    if use_torch_path(rows):
+        used = slot_mapping[:num_tokens] >= 0
+        candidate = equalize.choose_factors(rows, smooth, used, share)
+        wider = (candidate >= frozen * 2.0**REGROW_LOG2).any(dim=-1)
+        grown = wider & (used.sum() >= REGROW_MIN_ROWS)
+        return torch.where(grown[:, None], torch.maximum(frozen, candidate), frozen), grown
+    new = torch.empty_like(frozen)
+    grown = torch.empty(heads, dtype=torch.int8, device=rows.device)
+    _regrow_rule_kernel[(heads,)](
+        rows,
+        rows if smooth is None else smooth,  # a placeholder, never read without HAS_SMOOTH
+        slot_mapping,
+        frozen,
+        new,
+        grown,
+        num_tokens,
+        head_dim,
+        *rows.stride(),
+        *((0, 0) if smooth is None else smooth.stride()),
+        *frozen.stride(),
+        SHARE=share,
+        THRESHOLD=2.0**REGROW_LOG2,
+        MIN_ROWS=REGROW_MIN_ROWS,
+        HAS_SMOOTH=smooth is not None,
+        BLOCK_T=16,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return new, grown.view(torch.bool)
 
 
 @triton.jit
@@ -163,28 +185,32 @@ def _regrow_codes_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program (slot tile, KV head): the codes of ``BLOCK_T`` slots of one head times
-    ``old / new`` per channel, rounded to integers (ties to even), if the head grew."""
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    """Program (KV head, lane): if the head grew, the codes of every ``BLOCK_T``-slot tile
+    ``lane, lane + lanes, ...`` of that head times ``old / new`` per channel, rounded to integers
+    (ties to even). A few lanes a head, so a write where nothing grew launches few programs."""
+    head = tl.program_id(0)
+    lane = tl.program_id(1)
+    lanes = tl.num_programs(1)
     if tl.load(grown_ptr + head) != 0:
-        slot = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         dim = tl.arange(0, BLOCK_D)
         dim_mask = dim < head_dim
         factor = head.to(tl.int64) * stride_factor_head + dim * stride_factor_dim
         old = tl.load(old_ptr + factor, mask=dim_mask, other=1.0)
         new = tl.load(new_ptr + factor, mask=dim_mask, other=1.0)
-        row = (
-            slot // block_size * stride_block
-            + slot % block_size * stride_slot
-            + head.to(tl.int64) * stride_head
-        )
-        offsets = row[:, None] + dim[None, :] * stride_dim
-        mask = (slot < num_slots)[:, None] & dim_mask[None, :]
-        codes = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.float32)
         # old / new is a power of two <= 1: the product is exact, the rounding the one change.
-        rounded = round_to_code_grid(codes * (old / new)[None, :], IS_FP8=False)
-        tl.store(codes_ptr + offsets, rounded.to(codes_ptr.dtype.element_ty), mask=mask)
+        ratio = (old / new)[None, :]
+        for first in range(lane * BLOCK_T, num_slots, lanes * BLOCK_T):
+            slot = (first + tl.arange(0, BLOCK_T)).to(tl.int64)
+            row = (
+                slot // block_size * stride_block
+                + slot % block_size * stride_slot
+                + head.to(tl.int64) * stride_head
+            )
+            offsets = row[:, None] + dim[None, :] * stride_dim
+            mask = (slot < num_slots)[:, None] & dim_mask[None, :]
+            codes = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.float32)
+            rounded = round_to_code_grid(codes * ratio, IS_FP8=False)
+            tl.store(codes_ptr + offsets, rounded.to(codes_ptr.dtype.element_ty), mask=mask)
 
 
 def regrow_codes(codes: Tensor, old: Tensor, new: Tensor, grown: Tensor) -> None:
@@ -204,11 +230,12 @@ def regrow_codes(codes: Tensor, old: Tensor, new: Tensor, grown: Tensor) -> None
     stride_slot = codes.stride(1) if paged else 0
     heads, head_dim = codes.shape[-2:]
     block_t = 32
-    _regrow_codes_kernel[(triton.cdiv(num_slots, block_t), heads)](
+    lanes = min(triton.cdiv(num_slots, block_t), CODES_LANES)
+    _regrow_codes_kernel[(heads, lanes)](
         codes,
         old,
         new,
-        grown.to(torch.int8),
+        grown.view(torch.int8) if grown.dtype == torch.bool else grown,
         num_slots,
         block_size,
         head_dim,
@@ -232,8 +259,7 @@ def regrow(
     """Steps 1-2 for one of a layer's factors (K's or the int8 pool's V's): choose from
     ``rows`` (those with a slot), regrow every tensor of ``codes`` (the pool, staged copies),
     then update ``factor`` in place."""
-    old = factor.clone()
-    new, grown = regrown_factors(old, rows, smooth, slot_mapping, share)
+    new, grown = regrown_factors(factor, rows, smooth, slot_mapping, share)
     for tensor in codes:
-        regrow_codes(tensor, old, new, grown)
+        regrow_codes(tensor, factor, new, grown)
     factor.copy_(new)

@@ -1135,15 +1135,15 @@ def test_copy_kernels_move_16_bytes_an_access_at_every_block_size(tmp_path) -> N
 
 
 def test_regrow_kernels_compile_without_spills(tmp_path) -> None:
-    # kernels.regrow's two launches (a later write's channel sums, the codes' rescale over a
-    # cache's pools) build for sm_90a at an odd block and the frame block, no spills.
+    # kernels.regrow's two launches (a later write's check, the codes' rescale over a cache's
+    # pools) build for sm_90a at an odd block and the frame block, no spills.
     argv = ["compile", "--kernels", "regrow", "--workers", "1", "--heads", "4"]
     assert main([*argv, "--block-sizes", "7,1560", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "compile.csv", newline="") as stream:
         rows = list(csv.DictReader(stream))
     assert {(r["kernel"], r["block_size"]) for r in rows} == {
         (f"regrow/{kernel}_kernel", str(block))
-        for kernel in ("channel_squares", "regrow_codes")
+        for kernel in ("regrow_rule", "regrow_codes")
         for block in (7, 1560)
     }
     assert all(not r["error"] and r["spill_stores"] == r["spill_loads"] == "0" for r in rows)

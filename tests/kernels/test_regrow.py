@@ -114,31 +114,42 @@ def test_regrow_rounds_half_to_even(where: str) -> None:
 
 
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
-def test_channel_squares_match_what_choose_factors_reduces(smooth: bool) -> None:
-    # The one-pass kernel against the plain-PyTorch path and choose_factors' rule: rows without
-    # a slot (huge padding), NaN and infinite values left out per element, strided bf16-held rows.
+def test_the_rule_kernel_matches_the_plain_path(smooth: bool) -> None:
+    # The one-launch rule (channel sums, the factors' rule with its median, the threshold)
+    # against the plain-PyTorch path, which is choose_factors' rule: rows without a slot (huge
+    # padding), NaN and infinite values left out per element, strided rows, head_dim 80; a
+    # head that grows (0, a NaN and an infinity in its growing channel), one a channel short of
+    # the threshold (1), one frozen above (2), and one whose lower and upper middle channels
+    # differ 16x (3: torch.median's is the lower one; from the upper one it would not grow).
     gen = torch.Generator().manual_seed(11)
-    heads, dim, tokens = 3, 80, 70
-    rows = torch.randn(tokens, heads + 1, dim, generator=gen)[:, 1:] * 3.0
+    heads, dim, tokens = 4, 80, 70
+    rows = torch.randn(tokens, heads + 1, dim, generator=gen)[:, 1:]
+    rows[:, :, 3] *= 40.0
+    rows[:, 3, 41:] *= 16.0  # 40 channels below the middle (3 is above), 39 above
     rows[5] = 1e6
-    rows[7, 0, 2] = float("nan")
+    rows[7, 0, 3] = float("nan")
+    rows[9, 0, 3] = float("inf")
     rows[9, 2, :5] = float("inf")
     slots = torch.arange(tokens)
     slots[5] = -1
-    mean = torch.randn(heads, dim, generator=gen) if smooth else None
-    rows, slots = rows.to(DEVICE), slots.to(DEVICE)
-    mean = None if mean is None else mean.to(DEVICE)
+    mean = 0.1 * torch.randn(heads, dim, generator=gen) if smooth else None
+    candidate = equalize.choose_factors(rows, mean, slots >= 0, K_SHARE)
+    assert candidate[:3, 3].min() >= 2.0 ** (REGROW_LOG2 + 1)
+    frozen = candidate.clone()
+    frozen[0, 3] /= 2.0**REGROW_LOG2
+    frozen[1, 3] /= 2.0 ** (REGROW_LOG2 - 1)
+    frozen[2] *= 2.0
+    frozen[3] = 1.0
+    on = [t if t is None else t.to(DEVICE) for t in (frozen, rows, mean, slots)]
     with backend("torch"):
-        want_squares, want_counts = regrow_module.channel_squares(rows, mean, slots)
-    squares, counts = regrow_module.channel_squares(rows, mean, slots)
-    assert torch.equal(counts, want_counts)
-    assert counts[0, 2] == tokens - 2 and counts[2, 0] == tokens - 2 and counts[1, 0] == tokens - 1
-    torch.testing.assert_close(squares, want_squares, rtol=1e-6, atol=0)
-    from_rule = equalize.factors_of_squares(squares, counts, K_SHARE)
-    assert torch.equal(from_rule, equalize.choose_factors(rows, mean, slots >= 0, K_SHARE))
+        want_new, want_grown = regrown_factors(*on[:3], on[3], K_SHARE)
+    new, grown = regrown_factors(*on[:3], on[3], K_SHARE)
+    assert want_grown.tolist() == [True, False, False, True]
+    assert torch.equal(grown.cpu(), want_grown.cpu()) and torch.equal(new, want_new)
 
 
-def test_regrown_factors_rule() -> None:
+@pytest.mark.parametrize("where", WHERE)
+def test_regrown_factors_rule(where: str) -> None:
     # A head regrows where one channel's factor is 2**REGROW_LOG2 times the frozen one or more
     # (then to the elementwise maximum), from REGROW_MIN_ROWS rows on; the other heads keep
     # theirs.
@@ -155,14 +166,16 @@ def test_regrown_factors_rule() -> None:
     frozen[1, 3] /= 2.0 ** (REGROW_LOG2 - 1)  # head 1: one power of two short
     frozen[2, 3] *= 2.0  # head 2: frozen above what the rows choose; others too
     frozen[2, 5] = candidate[2, 5] / 2.0 ** (REGROW_LOG2 - 1)
-    new, grown = regrown_factors(frozen, rows, None, slots, K_SHARE)
+    with backend(where):
+        new, grown = regrown_factors(frozen, rows, None, slots, K_SHARE)
     assert grown.tolist() == [True, False, False]
     assert torch.equal(new[0], torch.maximum(frozen[0], candidate[0]))
     assert new[0, 7] == frozen[0, 7] > candidate[0, 7] and new[0, 3] == candidate[0, 3]
     assert torch.equal(new[1:], frozen[1:])
     # One row short of the minimum: nothing regrows.
     slots[0] = -1
-    _, grown = regrown_factors(frozen, rows, None, slots, K_SHARE)
+    with backend(where):
+        _, grown = regrown_factors(frozen, rows, None, slots, K_SHARE)
     assert not grown.any()
 
 
