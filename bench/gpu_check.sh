@@ -40,6 +40,8 @@
 #             attention over a plain KV cache, beside the papers' anchors;
 #   accuracy  the quantized formats (int8, k8v8, k8v16) against float64, each beside its float64
 #             emulation, at the shipped geometry (8 of the 40 heads);
+#   regrow    what the equalization factors' regrowth check costs a write of one frame, per
+#             quantized format (bench.regrow_cost);
 #   compile   the compile report with this machine's Triton and ptxas (blocks 16, 1560);
 #   report    the plots and the ratio table.
 # Each stage's limit (seconds) is printed at the start; *_TIMEOUT variables change them
@@ -91,11 +93,13 @@ if [ "$device" = cuda ]; then
     # 8 heads, not 40: the one-switch formats' float64 emulations (k8v8's models its 13-bit
     # accumulator a k-step at a time) join int8's rows within the stage's limit (an estimate).
     accuracy_geometry=(--heads 8)
+    regrow_shape=()
     rollout_shape=()
     compile_shape=(--kernels paged_attention --block-sizes 16,1560)
     test_run=()
     limits=(VERSIONS=15 TESTS=120 SWEEP=140 LAUNCH=110 CHOOSE=20
-        PEERS_SETUP=20 PROBE=100 CHOOSE2=20 PEERS=80 ROLLOUT=100 ACCURACY=60 COMPILE=25 REPORT=15)
+        PEERS_SETUP=20 PROBE=100 CHOOSE2=20 PEERS=80 ROLLOUT=100 ACCURACY=60 REGROW=20 COMPILE=25
+        REPORT=15)
     sweep_budget=${SWEEP_BUDGET:-95} launch_budget=${LAUNCH_BUDGET:-85}
 else
     export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -107,12 +111,14 @@ else
     dequant_blocks=16 peer_blocks=16 eight_bit_blocks=16
     accuracy_geometry=(--device cpu --heads 1 --head-dim 32 --chunk-size 16 --sink-chunks 1
         --window-chunks 1 --queries 8 --block-size 16 --data random --equalize off)
+    regrow_shape=(--preset small --device cpu)
     rollout_shape=(--tiny --device cpu --blocks 2)
     compile_shape=(--kernels write_slots --block-sizes 16)
     # Every listed test is collected (a wrong id fails here, not in a window); the launch rows run.
     test_run=(--collect-only -q)
     limits=(VERSIONS=20 TESTS=120 SWEEP=150 LAUNCH=150 CHOOSE=30
-        PEERS_SETUP=20 PROBE=150 CHOOSE2=30 PEERS=100 ROLLOUT=120 ACCURACY=60 COMPILE=90 REPORT=60)
+        PEERS_SETUP=20 PROBE=150 CHOOSE2=30 PEERS=100 ROLLOUT=120 ACCURACY=60 REGROW=60 COMPILE=90
+        REPORT=60)
     sweep_budget=${SWEEP_BUDGET:-120} launch_budget=${LAUNCH_BUDGET:-120}
 fi
 for pair in "${limits[@]}"; do
@@ -121,7 +127,7 @@ for pair in "${limits[@]}"; do
 done
 
 part1=(versions peers_setup tests sweep launches choose)
-part2=(versions peers_setup probes choose2 peers rollout accuracy compile report)
+part2=(versions peers_setup probes choose2 peers rollout accuracy regrow compile report)
 case $part in
     1) stages=("${part1[@]}") ;;
     2) stages=("${part2[@]}") ;;
@@ -329,6 +335,11 @@ stage_accuracy() {
     return $rc
 }
 
+stage_regrow() {
+    "$python" -m paged_video.bench.regrow_cost ${regrow_shape[@]+"${regrow_shape[@]}"} \
+        --out "$out_dir"
+}
+
 stage_compile() {
     "$python" -m paged_video.bench compile "${compile_shape[@]}" --out "$out_dir" \
         >"$out_dir/compile.log" 2>&1
@@ -365,6 +376,7 @@ for stage in "${stages[@]}"; do
         peers) run_stage peers peers/sweep.csv ;;
         rollout) run_stage rollout rollout.csv ;;
         accuracy) run_stage accuracy accuracy.csv ;;
+        regrow) run_stage regrow regrow_cost.csv ;;
         compile) run_stage compile compile.csv ;;
         report) run_stage report speedup.png ;;
     esac

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from paged_video.kernels import equalize
 from paged_video.kernels._quantize_jit import round_to_code_grid
-from paged_video.kernels._runtime import use_torch_path
+from paged_video.kernels._runtime import interpreter_active, use_torch_path
 
 # A write's factor this many powers of two above the frozen one, in any channel of a KV head,
 # regrows that head (2: rows 8-32x wider at K's share of 1/2, 3-6x at V's share of 1).
@@ -161,7 +161,8 @@ def regrown_factors(
         THRESHOLD=2.0**REGROW_LOG2,
         MIN_ROWS=REGROW_MIN_ROWS,
         HAS_SMOOTH=smooth is not None,
-        BLOCK_T=16,
+        # The interpreter pays per step, a GPU per register: few long steps there.
+        BLOCK_T=128 if interpreter_active() else 16,
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return new, grown.view(torch.bool)
@@ -230,7 +231,8 @@ def regrow_codes(codes: Tensor, old: Tensor, new: Tensor, grown: Tensor) -> None
     stride_slot = codes.stride(1) if paged else 0
     heads, head_dim = codes.shape[-2:]
     block_t = 32
-    lanes = min(triton.cdiv(num_slots, block_t), CODES_LANES)
+    # (One lane a head under the interpreter, which runs each program in turn.)
+    lanes = 1 if interpreter_active() else min(triton.cdiv(num_slots, block_t), CODES_LANES)
     _regrow_codes_kernel[(heads, lanes)](
         codes,
         old,

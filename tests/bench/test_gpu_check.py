@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 PART1 = ["versions", "peers_setup", "tests", "sweep", "launches", "choose"]
 PART2 = [
-    "versions", "peers_setup", "probes", "choose2", "peers", "rollout", "accuracy", "compile",
-    "report",
+    "versions", "peers_setup", "probes", "choose2", "peers", "rollout", "accuracy", "regrow",
+    "compile", "report",
 ]  # fmt: skip
 # What each stage writes (relative to OUT_DIR) for the stages after it to read.
 WRITES = {
@@ -35,6 +35,7 @@ WRITES = {
     "peers": {"peers/sweep.csv"},
     "rollout": {"rollout.csv"},
     "accuracy": {"accuracy.csv"},
+    "regrow": {"regrow_cost.csv"},
     "compile": {"compile.csv"},
     "report": {"speedup.png"},
 }
@@ -168,8 +169,8 @@ def test_the_gpu_check_names_real_providers_and_runs_and_fits_two_calls() -> Non
     stage_limit = {
         "versions": "VERSIONS", "peers_setup": "PEERS_SETUP", "tests": "TESTS", "sweep": "SWEEP",
         "launches": "LAUNCH", "choose": "CHOOSE", "probes": "PROBE", "choose2": "CHOOSE2",
-        "peers": "PEERS", "rollout": "ROLLOUT", "accuracy": "ACCURACY", "compile": "COMPILE",
-        "report": "REPORT",
+        "peers": "PEERS", "rollout": "ROLLOUT", "accuracy": "ACCURACY", "regrow": "REGROW",
+        "compile": "COMPILE", "report": "REPORT",
     }  # fmt: skip
     assert set(stage_limit.values()) == set(limits)
     docs = (REPO / "docs" / "benchmarks.md").read_text()
