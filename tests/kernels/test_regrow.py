@@ -179,6 +179,12 @@ def test_regrown_factors_rule(where: str) -> None:
     assert not grown.any()
 
 
+def zeroed_pools(shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """int8 K and V code pools of ``shape`` and their float32 scales, zeroed."""
+    codes = [torch.zeros(shape, dtype=torch.int8, device=DEVICE) for _ in range(2)]
+    return (*codes, *(torch.zeros(shape[:-1], device=DEVICE) for _ in range(2)))
+
+
 def _write(where, key, value, pools, slots, state, **extra) -> None:
     k_pool, v_pool, k_scale, v_scale = pools
     with backend(where):
@@ -214,12 +220,7 @@ def test_a_later_write_regrows_the_heads_whose_rows_grew(where: str, block: int)
     value[first:, 1, 9] *= 100.0
     num_blocks = -(-(first + later + 3) // block)
     shape = (num_blocks, block, heads, dim)
-    pools = (
-        torch.zeros(shape, dtype=torch.int8, device=DEVICE),
-        torch.zeros(shape, dtype=torch.int8, device=DEVICE),
-        torch.zeros(shape[:-1], device=DEVICE),
-        torch.zeros(shape[:-1], device=DEVICE),
-    )
+    pools = zeroed_pools(shape)
     state = _state(heads, dim)
     slots = torch.arange(3, 3 + first + later, device=DEVICE)
     _write(where, key[:first], value[:first], pools, slots[:first], state)
@@ -277,12 +278,7 @@ def test_nothing_regrows_without_a_set_flag_or_with_few_rows(where: str) -> None
     wide = base.clone()
     wide[:, :, :2] *= 100.0
     shape = (4 * REGROW_MIN_ROWS, heads, dim)
-    pools = (
-        torch.zeros(shape, dtype=torch.int8, device=DEVICE),
-        torch.zeros(shape, dtype=torch.int8, device=DEVICE),
-        torch.zeros(shape[:-1], device=DEVICE),
-        torch.zeros(shape[:-1], device=DEVICE),
-    )
+    pools = zeroed_pools(shape)
     state = _state(heads, dim)
     _write(where, base, base, pools, torch.arange(REGROW_MIN_ROWS, device=DEVICE), state)
     chosen_k = state["k_equalizer"].clone()
@@ -315,12 +311,7 @@ def test_nothing_regrows_without_a_set_flag_or_with_few_rows(where: str) -> None
 def test_bad_staged_copies_are_refused_before_anything_changes() -> None:
     heads, dim = 2, 16
     key = torch.randn(REGROW_MIN_ROWS, heads, dim).to(DEVICE)
-    pools = (
-        torch.zeros(REGROW_MIN_ROWS, heads, dim, dtype=torch.int8, device=DEVICE),
-        torch.zeros(REGROW_MIN_ROWS, heads, dim, dtype=torch.int8, device=DEVICE),
-        torch.zeros(REGROW_MIN_ROWS, heads, device=DEVICE),
-        torch.zeros(REGROW_MIN_ROWS, heads, device=DEVICE),
-    )
+    pools = zeroed_pools((REGROW_MIN_ROWS, heads, dim))
     state = _state(heads, dim)
     slots = torch.arange(REGROW_MIN_ROWS, device=DEVICE)
     snapshot = [t.clone() for t in (*pools, *state.values())]
