@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from paged_video.kernels import equalize
+from paged_video.kernels import _checks, equalize
 from paged_video.kernels._quantize_jit import round_to_code_grid
 from paged_video.kernels._runtime import interpreter_active, use_torch_path
 
@@ -135,7 +135,9 @@ def regrown_factors(
 ) -> tuple[Tensor, Tensor]:
     """``(new factors (heads, head_dim), grown (heads,) bool)``: the rule above for the rows
     ``(tokens, heads, head_dim)`` with a slot (minus ``smooth``) against ``frozen``; one launch
-    on a GPU."""
+    on a GPU. Rows past ``slot_mapping``'s length have no slot (as ``write_slots`` reads them)."""
+    slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
+    rows = rows[: slot_mapping.shape[0]]
     num_tokens, heads, head_dim = rows.shape
     if use_torch_path(rows):
         used = slot_mapping[:num_tokens] >= 0

@@ -2758,6 +2758,20 @@ MUTANTS = [
         f"{REGROW}::test_the_rule_kernel_matches_the_plain_path",
     ),
     _m(
+        "regrow-rows-past-the-mapping",
+        "kernels/regrow.py",
+        "    rows = rows[: slot_mapping.shape[0]]\n",
+        "",
+        f"{REGROW}::test_rows_past_the_mapping_have_no_slot_and_strided_mappings_read_right",
+    ),
+    _m(
+        "regrow-strided-mapping-read-as-contiguous",
+        "kernels/regrow.py",
+        "    slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it",
+        "    slot_mapping = slot_mapping  # the kernel reads it",
+        f"{REGROW}::test_rows_past_the_mapping_have_no_slot_and_strided_mappings_read_right[triton]",
+    ),
+    _m(
         "regrow-threshold-strict",
         "kernels/regrow.py",
         "(candidate >= frozen * THRESHOLD)",

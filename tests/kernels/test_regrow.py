@@ -149,6 +149,26 @@ def test_the_rule_kernel_matches_the_plain_path(smooth: bool) -> None:
 
 
 @pytest.mark.parametrize("where", WHERE)
+def test_rows_past_the_mapping_have_no_slot_and_strided_mappings_read_right(where: str) -> None:
+    # As write_slots reads them: rows beyond slot_mapping's length (NaN here) are not the
+    # write's, and a strided mapping (a column whose neighbours are -1) is read as its values:
+    # all 64 rows count, so their 100x wider channels regrow both heads.
+    gen = torch.Generator().manual_seed(13)
+    rows = torch.randn(REGROW_MIN_ROWS + 5, 2, 16, generator=gen)
+    rows[:, :, :4] *= 100.0
+    rows[REGROW_MIN_ROWS:] = float("nan")
+    column = torch.stack([torch.arange(REGROW_MIN_ROWS), torch.full((REGROW_MIN_ROWS,), -1)], 1)
+    slots = column[:, 0]  # stride 2: read as ptr + t it would see every other slot as -1
+    frozen = torch.ones(2, 16)
+    want = torch.maximum(frozen, channel_factors(rows[:REGROW_MIN_ROWS], share=K_SHARE))
+    with backend(where):
+        new, grown = regrown_factors(
+            frozen.to(DEVICE), rows.to(DEVICE), None, slots.to(DEVICE), K_SHARE
+        )
+    assert grown.tolist() == [True, True] and torch.equal(new.cpu(), want)
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_regrown_factors_rule(where: str) -> None:
     # A head regrows where one channel's factor is 2**REGROW_LOG2 times the frozen one or more
     # (then to the elementwise maximum), from REGROW_MIN_ROWS rows on; the other heads keep
