@@ -18,7 +18,10 @@ row) of the first forward to reach that layer, frozen for the rollout. Attention
 back: it shifts each query's scores by the same amount. With ``equalize_channels`` (by default
 for int8), each layer's K (minus its mean) and V are divided per (head, channel) by the factors
 ``reference.quantize.channel_factors`` chooses from that same first forward, quantized, and
-multiplied back: what attention over the equalized pools computes in exact arithmetic.
+multiplied back: what attention over the equalized pools computes in exact arithmetic. Those
+factors stay frozen here: a later forward whose rows would regrow the cache's
+(``reference.regrow``: a write of 64 rows or more with a channel 4x its factor) raises
+``NotImplementedError`` rather than differ from the cache (the tiny rollouts never do).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import Tensor
 
 from paged_video.reference.quantize import K_SHARE, channel_factors, dequantize, quantize
+from paged_video.reference.regrow import grow
 from paged_video.reference.window import WindowGeometry, block_read_positions, kept_positions
 
 
@@ -83,17 +87,28 @@ class _DenseHistory:
     def choose(self, layer: int, key: Tensor, value: Tensor) -> None:
         """At the first write to ``layer`` (quantized): with smoothing, the mean of its video keys
         ``(rows, tokens, heads, head_dim)`` over rows and tokens, float32 as the cache keeps it;
-        with equalization, the K factors (keys minus that mean) and the V factors."""
+        with equalization, the K factors (keys minus that mean) and the V factors. A later write
+        whose rows would regrow the cache's factors raises ``NotImplementedError``."""
         if self.kv_dtype is None:
             return
         if self.smooth_keys and self.key_means[layer] is None:
             self.key_means[layer] = key.to(torch.float64).mean(dim=(0, 1)).to(torch.float32)
-        if self.equalize and self.equalizers[layer] is None:
-            mean = self.key_means[layer] if self.smooth_keys else None
-            self.equalizers[layer] = (
-                channel_factors(key.flatten(0, 1), smooth=mean, share=K_SHARE),
-                channel_factors(value.flatten(0, 1)),
-            )
+        if not self.equalize:
+            return
+        mean = self.key_means[layer] if self.smooth_keys else None
+        chosen = (
+            channel_factors(key.flatten(0, 1), smooth=mean, share=K_SHARE),
+            channel_factors(value.flatten(0, 1)),
+        )
+        if self.equalizers[layer] is None:
+            self.equalizers[layer] = chosen
+            return
+        for name, frozen, candidate in zip("KV", self.equalizers[layer], chosen, strict=True):
+            if grow(frozen, candidate, rows=key.shape[0] * key.shape[1])[1].any():
+                raise NotImplementedError(
+                    f"layer {layer}: this forward's rows would regrow the cache's {name} "
+                    "equalization factors (reference.regrow), which this oracle does not model"
+                )
 
     def stored(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """``(..., heads, head_dim)`` K and V as the cache reads them back (unchanged unless
