@@ -101,7 +101,7 @@ from paged_video.reference.eight_bit_attention import (
     FP8_MMA_ACC_BITS,
     Codes,
     EightBitFormat,
-    attend_codes,
+    attend_codes_by_rows,
     quantize_keys,
     quantize_queries,
     quantize_values,
@@ -725,12 +725,7 @@ def floor_output(
             keys, k_factor = quantize_keys(data.keys, fmt, smooth=smooth), None
         queries = quantize_queries(data.q, fmt, k_factor)  # one scale per row
         values = quantize_values(data.values, fmt, frame)
-        out = torch.empty(data.q.shape, dtype=torch.float64, device=data.q.device)
-        for start in range(0, data.q.shape[0], REFERENCE_ROWS):
-            rows = slice(start, start + REFERENCE_ROWS)
-            chunk = Codes(queries.codes[rows], queries.scale[rows])
-            out[rows] = attend_codes(chunk, keys, values, fmt)
-        return out
+        return attend_codes_by_rows(queries, keys, values, fmt, REFERENCE_ROWS)
     dtype = _EMULATED_DTYPES[variant.format]
     quantize = reference.quantize.quantize_best_scale if best_scale else stored_rows
     k_factor, v_factor = prepared.factors(variant)

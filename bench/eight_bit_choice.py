@@ -132,14 +132,7 @@ def emulate(candidate: Candidate, data: Data, prepared: Prepared, first_write: i
     keys, k_factor = stored_keys(candidate, data.keys, prepared.mean, first_write)
     queries = eba.quantize_queries(data.q, fmt, k_factor)
     values = eba.quantize_values(data.values, fmt, first_write)
-    out = torch.empty(data.q.shape, dtype=torch.float64, device=data.q.device)
-    per_scale = fmt.q_rows_per_scale
-    for start in range(0, data.q.shape[0], ROWS_PER_CALL):
-        rows = slice(start, start + ROWS_PER_CALL)
-        scales = slice(start // per_scale, (start + ROWS_PER_CALL) // per_scale)
-        chunk = eba.Codes(queries.codes[rows], queries.scale[scales])
-        out[rows] = eba.attend_codes(chunk, keys, values, fmt)
-    return out
+    return eba.attend_codes_by_rows(queries, keys, values, fmt, ROWS_PER_CALL)
 
 
 def stored_keys(

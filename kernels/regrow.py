@@ -239,7 +239,7 @@ def regrow_codes(codes: Tensor, old: Tensor, new: Tensor, grown: Tensor) -> None
         codes,
         old,
         new,
-        grown.view(torch.int8) if grown.dtype == torch.bool else grown,
+        grown.view(torch.int8),
         num_slots,
         block_size,
         head_dim,

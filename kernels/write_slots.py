@@ -472,12 +472,15 @@ def write_slots(
             k_pool, v_pool, k_scale, v_scale, v_equalizer, v_channel_scale, v_scale_chosen,
             v_headroom, v_saturated,
         )  # fmt: skip
-    _check_staged_copies(stage_k, stage_v, k_pool, v_pool, regrow_factors)
+    _check_regrowth_arguments(stage_k, stage_v, k_pool, v_pool, regrow_factors)
     slot_mapping = _checks.contiguous_index(slot_mapping)  # the kernel reads it as ptr + t
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    chosen = choose_unset(
+    # A write that finds the factors chosen may regrow them; the write that chooses them has
+    # nothing to regrow (its own rows chose them).
+    factors_were_chosen = equalizers_chosen is not None and bool(equalizers_chosen)
+    choose_unset(
         key[:num_tokens],
         value[:num_tokens],
         slot_mapping,
@@ -487,11 +490,7 @@ def write_slots(
         v_equalizer=v_equalizer,
         equalizers_chosen=equalizers_chosen,
     )
-    if (
-        regrow_factors
-        and equalizers_chosen is not None
-        and not any(flag is equalizers_chosen for flag in chosen)
-    ):
+    if regrow_factors and factors_were_chosen:
         regrow_chosen(
             key[:num_tokens],
             value[:num_tokens],
@@ -754,15 +753,16 @@ def _launch_quantized(
     )
 
 
-def _check_staged_copies(
+def _check_regrowth_arguments(
     stage_k: Tensor | None,
     stage_v: Tensor | None,
     k_pool: Tensor,
     v_pool: Tensor,
     regrow_factors: object,
 ) -> None:
-    """``stage_k``/``stage_v``, when given, hold codes of their pool's dtype, heads and
-    head_dim, on its device (``(tokens, num_kv_heads, head_dim)``: history staging's)."""
+    """``regrow_factors`` is a bool; ``stage_k``/``stage_v``, when given, hold codes of their
+    pool's dtype, heads and head_dim, on its device (``(tokens, num_kv_heads, head_dim)``:
+    history staging's)."""
     if not isinstance(regrow_factors, bool):
         raise TypeError(f"regrow_factors must be a bool, got {type(regrow_factors).__name__}")
     for name, staged, pool_name, pool in (

@@ -331,6 +331,27 @@ def attend_codes(
     return out.transpose(0, 1).contiguous()
 
 
+def attend_codes_by_rows(
+    queries: Codes, keys: Codes, values: Codes, fmt: EightBitFormat, rows_per_call: int
+) -> Tensor:
+    """:func:`attend_codes` (no mask, the default softmax scale) ``rows_per_call`` query rows at
+    a time, a multiple of ``fmt.q_rows_per_scale``: each row's output as one call gives it, the
+    score matrices bounded."""
+    per_scale = fmt.q_rows_per_scale
+    if rows_per_call < 1 or rows_per_call % per_scale:
+        raise ValueError(
+            f"rows_per_call must be a positive multiple of q_rows_per_scale ({per_scale}), "
+            f"got {rows_per_call}"
+        )
+    codes = queries.codes
+    out = torch.empty(codes.shape, dtype=torch.float64, device=codes.device)
+    for start in range(0, codes.shape[0], rows_per_call):
+        rows = slice(start, start + rows_per_call)
+        scales = slice(start // per_scale, (start + rows_per_call) // per_scale)
+        out[rows] = attend_codes(Codes(codes[rows], queries.scale[scales]), keys, values, fmt)
+    return out
+
+
 def eight_bit_attention(
     q: Tensor,
     k: Tensor,

@@ -1864,8 +1864,8 @@ MUTANTS = [
     ),
     _m(
         "eight-bit-choice-output-on-the-cpu",
-        "bench/eight_bit_choice.py",
-        "dtype=torch.float64, device=data.q.device)",
+        "reference/eight_bit_attention.py",
+        "dtype=torch.float64, device=codes.device)",
         "dtype=torch.float64)",
         "tests/bench/test_eight_bit_choice.py::test_a_candidate_is_emulated_on_the_datas_device",
     ),

@@ -270,3 +270,19 @@ def test_the_emulation_runs_on_the_inputs_device(v_scales: str, k_dtype: torch.d
     smooth, factor = torch.zeros(1, 32, device="meta"), torch.ones(1, 32, device="meta")
     out = eba.eight_bit_attention(q, k, v, fmt, first_write=16, smooth=smooth, k_factor=factor)
     assert out.device.type == "meta" and out.shape == (8, 2, 32)
+
+
+@pytest.mark.parametrize("rows_per_scale", [1, 8])
+def test_attending_by_rows_gives_one_calls_output(rows_per_scale: int) -> None:
+    # Query blocks of 16 rows, each with the scales of its own rows (per row, or per 8 rows):
+    # every row as one call gives it; a block that splits a query scale is refused.
+    fmt = eba.EightBitFormat(q_rows_per_scale=rows_per_scale, v_scales="none", p_dtype=None)
+    q = bf16_normal(40, 4, 48, seed=3)
+    k, v = bf16_normal(200, 2, 48, seed=4), bf16_normal(200, 2, 48, seed=5)
+    queries, keys = eba.quantize_queries(q, fmt, None), eba.quantize_keys(k, fmt)
+    values = eba.quantize_values(v, fmt)
+    whole = eba.attend_codes(queries, keys, values, fmt)
+    by_rows = eba.attend_codes_by_rows(queries, keys, values, fmt, 16)
+    assert torch.equal(by_rows, whole)
+    with pytest.raises(ValueError, match="rows_per_call"):
+        eba.attend_codes_by_rows(queries, keys, values, fmt, 12 if rows_per_scale == 8 else 0)
