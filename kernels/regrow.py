@@ -145,7 +145,7 @@ def regrown_factors(
         wider = (candidate >= frozen * 2.0**REGROW_LOG2).any(dim=-1)
         grown = wider & (used.sum() >= REGROW_MIN_ROWS)
         return torch.where(grown[:, None], torch.maximum(frozen, candidate), frozen), grown
-    new = torch.empty_like(frozen)
+    new = torch.empty(heads, head_dim, dtype=frozen.dtype, device=frozen.device)
     grown = torch.empty(heads, dtype=torch.int8, device=rows.device)
     _regrow_rule_kernel[(heads,)](
         rows,

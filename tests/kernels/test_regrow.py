@@ -114,6 +114,7 @@ def test_regrow_rounds_half_to_even(where: str) -> None:
 
 
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
+@pytest.mark.usefixtures("nan_filled_empty")  # outputs poisoned: every head's must be written
 def test_the_rule_kernel_matches_the_plain_path(smooth: bool) -> None:
     # The one-launch rule (channel sums, the factors' rule with its median, the threshold)
     # against the plain-PyTorch path, which is choose_factors' rule: rows without a slot (huge
