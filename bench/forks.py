@@ -23,17 +23,19 @@ import torch
 
 from paged_video.bench.formats import old_spelling
 from paged_video.paging import PagedKVCache, PagingConfig, Session, window
+from paged_video.paging.config import KV_FORMATS
 
 CFG_BRANCHES = ("positive", "negative")
-DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
 GIB = 2**30
 
 
-def _kv_dtype(text: str) -> str:
-    """A ``DTYPES`` name; an old spelling (the deleted e4m3 pool's) is refused naming the new."""
-    if text not in DTYPES:
-        refusal = old_spelling(text, DTYPES)
-        raise argparse.ArgumentTypeError(refusal or f"{text!r} is not one of {', '.join(DTYPES)}")
+def _kv_format(text: str) -> str:
+    """A ``kv_format`` name; an old spelling (the deleted e4m3 pool's) is refused naming the new."""
+    if text not in KV_FORMATS:
+        refusal = old_spelling(text, KV_FORMATS)
+        raise argparse.ArgumentTypeError(
+            refusal or f"{text!r} is not one of {', '.join(KV_FORMATS)}"
+        )
     return text
 
 
@@ -101,8 +103,8 @@ def run_forks(
     )
     # Nothing is written (meta pools): the layers' first-write state counts as chosen, as a
     # forward's first write leaves it (a cache refuses committed tokens under no chosen state).
-    cache.k_means_chosen.fill_(True)
-    cache.equalizers_chosen.fill_(True)
+    for chosen in (cache.k_means_chosen, cache.equalizers_chosen, cache.v_scales_chosen):
+        chosen.fill_(True)
     tokens = frames_per_block * config.chunk_size
     peak = PeakTracker(cache)
     copies = []
@@ -171,18 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--kv-heads", type=int, default=40)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kv-dtype", type=_kv_dtype, default="bf16", help="bf16 or int8")
+    parser.add_argument(
+        "--kv-format",
+        "--kv-dtype",  # the flag's older name
+        type=_kv_format,
+        default="bf16",
+        help=f"the pools' format (PagingConfig(kv_format=...)): {', '.join(KV_FORMATS)}",
+    )
     args = parser.parse_args(argv)
     if min(args.futures) < 1 or args.blocks < 0 or args.steps < 0:
         parser.error("--futures must be >= 1, --blocks and --steps >= 0")
-    dtype = DTYPES[args.kv_dtype]
     config = PagingConfig(
         block_size=args.block_size,
         chunk_size=args.chunk_size,
         sink_chunks=args.sink_frames,
         window_chunks=args.window_frames,
         max_forward_chunks=args.frames_per_block,
-        kv_dtype=None if dtype == torch.bfloat16 else dtype,
+        kv_format=args.kv_format,
     )
     runs = [
         run_forks(
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     block_gib = runs[0].block_bytes / GIB
     per_sequence = window.blocks_per_sequence(config)
     print(
-        f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, {args.kv_dtype}, "
+        f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, {args.kv_format}, "
         f"C={args.chunk_size} B={args.block_size}, sink {args.sink_frames} + window "
         f"{args.window_frames} frames, {args.frames_per_block} frames per block, both CFG "
         f"branches; one block (every layer, K and V) = {block_gib * 1024:.1f} MiB, one "

@@ -13,14 +13,16 @@ provider, the median time per generated block once the window is full (and the f
 and the largest difference between the two rollouts' latents (bf16: a sanity check, not an
 accuracy figure).
 
-``--kv-dtype`` runs the paged rollout once per pool format given (``bench.formats``): ``bf16``
-keeps the pools unquantized in the model's dtype (bf16 at the 1.3B shape, float32 with
-``--tiny``: the header and the ``pool`` column print the dtype really used), ``int8``
-quantizes them (``PagingConfig(kv_dtype=...)``, K smoothing on, the dequantizing mode; the MMA
-modes ``e4m3-mma`` and ``int8-mma`` and the ``e4m3`` pool were deleted, issue 45); each row also
-gives the cache's pool bytes (K/V pools, scales and smoothing means) and its latents'
-difference from the plain rollout (for quantized pools: the quantization's effect, not a bug
-check).
+``--kv-format`` runs the paged rollout once per pool format given, as the cache's one switch
+spells them (``PagingConfig(kv_format=...)``, docs/quantization.md): ``bf16`` keeps the pools
+unquantized in the model's dtype (bf16 at the 1.3B shape, float32 with ``--tiny``: the header
+and the ``pool`` column print the dtype really used); ``k8v8`` (the fast format: both products
+on 8-bit tensor cores), ``k8v16`` (the accurate one) and ``int8`` (the dequantizing pool)
+quantize them, K smoothed and equalized as the format implies. Each row also gives the cache's
+pool bytes (K/V pools, scales, smoothing means and channel scales) and its latents' difference
+from the plain rollout (for quantized pools: the quantization's effect, not a bug check).
+``--kv-dtype`` is the flag's older name; the deleted formats' spellings (``e4m3``, ...) are
+refused naming the new ones.
 
 Each row gives frames per second once the window is full (frames per block over the median
 time per block from then on), printed beside two anchors: Self-Forcing 17 FPS and LongLive
@@ -44,8 +46,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from paged_video.bench.formats import QUANTIZED_FORMATS, UNQUANTIZED, dtype_name, old_spelling
+from paged_video.bench.formats import UNQUANTIZED, dtype_name, old_spelling
 from paged_video.paging import PagingConfig
+from paged_video.paging.config import KV_FORMATS
 
 try:
     from paged_video.models.wan_paged import (
@@ -59,12 +62,10 @@ except ImportError as error:  # no diffusers: one line for the command, the erro
         raise SystemExit(f"error: {error}") from None
     raise
 
-# --kv-dtype: the paged pools' format (bf16: unquantized, in the model's dtype).
-KV_DTYPES = {UNQUANTIZED: None, **QUANTIZED_FORMATS}
 # Frames per second reported for the Wan 2.1 1.3B shape on one H100 (the papers' own figures).
 ANCHORS_FPS = {"Self-Forcing": 17.0, "LongLive": 20.7}
 CSV_COLUMNS = (
-    "provider", "kv_dtype", "pool", "pool_mb", "first_block_ms", "steady_block_ms",
+    "provider", "kv_format", "pool", "pool_mb", "first_block_ms", "steady_block_ms",
     "steady_fps", "blocks_timed", "max_diff_vs_plain", "figures", "device", "shape",
     "frames_per_block", "steps", "block_size",
 )  # fmt: skip
@@ -272,13 +273,14 @@ def run(
     steps: int,
     block_size: int,
     device: torch.device,
-    kv_dtypes: tuple[str, ...] = ("bf16",),
+    kv_formats: tuple[str, ...] = (UNQUANTIZED,),
     warmup: bool = True,
 ) -> dict[str, dict[str, object]]:
-    """The plain rollout and one paged rollout per ``kv_dtypes`` entry, of ``blocks`` blocks.
+    """The plain rollout and one paged rollout per ``kv_formats`` entry, of ``blocks`` blocks.
 
-    Returns per provider (``plain``, ``paged <kv dtype>``): ``times`` (per block), ``pool``
-    (the pool dtype), ``pool_bytes`` (paged only) and ``max_diff`` (latents against plain).
+    Returns per provider (``plain``, ``paged <kv format>``): ``times`` (per block), ``pool``
+    (the K and V pools' dtypes), ``pool_bytes`` (paged only) and ``max_diff`` (latents against
+    plain).
     """
     model = build_model(shape, device)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -290,7 +292,7 @@ def run(
     timer = BlockTimer(device)
     results: dict[str, dict[str, object]] = {}
     paged_latents = {}
-    for name in kv_dtypes:
+    for name in kv_formats:
         config = PagingConfig(
             block_size=block_size,
             chunk_size=shape.tokens_per_frame,
@@ -298,7 +300,7 @@ def run(
             window_chunks=shape.window_frames,
             max_forward_chunks=shape.frames_per_block,
             exact_window=True,  # the same keys as the plain cache: no boundary tokens
-            kv_dtype=KV_DTYPES[name],
+            kv_format=name,
         )
         with PagedWanRollout(model, config) as rollout:
 
@@ -321,7 +323,7 @@ def run(
             paged_latents[name] = paged(timer)
             results[f"paged {name}"] = {
                 "times": timer.times,
-                "pool": rollout.cache.k_pools.dtype,
+                "pool": (rollout.cache.k_pools.dtype, rollout.cache.v_pools.dtype),
                 "pool_bytes": rollout.cache.pool_bytes,
             }
     if warmup:
@@ -336,20 +338,27 @@ def run(
         )
     timer.reset()
     plain_latents = plain_rollout(model, shape, noise, text, sigmas, 5.0, timer)
-    results["plain"] = {"times": timer.times, "pool": shape.dtype, "max_diff": 0.0}
+    results["plain"] = {"times": timer.times, "pool": (shape.dtype,) * 2, "max_diff": 0.0}
     for name, latents in paged_latents.items():
         diff = (latents.float() - plain_latents.float()).abs().max().item()
         results[f"paged {name}"]["max_diff"] = diff
     return results
 
 
-def _kv_dtype(text: str) -> str:
-    if text not in KV_DTYPES:
-        refusal = old_spelling(text, KV_DTYPES)
+def _kv_format(text: str) -> str:
+    """A ``kv_format`` name; an old spelling (the deleted e4m3 pool's) is refused naming the new."""
+    if text not in KV_FORMATS:
+        refusal = old_spelling(text, KV_FORMATS)
         raise argparse.ArgumentTypeError(
-            refusal or f"{text!r} is not one of {', '.join(KV_DTYPES)}"
+            refusal or f"{text!r} is not one of {', '.join(KV_FORMATS)}"
         )
     return text
+
+
+def _pool_name(k_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
+    """``bf16``; ``int8``; ``int8/e4m3`` where K's and V's pools differ (k8v8, k8v16)."""
+    k, v = (dtype_name(d).replace("float8_e4m3fn", "e4m3") for d in (k_dtype, v_dtype))
+    return k if k == v else f"{k}/{v}"
 
 
 def steady_fps(times: list[float], full: int, frames_per_block: int) -> tuple[float, int]:
@@ -371,11 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
     parser.add_argument(
+        "--kv-format",
         "--kv-dtype",
         nargs="+",
-        type=_kv_dtype,
+        type=_kv_format,
         default=[UNQUANTIZED],
-        help=f"paged pool formats, one paged rollout each: {', '.join(KV_DTYPES)} "
+        help=f"paged pool formats, one paged rollout each: {', '.join(KV_FORMATS)} "
         "(bf16: unquantized, in the model's dtype)",
     )
     parser.add_argument("--out", type=Path, default=None, help="folder for rollout.csv")
@@ -403,15 +413,15 @@ def main(argv: list[str] | None = None) -> int:
         steps=steps,
         block_size=args.block_size,
         device=device,
-        kv_dtypes=tuple(dict.fromkeys(args.kv_dtype)),
+        kv_formats=tuple(dict.fromkeys(args.kv_format)),
     )
     # The window is full (steady state) once sink + window frames are generated.
     full = -(-(shape.sink_frames + shape.window_frames) // shape.frames_per_block)
     figures = "gpu" if device.type == "cuda" else "cpu (not GPU figures)"
     # Unquantized pools take the model's dtype: say which, so "bf16" is never read as used.
     unquantized = (
-        f"; --kv-dtype {UNQUANTIZED}: unquantized pools in the model's {dtype_name(shape.dtype)}"
-        if UNQUANTIZED in args.kv_dtype and shape.dtype != torch.bfloat16
+        f"; --kv-format {UNQUANTIZED}: unquantized pools in the model's {dtype_name(shape.dtype)}"
+        if UNQUANTIZED in args.kv_format and shape.dtype != torch.bfloat16
         else ""
     )
     print(
@@ -422,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{device} [{figures}]{unquantized}"
     )
     print(
-        "provider  kv_dtype  pool           pool_MB  first_block_ms  steady_block_ms  "
+        "provider  kv_format  pool           pool_MB  first_block_ms  steady_block_ms  "
         "steady_fps  blocks_timed  max_diff_vs_plain"
     )
     rows = []
@@ -434,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             {
                 "provider": provider,
-                "kv_dtype": kv or "-",
-                "pool": dtype_name(row["pool"]),
+                "kv_format": kv or "-",
+                "pool": _pool_name(*row["pool"]),
                 "pool_mb": megabytes,
                 "first_block_ms": f"{times[0] * 1e3:.1f}",
                 "steady_block_ms": f"{shape.frames_per_block / fps * 1e3:.1f}",
@@ -446,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         r = rows[-1]
         print(
-            f"{provider:8s}  {r['kv_dtype']:8s}  {r['pool']:13s}  {megabytes:>7s}  "
+            f"{provider:8s}  {r['kv_format']:9s}  {r['pool']:13s}  {megabytes:>7s}  "
             f"{r['first_block_ms']:>14s}  {r['steady_block_ms']:>15s}  {r['steady_fps']:>10s}  "
             f"{timed:12d}  {r['max_diff_vs_plain']:>17s}"
         )

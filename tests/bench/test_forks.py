@@ -3,6 +3,8 @@ each fork wrote (its new blocks and one copied tail block per branch), worked by
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,12 +53,38 @@ def test_the_command_prints_one_row_per_k(capsys: pytest.CaptureFixture[str]) ->
         main([*SMALL, "--futures", "0"])
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8"])
-def test_quantized_pools_hold_the_same_blocks(kv_dtype: str, capsys) -> None:
+# Per format, one block's bytes over bf16's at head_dim 128 and block 16 (K and V codes, their
+# scales; keys-major rows are padded to 16 keys, so smaller blocks pay more, docs/quantization.md).
+BLOCK_SHARE = {"int8": (0.5, 0.52), "k8v8": (0.5, 0.51), "k8v16": (0.75, 0.76)}
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "k8v8", "k8v16"])
+def test_quantized_pools_hold_the_same_blocks(kv_format: str, capsys) -> None:
     # Nothing is written: the run must not stop at a forward over committed tokens whose
-    # layers' mean and factors no write chose (the cache refuses those).
-    assert main([*SMALL, "--futures", "2", "--kv-dtype", kv_dtype]) == 0
-    assert capsys.readouterr().out.splitlines()[3].split()[:5] == ["2", "14", "4", "4", "22"]
+    # layers' mean, factors and (k8v8) V channel scales no write chose (the cache refuses those).
+    assert main([*SMALL, "--futures", "2", "--kv-format", kv_format]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"x 4, {kv_format}, C=6" in out[0]
+    assert out[3].split()[:5] == ["2", "14", "4", "4", "22"]
+    # The bytes are the format's: codes and scales at head_dim 128 against bf16's.
+    runs = {
+        name: run_forks(
+            dataclasses.replace(CONFIG, block_size=16, kv_format=name),
+            futures=1,
+            blocks=1,
+            steps=1,
+            frames_per_block=1,
+            layers=1,
+            kv_heads=2,
+            head_dim=128,
+            dtype=torch.bfloat16,
+        )
+        for name in ("bf16", kv_format)
+    }
+    low, high = BLOCK_SHARE[kv_format]
+    share = runs[kv_format].block_bytes / runs["bf16"].block_bytes
+    assert low <= share <= high, share
+    assert runs[kv_format].held_blocks == runs["bf16"].held_blocks
 
 
 def test_the_deleted_e4m3_pool_names_its_replacements(capsys) -> None:
