@@ -246,13 +246,17 @@ def choose_quantized(
     for row in ran:
         head_dim, block = int(row["head_dim"]), int(row["block_size"])
         launch = launch_of(row)
-        # The table names no query tile and no way of reading scales: a launch at another
-        # tile, or reading them wide, is not a row it can hold.
+        # The table names no query tile, no way of reading scales and no way of converting
+        # scores: a launch at another tile, reading them wide or with the score bits, is not a
+        # row it can hold.
         if int(_TILE_M.search(row["backend"])[1]) != table_block_m(head_dim):
             lines.append(f"{row['provider']} {row['launch']}: another query tile, not a choice")
             continue
         if "+wide" in row["launch"]:
             lines.append(f"{row['provider']} {row['launch']}: wide scale loads, not a choice")
+            continue
+        if "+bits" in row["launch"]:
+            lines.append(f"{row['provider']} {row['launch']}: scores by their bits, not a choice")
             continue
         label = _launch_label(launch)
         launches[label] = launch

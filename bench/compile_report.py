@@ -124,6 +124,8 @@ MEASURE_COLUMNS = (
     "loop_global_loads",
     "loop_mbarrier_ops",
     "loop_divisions",
+    "loop_exponentials",
+    "loop_int_to_float",
     "loop_barriers",
     "loop_shared_stores",
     "loop_shuffles",
@@ -252,15 +254,26 @@ def parse_launch(text: str) -> dict[str, object]:
     return options
 
 
+# Attention-kernel settings a GPU probe forces (``bench.launch_probe``'s ``+wide`` and ``+bits``)
+# and no launcher keyword takes: a ``--launch`` option of that name (``SCORE_BITS=true``) sets
+# it in the kernel's launch.
+PROBE_SETTINGS = ("WIDE_SCALES", "SCORE_BITS")
+
+
 def check_launch_options(options: dict[str, object]) -> None:
-    """Refuse a launch option the ``paged_attention`` launcher does not take (by name)."""
+    """Refuse a launch option the ``paged_attention`` launcher does not take (by name), but a
+    probe setting (``PROBE_SETTINGS``, a bool)."""
     from paged_video.kernels import paged_attention
 
     parameters = inspect.signature(paged_attention).parameters
     fixed = {"q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k"}
     fixed |= {"max_seqlen_q", "causal", "key_limits", "key_gap", "check_values"}
     fixed |= {"k_scale", "v_scale", "fp8_mma", "int8_mma", "out", "v_channel_scale"}
-    for name in options:
+    for name, value in options.items():
+        if name in PROBE_SETTINGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} is true or false, got {value!r}")
+            continue
         if name not in parameters:
             raise ValueError(f"paged_attention takes no keyword {name!r}")
         if name in fixed:
@@ -602,13 +615,16 @@ def _paged_launches(config: Config) -> list[_Launch]:
             key_gap=torch.zeros(1, config.gaps, 2, dtype=torch.int32) if config.gaps else None,
             check_values=False,
             **scales,
-            **dict(config.launch),
+            **{k: v for k, v in config.launch if k not in PROBE_SETTINGS},
         )
     if not calls:
         raise RuntimeError("paged_attention launched no Triton kernel of its module")
+    forced = {k: v for k, v in config.launch if k in PROBE_SETTINGS}
     launches = []
     for name, args, kwargs in calls:
         label = "paged_attention" if len(calls) == 1 else f"paged_attention/{name}"
+        if forced and name == "_paged_attention_kernel":
+            kwargs = {**kwargs, **forced}
         launches.append(_Launch(label, real[name], args, kwargs, {}))
     for label, real_kernels, recorded in (
         ("query_codes", codes_real, codes_calls),
@@ -1003,6 +1019,8 @@ SHORT_COLUMNS = (
     ("bar", "loop_barriers"),
     ("sts", "loop_shared_stores"),
     ("serial", "loop_serial_instructions"),
+    ("ex2", "loop_exponentials"),
+    ("i2f", "loop_int_to_float"),
     ("/anchor", "vs_anchor"),
     ("/tutorial", "vs_tutorial"),
 )

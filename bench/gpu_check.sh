@@ -296,11 +296,15 @@ stage_peers_setup() {
 # docs/quantization.md). Then the int8 dequantizing pool's loops: the launcher's own choice
 # first (the time limit cuts the last runs), its 64-key pointer loop and its 64-key TMA loop.
 dequant_int8=triton-int8-keys
+# Each format's own launch beside its +bits twin first (the int32 scores taken to float by an
+# integer add, no I2FP: whether that conversion shares the exponentials' pipe is pipe_probe's
+# question, this the answer at the shipped geometry), then the 64-key loops.
+eight_bit_runs=triton-k8v8@default,triton-k8v8@default+bits,triton-k8v16@default,triton-k8v16@default+bits,triton-k8v8@128x64w8s3+cp_async,triton-k8v16@128x64w8s3+cp_async
 stage_probes() {
     local rc=0
     "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
         --block-sizes "$eight_bit_blocks" \
-        --runs "triton-k8v8@default,triton-k8v8@128x64w8s3+cp_async,triton-k8v16@default,triton-k8v16@128x64w8s3+cp_async" \
+        --runs "$eight_bit_runs" \
         --time-limit "$((limit_probe * 50 / 100))" --out "$out_dir/probe_eight_bit" 2>&1 |
         tail -n 5 || rc=1
     "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \

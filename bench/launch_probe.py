@@ -8,14 +8,17 @@ the sweep's oracle before it is timed (a wrong one is reported, never timed).
 A config ``MxNwWsS`` is a ``M x N`` tile, ``W`` warps, ``S`` stages; ``default`` is the
 launcher's own choice. Suffixes: ``+wide`` (``default+wide``, ``128x64w8s3+wide``) makes the
 quantized modes read their scale columns the wide way (``kernels/_attention_jit._load_scales``:
-fewer instructions and copies, more barriers) instead of as plain prefetched loads; ``+tma`` or
+fewer instructions and copies, more barriers) instead of as plain prefetched loads; ``+bits``
+makes k8v8's and k8v16's 64-key loops (and k8v8's 128-key one) take their int32 scores to float
+by an integer add (``_biased_scores``: no ``I2FP``, whose pipe may be the exponentials') instead
+of a conversion; ``+tma`` or
 ``+cp_async`` forces the key loop (``+tma`` where the tile lies inside a block and the pools
 are ones a descriptor reads; any other run is reported, not timed). ``--runs
 PROVIDER@CONFIG,...`` names the runs one by one, in order, instead of every provider with every
 config. It answers "would another launch be faster" inside a GPU window: a quantized winner
-becomes a launch-table row through ``bench choose --probe`` (not a ``+wide`` one, nor one at
-another query tile than the table's: the table holds neither), a 16-bit one through a sweep of
-the launch providers and ``bench choose``. Rows go to ``DIR/probe.csv`` (long format: each
+becomes a launch-table row through ``bench choose --probe`` (not a ``+wide`` or ``+bits`` one,
+nor one at another query tile than the table's: the table holds none), a 16-bit one through a
+sweep of the launch providers and ``bench choose``. Rows go to ``DIR/probe.csv`` (long format: each
 with its K/V mode, the launch that ran, the device, versions and commit).
 """
 
@@ -41,7 +44,7 @@ from paged_video.bench.sweep import WrongResultError, _check_then_time, _Oracles
 from paged_video.bench.timing import TimingSettings, figures_kind
 from paged_video.bench.workload import Geometry, make_workload
 
-_CONFIG = re.compile(r"^(?:(\d+)x(\d+)w(\d+)s(\d+)|default)(\+wide)?(\+tma|\+cp_async)?$")
+_CONFIG = re.compile(r"^(?:(\d+)x(\d+)w(\d+)s(\d+)|default)(\+wide)?(\+bits)?(\+tma|\+cp_async)?$")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Launch:
     num_warps: int | None = None
     num_stages: int | None = None
     wide_scales: bool = False
+    score_bits: bool = False
     variant: str | None = None
 
     def __str__(self) -> str:
@@ -61,21 +65,27 @@ class Launch:
         else:
             text = f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
         text += "+wide" if self.wide_scales else ""
+        text += "+bits" if self.score_bits else ""
         return text + (f"+{self.variant}" if self.variant else "")
 
 
 def parse_launch(text: str) -> Launch:
-    """``MxNwWsS`` or ``default``, optionally ``+wide``, then optionally ``+tma`` or
+    """``MxNwWsS`` or ``default``, optionally ``+wide``, then ``+bits``, then ``+tma`` or
     ``+cp_async``; raises ``ValueError`` naming the text otherwise."""
     match = _CONFIG.match(text)
     if match is None:
         raise ValueError(
-            "a config is MxNwWsS (e.g. 128x64w8s3) or 'default', optionally +wide, then "
-            f"optionally +tma or +cp_async, got {text!r}"
+            "a config is MxNwWsS (e.g. 128x64w8s3) or 'default', optionally +wide, then +bits, "
+            f"then +tma or +cp_async, got {text!r}"
         )
-    *sizes, wide, variant = match.groups()
+    *sizes, wide, bits, variant = match.groups()
     numbers = [int(n) for n in sizes] if sizes[0] is not None else [None] * 4
-    return Launch(*numbers, wide_scales=wide is not None, variant=variant[1:] if variant else None)
+    return Launch(
+        *numbers,
+        wide_scales=wide is not None,
+        score_bits=bits is not None,
+        variant=variant[1:] if variant else None,
+    )
 
 
 def parse_runs(text: str) -> list[tuple[str, Launch]]:
@@ -119,6 +129,8 @@ def forced(launch: Launch) -> Iterator[list[dict]]:
             tiles.update(num_warps=launch.num_warps, num_stages=launch.num_stages)
         if launch.wide_scales:
             tiles["WIDE_SCALES"] = True
+        if launch.score_bits:
+            tiles["SCORE_BITS"] = True
         tma = tiles["TMA"] and tma_ready  # the launcher's own fallback, as it will run
         launched.append(
             {

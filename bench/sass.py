@@ -19,6 +19,9 @@ warpgroup MMAs whose A operand is registers (P of ``P V``; an operand computed b
 such as rounded query rows, stays one too and is read back from shared memory every iteration),
 and the instructions it issues while no warpgroup MMA is in flight (``serial_instructions``: the
 softmax between a tile's ``Q K^T`` and its ``P V``, unless the next tile's scores run under it).
+It counts the exponentials (``MUFU.EX2``, on the 16-lane special-function pipe) and the
+int-to-float conversions (``I2F``, ``I2FP``: the 8-bit formats' int32 scores, unless taken by
+their bits), whose pipe may be the same: what bounds an 8-bit loop whose MMAs run twice as fast.
 """
 
 from __future__ import annotations
@@ -404,6 +407,8 @@ def analyse(text: str) -> dict[str, object]:
             loop_global_loads=None,
             loop_mbarrier_ops=None,
             loop_divisions=None,
+            loop_exponentials=None,
+            loop_int_to_float=None,
             loop_barriers=None,
             loop_shared_stores=None,
             loop_shuffles=None,
@@ -418,6 +423,11 @@ def analyse(text: str) -> dict[str, object]:
             loop_global_loads=hot.loads,
             loop_mbarrier_ops=hot.count("SYNCS"),
             loop_divisions=sum(bool(_DIVISION.match(i.opcode)) for i in hot.instructions),
+            loop_exponentials=hot.count("MUFU.EX2"),
+            loop_int_to_float=sum(
+                i.opcode.startswith("I2F") and not _DIVISION.match(i.opcode)
+                for i in hot.instructions
+            ),
             loop_barriers=hot.count("BAR."),
             loop_shared_stores=hot.count("STS"),
             loop_shuffles=hot.count("SHFL"),

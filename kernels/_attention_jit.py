@@ -60,6 +60,10 @@ from paged_video.kernels._quantize_jit import int8_to_float16, to_e4m3
 LN2 = tl.constexpr(0.6931471805599453)
 # log2(448): k8v8's probabilities are exp2(score - row max + this), at most 448.
 LOG2_E4M3_MAX = tl.constexpr(8.807354922057604)
+# 1.5 * 2**23 and its float32 bits (0x4B400000): an int32 s with |s| < 2**22 added to the bits
+# reads as the float SCORE_BIAS + s, exactly (_biased_scores).
+SCORE_BIAS = tl.constexpr(12582912.0)
+SCORE_BIAS_BITS = tl.constexpr(1262485504)
 
 
 @triton.jit
@@ -465,6 +469,7 @@ def _attend_tiles(
     PV_DTYPE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
     MOST_HEAD_TILES: tl.constexpr,
@@ -664,7 +669,11 @@ def _attend_tiles(
                 # order they were copied 8 or 4 bytes at a time: head_dim 256, 32-key tiles,
                 # Triton 3.6: 393 instructions a tile against 339.)
                 k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
-        if K8V8 or K8V16:
+        if (K8V8 or K8V16) and SCORE_BITS:
+            qk = _biased_scores(tl.dot(q, tl.trans(k)), INTERPRETED)
+            if K8V16 and UPCAST:
+                v = v.to(tl.float32)
+        elif K8V8 or K8V16:
             # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
             qk = tl.dot(q, tl.trans(k)).to(tl.float32)
             if K8V16 and UPCAST:
@@ -679,7 +688,9 @@ def _attend_tiles(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if QUANTIZED:
+        if (K8V8 or K8V16) and SCORE_BITS:
+            qk = qk * k_col[None, :] - (k_col * SCORE_BIAS)[None, :]  # as _int8_scores_softmax
+        elif QUANTIZED:
             qk = qk * k_col[None, :]
         if MASKED:
             visible = n_mask[None, :] & (keys[None, :] < key_limit[:, None])
@@ -935,6 +946,7 @@ def _attend_k8v8_ahead(
     V_BLOCK_SCALES: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
 ):
@@ -1012,7 +1024,7 @@ def _attend_k8v8_ahead(
             v_channels = 1.0
         acc, row_max, row_sum, qk = _k8v8_step(
             (acc, row_max, row_sum), qk, next_qk, k_col, v, v_channels, scale_log2, j == 0,
-            BLOCK_N, V_BLOCK_SCALES, INTERPRETED,
+            BLOCK_N, V_BLOCK_SCALES, INTERPRETED, SCORE_BITS,
         )  # fmt: skip
         k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
         v_id0, v_id1, v_ids = (next_v_id0, next_v_id1, next_v_ids)
@@ -1044,6 +1056,7 @@ def _attend_pv_behind(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
 ):
@@ -1161,8 +1174,9 @@ def _attend_pv_behind(
             pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
             pv_rescale = p_rescale
         probs, p_rescale, row_max, row_sum = _int8_scores_softmax(
-            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles, not K8V16
-        )
+            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles, not K8V16, SCORE_BITS,
+            INTERPRETED,
+        )  # fmt: skip
         v_id0, v_id1, v_ids = next_v_id0, next_v_id1, next_v_ids
         k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
     if not K8V16:
@@ -1183,6 +1197,7 @@ def _k8v8_step(
     BLOCK_N: tl.constexpr,
     V_BLOCK_SCALES: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
 ):
     """An unmasked k8v8 tile's online-softmax step (``_attend_tiles``' k8v8 arithmetic) from
     its float scores (int8 sums, K in ``_fp8_mma_key_order``), K's scales by score column, V's
@@ -1190,27 +1205,63 @@ def _k8v8_step(
     ``skip`` holds, none (as ``_pv_step``). Returns the state and ``next_qk`` (the next tile's
     int32 scores) in float, converted after the ``P V`` MMA is issued and before its flush
     (carried as int32 and converted at the step, 8 instructions more issued with no MMA in
-    flight at block 1560)."""
+    flight at block 1560). ``SCORE_BITS``: the scores carried as ``_biased_scores``."""
     acc, row_max, row_sum = state
     probs, rescale, row_max, row_sum = _int8_scores_softmax(
-        qk, k_col, row_max, row_sum, scale_log2, skip, True
+        qk, k_col, row_max, row_sum, scale_log2, skip, True, SCORE_BITS, INTERPRETED
     )
     pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
-    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
+    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32 (or biased, SCORE_BITS).
     next_scores = next_qk.to(tl.float32)
+    if SCORE_BITS:
+        next_scores = _biased_scores(next_qk, INTERPRETED)
     acc = _k8v8_flush(acc, pv, rescale, v_channels, V_BLOCK_SCALES)
     return acc, row_max, row_sum, next_scores
 
 
 @triton.jit
-def _int8_scores_softmax(scores, k_col, row_max, row_sum, scale_log2, skip, E4M3_P: tl.constexpr):
+def _biased_scores(scores, INTERPRETED: tl.constexpr):
+    """int32 MMA sums ``s`` (8-bit codes over head_dim <= 256: ``|s| < 2**22``) as float32
+    ``SCORE_BIAS + s``, exactly, by an integer add of ``SCORE_BIAS``'s bits: no int-to-float
+    conversion (``I2FP``), whose pipe may be the exponentials' (``bench.pipe_probe``). The add
+    is inline PTX: Triton folds a plain ``dot + constant`` into the MMA's accumulator, which
+    is then set before each score MMA, a move a score with no MMA in flight."""
+    if INTERPRETED:
+        bits = scores + SCORE_BIAS_BITS
+    else:
+        bits = tl.inline_asm_elementwise(
+            "add.s32 $0, $1, 1262485504;", "=r,r", [scores], dtype=tl.int32, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int8_scores_softmax(
+    scores,
+    k_col,
+    row_max,
+    row_sum,
+    scale_log2,
+    skip,
+    E4M3_P: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """An 8-bit ``Q K^T`` tile's online-softmax step up to ``P V``: its scores (int8 sums, in
-    float or int32) times K's scales by column; returns the probabilities (``E4M3_P``, k8v8's:
-    biased so that a row's largest is 448, e4m3's largest), their row rescale and the new row
-    maxima and sums. Where the scalar ``skip`` holds, none: every probability 0, rescale 1,
-    the row state as it was."""
-    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
-    scores = scores.to(tl.float32) * k_col[None, :]
+    float or int32; ``SCORE_BITS``: int32 or already ``_biased_scores``) times K's scales by
+    column; returns the probabilities (``E4M3_P``, k8v8's: biased so that a row's largest is
+    448, e4m3's largest), their row rescale and the new row maxima and sums. Where the scalar
+    ``skip`` holds, none: every probability 0, rescale 1, the row state as it was."""
+    if SCORE_BITS:
+        if scores.dtype == tl.int32:
+            scores = _biased_scores(scores, INTERPRETED)
+        # (SCORE_BIAS + s) * k - SCORE_BIAS * k: one FFMA a score (its addend one FMUL a
+        # column), s * k to within the addend's rounding (0.75 k: under a unit of s).
+        scores = scores * k_col[None, :] - (k_col * SCORE_BIAS)[None, :]
+    else:
+        # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
+        scores = scores.to(tl.float32) * k_col[None, :]
     new_max = tl.where(skip, row_max, tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2))
     # Subtracting +inf makes every probability 0 (scale_log2 >= 0, as in _attend_tiles).
     if E4M3_P:
@@ -1396,6 +1447,7 @@ def _attend_piece(
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
     SCORES_AHEAD: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
     PIECE_OFFSET: tl.constexpr,
     PIECE_SIZE: tl.constexpr,
     MASKED_ONLY: tl.constexpr,
@@ -1491,14 +1543,14 @@ def _attend_piece(
                 state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, V_KEYS_MAJOR,
                 SCALES_KEYS_MAJOR, WIDE_SCALES, K8V16, UPCAST, DOT_PRECISION, INTERPRETED, TMA,
-                PIECE_OFFSET, PIECE_SIZE,
+                SCORE_BITS, PIECE_OFFSET, PIECE_SIZE,
             )  # fmt: skip
         elif not masked and K8V8_AHEAD:
             state = _attend_k8v8_ahead(
                 state, q, caches, descs, table, first_tile, num_tiles, hi, scale_log2, BLOCK_N,
                 BLOCK_D, HEAD_DIM, BLOCK_SIZE, KV_PATH, OFFSETS_32, V_KEYS_MAJOR,
-                SCALES_KEYS_MAJOR, WIDE_SCALES, V_BLOCK_SCALES, INTERPRETED, TMA, PIECE_OFFSET,
-                PIECE_SIZE,
+                SCALES_KEYS_MAJOR, WIDE_SCALES, V_BLOCK_SCALES, INTERPRETED, TMA, SCORE_BITS,
+                PIECE_OFFSET, PIECE_SIZE,
             )  # fmt: skip
         elif not masked and AHEAD:
             state = _attend_tiles_ahead(
@@ -1543,6 +1595,7 @@ def _attend_piece(
                 PV_DTYPE,
                 INTERPRETED,
                 TMA,
+                SCORE_BITS,
                 PIECE_OFFSET,
                 PIECE_SIZE,
                 BLOCK_N // MASKED_N,
@@ -1584,6 +1637,7 @@ def _attend_run(
     INTERPRETED: tl.constexpr,
     TMA: tl.constexpr,
     SCORES_AHEAD: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
 ):
     """Keys ``[run_lo, run_hi)``, visible to rows up to their limits; every row sees all keys
     below ``full_end`` (``state`` as in ``_attend_tiles``). ``PIECES`` cut each block into
@@ -1632,6 +1686,7 @@ def _attend_run(
             INTERPRETED,
             TMA,
             SCORES_AHEAD,
+            SCORE_BITS,
             PIECES[(i + TMA) % len(PIECES)][0],
             PIECES[(i + TMA) % len(PIECES)][1],
             PIECES[(i + TMA) % len(PIECES)][2],
@@ -1732,6 +1787,7 @@ def _paged_attention_kernel(
     HAS_V_EQUALIZER: tl.constexpr,
     TMA: tl.constexpr,
     SCORES_AHEAD: tl.constexpr,
+    SCORE_BITS: tl.constexpr,
 ):
     """Program (m, i, h): rows m*BLOCK_M.. of sequence i's (query, head of KV head h) pairs.
 
@@ -1933,6 +1989,7 @@ def _paged_attention_kernel(
                 INTERPRETED,
                 TMA,
                 SCORES_AHEAD,
+                SCORE_BITS,
             )
             # Skip the union of the gaps that cover run_hi.
             for _ in tl.static_range(GAPS):
@@ -1973,6 +2030,7 @@ def _paged_attention_kernel(
             INTERPRETED,
             TMA,
             SCORES_AHEAD,
+            SCORE_BITS,
         )
 
     # A query with no visible key outputs zeros, as FlashAttention does.

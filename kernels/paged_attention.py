@@ -479,6 +479,7 @@ def choose_tiles(
         "SCORES_AHEAD": ahead,
         "VARIANT": variant,
         "WIDE_SCALES": False,
+        "SCORE_BITS": False,
         "num_warps": warps,
         "num_stages": stages,
     }

@@ -54,6 +54,7 @@ UNCHOSEN = (
 )
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
 REGROW = "tests/kernels/test_regrow.py"
+SCORE_BITS = "tests/kernels/test_score_bits.py"
 QUANTIZED_TMA_DEFAULT = (
     "tests/kernels/test_launch_variants.py::test_k8v16_over_tma_ready_pools_takes_128_key_tma_tiles"
 )
@@ -1645,8 +1646,8 @@ MUTANTS = [
     _m(
         "pv-behind-softmax-in-the-extra-iteration",
         "kernels/_attention_jit.py",
-        "            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles, not K8V16\n",
-        "            qk, k_col, row_max, row_sum, scale_log2, j > num_tiles, not K8V16\n",
+        "scale_log2, j == num_tiles, not K8V16, SCORE_BITS,",
+        "scale_log2, j > num_tiles, not K8V16, SCORE_BITS,",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
     ),
     _m(
@@ -2854,6 +2855,37 @@ MUTANTS = [
         "        if factors_were_chosen:\n            regrow_chosen(",
         "        if False:\n            regrow_chosen(",
         f"{SHARD_CODES}[int8-4-grows]",
+    ),
+    # -- kernels/_attention_jit.py: the int32 scores by their bits (the probe's +bits) ---------
+    _m(
+        "score-bits-bias-off-by-one",
+        "kernels/_attention_jit.py",
+        "bits = scores + SCORE_BIAS_BITS",
+        "bits = scores + SCORE_BIAS_BITS + 1",
+        f"{SCORE_BITS}::test_biased_scores_are_exact_over_every_sum_8_bit_codes_reach",
+    ),
+    _m(
+        "score-bits-softmax-keeps-the-bias",
+        "kernels/_attention_jit.py",
+        "scores = scores * k_col[None, :] - (k_col * SCORE_BIAS)[None, :]",
+        "scores = scores * k_col[None, :]",
+        f"{SCORE_BITS}::test_score_bits_keep_each_loop_s_accuracy[k8v8-pv-behind-B64-N64]",
+        f"{SCORE_BITS}::test_score_bits_keep_each_loop_s_accuracy[k8v16-pv-behind-B64-N64]",
+    ),
+    _m(
+        "score-bits-plain-loop-keeps-the-bias",
+        "kernels/_attention_jit.py",
+        "qk = qk * k_col[None, :] - (k_col * SCORE_BIAS)[None, :]",
+        "qk = qk * k_col[None, :]",
+        f"{SCORE_BITS}::test_score_bits_keep_each_loop_s_accuracy[k8v8-plain-loop-B24-N128]",
+        f"{SCORE_BITS}::test_score_bits_keep_each_loop_s_accuracy[k8v16-plain-loop-B256-N128]",
+    ),
+    _m(
+        "score-bits-ahead-carries-converted-scores",
+        "kernels/_attention_jit.py",
+        "        next_scores = _biased_scores(next_qk, INTERPRETED)\n",
+        "        next_scores = next_scores\n",
+        f"{SCORE_BITS}::test_score_bits_keep_each_loop_s_accuracy[k8v8-scores-ahead-B1560-N128]",
     ),
 ]
 

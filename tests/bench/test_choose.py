@@ -383,6 +383,12 @@ def test_a_probed_launch_the_table_cannot_hold_is_no_choice() -> None:
     [int8] = [c for c in choices if c["mode"] == "int8_keys"]
     assert (int8["variant"], int8["block_n"]) == ("cp_async", 64)
     assert any("wide scale loads" in line for line in lines)
+    # Nor one that took its scores by their bits.
+    rows[-1] = {**rows[-2], "launch": "default+bits", "ms": "1.0"}
+    choices, lines = choose.choose_quantized(rows)
+    [int8] = [c for c in choices if c["mode"] == "int8_keys"]
+    assert (int8["variant"], int8["block_n"]) == ("cp_async", 64)
+    assert any("scores by their bits" in line for line in lines)
 
 
 def _write_probe(path, rows: list[dict]) -> None:

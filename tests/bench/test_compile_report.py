@@ -1336,9 +1336,17 @@ EIGHT_BIT_MMAS = {"k8v8_keys": "QGMMA+IGMMA", "k8v16_keys": "HGMMA+IGMMA"}
 EIGHT_BIT_BLOCKS = (24, 1560)
 
 
+# The probe's +bits twin (the kernel's SCORE_BITS): at block 1560 k8v8's 128-key loop with the
+# scores a tile ahead and k8v16's plain one; at block 24 both formats' 64-key P-V-behind loops.
+SCORE_BITS_LAUNCH = {"SCORE_BITS": True}
+
+
 def _eight_bit_configs() -> list[compile_report.Config]:
     return compile_report.configs_for(
-        kernels=("paged_attention",), block_sizes=EIGHT_BIT_BLOCKS, kv_modes=tuple(EIGHT_BIT_MMAS)
+        kernels=("paged_attention",),
+        block_sizes=EIGHT_BIT_BLOCKS,
+        kv_modes=tuple(EIGHT_BIT_MMAS),
+        launches=({}, SCORE_BITS_LAUNCH),
     )
 
 
@@ -1360,3 +1368,26 @@ def test_eight_bit_formats_build_on_both_tritons(
         == ("query_codes", triton, mode, block)
     ]
     assert codes["error"] == "" and codes["mma"] == "none", codes
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("mode", EIGHT_BIT_MMAS)
+@pytest.mark.parametrize("block", EIGHT_BIT_BLOCKS)
+def test_score_bits_take_the_scores_with_no_conversion(
+    report: Report, minor: str, mode: str, block: int
+) -> None:
+    # Each score's int-to-float conversion (I2FP) becomes an integer add (and the K scale's
+    # multiply an FFMA with a per-column addend): none left in the hot loop, the exponentials
+    # and MMAs as they were, at most 1.1x the loop's instructions (an addend a column), no
+    # spills. The conversions counted in the default loop: one a score of the thread's tile.
+    triton = report.version(minor)
+    base = report.paged(triton, block, kv=mode)
+    row = report.paged(triton, block, kv=mode, variant="SCORE_BITS=True")
+    rows, keys = map(int, base["tile"].split("x"))
+    scores_per_thread = rows * keys // (32 * base["num_warps"])
+    assert base["loop_int_to_float"] == scores_per_thread, base
+    assert row["loop_int_to_float"] == 0, row
+    assert row["loop_exponentials"] == base["loop_exponentials"] >= scores_per_thread, row
+    assert (row["mma"], row["tile"]) == (base["mma"], base["tile"]), row
+    assert row["loop_instructions"] <= 1.1 * base["loop_instructions"], (row, base)
+    assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row

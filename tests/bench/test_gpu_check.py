@@ -161,7 +161,7 @@ def test_the_gpu_check_names_real_providers_and_runs_and_fits_two_calls() -> Non
 
     script = SCRIPT.read_text()
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
-    variables = dict(re.findall(r"^(\w+)=([\w.,+-]+)$", script, flags=re.M))
+    variables = dict(re.findall(r"^(\w+)=([\w.,+@-]+)$", script, flags=re.M))
     names = {p.name for p in PROVIDERS} | {SDPA_BEST}
     for listed in ("launch_providers", "peer_providers"):
         assert set(variables[listed].split(",")) <= names, listed
@@ -173,7 +173,14 @@ def test_the_gpu_check_names_real_providers_and_runs_and_fits_two_calls() -> Non
         for name, value in variables.items():
             runs = runs.replace(f"${name}", value)
         assert len(parse_runs(runs)) >= 3, runs
-    assert {p for p, _ in parse_runs(probes[0])} == {"triton-k8v8", "triton-k8v16"}
+    eight_bit = parse_runs(probes[0].replace("$eight_bit_runs", variables["eight_bit_runs"]))
+    assert {p for p, _ in eight_bit} == {"triton-k8v8", "triton-k8v16"}
+    # Each format's launch beside its twin with the scores by their bits, first.
+    assert [(p, str(launch)) for p, launch in eight_bit[:4]] == [
+        (provider, launch)
+        for provider in ("triton-k8v8", "triton-k8v16")
+        for launch in ("default", "default+bits")
+    ]
     limits = _gpu_limits(script)
     stage_limit = {
         "versions": "VERSIONS", "peers_setup": "PEERS_SETUP", "tests": "TESTS", "sweep": "SWEEP",

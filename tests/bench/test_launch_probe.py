@@ -35,6 +35,12 @@ def test_configs_parse_and_bad_ones_are_named() -> None:
     both = launch_probe.parse_launch("default+wide+cp_async")
     assert both == launch_probe.Launch(wide_scales=True, variant="cp_async")
     assert str(both) == "default+wide+cp_async"
+    bits = launch_probe.parse_launch("128x64w8s3+bits+cp_async")
+    assert bits == launch_probe.Launch(128, 64, 8, 3, score_bits=True, variant="cp_async")
+    assert str(bits) == "128x64w8s3+bits+cp_async"
+    assert str(launch_probe.parse_launch("default+wide+bits")) == "default+wide+bits"
+    with pytest.raises(ValueError, match=r"'default\+bits\+wide'"):
+        launch_probe.parse_launch("default+bits+wide")  # one order, as str() writes it
     with pytest.raises(ValueError, match=r"'default\+ws'"):
         launch_probe.parse_launch("default+ws")  # the warp-specialized kernel is a sweep's
     shipped = launch_probe.shipped_geometry()  # the sweep's --preset shipped
@@ -60,6 +66,14 @@ def test_wide_scales_alone_keep_the_launchers_tile() -> None:
     with launch_probe.forced(launch_probe.parse_launch("default+wide")):
         tiles = launcher.choose_tiles(**kwargs)
     assert tiles == {**own, "WIDE_SCALES": True} and own["WIDE_SCALES"] is False
+
+
+def test_score_bits_alone_keep_the_launchers_tile() -> None:
+    kwargs = dict(block_size=64, head_dim=128, max_seqlen_q=64, dtype=torch.float32, k8v8=True)
+    own = launcher.choose_tiles(**kwargs)
+    with launch_probe.forced(launch_probe.parse_launch("default+bits")):
+        tiles = launcher.choose_tiles(**kwargs)
+    assert tiles == {**own, "SCORE_BITS": True} and own["SCORE_BITS"] is False
 
 
 def test_runs_name_provider_and_config_pairs_in_order() -> None:
