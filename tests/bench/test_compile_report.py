@@ -1294,6 +1294,8 @@ def test_configs_are_labelled() -> None:
         (["--launch", "tile=big"], "--launch", "no keyword 'tile'"),
         (["--launch", "causal=true"], "--launch", "report's own options"),
         (["--launch", "block_n"], "--launch", "NAME=VALUE"),
+        (["--launch", "SCORE_BITS=1"], "--launch", "SCORE_BITS is true or false"),
+        (["--launch", "SCORE_BIT=true"], "--launch", "no keyword 'SCORE_BIT'"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(capsys, tmp_path, argv, named, says) -> None:
