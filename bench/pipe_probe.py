@@ -29,6 +29,7 @@ one row per mix, with the device, versions, commit and timestamp).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import json
@@ -37,7 +38,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -63,8 +64,10 @@ A, B = -0.5, 0.25
 # so that exp2's argument stays in [-1, 1].
 WIDE_N, K_WIDE, K_EXP2 = 1 << 21, 0x5A5A5, 1
 BLOCK_M, BLOCK_N, NUM_WARPS = 128, 64, 8
+# Two programs per SM: every mix's programs resident at once (up to 128 registers a thread), so
+# no mix pays a partial last wave; 16 warps per SM, 32 independent chains a thread.
 PRESETS = {
-    "cuda": {"reps": 1024, "programs_per_sm": 8},
+    "cuda": {"reps": 4096, "programs_per_sm": 2},
     "cpu": {"reps": 8, "programs": 2},
 }
 COLUMNS = ("mix", "ms", "element_ops_per_s", "vs_exp2", "vs_ffma", "reading", "reps", "elements")
@@ -129,13 +132,16 @@ def launch(mix: str, x: torch.Tensor, n: torch.Tensor, out: torch.Tensor, reps: 
 
 
 def reference(mix: str, x: torch.Tensor, n: torch.Tensor, reps: int) -> torch.Tensor:
-    """The mix's arithmetic in torch, float32, one operation at a time (``x * a`` is exact, so
-    the kernel's fused multiply-add rounds as the separate add does)."""
+    """The mix's arithmetic in torch, float32: ``x * a`` is exact, so ``f + a * x`` rounds once
+    however it is computed, as the kernel's FFMA does. ``n ^ k`` alternates between two values,
+    converted once."""
     exp2, convert = MIXES[mix]
-    for _ in range(reps):
-        if convert:
-            n = n ^ _k(mix)
-        t = x * A + (n.to(torch.float32) if convert else B)
+    if convert:
+        flipped, kept = (n ^ _k(mix)).to(torch.float32), n.to(torch.float32)
+    else:
+        flipped = kept = torch.full_like(x, B)
+    for rep in range(reps):
+        t = torch.add(flipped if rep % 2 == 0 else kept, x, alpha=A)
         x = torch.exp2(t) if exp2 else t
     return x
 
@@ -160,13 +166,16 @@ def check(mix: str, out: torch.Tensor, expected: torch.Tensor, twin: torch.Tenso
         raise RuntimeError(f"{mix}: not bit for bit its i2f twin's output; not timed")
 
 
-def measure_all(device: torch.device, reps: int, programs: int) -> list[dict[str, object]]:
-    """One row per mix, each checked (``check``) before it is timed: milliseconds per launch
-    (the median on a GPU, the minimum on a CPU), element-repetitions per second, and the time
-    over ``exp2``'s and ``ffma``'s."""
-    settings = TimingSettings(cpu_reps=3)
+def measure_mixes(device: torch.device, reps: int, programs: int) -> Iterator[dict[str, object]]:
+    """One row per mix, each checked (``check``) before it is timed, yielded as soon as its
+    ratios are known (a run its time limit cuts keeps its rows): milliseconds per launch (the
+    median on a GPU, the minimum on a CPU), element-repetitions per second, the time over
+    ``exp2``'s and ``ffma``'s, and for a pair on a GPU the reading (``reading``)."""
+    settings = TimingSettings(rep_ms=50, warmup_ms=10, cpu_reps=3)
+    elements = programs * BLOCK_M * BLOCK_N
     outputs: dict[str, torch.Tensor] = {}
     ms: dict[str, float] = {}
+    pending = []
     for mix in MIXES:
         x, n = inputs(mix, programs, device)
         out = torch.full_like(x, float("nan"))
@@ -176,20 +185,22 @@ def measure_all(device: torch.device, reps: int, programs: int) -> list[dict[str
         outputs[mix] = out
         timing = measure(functools.partial(launch, mix, x, n, out, reps), device, settings)
         ms[mix] = timing.headline(device)
-    elements = programs * BLOCK_M * BLOCK_N
-    return [
-        {
-            "mix": mix,
-            "ms": ms[mix],
-            "element_ops_per_s": elements * reps / (ms[mix] / 1e3),
-            "vs_exp2": ms[mix] / ms["exp2"],
-            "vs_ffma": ms[mix] / ms["ffma"],
-            "reading": reading(ms, mix)[0] if mix in PAIRS and device.type == "cuda" else "",
-            "reps": reps,
-            "elements": elements,
-        }
-        for mix in MIXES
-    ]
+        pending.append(mix)
+        if "ffma" not in ms or "exp2" not in ms:
+            continue
+        for done in pending:
+            gpu_pair = done in PAIRS and device.type == "cuda"
+            yield {
+                "mix": done,
+                "ms": ms[done],
+                "element_ops_per_s": elements * reps / (ms[done] / 1e3),
+                "vs_exp2": ms[done] / ms["exp2"],
+                "vs_ffma": ms[done] / ms["ffma"],
+                "reading": reading(ms, done)[0] if gpu_pair else "",
+                "reps": reps,
+                "elements": elements,
+            }
+        pending.clear()
 
 
 def reading(ms: dict[str, float], pair: str) -> tuple[str, str]:
@@ -209,14 +220,14 @@ def reading(ms: dict[str, float], pair: str) -> tuple[str, str]:
     return verdict, line
 
 
-def format_table(rows: Sequence[dict[str, object]]) -> str:
-    lines = ["mix        ms        element-ops/s  / exp2  / ffma"]
-    for row in rows:
-        lines.append(
-            f"{row['mix']:9}  {sig3(row['ms']):>8}  {float(row['element_ops_per_s']):13.3e}  "
-            f"{sig3(row['vs_exp2']):>6}  {sig3(row['vs_ffma']):>5}"
-        )
-    return "\n".join(lines)
+TABLE_HEADER = "mix        ms        element-ops/s  / exp2  / ffma"
+
+
+def table_line(row: dict[str, object]) -> str:
+    return (
+        f"{row['mix']:9}  {sig3(row['ms']):>8}  {float(row['element_ops_per_s']):13.3e}  "
+        f"{sig3(row['vs_exp2']):>6}  {sig3(row['vs_ffma']):>5}"
+    )
 
 
 # ---------------------------------------------------------------- the loops' SASS
@@ -300,7 +311,9 @@ def _sass_worker(reps: int) -> None:
     print(json.dumps(report))
 
 
-def sass_counts(python: str = sys.executable, reps: int = 1024) -> dict[str, object]:
+def sass_counts(
+    python: str = sys.executable, reps: int = PRESETS["cuda"]["reps"]
+) -> dict[str, object]:
     """Every mix's loop counts (``loop_counts``) compiled for sm_90a by ``python``'s Triton, in
     a child process (compiling needs ``TRITON_INTERPRET=0`` before triton is imported)."""
     root = str(Path(__file__).resolve().parents[1])
@@ -340,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="folder for pipe_probe.csv")
     parser.add_argument(
-        "--reps", type=int, help="repetitions per element (default: 1024 on a GPU, 8 on a CPU)"
+        "--reps", type=int, help="repetitions per element (default: 4096 on a GPU, 8 on a CPU)"
     )
     parser.add_argument(
         "--sass",
@@ -371,27 +384,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         programs = PRESETS["cpu"]["programs"]
     reps = args.reps or PRESETS[device.type]["reps"]
-    rows = measure_all(device, reps, programs)
     figures = figures_kind(device)
     print(
         f"instruction mixes, {programs} programs of {BLOCK_M}x{BLOCK_N}, {NUM_WARPS} warps, "
         f"{reps} repetitions ({figures}):"
     )
-    print(format_table(rows))
+    print(TABLE_HEADER)
+    with contextlib.ExitStack() as stack:
+        writer = None
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            stream = stack.enter_context(open(args.out / "pipe_probe.csv", "w", newline=""))
+            shared = provenance(device, figures)
+            writer = csv.DictWriter(stream, fieldnames=(*COLUMNS, *shared))
+            writer.writeheader()
+        ms = {}
+        for row in measure_mixes(device, reps, programs):
+            print(table_line(row), flush=True)
+            ms[str(row["mix"])] = float(row["ms"])
+            if writer is not None:
+                writer.writerow(row | shared)
+                stream.flush()
     if device.type == "cuda":
-        ms = {str(row["mix"]): float(row["ms"]) for row in rows}
         for pair in PAIRS:
             print(reading(ms, pair)[1])
     else:
         print("figures are not speeds (Triton's interpreter): no reading")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        shared = provenance(device, figures)
-        with open(args.out / "pipe_probe.csv", "w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=(*COLUMNS, *shared))
-            writer.writeheader()
-            for row in rows:
-                writer.writerow(row | shared)
         print(f"wrote {args.out / 'pipe_probe.csv'}")
     return 0
 
