@@ -29,6 +29,9 @@
 #   choose    the 16-bit launch rows from the launches (kernels/launch_choices.json, copied to
 #             OUT_DIR), and the launch providers no row picked.
 # Part 2 (versions and peers_setup again, then):
+#   pipes     which pipe the int32 -> float32 conversion (I2FP) takes beside exp2's MUFU.EX2
+#             (bench.pipe_probe): instruction-mix micro-kernels, each checked against torch
+#             before it is timed, and whether each pair's time is its parts' sum: pipe_probe.csv;
 #   probes    the quantized loop candidates (bench.launch_probe): k8v8 and k8v16 first, the
 #             table's launch against the 64-key loop with each P V under the next softmax, at
 #             blocks 1560 then 16; then the int8 dequantizing mode over keys-major scales;
@@ -104,7 +107,7 @@ if [ "$device" = cuda ]; then
     # Each part's limits total 355 s: two calls of 365 s and the machine's start (about 2
     # minutes) fit the window's 15 minutes (tests/bench/test_gpu_check.py holds the sums).
     limits=(VERSIONS=15 TESTS=120 SWEEP=115 LAUNCH=70 CHOOSE=15
-        PEERS_SETUP=20 PROBE=80 CHOOSE2=15 PEERS=60 ROLLOUT=80 ACCURACY=45 REGROW=15 COMPILE=15
+        PEERS_SETUP=20 PIPES=10 PROBE=70 CHOOSE2=15 PEERS=60 ROLLOUT=80 ACCURACY=45 REGROW=15 COMPILE=15
         REPORT=10)
     sweep_budget=${SWEEP_BUDGET:-75} launch_budget=${LAUNCH_BUDGET:-45}
 else
@@ -123,7 +126,7 @@ else
     # Every listed test is collected (a wrong id fails here, not in a window); the launch rows run.
     test_run=(--collect-only -q)
     limits=(VERSIONS=20 TESTS=120 SWEEP=150 LAUNCH=150 CHOOSE=30
-        PEERS_SETUP=20 PROBE=150 CHOOSE2=30 PEERS=100 ROLLOUT=120 ACCURACY=60 REGROW=60 COMPILE=90
+        PEERS_SETUP=20 PIPES=60 PROBE=150 CHOOSE2=30 PEERS=100 ROLLOUT=120 ACCURACY=60 REGROW=60 COMPILE=90
         REPORT=60)
     sweep_budget=${SWEEP_BUDGET:-120} launch_budget=${LAUNCH_BUDGET:-120}
 fi
@@ -133,7 +136,7 @@ for pair in "${limits[@]}"; do
 done
 
 part1=(versions peers_setup tests sweep launches choose)
-part2=(versions peers_setup probes choose2 peers rollout accuracy regrow compile report)
+part2=(versions peers_setup pipes probes choose2 peers rollout accuracy regrow compile report)
 case $part in
     1) stages=("${part1[@]}") ;;
     2) stages=("${part2[@]}") ;;
@@ -293,6 +296,12 @@ stage_peers_setup() {
     bash bench/peer_wheels.sh install "$peer_site"
 }
 
+# Seconds, before the probes: whether I2FP shares MUFU.EX2's pipe decides whether k8v8's loop
+# should convert its int32 scores with integer adds instead (docs/benchmarks.md).
+stage_pipes() {
+    "$python" -m paged_video.bench.pipe_probe --device "$device" --out "$out_dir"
+}
+
 # The 8-bit formats first (issue 45's speed goals are k8v8's): the table's launch (at 1560 the
 # 128-key TMA loop) against the 64-key pointer loop, whose P V MMA runs under the next tile's
 # softmax (_attend_pv_behind: fewer instructions with no MMA in flight, more in all;
@@ -383,6 +392,7 @@ for stage in "${stages[@]}"; do
         launches) run_stage launches launches/sweep.csv ;;
         choose|choose2) run_stage "$stage" launch_choices.json ;;
         peers_setup) run_stage peers_setup ;;
+        pipes) run_stage pipes pipe_probe.csv ;;
         probes) run_stage probes probe_dequant/probe.csv probe_eight_bit/probe.csv ;;
         peers) run_stage peers peers/sweep.csv ;;
         rollout) run_stage rollout rollout.csv ;;

@@ -108,6 +108,7 @@ SLOW = (
     "tests/bench/test_cli_edges.py::test_wan_rollout_refuses_old_spellings_and_a_missing_gpu",
     "tests/bench/test_compile_report.py",
     "tests/bench/test_gpu_check.py::test_the_dry_run_runs_every_stage_and_writes_what_the_next_reads",
+    "tests/bench/test_pipe_probe.py::test_each_loop_issues_what_its_mix_names",
     "tests/kernels/test_fused.py::test_compiles_once_across_changing_values[staged]",
     "tests/kernels/test_fused_quantized.py::test_compiles_once_across_changing_values",
     "tests/kernels/test_k8v8_attention.py::test_k8v8_frozen_scales[block_tiles-B1560-N64]",

@@ -55,6 +55,7 @@ UNCHOSEN = (
 WRITE_QUANTIZED = "tests/kernels/test_write_slots_quantized.py"
 REGROW = "tests/kernels/test_regrow.py"
 SCORE_BITS = "tests/kernels/test_score_bits.py"
+PIPE_PROBE = "tests/bench/test_pipe_probe.py"
 QUANTIZED_TMA_DEFAULT = (
     "tests/kernels/test_launch_variants.py::test_k8v16_over_tma_ready_pools_takes_128_key_tma_tiles"
 )
@@ -1979,6 +1980,35 @@ MUTANTS = [
         '            elif i.opcode == "WARPGROUP.DEPBAR.LE" and _WAIT_ALL.match(i.operands):',
         '            elif i.opcode == "WARPGROUP.DEPBAR.LE":',
         "tests/bench/test_compile_report.py::test_planted_serial_instructions",
+    ),
+    # -- bench/pipe_probe.py: the instruction mixes, their checks and their loops' counts ------
+    _m(
+        "pipe-probe-bits-converts",
+        "bench/pipe_probe.py",
+        "f = (n + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0",
+        "f = n.to(tl.float32)",
+        f"{PIPE_PROBE}::test_each_loop_issues_what_its_mix_names",
+    ),
+    _m(
+        "pipe-probe-exp2-loose",
+        "bench/pipe_probe.py",
+        "EXP2_RTOL = 1e-5",
+        "EXP2_RTOL = 1e-3",
+        f"{PIPE_PROBE}::test_exp2_outputs_are_held_to_a_tight_tolerance",
+    ),
+    _m(
+        "pipe-probe-twin-unchecked",
+        "bench/pipe_probe.py",
+        "if twin is not None and not torch.equal(",
+        "if False and not torch.equal(",
+        f"{PIPE_PROBE}::test_a_bits_output_must_equal_its_i2f_twin",
+    ),
+    _m(
+        "pipe-probe-unroll-ignored",
+        "bench/pipe_probe.py",
+        "per = elements_per_thread * unroll_factor(loop)",
+        "per = elements_per_thread",
+        f"{PIPE_PROBE}::test_counts_divide_by_elements_and_the_counters_step",
     ),
     # -- kernels/_attention_jit.py: the block_tiles path's pieces ----------------------------
     _m(

@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 PART1 = ["versions", "peers_setup", "tests", "sweep", "launches", "choose"]
 PART2 = [
-    "versions", "peers_setup", "probes", "choose2", "peers", "rollout", "accuracy", "regrow",
-    "compile", "report",
+    "versions", "peers_setup", "pipes", "probes", "choose2", "peers", "rollout", "accuracy",
+    "regrow", "compile", "report",
 ]  # fmt: skip
 # What each stage writes (relative to OUT_DIR) for the stages after it to read.
 WRITES = {
@@ -30,6 +30,7 @@ WRITES = {
     "sweep": {"sweep.csv", "sweep.log"},
     "launches": {"launches/sweep.csv"},
     "choose": {"launch_choices.json"},
+    "pipes": {"pipe_probe.csv"},
     "probes": {"probe_dequant/probe.csv", "probe_eight_bit/probe.csv"},
     "choose2": {"launch_choices.json"},
     "peers": {"peers/sweep.csv"},
@@ -183,9 +184,9 @@ def test_the_gpu_check_names_real_providers_and_runs_and_fits_two_calls() -> Non
     limits = _gpu_limits(script)
     stage_limit = {
         "versions": "VERSIONS", "peers_setup": "PEERS_SETUP", "tests": "TESTS", "sweep": "SWEEP",
-        "launches": "LAUNCH", "choose": "CHOOSE", "probes": "PROBE", "choose2": "CHOOSE2",
-        "peers": "PEERS", "rollout": "ROLLOUT", "accuracy": "ACCURACY", "regrow": "REGROW",
-        "compile": "COMPILE", "report": "REPORT",
+        "launches": "LAUNCH", "choose": "CHOOSE", "pipes": "PIPES", "probes": "PROBE",
+        "choose2": "CHOOSE2", "peers": "PEERS", "rollout": "ROLLOUT", "accuracy": "ACCURACY",
+        "regrow": "REGROW", "compile": "COMPILE", "report": "REPORT",
     }  # fmt: skip
     assert set(stage_limit.values()) == set(limits)
     docs = (REPO / "docs" / "benchmarks.md").read_text()
