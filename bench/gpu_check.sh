@@ -317,12 +317,12 @@ stage_probes() {
     "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
         --block-sizes "$eight_bit_blocks" \
         --runs "$eight_bit_runs" \
-        --time-limit "$((limit_probe * 50 / 100))" --out "$out_dir/probe_eight_bit" 2>&1 |
+        --time-limit "$((limit_probe * 60 / 100))" --out "$out_dir/probe_eight_bit" 2>&1 |
         tail -n 5 || rc=1
     "$python" -m paged_video.bench.launch_probe ${probe_geometry[@]+"${probe_geometry[@]}"} \
         --block-sizes "$dequant_blocks" \
         --runs "$dequant_int8@default,$dequant_int8@128x64w8s4+cp_async,$dequant_int8@128x64w8s4+tma" \
-        --time-limit "$((limit_probe * 20 / 100))" --out "$out_dir/probe_dequant" 2>&1 |
+        --time-limit "$((limit_probe * 15 / 100))" --out "$out_dir/probe_dequant" 2>&1 |
         tail -n 5 || rc=1
     return $rc
 }

@@ -1366,8 +1366,8 @@ def test_eight_bit_formats_build_on_both_tritons(
     [codes] = [
         r
         for r in report.rows
-        if (r["kernel"], r["triton"], r["kv_mode"], r["block_size"])
-        == ("query_codes", triton, mode, block)
+        if (r["kernel"], r["triton"], r["kv_mode"], r["block_size"], r["variant"])
+        == ("query_codes", triton, mode, block, "default")
     ]
     assert codes["error"] == "" and codes["mma"] == "none", codes
 
