@@ -4,10 +4,10 @@
 ``WanTransformer3DModel`` of the
 Wan 2.1 1.3B shape (30 layers, 12 heads of 128, bf16, 1560 tokens per 832x480 latent frame,
 3 frames per block, sink 9 and window 9 frames, both CFG branches) and generates ``--blocks``
-blocks twice: with ``models.wan_paged.PagedWanRollout`` (this project's fused write+attend op
-over the paged pools, exact window) and with the stock attention call
-(``dispatch_attention_fn``) over a plain per-layer KV cache, the kept history concatenated with
-the block's K/V at every forward and re-concatenated (then cut to the window) at every commit.
+blocks with the stock attention call (``dispatch_attention_fn``) over a plain per-layer KV
+cache, the kept history concatenated with the block's K/V at every forward and re-concatenated
+(then cut to the window) at every commit; then again with ``models.wan_paged.PagedWanRollout``
+(this project's fused write+attend op over the paged pools, exact window), once per format.
 Each block runs ``--steps`` denoising forwards and one committing forward. It prints, per
 provider, the median time per generated block once the window is full (and the first block's),
 and the largest difference between the two rollouts' latents (bf16: a sanity check, not an
@@ -25,7 +25,8 @@ from the plain rollout (for quantized pools: the quantization's effect, not a bu
 refused naming the new ones.
 
 Each row gives frames per second once the window is full (frames per block over the median
-time per block from then on), printed beside two anchors: Self-Forcing 17 FPS and LongLive
+time per block from then on), printed (and written) as its rollout ends, the plain one first, so
+a run cut short keeps the rows it finished; then two anchors: Self-Forcing 17 FPS and LongLive
 20.7 FPS, Wan 2.1 1.3B on one H100 as their papers report (their own pipelines: VAE decoding
 and their step counts included; a bound to read ours against, not the same measurement).
 ``--out DIR`` writes the rows to ``DIR/rollout.csv``.
@@ -40,6 +41,7 @@ import argparse
 import csv
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,12 +277,14 @@ def run(
     device: torch.device,
     kv_formats: tuple[str, ...] = (UNQUANTIZED,),
     warmup: bool = True,
+    on_result: Callable[[str, dict[str, object]], None] | None = None,
 ) -> dict[str, dict[str, object]]:
-    """The plain rollout and one paged rollout per ``kv_formats`` entry, of ``blocks`` blocks.
+    """The plain rollout, then one paged rollout per ``kv_formats`` entry, of ``blocks`` blocks.
 
     Returns per provider (``plain``, ``paged <kv format>``): ``times`` (per block), ``pool``
     (the K and V pools' dtypes), ``pool_bytes`` (paged only) and ``max_diff`` (latents against
-    plain).
+    plain). ``on_result(provider, result)`` is called as each rollout ends, so a run cut short
+    (a GPU window's stage limit) keeps what it finished.
     """
     model = build_model(shape, device)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -291,7 +295,25 @@ def run(
     sigmas = [1.0 - i / steps for i in range(steps)]
     timer = BlockTimer(device)
     results: dict[str, dict[str, object]] = {}
-    paged_latents = {}
+
+    def finished(provider: str, result: dict[str, object]) -> None:
+        results[provider] = result
+        if on_result is not None:
+            on_result(provider, result)
+
+    if warmup:
+        plain_rollout(
+            model,
+            shape,
+            noise[:, :, : shape.frames_per_block],
+            text,
+            sigmas,
+            5.0,
+            lambda block: None,
+        )
+    timer.reset()
+    plain_latents = plain_rollout(model, shape, noise, text, sigmas, 5.0, timer)
+    finished("plain", {"times": timer.times, "pool": (shape.dtype,) * 2, "max_diff": 0.0})
     for name in kv_formats:
         config = PagingConfig(
             block_size=block_size,
@@ -320,28 +342,17 @@ def run(
             if warmup:  # Triton compiles its kernels on the first launches
                 paged(lambda block: None, count=1)
             timer.reset()
-            paged_latents[name] = paged(timer)
-            results[f"paged {name}"] = {
-                "times": timer.times,
-                "pool": (rollout.cache.k_pools.dtype, rollout.cache.v_pools.dtype),
-                "pool_bytes": rollout.cache.pool_bytes,
-            }
-    if warmup:
-        plain_rollout(
-            model,
-            shape,
-            noise[:, :, : shape.frames_per_block],
-            text,
-            sigmas,
-            5.0,
-            lambda block: None,
-        )
-    timer.reset()
-    plain_latents = plain_rollout(model, shape, noise, text, sigmas, 5.0, timer)
-    results["plain"] = {"times": timer.times, "pool": (shape.dtype,) * 2, "max_diff": 0.0}
-    for name, latents in paged_latents.items():
-        diff = (latents.float() - plain_latents.float()).abs().max().item()
-        results[f"paged {name}"]["max_diff"] = diff
+            latents = paged(timer)
+            diff = (latents.float() - plain_latents.float()).abs().max().item()
+            finished(
+                f"paged {name}",
+                {
+                    "times": timer.times,
+                    "pool": (rollout.cache.k_pools.dtype, rollout.cache.v_pools.dtype),
+                    "pool_bytes": rollout.cache.pool_bytes,
+                    "max_diff": diff,
+                },
+            )
     return results
 
 
@@ -407,14 +418,6 @@ def main(argv: list[str] | None = None) -> int:
             "the Wan 2.1 1.3B shape would take hours on a CPU; --tiny runs a 2-layer model"
         )
     device = torch.device(args.device)
-    results = run(
-        shape,
-        blocks=blocks,
-        steps=steps,
-        block_size=args.block_size,
-        device=device,
-        kv_formats=tuple(dict.fromkeys(args.kv_format)),
-    )
     # The window is full (steady state) once sink + window frames are generated.
     full = -(-(shape.sink_frames + shape.window_frames) // shape.frames_per_block)
     figures = "gpu" if device.type == "cuda" else "cpu (not GPU figures)"
@@ -433,50 +436,64 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "provider  kv_format  pool           pool_MB  first_block_ms  steady_block_ms  "
-        "steady_fps  blocks_timed  max_diff_vs_plain"
+        "steady_fps  blocks_timed  max_diff_vs_plain",
+        flush=True,
     )
-    rows = []
-    for name, row in results.items():
-        times = row["times"]
+    shared = {
+        "figures": figures,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": "tiny" if args.tiny else "wan-1.3b",
+        "frames_per_block": shape.frames_per_block,
+        "steps": steps,
+        "block_size": args.block_size,
+    }
+    csv_path = None
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        csv_path = args.out / "rollout.csv"
+        with open(csv_path, "w", newline="") as stream:
+            csv.DictWriter(stream, CSV_COLUMNS).writeheader()
+
+    def report(name: str, result: dict[str, object]) -> None:
+        """One provider's row, printed and added to the CSV as its rollout ends."""
+        times = result["times"]
         fps, timed = steady_fps(times, full, shape.frames_per_block)
-        megabytes = f"{row['pool_bytes'] / 1e6:.3f}" if "pool_bytes" in row else "-"
+        megabytes = f"{result['pool_bytes'] / 1e6:.3f}" if "pool_bytes" in result else "-"
         provider, _, kv = name.partition(" ")
-        rows.append(
-            {
-                "provider": provider,
-                "kv_format": kv or "-",
-                "pool": _pool_name(*row["pool"]),
-                "pool_mb": megabytes,
-                "first_block_ms": f"{times[0] * 1e3:.1f}",
-                "steady_block_ms": f"{shape.frames_per_block / fps * 1e3:.1f}",
-                "steady_fps": f"{fps:.3g}",
-                "blocks_timed": timed,
-                "max_diff_vs_plain": f"{row['max_diff']:.3e}",
-            }
-        )
-        r = rows[-1]
+        row = {
+            "provider": provider,
+            "kv_format": kv or "-",
+            "pool": _pool_name(*result["pool"]),
+            "pool_mb": megabytes,
+            "first_block_ms": f"{times[0] * 1e3:.1f}",
+            "steady_block_ms": f"{shape.frames_per_block / fps * 1e3:.1f}",
+            "steady_fps": f"{fps:.3g}",
+            "blocks_timed": timed,
+            "max_diff_vs_plain": f"{result['max_diff']:.3e}",
+        }
         print(
-            f"{provider:8s}  {r['kv_format']:9s}  {r['pool']:13s}  {megabytes:>7s}  "
-            f"{r['first_block_ms']:>14s}  {r['steady_block_ms']:>15s}  {r['steady_fps']:>10s}  "
-            f"{timed:12d}  {r['max_diff_vs_plain']:>17s}"
+            f"{provider:8s}  {row['kv_format']:9s}  {row['pool']:13s}  {megabytes:>7s}  "
+            f"{row['first_block_ms']:>14s}  {row['steady_block_ms']:>15s}  "
+            f"{row['steady_fps']:>10s}  {timed:12d}  {row['max_diff_vs_plain']:>17s}",
+            flush=True,
         )
+        if csv_path is not None:
+            with open(csv_path, "a", newline="") as stream:
+                csv.DictWriter(stream, CSV_COLUMNS).writerow({**row, **shared})
+
+    run(
+        shape,
+        blocks=blocks,
+        steps=steps,
+        block_size=args.block_size,
+        device=device,
+        kv_formats=tuple(dict.fromkeys(args.kv_format)),
+        on_result=report,
+    )
     anchors = ", ".join(f"{name} {fps:g} FPS" for name, fps in ANCHORS_FPS.items())
     print(f"anchors (Wan 2.1 1.3B, one H100, as their papers report): {anchors}")
-    if args.out is not None:
-        shared = {
-            "figures": figures,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "shape": "tiny" if args.tiny else "wan-1.3b",
-            "frames_per_block": shape.frames_per_block,
-            "steps": steps,
-            "block_size": args.block_size,
-        }
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "rollout.csv", "w", newline="") as stream:
-            writer = csv.DictWriter(stream, CSV_COLUMNS)
-            writer.writeheader()
-            writer.writerows({**row, **shared} for row in rows)
-        print(f"wrote {args.out / 'rollout.csv'}")
+    if csv_path is not None:
+        print(f"wrote {csv_path}")
     return 0
 
 

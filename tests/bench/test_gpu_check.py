@@ -118,9 +118,9 @@ def test_the_dry_run_runs_every_stage_and_writes_what_the_next_reads(dry_run) ->
     with open(out / "rollout.csv", newline="") as stream:
         rollout = list(csv.DictReader(stream))
     assert [(r["provider"], r["kv_format"]) for r in rollout] == [
+        ("plain", "-"),
         ("paged", "bf16"),
         ("paged", "k8v8"),
-        ("plain", "-"),
     ]
     assert all(float(r["steady_fps"]) > 0 for r in rollout)
     assert "Self-Forcing 17 FPS, LongLive 20.7 FPS" in printed["2"]

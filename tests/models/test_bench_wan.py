@@ -7,6 +7,7 @@ import argparse
 import csv
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers")
 
@@ -69,6 +70,20 @@ def test_the_flag_s_older_name_still_reads(monkeypatch) -> None:
     monkeypatch.setattr(wan_rollout, "run", lambda *a, **kw: seen.update(kw) or {})
     wan_rollout.main(["--tiny", "--kv-dtype", "k8v8", "bf16", "k8v8"])
     assert seen["kv_formats"] == ("k8v8", "bf16")
+
+
+def test_a_run_cut_short_keeps_the_rows_it_finished(monkeypatch, tmp_path) -> None:
+    # A GPU window's stage limit may stop the run: each rollout's row is written as it ends.
+    def plain_then_cut(*args, on_result, **kwargs):
+        on_result("plain", {"times": [0.5, 0.25], "pool": (torch.float32,) * 2, "max_diff": 0.0})
+        raise KeyboardInterrupt  # as the stage's timeout stops it
+
+    monkeypatch.setattr(wan_rollout, "run", plain_then_cut)
+    with pytest.raises(KeyboardInterrupt):
+        wan_rollout.main(["--tiny", "--kv-format", "k8v8", "--out", str(tmp_path)])
+    with open(tmp_path / "rollout.csv", newline="") as stream:
+        written = list(csv.DictReader(stream))
+    assert [(r["provider"], r["kv_format"], r["pool"]) for r in written] == [("plain", "-", "fp32")]
 
 
 def test_shipped_shape_is_wan_2_1_1_3b():
