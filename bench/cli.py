@@ -21,7 +21,7 @@ import torch
 
 from paged_video.bench import accuracy, choose, compile_report, extras
 from paged_video.bench.compare import format_compare
-from paged_video.bench.formats import old_spelling
+from paged_video.bench.formats import choice
 from paged_video.bench.plot import plot_rows
 from paged_video.bench.providers import (  # importing the kernels picks the interpreter
     PROVIDER_NAMES,
@@ -119,25 +119,13 @@ def _list_of(parse: Callable[[str], object]) -> Callable[[str], tuple[object, ..
     return parse_list
 
 
-def _choice(allowed: Sequence[str]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in allowed:
-            refusal = old_spelling(text, allowed)
-            raise argparse.ArgumentTypeError(
-                refusal or f"{text!r} is not one of {', '.join(allowed)}"
-            )
-        return text
-
-    return parse
-
-
 def _switch(text: str) -> tuple[object, ...]:
     """``off``, ``on`` or ``both`` (also the list ``off,on``): the settings rows run with."""
     if text == "both":
         return ("off", "on")
     if not set(text.split(",")) <= {"off", "on"}:
         raise argparse.ArgumentTypeError(f"expected off, on or both, got {text!r}")
-    return _list_of(_choice(("off", "on")))(text)
+    return _list_of(choice(("off", "on")))(text)
 
 
 def _tile(text: str) -> Tile | None:
@@ -171,13 +159,13 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--out", type=Path, default=Path("out"), help="folder for CSV and PNGs")
     sweep.add_argument(
         "--kernels",
-        type=_list_of(_choice(KERNELS)),
+        type=_list_of(choice(KERNELS)),
         default=KERNELS,
         help=f"kernels to run (default: all): {', '.join(KERNELS)}",
     )
     sweep.add_argument(
         "--providers",
-        type=_list_of(_choice(PROVIDER_NAMES)),
+        type=_list_of(choice(PROVIDER_NAMES)),
         help=f"providers to run (default: all that apply): {', '.join(PROVIDER_NAMES)}",
     )
     ints = _list_of(_positive_int)
@@ -191,7 +179,7 @@ def _add_sweep(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--head-dims", type=ints, help="channels per head")
     sweep.add_argument(
         "--dtypes",
-        type=_list_of(_choice(tuple(DTYPES))),
+        type=_list_of(choice(tuple(DTYPES))),
         help=f"query and K/V dtypes: {', '.join(DTYPES)} (the interpreter gets bf16 wrong: fp32 "
         "on a CPU)",
     )
@@ -264,7 +252,7 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
 
 def _add_compile(commands: argparse._SubParsersAction) -> None:
     compile_parser = compile_report.add_parser(
-        commands, _list_of(_positive_int), lambda names: _list_of(_choice(names))
+        commands, _list_of(_positive_int), lambda names: _list_of(choice(names))
     )
     compile_parser.set_defaults(handler=compile_report.run, command_parser=compile_parser)
 
@@ -291,13 +279,13 @@ def _add_accuracy(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for accuracy.csv")
     parser.add_argument(
         "--data",
-        type=_list_of(_choice(accuracy.DATA_KINDS)),
+        type=_list_of(choice(accuracy.DATA_KINDS)),
         default=accuracy.DATA_KINDS,
         help=f"data kinds: {', '.join(accuracy.DATA_KINDS)}",
     )
     parser.add_argument(
         "--formats",
-        type=_list_of(_choice(accuracy.FORMAT_CHOICES)),
+        type=_list_of(choice(accuracy.FORMAT_CHOICES)),
         default=tuple(accuracy.FORMATS),
         help="quantized pool formats (the bf16 baseline always runs): int8; k8v8 (int8 K, e4m3 "
         "V per channel), k8v16 (int8 K, 16-bit V) (the e4m3 pool was deleted, issue 45)",

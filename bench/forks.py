@@ -21,22 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_video.bench.formats import old_spelling
+from paged_video.bench.formats import choice
 from paged_video.paging import PagedKVCache, PagingConfig, Session, window
 from paged_video.paging.config import KV_FORMATS
 
 CFG_BRANCHES = ("positive", "negative")
 GIB = 2**30
-
-
-def _kv_format(text: str) -> str:
-    """A ``kv_format`` name; an old spelling (the deleted e4m3 pool's) is refused naming the new."""
-    if text not in KV_FORMATS:
-        refusal = old_spelling(text, KV_FORMATS)
-        raise argparse.ArgumentTypeError(
-            refusal or f"{text!r} is not one of {', '.join(KV_FORMATS)}"
-        )
-    return text
 
 
 @dataclass(frozen=True)
@@ -176,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-format",
         "--kv-dtype",  # the flag's older name
-        type=_kv_format,
+        type=choice(KV_FORMATS),
         default="bf16",
         help=f"the pools' format (PagingConfig(kv_format=...)): {', '.join(KV_FORMATS)}",
     )

@@ -18,7 +18,8 @@ read with their provider names renamed (``bench.results.RENAMED_PROVIDERS``).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import argparse
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -62,6 +63,21 @@ def old_spelling(text: str, allowed: Collection[str]) -> str | None:
     if new is None or new not in allowed:
         return None
     return f"{text!r} is spelled {new!r} now (one spelling per format: bf16, int8, k8v8, k8v16)"
+
+
+def choice(allowed: Sequence[str]) -> Callable[[str], str]:
+    """An argparse ``type`` taking one of ``allowed``: anything else is refused in one line,
+    a spelling used before with its new one named (``old_spelling``)."""
+
+    def parse(text: str) -> str:
+        if text not in allowed:
+            refusal = old_spelling(text, allowed)
+            raise argparse.ArgumentTypeError(
+                refusal or f"{text!r} is not one of {', '.join(allowed)}"
+            )
+        return text
+
+    return parse
 
 
 def dtype_name(dtype: torch.dtype) -> str:

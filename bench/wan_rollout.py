@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from paged_video.bench.formats import UNQUANTIZED, dtype_name, old_spelling
+from paged_video.bench.formats import UNQUANTIZED, choice, dtype_name
 from paged_video.paging import PagingConfig
 from paged_video.paging.config import KV_FORMATS
 
@@ -356,14 +356,8 @@ def run(
     return results
 
 
-def _kv_format(text: str) -> str:
-    """A ``kv_format`` name; an old spelling (the deleted e4m3 pool's) is refused naming the new."""
-    if text not in KV_FORMATS:
-        refusal = old_spelling(text, KV_FORMATS)
-        raise argparse.ArgumentTypeError(
-            refusal or f"{text!r} is not one of {', '.join(KV_FORMATS)}"
-        )
-    return text
+# --kv-format: a kv_format name; an old spelling (the deleted e4m3 pool's) refused naming the new.
+_kv_format = choice(KV_FORMATS)
 
 
 def _pool_name(k_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
