@@ -669,13 +669,8 @@ def _attend_tiles(
                 # order they were copied 8 or 4 bytes at a time: head_dim 256, 32-key tiles,
                 # Triton 3.6: 393 instructions a tile against 339.)
                 k_col = _in_fp8_mma_key_order(k_col, BLOCK_N)
-        if (K8V8 or K8V16) and SCORE_BITS:
-            qk = _biased_scores(tl.dot(q, tl.trans(k)), INTERPRETED)
-            if K8V16 and UPCAST:
-                v = v.to(tl.float32)
-        elif K8V8 or K8V16:
-            # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
-            qk = tl.dot(q, tl.trans(k)).to(tl.float32)
+        if K8V8 or K8V16:
+            qk = _scores_in_float(tl.dot(q, tl.trans(k)), SCORE_BITS, INTERPRETED)
             if K8V16 and UPCAST:
                 v = v.to(tl.float32)
         else:
@@ -688,10 +683,9 @@ def _attend_tiles(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if (K8V8 or K8V16) and SCORE_BITS:
-            qk = qk * k_col[None, :] - (k_col * SCORE_BIAS)[None, :]  # as _int8_scores_softmax
-        elif QUANTIZED:
-            qk = qk * k_col[None, :]
+        if QUANTIZED:
+            # (The dequantizing modes' scores are of a 16-bit MMA: never biased.)
+            qk = _k_scaled(qk, k_col, SCORE_BITS and (K8V8 or K8V16))
         if MASKED:
             visible = n_mask[None, :] & (keys[None, :] < key_limit[:, None])
             scores = tl.where(visible, qk * row_scale, float("-inf"))
@@ -1205,16 +1199,13 @@ def _k8v8_step(
     ``skip`` holds, none (as ``_pv_step``). Returns the state and ``next_qk`` (the next tile's
     int32 scores) in float, converted after the ``P V`` MMA is issued and before its flush
     (carried as int32 and converted at the step, 8 instructions more issued with no MMA in
-    flight at block 1560). ``SCORE_BITS``: the scores carried as ``_biased_scores``."""
+    flight at block 1560; ``SCORE_BITS``: biased, ``_scores_in_float``)."""
     acc, row_max, row_sum = state
     probs, rescale, row_max, row_sum = _int8_scores_softmax(
         qk, k_col, row_max, row_sum, scale_log2, skip, True, SCORE_BITS, INTERPRETED
     )
     pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
-    # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32 (or biased, SCORE_BITS).
-    next_scores = next_qk.to(tl.float32)
-    if SCORE_BITS:
-        next_scores = _biased_scores(next_qk, INTERPRETED)
+    next_scores = _scores_in_float(next_qk, SCORE_BITS, INTERPRETED)
     acc = _k8v8_flush(acc, pv, rescale, v_channels, V_BLOCK_SCALES)
     return acc, row_max, row_sum, next_scores
 
@@ -1237,6 +1228,28 @@ def _biased_scores(scores, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _scores_in_float(sums, SCORE_BITS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """An 8-bit ``Q K^T``'s int32 sums in float32 for ``_k_scaled``: converted, exactly
+    (``|s| <= 256 * 127**2 < 2**24``), or (``SCORE_BITS``) biased, ``_biased_scores``. Scores
+    already in float (carried from the iteration that took them) pass as they are."""
+    if sums.dtype != tl.int32:
+        return sums
+    if SCORE_BITS:
+        return _biased_scores(sums, INTERPRETED)
+    return sums.to(tl.float32)
+
+
+@triton.jit
+def _k_scaled(scores, k_col, SCORE_BITS: tl.constexpr):
+    """Scores in float (``_scores_in_float``) times K's scales by column. ``SCORE_BITS``:
+    ``(SCORE_BIAS + s) * k - SCORE_BIAS * k``, one FFMA a score (its addend one FMUL a column),
+    ``s * k`` to within the addend's rounding (0.75 k: under a unit of ``s``)."""
+    if SCORE_BITS:
+        return scores * k_col[None, :] - (k_col * SCORE_BIAS)[None, :]
+    return scores * k_col[None, :]
+
+
+@triton.jit
 def _int8_scores_softmax(
     scores,
     k_col,
@@ -1249,19 +1262,11 @@ def _int8_scores_softmax(
     INTERPRETED: tl.constexpr,
 ):
     """An 8-bit ``Q K^T`` tile's online-softmax step up to ``P V``: its scores (int8 sums, in
-    float or int32; ``SCORE_BITS``: int32 or already ``_biased_scores``) times K's scales by
-    column; returns the probabilities (``E4M3_P``, k8v8's: biased so that a row's largest is
-    448, e4m3's largest), their row rescale and the new row maxima and sums. Where the scalar
-    ``skip`` holds, none: every probability 0, rescale 1, the row state as it was."""
-    if SCORE_BITS:
-        if scores.dtype == tl.int32:
-            scores = _biased_scores(scores, INTERPRETED)
-        # (SCORE_BIAS + s) * k - SCORE_BIAS * k: one FFMA a score (its addend one FMUL a
-        # column), s * k to within the addend's rounding (0.75 k: under a unit of s).
-        scores = scores * k_col[None, :] - (k_col * SCORE_BIAS)[None, :]
-    else:
-        # |sum| <= 256 * 127**2 < 2**24: exact in int32 and in float32.
-        scores = scores.to(tl.float32) * k_col[None, :]
+    float or int32: ``_scores_in_float``) times K's scales by column; returns the probabilities
+    (``E4M3_P``, k8v8's: biased so that a row's largest is 448, e4m3's largest), their row
+    rescale and the new row maxima and sums. Where the scalar ``skip`` holds, none: every
+    probability 0, rescale 1, the row state as it was."""
+    scores = _k_scaled(_scores_in_float(scores, SCORE_BITS, INTERPRETED), k_col, SCORE_BITS)
     new_max = tl.where(skip, row_max, tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2))
     # Subtracting +inf makes every probability 0 (scale_log2 >= 0, as in _attend_tiles).
     if E4M3_P:
