@@ -335,6 +335,17 @@ def _project_root() -> str:
     return str(Path(paged_video.__file__).resolve().parents[1])
 
 
+def compile_environment() -> tuple[dict[str, str], str]:
+    """The environment of a child that compiles for the GPU (Triton's compiler, not its
+    interpreter; FP fusion as Triton's default unless set; this project importable from the
+    clone) and the folder it runs in."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = _project_root()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env, root
+
+
 def _shares(configs: Sequence[Config], workers: int) -> list[list[Config]]:
     """Configurations split between workers, those differing only in block size together (a
     worker compiles each yardstick once)."""
@@ -350,10 +361,8 @@ def _shares(configs: Sequence[Config], workers: int) -> list[list[Config]]:
 
 def _run_workers(python: str, shares: Sequence[Sequence[Config]], target: str) -> list[list[Row]]:
     """One child per share, all at once; rows per configuration, in share order."""
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DUMP_PTXAS_LOG="1")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = _project_root()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env, root = compile_environment()
+    env["TRITON_DUMP_PTXAS_LOG"] = "1"
     with tempfile.TemporaryDirectory(prefix="compile-report-") as tmp:
         children = []
         for n, share in enumerate(shares):

@@ -317,9 +317,9 @@ def sass_counts(
 ) -> dict[str, object]:
     """Every mix's loop counts (``loop_counts``) compiled for sm_90a by ``python``'s Triton, in
     a child process (compiling needs ``TRITON_INTERPRET=0`` before triton is imported)."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    from paged_video.bench.compile_report import compile_environment
+
+    env, root = compile_environment()
     done = subprocess.run(
         [python, "-m", "paged_video.bench.pipe_probe", "--sass-worker", "--reps", str(reps)],
         capture_output=True, text=True, env=env, cwd=root, timeout=600,
