@@ -606,6 +606,7 @@ def eight_bit_emulation(variant: Variant, config: AccuracyConfig) -> EightBitFor
             q_rows_per_scale=1,
             v_scales="frozen",
             v_headroom=V_HEADROOM,
+            normalizer="rounded",
             acc_bits=FP8_MMA_ACC_BITS if on_gpu else None,
             flush_tiles=1,
             tile_keys=kernel_tile_keys(variant, config),

@@ -106,6 +106,9 @@ def candidates() -> dict[str, Candidate]:
     # other splits of K's outlier width between K and q.
     for name in ("int8-slot/block64/e4m3/acc13", "int8-slot/bf16/bf16/exact"):
         per_row = replace(out[name].format, q_rows_per_scale=1)
+        if per_row.p_dtype == E4M3:
+            # The fast format as k8v8's kernel sums it: the rounded P, by the P V MMA.
+            per_row = replace(per_row, normalizer="rounded")
         out[name + "/q-row"] = Candidate(per_row)
         for share in (0.25, 1.0):
             out[f"{name}/q-row/k-share{share:g}"] = Candidate(per_row, k_share=share)

@@ -257,9 +257,12 @@ def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
     return oracle_attention(workload, keys=keys, values=values)
 
 
-# The k8v8 format's arithmetic as the kernel does it, P V's accumulator exact (the interpreter's
-# float32; the GPU's FP8 MMA keeps ~22 bits, inside the allowance).
-K8V8_EMULATION = EightBitFormat(q_rows_per_scale=1, v_scales="frozen", acc_bits=None)
+# The k8v8 format's arithmetic as the kernel does it (the row sums of the rounded probabilities,
+# by MMA), P V's accumulator exact (the interpreter's float32; the GPU's FP8 MMA keeps ~22 bits,
+# inside the allowance).
+K8V8_EMULATION = EightBitFormat(
+    q_rows_per_scale=1, v_scales="frozen", normalizer="rounded", acc_bits=None
+)
 
 
 def eight_bit_oracle(workload: Workload, kv_format: str) -> Tensor:

@@ -64,6 +64,9 @@ LOG2_E4M3_MAX = tl.constexpr(8.807354922057604)
 # reads as the float SCORE_BIAS + s, exactly (_biased_scores).
 SCORE_BIAS = tl.constexpr(12582912.0)
 SCORE_BIAS_BITS = tl.constexpr(1262485504)
+# k8v8's row sums: the columns of the FP8 MMA that sums each tile's e4m3 probabilities over a
+# column of ones (_row_sums_by_mma); 16, Triton's smallest dot width.
+SUM_COLUMNS = tl.constexpr(16)
 
 
 @triton.jit
@@ -510,6 +513,8 @@ def _attend_tiles(
     if QUANTIZED:
         k_scales = caches[2]
         v_scales = caches[3]
+    if K8V8:
+        row_sum, ones = _row_sums_by_mma(row_sum, BLOCK_N)
     table_row, stride_table_col = table
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -707,19 +712,20 @@ def _attend_tiles(
             else:
                 probs = tl.math.exp2(qk * row_scale - new_max[:, None])
             rescale = tl.math.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         if K8V8:
             # The probabilities are biased by log2(448) (in the row's subtrahend: no
             # instruction more), so the row's largest is 448, e4m3's largest: rounded to e4m3
-            # as they are, they feed P V with no multiply. V's codes are of its channel scales:
-            # a frozen one multiplies the output once (the epilogue), a block's this tile's
-            # MMA sum as it is added into acc (the tile lies inside the block), one FFMA per
-            # element as bf16's acc * rescale + pv.
+            # as they are, they feed P V with no multiply, and their row sums come from an FP8
+            # MMA over a column of ones (no add per probability). V's codes are of its channel
+            # scales: a frozen one multiplies the output once (the epilogue), a block's this
+            # tile's MMA sum as it is added into acc (the tile lies inside the block), one FFMA
+            # per element as bf16's acc * rescale + pv.
             p_codes = to_e4m3(probs, INTERPRETED)
             if MMA_ORDER:
                 p_codes = _fp8_operand(p_codes, BLOCK_N)
             if not V_KEYS_MAJOR:
                 v = v.to(tl.float8e4nv, bitcast=True)
+            row_sum = _add_row_sums(row_sum, rescale, p_codes, ones)
             pv = tl.dot(p_codes, v)
             if V_BLOCK_SCALES:
                 v_channels = _v_block_channels(v_scales, id0, HEAD_DIM, BLOCK_D)
@@ -727,6 +733,8 @@ def _attend_tiles(
                 v_channels = 1.0
             acc = _k8v8_flush(acc, pv, rescale, v_channels, V_BLOCK_SCALES)
         else:
+            # (The row sums of the probabilities before any V scale multiplies them.)
+            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
             if QUANTIZED and MASKED and not K8V16:
                 probs = probs * (v_col * (1.0 / p_unit))[None, :]
             pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -954,6 +962,7 @@ def _attend_k8v8_ahead(
     ``P V`` sum carried to the next iteration (flushed under the next MMA) needs a third
     accumulator tile of registers beside acc and two tiles of scores (docs/quantization.md)."""
     acc, row_max, row_sum = state
+    row_sum, ones = _row_sums_by_mma(row_sum, BLOCK_N)
     k_cache = caches[0]
     v_cache = caches[1]
     k_scales = caches[2]
@@ -1017,8 +1026,8 @@ def _attend_k8v8_ahead(
         else:
             v_channels = 1.0
         acc, row_max, row_sum, qk = _k8v8_step(
-            (acc, row_max, row_sum), qk, next_qk, k_col, v, v_channels, scale_log2, j == 0,
-            BLOCK_N, V_BLOCK_SCALES, INTERPRETED, SCORE_BITS,
+            (acc, row_max, row_sum), qk, next_qk, k_col, v, v_channels, ones, scale_log2,
+            j == 0, BLOCK_N, V_BLOCK_SCALES, INTERPRETED, SCORE_BITS,
         )  # fmt: skip
         k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
         v_id0, v_id1, v_ids = (next_v_id0, next_v_id1, next_v_ids)
@@ -1079,6 +1088,8 @@ def _attend_pv_behind(
     thread, loaded for the deferred add, spilled 12-76 bytes): V's scales here are the frozen
     ones, applied in the epilogue."""
     acc, row_max, row_sum = state
+    if not K8V16:
+        row_sum, ones = _row_sums_by_mma(row_sum, BLOCK_N)
     k_cache = caches[0]
     v_cache = caches[1]
     k_scales = caches[2]
@@ -1165,12 +1176,17 @@ def _attend_pv_behind(
             )
         else:
             acc = acc * pv_rescale[:, None] + pv
-            pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
+            p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)
+            # The carried probabilities' row sums, with their rescale, as acc takes their P V
+            # (issued first: Triton waits for each such MMA at once, and for all before it).
+            row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)
+            pv = tl.dot(p_codes, v)
             pv_rescale = p_rescale
-        probs, p_rescale, row_max, row_sum = _int8_scores_softmax(
-            qk, k_col, row_max, row_sum, scale_log2, j == num_tiles, not K8V16, SCORE_BITS,
-            INTERPRETED,
-        )  # fmt: skip
+        probs, p_rescale, row_max = _int8_scores_softmax(
+            qk, k_col, row_max, scale_log2, j == num_tiles, not K8V16, SCORE_BITS, INTERPRETED
+        )
+        if K8V16:
+            row_sum = row_sum * p_rescale + tl.sum(probs, axis=1)
         v_id0, v_id1, v_ids = next_v_id0, next_v_id1, next_v_ids
         k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
     if not K8V16:
@@ -1186,6 +1202,7 @@ def _k8v8_step(
     k_col,
     v,
     v_channels,
+    ones,
     scale_log2,
     skip,
     BLOCK_N: tl.constexpr,
@@ -1195,16 +1212,20 @@ def _k8v8_step(
 ):
     """An unmasked k8v8 tile's online-softmax step (``_attend_tiles``' k8v8 arithmetic) from
     its float scores (int8 sums, K in ``_fp8_mma_key_order``), K's scales by score column, V's
-    e4m3 tile and (``V_BLOCK_SCALES``) its block's channel scales; where the scalar
+    e4m3 tile and (``V_BLOCK_SCALES``) its block's channel scales, the row sums by MMA
+    (``_row_sums_by_mma``: ``state``'s are its columns, ``ones`` its operand); where the scalar
     ``skip`` holds, none (as ``_pv_step``). Returns the state and ``next_qk`` (the next tile's
     int32 scores) in float, converted after the ``P V`` MMA is issued and before its flush
     (carried as int32 and converted at the step, 8 instructions more issued with no MMA in
     flight at block 1560; ``SCORE_BITS``: biased, ``_scores_in_float``)."""
     acc, row_max, row_sum = state
-    probs, rescale, row_max, row_sum = _int8_scores_softmax(
-        qk, k_col, row_max, row_sum, scale_log2, skip, True, SCORE_BITS, INTERPRETED
+    probs, rescale, row_max = _int8_scores_softmax(
+        qk, k_col, row_max, scale_log2, skip, True, SCORE_BITS, INTERPRETED
     )
-    pv = tl.dot(_fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N), v)
+    p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)
+    # The row sums' MMA first: Triton waits for each at once, and for every MMA before it.
+    row_sum = _add_row_sums(row_sum, rescale, p_codes, ones)
+    pv = tl.dot(p_codes, v)
     next_scores = _scores_in_float(next_qk, SCORE_BITS, INTERPRETED)
     acc = _k8v8_flush(acc, pv, rescale, v_channels, V_BLOCK_SCALES)
     return acc, row_max, row_sum, next_scores
@@ -1254,7 +1275,6 @@ def _int8_scores_softmax(
     scores,
     k_col,
     row_max,
-    row_sum,
     scale_log2,
     skip,
     E4M3_P: tl.constexpr,
@@ -1264,8 +1284,8 @@ def _int8_scores_softmax(
     """An 8-bit ``Q K^T`` tile's online-softmax step up to ``P V``: its scores (int8 sums, in
     float or int32: ``_scores_in_float``) times K's scales by column; returns the probabilities
     (``E4M3_P``, k8v8's: biased so that a row's largest is 448, e4m3's largest), their row
-    rescale and the new row maxima and sums. Where the scalar ``skip`` holds, none: every
-    probability 0, rescale 1, the row state as it was."""
+    rescale and the new row maxima (the row sums are the caller's: k8v8's by MMA). Where the
+    scalar ``skip`` holds, none: every probability 0, rescale 1, the row maxima as they were."""
     scores = _k_scaled(_scores_in_float(scores, SCORE_BITS, INTERPRETED), k_col, SCORE_BITS)
     new_max = tl.where(skip, row_max, tl.maximum(row_max, tl.max(scores, axis=1) * scale_log2))
     # Subtracting +inf makes every probability 0 (scale_log2 >= 0, as in _attend_tiles).
@@ -1275,8 +1295,30 @@ def _int8_scores_softmax(
         bias = tl.where(skip, float("inf"), new_max)
     probs = tl.math.exp2(scores * scale_log2[:, None] - bias[:, None])
     rescale = tl.math.exp2(tl.where(skip, 0.0, row_max - new_max))
-    row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-    return probs, rescale, new_max, row_sum
+    return probs, rescale, new_max
+
+
+@triton.jit
+def _row_sums_by_mma(row_sum, BLOCK_N: tl.constexpr):
+    """k8v8's row sums as a loop carries them: ``[rows, SUM_COLUMNS]`` with the sums in column 0
+    and zeros beside them (``tl.sum`` over a row gives them back exactly), and the ``[BLOCK_N,
+    SUM_COLUMNS]`` e4m3 operand that ``_add_row_sums``' MMA takes: ones in column 0, zeros
+    elsewhere. Summing the e4m3 probabilities in the loop took an add per probability (64 a
+    thread per 128 x 128 tile at 8 warps, an eighth of k8v8's loop, which its issue slots
+    bound: docs/quantization.md); the MMA adds an eighth to the ``P V`` MMA's work."""
+    columns = tl.arange(0, SUM_COLUMNS)
+    sums = row_sum
+    ones = tl.where(columns[:, None] == 0, 1.0, 0.0) + tl.zeros([SUM_COLUMNS, BLOCK_N], tl.float32)
+    return sums, tl.trans(ones).to(tl.float8e4nv)
+
+
+@triton.jit
+def _add_row_sums(row_sum, rescale, p_codes, ones):
+    """``_row_sums_by_mma``'s row sums rescaled, plus a tile's e4m3 probabilities ``p_codes``
+    summed by an FP8 MMA: the rounded probabilities ``P V`` takes, through the same ~13-bit
+    accumulator, added into float32 once a tile as ``P V``'s sums are
+    (``reference.eight_bit_attention``'s ``"rounded"`` normalizer)."""
+    return row_sum * rescale + tl.sum(tl.dot(p_codes, ones), axis=1)
 
 
 @triton.jit

@@ -24,9 +24,10 @@ float64, so a CPU test tells the format's error from the kernel's. The steps:
    other single values, at the same sizes): ``P = exp(s - rowmax) * p_scale`` rounded to
    ``p_dtype`` through float32, as the kernel converts (e4m3 at 448: the kernel's exp2 biased by
    log2(448), free; ``p_dtype=None``: P in float64). The normalizer sums the unrounded P
-   (``"unrounded"``: the float32 values the kernel has anyway; the kernel's choice, since the
-   rounded sum measured no better) or the rounded ones (``"rounded"``: a conversion back per
-   probability).
+   (``"unrounded"``: the float32 values the kernel has anyway) or the rounded ones
+   (``"rounded"``: k8v8's kernel takes them from the ``P V`` MMA, over a column of ones beside
+   V, so they go through step 6's accumulator as a channel of V would, with no instruction per
+   probability; summed in the loop they would cost a conversion back each).
 6. **P V with a two-level accumulator**: the MMA adds 32 keys (one k-step) at a time into an
    accumulator that keeps ``acc_bits`` mantissa bits after the leading one, truncated toward
    zero after each k-step (Hopper's FP8 MMA accumulates in "fp32" that keeps 13: FP22 = 1 sign,
@@ -116,10 +117,12 @@ class EightBitFormat:
 
 
 # The formats docs/quantization.md chose ("Choosing the 8-bit format"): the fast one (int8 Q per
-# row, int8 K per slot smoothed and equalized as today, e4m3 V per 64 keys and channel, e4m3 P,
-# flushed every 64-key tile) and the accurate one (the same Q and K; V and P in bf16, an exact
-# float32 accumulator).
-FAST_FORMAT = EightBitFormat(q_rows_per_scale=1, v_scales="block", v_keys_per_scale=64)
+# row, int8 K per slot smoothed and equalized as today, e4m3 V per 64 keys and channel, e4m3 P
+# summed by the P V MMA, flushed every 64-key tile) and the accurate one (the same Q and K; V and
+# P in bf16, an exact float32 accumulator).
+FAST_FORMAT = EightBitFormat(
+    q_rows_per_scale=1, v_scales="block", v_keys_per_scale=64, normalizer="rounded"
+)
 ACCURATE_FORMAT = EightBitFormat(
     q_rows_per_scale=1, v_scales="none", p_dtype=torch.bfloat16, acc_bits=None
 )
@@ -307,15 +310,19 @@ def attend_codes(
         unit = unit / p_scale
     if fmt.p_dtype is not None:
         weights = weights.to(torch.float32).to(fmt.p_dtype).to(torch.float64)
-    normalizer = probs if fmt.normalizer == "unrounded" else weights * unit[..., :1]
-    row_sum = normalizer.sum(dim=-1, keepdim=True)
-
     # Step 6: P V, one exact sum per k-step of 32 keys, into the two-level accumulator.
     v64 = per_head(v_codes.to(torch.float64))  # (H, Lk, D)
     w_steps = _pad_keys(weights, -1, fmt.tile_keys).unflatten(-1, (-1, MMA_K))  # (H, Lq, S, 32)
     v_steps = _pad_keys(v64, 1, fmt.tile_keys).unflatten(1, (-1, MMA_K))  # (H, S, 32, D)
     partials = torch.einsum("hqsk,hskd->hqsd", w_steps, v_steps)
-    flushed = _accumulate(partials, fmt.acc_bits, fmt.flush_keys // MMA_K)  # (H, Lq, F, D)
+    steps_per_flush = fmt.flush_keys // MMA_K
+    flushed = _accumulate(partials, fmt.acc_bits, steps_per_flush)  # (H, Lq, F, D)
+    if fmt.normalizer == "unrounded":
+        row_sum = probs.sum(dim=-1, keepdim=True)
+    else:
+        # The rounded P summed as a column of ones beside V: the same k-steps and flushes.
+        ones = _accumulate(w_steps.sum(dim=-1, keepdim=True), fmt.acc_bits, steps_per_flush)
+        row_sum = ones.sum(dim=-2) * unit[..., :1]
     if fmt.v_scales == "block":
         # Each flush lies in one V block: times that block's scales, (H, F, D).
         blocks = per_head(values.scale.to(torch.float64))

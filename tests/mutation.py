@@ -1458,9 +1458,17 @@ MUTANTS = [
     _m(
         "eight-bit-normalizer-always-unrounded",
         "reference/eight_bit_attention.py",
-        'normalizer = probs if fmt.normalizer == "unrounded" else weights * unit[..., :1]',
-        "normalizer = probs",
+        '    if fmt.normalizer == "unrounded":',
+        "    if True:",
         f"{EIGHT_BIT}::test_the_rounded_normalizer_makes_a_constant_v_exact",
+        f"{EIGHT_BIT}::test_the_rounded_normalizer_is_summed_as_p_v_is",
+    ),
+    _m(
+        "eight-bit-rounded-normalizer-summed-exactly",
+        "reference/eight_bit_attention.py",
+        "ones = _accumulate(w_steps.sum(dim=-1, keepdim=True), fmt.acc_bits, steps_per_flush)",
+        "ones = _accumulate(w_steps.sum(dim=-1, keepdim=True), None, steps_per_flush)",
+        f"{EIGHT_BIT}::test_the_rounded_normalizer_is_summed_as_p_v_is",
     ),
     _m(
         "eight-bit-unit-on-the-cpu",
@@ -1628,6 +1636,28 @@ MUTANTS = [
         "    if len(devices) > 1:",
         "    if len(devices) > 2:",
         f"{REFUSALS}[float-attend-query-device]",
+    ),
+    # -- k8v8's row sums by MMA (the rounded probabilities over a column of ones) -----------
+    _m(
+        "k8v8-row-sums-unrescaled",
+        "kernels/_attention_jit.py",
+        "    return row_sum * rescale + tl.sum(tl.dot(p_codes, ones), axis=1)",
+        "    return row_sum + tl.sum(tl.dot(p_codes, ones), axis=1)",
+        f"{K8}::test_k8v8_frozen_scales",
+    ),
+    _m(
+        "k8v8-row-sums-ones-in-every-column",
+        "kernels/_attention_jit.py",
+        "    ones = tl.where(columns[:, None] == 0, 1.0, 0.0)",
+        "    ones = tl.where(columns[:, None] >= 0, 1.0, 0.0)",
+        f"{K8}::test_k8v8_against_the_reference_emulation",
+    ),
+    _m(
+        "k8v8-pv-behind-row-sums-with-the-last-rescale",
+        "kernels/_attention_jit.py",
+        "            row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)",
+        "            row_sum = _add_row_sums(row_sum, pv_rescale, p_codes, ones)",
+        f"{K8}::test_k8v8_against_the_reference_emulation[p-v-behind-frozen]",
     ),
     # -- k8v8's 64-key loop with each P V MMA under the next softmax ---------------------
     _m(
@@ -2488,8 +2518,8 @@ MUTANTS = [
     _m(
         "sweep-k8v8-oracle-p-unrounded",
         "bench/sweep.py",
-        'v_scales="frozen", acc_bits=None)',
-        'v_scales="frozen", acc_bits=None, p_dtype=None)',
+        'v_scales="frozen", normalizer="rounded", acc_bits=None',
+        'v_scales="frozen", normalizer="rounded", acc_bits=None, p_dtype=None',
         "tests/bench/test_quantized.py::test_the_one_switch_oracles_are_their_formats_arithmetic",
     ),
     _m(

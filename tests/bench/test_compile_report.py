@@ -894,10 +894,11 @@ def test_k8v8_reads_query_rows_from_shared_memory(report: Report, minor: str) ->
     # them, so Q K^T takes them from shared memory and P is the only register operand: an MMA
     # per 32 keys. Rounded in the kernel, they stayed a register operand read back from shared
     # memory every tile (128 channels: 4 more register-operand MMAs, 4 ldmatrix and their
-    # addresses, which ptxas spilled at the 128-key TMA loop on Triton 3.6).
+    # addresses, which ptxas spilled at the 128-key TMA loop on Triton 3.6). P feeds two: P V
+    # and the row sums' MMA over a column of ones.
     row = report.paged(report.version(minor), K8V8_BLOCK, kv="k8v8_keys")
     keys = int(row["tile"].split("x")[1])
-    assert row["mma"] == "QGMMA+IGMMA" and row["loop_register_a_mmas"] == keys // 32, row
+    assert row["mma"] == "QGMMA+IGMMA" and row["loop_register_a_mmas"] == 2 * keys // 32, row
 
 
 @pytest.mark.parametrize("minor", _versions())
@@ -1336,6 +1337,25 @@ def test_out_is_a_folder_created_for_compile_csv(report: Report, tmp_path, capsy
 # 3.6.0; bench/COMPILE.md).
 EIGHT_BIT_MMAS = {"k8v8_keys": "QGMMA+IGMMA", "k8v16_keys": "HGMMA+IGMMA"}
 EIGHT_BIT_BLOCKS = (24, 1560)
+# The spills measured and kept (docs/quantization.md, "Row sums by MMA"): (Triton minor, K/V
+# mode, block, launch) -> the most bytes stored, loaded. k8v8's row-sum MMA holds 8 registers a
+# thread beside the P-V-behind loop's carried tiles; Triton 3.9 spills a few values there at
+# block 24 (its pieces of 16 + 8), Triton 3.6 (the GPU image's) none.
+KNOWN_SPILLS = {
+    ("3.9", "k8v8_keys", 24, "default"): (24, 64),
+    ("3.9", "k8v8_keys", 24, "SCORE_BITS=True"): (48, 100),
+}
+
+
+def check_spills(row: dict, minor: str, mode: str, block: int, variant: str = "default") -> None:
+    """No spills, or no more than the kept ones (``KNOWN_SPILLS``), which must still spill."""
+    spills = (row["spill_stores"], row["spill_loads"])
+    known = KNOWN_SPILLS.get((minor, mode, block, variant))
+    if known is None:
+        assert spills == (0, 0), row
+    else:
+        assert spills != (0, 0), f"{(minor, mode, block, variant)} spills no more: drop it"
+        assert spills[0] <= known[0] and spills[1] <= known[1], row
 
 
 # The probe's +bits twin (the kernel's SCORE_BITS): at block 1560 k8v8's 128-key loop with the
@@ -1361,7 +1381,8 @@ def test_eight_bit_formats_build_on_both_tritons(
     triton = report.version(minor)
     row = report.paged(triton, block, kv=mode)
     assert row["mma"] == EIGHT_BIT_MMAS[mode], row
-    assert (row["spill_stores"], row["spill_loads"], row["loop_shared_stores"]) == (0, 0, 0), row
+    assert row["loop_shared_stores"] == 0, row
+    check_spills(row, minor, mode, block)
     # The pass before the kernel that rounds the query rows to int8 codes builds too.
     [codes] = [
         r
@@ -1392,4 +1413,4 @@ def test_score_bits_take_the_scores_with_no_conversion(
     assert row["loop_exponentials"] == base["loop_exponentials"] >= scores_per_thread, row
     assert (row["mma"], row["tile"]) == (base["mma"], base["tile"]), row
     assert row["loop_instructions"] <= 1.1 * base["loop_instructions"], (row, base)
-    assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
+    check_spills(row, minor, mode, block, "SCORE_BITS=True")

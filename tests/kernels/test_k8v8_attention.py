@@ -4,9 +4,10 @@ float64 emulation of the format's arithmetic and the dequantizing float64 oracle
 The kernel rounds each query row to int8 (``Q K^T`` then exact int32 sums) and the probabilities (a
 row's largest 448) to e4m3, per key tile after a running row max, where the emulation rounds them
 after the final one: element by element its rounding errors differ, not in size. So the kernel is
-held to the oracle within twice the emulation's error, and its LSE, of the scores it computed, to
-float32 accuracy. Pools are NaN-poisoned outside what the tables point at, outputs NaN-poisoned
-before the launch.
+held to the oracle within twice the emulation's error, and its LSE, of the scores it computed and
+the rounded probabilities it summed (each within 2**-4 of its value), to within that rounding.
+Pools are NaN-poisoned outside what the tables point at, outputs NaN-poisoned before the
+launch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ E4M3_NAN = 0x7F
 MARGIN = 2.0
 FP32_ATOL = 2e-5
 LSE_RTOL = 2e-6
+# The LSE sums probabilities rounded to e4m3 (3 mantissa bits: each within 2**-4 of its value,
+# the sum too), so it lies within log(1 + 2**-4) of the exact one's.
+E4M3_LSE_ATOL = math.log1p(2**-4)
 
 
 def k8v8_pools(
@@ -105,8 +109,8 @@ def oracle(case: PagedCase, pools: tuple, q: Tensor | None = None, **kwargs):
 def emulate(case: PagedCase, pools: tuple, **kwargs) -> Tensor:
     """Float64 k8v8 arithmetic: int8 query rows (``reference.quantize``'s rounding, the
     kernel's), exact int32 ``Q K^T``, probabilities ``exp(s - max) * 448`` rounded to e4m3
-    (after the final row max), row sums of the unrounded ones, ``P V`` over V's codes times
-    their channel scales (a block's, or the frozen one)."""
+    (after the final row max), row sums of the rounded ones (the kernel's, by MMA), ``P V`` over
+    V's codes times their channel scales (a block's, or the frozen one)."""
     q = dequantize(*quantize(case.q.cpu().double(), torch.int8))
     k, v = dequantized(pools)
     scale = 1.0 / math.sqrt(case.q.shape[2])
@@ -138,7 +142,7 @@ def emulate(case: PagedCase, pools: tuple, **kwargs) -> Tensor:
         row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
         probs = torch.exp(scores - row_max) * 448
         codes = probs.float().to(torch.float8_e4m3fn).double()
-        sums = probs.sum(dim=-1, keepdim=True)
+        sums = codes.sum(dim=-1, keepdim=True)
         rows = torch.einsum("hqk,khd->qhd", codes, values.nan_to_num(0.0))
         out[lo:hi] = rows / torch.where(sums == 0, 1.0, sums).permute(1, 0, 2)
     return out
@@ -171,10 +175,11 @@ def check(
     assert emulation_error > 10 * FP32_ATOL * size  # the roundings really happened
     error = (got.double().cpu() - want).abs().max().item()
     assert error <= MARGIN * emulation_error, f"{error:.3e} > {MARGIN} x {emulation_error:.3e}"
-    # The LSE is of the scores the kernel used: those of the int8-rounded query rows.
+    # The LSE is of the scores the kernel used, those of the int8-rounded query rows, and of the
+    # rounded probabilities it summed.
     q_rows = dequantize(*quantize(case.q.cpu(), torch.int8))
     want_lse = oracle(case, pools, q=q_rows, return_lse=True, **kwargs)[1]
-    assert_lse_close(lse.cpu(), want_lse, LSE_RTOL)
+    assert_lse_close(lse.cpu(), want_lse, E4M3_LSE_ATOL / max(1.0, want_lse.abs().max().item()))
 
 
 def masked_case(
@@ -453,38 +458,68 @@ def test_fp8_mma_was_deleted_for_k8v8(flag: object) -> None:
     assert torch.equal(out, torch.full_like(out, 7.0))
 
 
-@pytest.mark.parametrize("per_block", [False, True], ids=["frozen", "per-block"])
-def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
+def midpoint_distance(x: Tensor) -> Tensor:
+    """How far positive float64 ``x`` lies from the nearest e4m3 rounding midpoint, relative to
+    ``x`` (spacing 2**(e - 3) in binade e, 2**-9 below the normal range)."""
+    binade = torch.floor(torch.log2(x)).clamp_min(-6)
+    spacing = torch.exp2(binade - 3)
+    steps = x / spacing
+    return (steps - torch.floor(steps) - 0.5).abs() * spacing / x
+
+
+# The keys made 6x longer: the first 16, which the first tile attended holds at every launch
+# (block 24's pieces of 16 and 8 run as two loops, a piece of 16 first).
+FIRST_KEYS = 16
+
+
+@pytest.mark.parametrize(
+    "block, block_n, keys, per_block",
+    [
+        pytest.param(64, 64, 256, False, id="p-v-behind-frozen"),
+        pytest.param(64, 64, 256, True, id="p-v-behind-per-block"),
+        pytest.param(256, 128, 512, False, id="scores-ahead-frozen"),
+        pytest.param(256, 128, 512 + 37, True, id="scores-ahead-per-block-masked-tail"),
+        pytest.param(24, 128, 24 * 11, False, id="pieces-plain-loop"),
+    ],
+)
+def test_k8v8_against_the_reference_emulation(
+    block: int, block_n: int, keys: int, per_block: bool
+) -> None:
     # reference.eight_bit_attention (written apart from the kernel) over the codes the
     # pools hold, in sequence order through a permuted table: int8 query rows per row, exact
-    # int32 scores, P at 448 in e4m3, the unrounded normalizer, a flush every 64-key tile (block
-    # 64: V's scales per 64 keys, its fast format, or frozen), an exact accumulator (the
-    # interpreter's float32; a GPU's FP8 MMA truncates, allowed for below). Tile 0's keys are
-    # 3x longer, so every row's maximum lies in the first tile the kernel attends and its
+    # int32 scores, P at 448 in e4m3, the rounded P summed as P V is (the kernel's MMA over a
+    # column of ones), a flush every key tile (V's scales per block, the fast format, or
+    # frozen), an exact accumulator (the interpreter's float32; a GPU's FP8 MMA truncates,
+    # allowed for below). The first keys are 6x longer (FIRST_KEYS), so every row's maximum
+    # lies in the first tile the kernel attends and its
     # running max is the final one: the emulation then rounds the same probabilities, and the
-    # two agree to float32 accuracy (every 448 p lies 2.9e-6 or more, relative, from an e4m3
-    # rounding midpoint: the GPU's exp2.approx and float32 scores move it ~1e-6).
+    # two agree to float32 accuracy (every 448 p lies 2e-6 or more, relative, from an e4m3
+    # rounding midpoint, checked: the GPU's exp2.approx and float32 scores move it ~1e-6). So do the
+    # LSEs: of the rounded probabilities' sums, which an LSE of the unrounded ones misses by
+    # ~1e-3 here. Each k8v8 loop: P V under the next softmax, the scores a tile ahead (and a
+    # masked tail), and the plain loop of tiles gathered from block pieces (block 24).
     from paged_video.reference import eight_bit_attention as eight_bit
 
-    block, keys, heads, kv_heads, dim = 64, 256, 4, 2, 80
+    heads, kv_heads, dim = 4, 2, 80
     case = make_paged_case(
         q_lens=[9], k_lens=[keys], block_size=block, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=dim, device=DEVICE, seed=4,
+        head_dim=dim, device=DEVICE, seed=5,
     )  # fmt: skip
     first = case.block_table[0, 0].item()
-    case.k_cache[first] *= 3
+    case.k_cache[first, :FIRST_KEYS] *= 6
     pools = k8v8_pools(case, per_block=per_block)
     k_codes, v_codes, k_scale, scales = pools
     args = (case.q, k_codes, v_codes, case.block_table, case.cu_seqlens_q, case.seq_lens_k)
-    got = kernels.paged_attention(
-        *args, max_seqlen_q=9, k_scale=k_scale, v_channel_scale=scales, block_n=64,
-        out=nan_like(case.q),
+    got, lse = kernels.paged_attention(
+        *args, max_seqlen_q=9, k_scale=k_scale, v_channel_scale=scales, block_n=block_n,
+        out=nan_like(case.q), return_lse=True,
     )  # fmt: skip
     fmt = dataclasses.replace(
-        eight_bit.FAST_FORMAT, v_scales="block" if per_block else "frozen", acc_bits=None
-    )
-    blocks = case.block_table[0, : keys // block].long().cpu()
-    in_order = lambda pool: pool.cpu()[blocks].flatten(0, 1)
+        eight_bit.FAST_FORMAT, v_scales="block" if per_block else "frozen",
+        v_keys_per_scale=block if per_block else 64, tile_keys=block_n, acc_bits=None,
+    )  # fmt: skip
+    blocks = case.block_table[0, : -(-keys // block)].long().cpu()
+    in_order = lambda pool: pool.cpu()[blocks].flatten(0, 1)[:keys]
     queries = eight_bit.quantize_queries(case.q.cpu(), fmt)
     key_codes = eight_bit.Codes(in_order(k_codes), in_order(k_scale))
     value_scale = scales.cpu()[blocks] if per_block else scales.cpu()[0]
@@ -494,7 +529,7 @@ def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
     q_rows = queries.codes.double() * queries.scale.double()[..., None]
     k_rows = key_codes.codes.double() * key_codes.scale.double()[..., None]
     scores = torch.einsum("qhd,khd->hqk", q_rows, k_rows.repeat_interleave(2, dim=1))
-    assert (scores.argmax(dim=-1) < block).all()
+    assert (scores.argmax(dim=-1) < FIRST_KEYS).all()
     size = want.abs().max().item()
     limit = 1e-5 * size
     if ON_GPU:
@@ -507,3 +542,16 @@ def test_k8v8_against_the_reference_emulation(per_block: bool) -> None:
         limit += MARGIN * (truncated - want).abs().max().item()
     error = (got.double().cpu() - want).abs().max().item()
     assert error <= limit, f"{error:.3e} > {limit:.3e}"
+    # The LSE of the rounded probabilities: exp(s - max) * 448 rounded to e4m3 through float32.
+    scores = scores / math.sqrt(dim)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - row_max) * 448
+    assert midpoint_distance(weights).min() > 2e-6  # the premise of the agreement above
+    rounded = weights.float().to(torch.float8_e4m3fn).double()
+    want_lse = (row_max + torch.log(rounded.sum(dim=-1, keepdim=True) / 448)).squeeze(-1).T
+    lse_limit = 2e-6 * max(1.0, want_lse.abs().max().item())
+    if ON_GPU:
+        # The MMA sums the 64-key tile's rounded probabilities in ~13 bits (two k-steps).
+        lse_limit += math.log1p(2 * 2**-eight_bit.FP8_MMA_ACC_BITS)
+    lse_error = (lse.double().cpu() - want_lse).abs().max().item()
+    assert lse_error <= lse_limit, f"LSE {lse_error:.3e} > {lse_limit:.3e}"

@@ -7,6 +7,7 @@ quotients as ``write_slots`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -176,6 +177,26 @@ def test_the_rounded_normalizer_makes_a_constant_v_exact() -> None:
         fmt = eba.EightBitFormat(acc_bits=None, normalizer=normalizer)
         out = eba.eight_bit_attention(q, k, constant, fmt, first_write=256)
         assert bool(((out - 28).abs() < 1e-12).all()) == exact
+
+
+def test_the_rounded_normalizer_is_summed_as_p_v_is() -> None:
+    # k8v8's kernel sums the rounded P by its P V MMA, over a column of ones: the same k-steps,
+    # truncations and flushes as a channel of V. A V of codes 16 (a power of two: truncation
+    # commutes with it) then comes out exactly 16 through a 13-bit accumulator, flushed every
+    # tile or every 4; summed exactly instead, the normalizer would miss by the truncations.
+    q, k = bf16_normal(8, 1, 32, seed=9), bf16_normal(512, 1, 32, seed=10) * 3
+    fmt = eba.EightBitFormat(acc_bits=eba.FP8_MMA_ACC_BITS, normalizer="rounded")
+    queries, keys = eba.quantize_queries(q, fmt), eba.quantize_keys(k, fmt)
+    values = eba.Codes(torch.full((512, 1, 32), 16.0), torch.ones(1, 32))
+    for flush in (1, 4):
+        flushed = dataclasses.replace(fmt, flush_tiles=flush)
+        out = eba.attend_codes(queries, keys, values, flushed)
+        assert torch.equal(out, torch.full_like(out, 16.0)), flush
+    exact_sum = dataclasses.replace(fmt, acc_bits=None)
+    weights_only = eba.attend_codes(queries, keys, values, exact_sum)
+    assert torch.equal(weights_only, torch.full_like(out, 16.0))  # exact: both sums exact
+    unrounded = dataclasses.replace(fmt, normalizer="unrounded")
+    assert not torch.equal(eba.attend_codes(queries, keys, values, unrounded), out)
 
 
 def test_truncation_keeps_the_mantissa_bits_toward_zero() -> None:
