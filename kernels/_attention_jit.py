@@ -1169,6 +1169,15 @@ def _attend_pv_behind(
             v = v.to(tl.float32)
         elif not (K8V16 or V_KEYS_MAJOR):
             v = v.to(tl.float8e4nv, bitcast=True)
+        # k8v8: the carried probabilities' row sums, with their rescale, before P V (Triton
+        # waits for each such MMA at once, and for every MMA before it). Gathered tiles take
+        # them before the score MMA too, while its int32 tile is not yet live (between it and
+        # P V, Triton 3.9 spilled 24 bytes at block 24); tiles inside a block after it (before
+        # it, block 64's loop on Triton 3.6 issued 1.8x the instructions with no MMA in flight).
+        SUMS_FIRST: tl.constexpr = not K8V16 and not SCALAR_BASE
+        if SUMS_FIRST:
+            p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)
+            row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)
         qk = tl.dot(q, tl.trans(k))
         if K8V16:
             acc = tl.dot(
@@ -1176,10 +1185,9 @@ def _attend_pv_behind(
             )
         else:
             acc = acc * pv_rescale[:, None] + pv
-            p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)
-            # The carried probabilities' row sums, with their rescale, as acc takes their P V
-            # (issued first: Triton waits for each such MMA at once, and for all before it).
-            row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)
+            if not SUMS_FIRST:
+                p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)
+                row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)
             pv = tl.dot(p_codes, v)
             pv_rescale = p_rescale
         probs, p_rescale, row_max = _int8_scores_softmax(

@@ -1655,9 +1655,20 @@ MUTANTS = [
     _m(
         "k8v8-pv-behind-row-sums-with-the-last-rescale",
         "kernels/_attention_jit.py",
-        "            row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)",
-        "            row_sum = _add_row_sums(row_sum, pv_rescale, p_codes, ones)",
+        "                row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)",
+        "                row_sum = _add_row_sums(row_sum, pv_rescale, p_codes, ones)",
         f"{K8}::test_k8v8_against_the_reference_emulation[p-v-behind-frozen]",
+    ),
+    _m(
+        "k8v8-pv-behind-gathered-row-sums-with-the-last-rescale",
+        "kernels/_attention_jit.py",
+        "        if SUMS_FIRST:\n"
+        "            p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)\n"
+        "            row_sum = _add_row_sums(row_sum, p_rescale, p_codes, ones)",
+        "        if SUMS_FIRST:\n"
+        "            p_codes = _fp8_operand(to_e4m3(probs, INTERPRETED), BLOCK_N)\n"
+        "            row_sum = _add_row_sums(row_sum, pv_rescale, p_codes, ones)",
+        f"{K8}::test_k8v8_against_the_reference_emulation[pieces-p-v-behind]",
     ),
     # -- k8v8's 64-key loop with each P V MMA under the next softmax ---------------------
     _m(

@@ -480,6 +480,7 @@ FIRST_KEYS = 16
         pytest.param(256, 128, 512, False, id="scores-ahead-frozen"),
         pytest.param(256, 128, 512 + 37, True, id="scores-ahead-per-block-masked-tail"),
         pytest.param(24, 128, 24 * 11, False, id="pieces-plain-loop"),
+        pytest.param(24, 64, 24 * 11, False, id="pieces-p-v-behind"),
     ],
 )
 def test_k8v8_against_the_reference_emulation(
@@ -496,8 +497,9 @@ def test_k8v8_against_the_reference_emulation(
     # two agree to float32 accuracy (every 448 p lies 2e-6 or more, relative, from an e4m3
     # rounding midpoint, checked: the GPU's exp2.approx and float32 scores move it ~1e-6). So do the
     # LSEs: of the rounded probabilities' sums, which an LSE of the unrounded ones misses by
-    # ~1e-3 here. Each k8v8 loop: P V under the next softmax, the scores a tile ahead (and a
-    # masked tail), and the plain loop of tiles gathered from block pieces (block 24).
+    # ~1e-3 here. Each k8v8 loop: P V under the next softmax (inside a block, and gathered from
+    # block pieces), the scores a tile ahead (and a masked tail), and the plain loop of tiles
+    # gathered from block pieces (block 24).
     from paged_video.reference import eight_bit_attention as eight_bit
 
     heads, kv_heads, dim = 4, 2, 80
