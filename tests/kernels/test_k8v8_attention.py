@@ -495,11 +495,11 @@ def test_k8v8_against_the_reference_emulation(
     # lies in the first tile the kernel attends and its
     # running max is the final one: the emulation then rounds the same probabilities, and the
     # two agree to float32 accuracy (every 448 p lies 2e-6 or more, relative, from an e4m3
-    # rounding midpoint, checked: the GPU's exp2.approx and float32 scores move it ~1e-6). So do the
-    # LSEs: of the rounded probabilities' sums, which an LSE of the unrounded ones misses by
-    # ~1e-3 here. Each k8v8 loop: P V under the next softmax (inside a block, and gathered from
-    # block pieces), the scores a tile ahead (and a masked tail), and the plain loop of tiles
-    # gathered from block pieces (block 24).
+    # rounding midpoint, checked: the GPU's exp2.approx and float32 scores move it ~1e-6), where
+    # an emulation with the unrounded normalizer misses by 0.4-0.8% of the output's size. So do
+    # the LSEs, of the rounded probabilities' sums. Each k8v8 loop: P V under the next softmax
+    # (inside a block, and gathered from block pieces), the scores a tile ahead (and a masked
+    # tail), and the plain loop of tiles gathered from block pieces (block 24).
     from paged_video.reference import eight_bit_attention as eight_bit
 
     heads, kv_heads, dim = 4, 2, 80
