@@ -65,7 +65,8 @@ LOG2_E4M3_MAX = tl.constexpr(8.807354922057604)
 SCORE_BIAS = tl.constexpr(12582912.0)
 SCORE_BIAS_BITS = tl.constexpr(1262485504)
 # k8v8's row sums: the columns of the FP8 MMA that sums each tile's e4m3 probabilities over a
-# column of ones (_row_sums_by_mma); 16, Triton's smallest dot width.
+# column of ones (_sums_operand); 16, a warpgroup MMA's on both Tritons (at 8, Triton 3.6 took
+# an HMMA, 683 instructions a 128-key tile at block 1560 against 645).
 SUM_COLUMNS = tl.constexpr(16)
 
 
@@ -514,7 +515,7 @@ def _attend_tiles(
         k_scales = caches[2]
         v_scales = caches[3]
     if K8V8:
-        row_sum, ones = _row_sums_by_mma(row_sum, BLOCK_N)
+        ones = _sums_operand(BLOCK_N)
     table_row, stride_table_col = table
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -962,7 +963,7 @@ def _attend_k8v8_ahead(
     ``P V`` sum carried to the next iteration (flushed under the next MMA) needs a third
     accumulator tile of registers beside acc and two tiles of scores (docs/quantization.md)."""
     acc, row_max, row_sum = state
-    row_sum, ones = _row_sums_by_mma(row_sum, BLOCK_N)
+    ones = _sums_operand(BLOCK_N)
     k_cache = caches[0]
     v_cache = caches[1]
     k_scales = caches[2]
@@ -1089,7 +1090,7 @@ def _attend_pv_behind(
     ones, applied in the epilogue."""
     acc, row_max, row_sum = state
     if not K8V16:
-        row_sum, ones = _row_sums_by_mma(row_sum, BLOCK_N)
+        ones = _sums_operand(BLOCK_N)
     k_cache = caches[0]
     v_cache = caches[1]
     k_scales = caches[2]
@@ -1220,8 +1221,8 @@ def _k8v8_step(
 ):
     """An unmasked k8v8 tile's online-softmax step (``_attend_tiles``' k8v8 arithmetic) from
     its float scores (int8 sums, K in ``_fp8_mma_key_order``), K's scales by score column, V's
-    e4m3 tile and (``V_BLOCK_SCALES``) its block's channel scales, the row sums by MMA
-    (``_row_sums_by_mma``: ``state``'s are its columns, ``ones`` its operand); where the scalar
+    e4m3 tile and (``V_BLOCK_SCALES``) its block's channel scales, the row sums by MMA over
+    ``ones`` (``_sums_operand``, ``_add_row_sums``); where the scalar
     ``skip`` holds, none (as ``_pv_step``). Returns the state and ``next_qk`` (the next tile's
     int32 scores) in float, converted after the ``P V`` MMA is issued and before its flush
     (carried as int32 and converted at the step, 8 instructions more issued with no MMA in
@@ -1307,24 +1308,23 @@ def _int8_scores_softmax(
 
 
 @triton.jit
-def _row_sums_by_mma(row_sum, BLOCK_N: tl.constexpr):
-    """k8v8's row sums as a loop carries them: ``[rows, SUM_COLUMNS]`` with the sums in column 0
-    and zeros beside them (``tl.sum`` over a row gives them back exactly), and the ``[BLOCK_N,
-    SUM_COLUMNS]`` e4m3 operand that ``_add_row_sums``' MMA takes: ones in column 0, zeros
-    elsewhere. Summing the e4m3 probabilities in the loop took an add per probability (64 a
-    thread per 128 x 128 tile at 8 warps, an eighth of k8v8's loop, which its issue slots
-    bound: docs/quantization.md); the MMA adds an eighth to the ``P V`` MMA's work."""
+def _sums_operand(BLOCK_N: tl.constexpr):
+    """The ``[BLOCK_N, SUM_COLUMNS]`` e4m3 operand of ``_add_row_sums``' MMA: ones in column 0,
+    zeros elsewhere, so a row of the product holds its probabilities' sum and zeros (``tl.sum``
+    over the row gives it back exactly). Made once before a loop. Summing the e4m3
+    probabilities in the loop took an add per probability (64 a thread per 128 x 128 tile at 8
+    warps, an eighth of k8v8's loop, which its issue slots bound: docs/quantization.md); the MMA
+    adds an eighth to the ``P V`` MMA's work."""
     columns = tl.arange(0, SUM_COLUMNS)
-    sums = row_sum
     ones = tl.where(columns[:, None] == 0, 1.0, 0.0) + tl.zeros([SUM_COLUMNS, BLOCK_N], tl.float32)
-    return sums, tl.trans(ones).to(tl.float8e4nv)
+    return tl.trans(ones).to(tl.float8e4nv)
 
 
 @triton.jit
 def _add_row_sums(row_sum, rescale, p_codes, ones):
-    """``_row_sums_by_mma``'s row sums rescaled, plus a tile's e4m3 probabilities ``p_codes``
-    summed by an FP8 MMA: the rounded probabilities ``P V`` takes, through the same ~13-bit
-    accumulator, added into float32 once a tile as ``P V``'s sums are
+    """Float32 row sums rescaled, plus a tile's e4m3 probabilities ``p_codes`` summed by an FP8
+    MMA over ``ones`` (``_sums_operand``): the rounded probabilities ``P V`` takes, through the
+    same ~13-bit accumulator, added into float32 once a tile as ``P V``'s sums are
     (``reference.eight_bit_attention``'s ``"rounded"`` normalizer)."""
     return row_sum * rescale + tl.sum(tl.dot(p_codes, ones), axis=1)
 

@@ -321,8 +321,8 @@ def attend_codes(
         row_sum = probs.sum(dim=-1, keepdim=True)
     else:
         # The rounded P summed as a column of ones beside V: the same k-steps and flushes.
-        ones = _accumulate(w_steps.sum(dim=-1, keepdim=True), fmt.acc_bits, steps_per_flush)
-        row_sum = ones.sum(dim=-2) * unit[..., :1]
+        sums = _accumulate(w_steps.sum(dim=-1, keepdim=True), fmt.acc_bits, steps_per_flush)
+        row_sum = sums.sum(dim=-2) * unit[..., :1]
     if fmt.v_scales == "block":
         # Each flush lies in one V block: times that block's scales, (H, F, D).
         blocks = per_head(values.scale.to(torch.float64))

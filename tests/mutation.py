@@ -1466,8 +1466,8 @@ MUTANTS = [
     _m(
         "eight-bit-rounded-normalizer-summed-exactly",
         "reference/eight_bit_attention.py",
-        "ones = _accumulate(w_steps.sum(dim=-1, keepdim=True), fmt.acc_bits, steps_per_flush)",
-        "ones = _accumulate(w_steps.sum(dim=-1, keepdim=True), None, steps_per_flush)",
+        "sums = _accumulate(w_steps.sum(dim=-1, keepdim=True), fmt.acc_bits, steps_per_flush)",
+        "sums = _accumulate(w_steps.sum(dim=-1, keepdim=True), None, steps_per_flush)",
         f"{EIGHT_BIT}::test_the_rounded_normalizer_is_summed_as_p_v_is",
     ),
     _m(
