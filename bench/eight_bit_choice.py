@@ -16,8 +16,10 @@ per ``tile64``; V ``frozen16`` (per channel frozen at the first write with headr
 ``block64`` (per channel per block of 64 keys), ``slot`` (today's row scale, into each
 probability) or ``bf16`` (16-bit V); P ``e4m3`` (at 448), ``exact``, ``bf16``/``fp16``;
 accumulator ``acc13`` (Hopper's FP8 MMA), ``acc22``, ``exact``, with ``flushN`` (every N tiles of
-64 keys). Goals (issue 45): the fast format <= ``FAST_RANDOM_GOAL`` on random data and on every
-kind <= ``FAST_VS_E4M3`` x today's e4m3 pool; the accurate one <= ``ACCURATE_GOAL`` everywhere.
+64 keys). The accurate format ending ``/unrounded-q``, ``-k`` or ``-qk`` leaves those operands'
+codes unrounded: which rounding its error comes from. Goals (issue 45): the fast format <=
+``FAST_RANDOM_GOAL`` on random data and on every kind <= ``FAST_VS_E4M3`` x today's e4m3 pool;
+the accurate one <= ``ACCURATE_GOAL`` everywhere.
 """
 
 from __future__ import annotations
@@ -45,18 +47,25 @@ ROWS_PER_CALL = 64
 
 @dataclass(frozen=True)
 class Candidate:
-    """A format, whether K is equalized, K's share of the channels' width and whether K's factors
-    regrow after the first write (``reference.regrow``; else frozen there). Smoothing is always
-    on, as the cache's default."""
+    """A format, whether K is equalized, K's share of the channels' width, whether K's factors
+    regrow after the first write (``reference.regrow``; else frozen there) and which operands'
+    codes are left unrounded (``"q"``, ``"k"``: an error budget, no format a kernel runs).
+    Smoothing is always on, as the cache's default."""
 
     format: eba.EightBitFormat
     equalize_k: bool = True
     k_share: float = K_SHARE
     regrow: bool = False
+    unrounded: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.regrow and not self.equalize_k:
             raise ValueError("regrow needs equalize_k: only equalization factors regrow")
+        if not self.unrounded <= {"q", "k"}:
+            raise ValueError(f"unrounded names operands 'q' and 'k', got {sorted(self.unrounded)}")
+        if self.regrow and "k" in self.unrounded:
+            # Regrowth restates the stored codes, rounding them again.
+            raise ValueError("regrow rounds K's codes: it cannot leave them unrounded")
 
 
 def _fmt(k: str, v: str, p: str = "e4m3", acc: str = "acc13", flush: int = 1) -> Candidate:
@@ -114,6 +123,13 @@ def candidates() -> dict[str, Candidate]:
             out[f"{name}/q-row/k-share{share:g}"] = Candidate(per_row, k_share=share)
         # K's factors regrow where a later frame's are 4x or more (the cache's rule).
         out[name + "/q-row/regrow"] = Candidate(per_row, regrow=True)
+    # The accurate format's error budget: which rounding its error comes from.
+    accurate = out["int8-slot/bf16/bf16/exact/q-row"]
+    for operands in ("q", "k", "qk"):
+        unrounded = frozenset(operands)
+        out[f"int8-slot/bf16/bf16/exact/q-row/unrounded-{operands}"] = replace(
+            accurate, unrounded=unrounded
+        )
     return out
 
 
@@ -133,7 +149,7 @@ def emulate(candidate: Candidate, data: Data, prepared: Prepared, first_write: i
     writes)."""
     fmt = candidate.format
     keys, k_factor = stored_keys(candidate, data.keys, prepared.mean, first_write)
-    queries = eba.quantize_queries(data.q, fmt, k_factor)
+    queries = eba.quantize_queries(data.q, fmt, k_factor, rounded="q" not in candidate.unrounded)
     values = eba.quantize_values(data.values, fmt, first_write)
     return eba.attend_codes_by_rows(queries, keys, values, fmt, ROWS_PER_CALL)
 
@@ -146,14 +162,15 @@ def stored_keys(
     then frozen or, for a ``regrow`` candidate, regrown by each later frame
     (``bench.accuracy.written_rows``)."""
     fmt = candidate.format
+    rounded = "k" not in candidate.unrounded
     if not candidate.equalize_k:
-        return eba.quantize_keys(keys, fmt, smooth=mean), None
+        return eba.quantize_keys(keys, fmt, smooth=mean, rounded=rounded), None
 
     def choose(rows: torch.Tensor) -> torch.Tensor:
         return choose_factors(rows, mean, share=candidate.k_share)
 
     def quantize(rows: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return eba.quantize_keys(rows, fmt, smooth=mean, factor=factor)
+        return eba.quantize_keys(rows, fmt, smooth=mean, factor=factor, rounded=rounded)
 
     if not candidate.regrow:
         factor = choose(keys[:frame])

@@ -411,7 +411,9 @@ class PagedWanRollout:
         on the clean block. With guidance the flow is ``neg + guidance_scale * (pos - neg)``.
         ``actions``: ``(blocks, action_tokens, inner_dim)`` hidden states, keys of every
         forward of their block, never committed. ``record_reads=False`` skips the per-forward
-        records (a device sync each); ``on_block(block)`` is called after each block.
+        records (a device sync each); ``on_block(block)`` is called after each block. A k8v8
+        cache's V that its frozen channel scales could not hold raises ``ValueError`` at the end
+        of its block (``PagedKVCache.check_v_saturation``).
 
         Futures: ``noise`` of ``K`` rows and ``fork_after=b`` generate the first ``b`` blocks
         once (the rows must agree on them), fork the session into ``K`` sessions sharing that
@@ -478,6 +480,9 @@ class PagedWanRollout:
                     record=record_reads,
                 )
                 block_reads.append(read)
+                # k8v8: a block whose V its frozen scales could not hold is an error, not a
+                # latent (one sync a block).
+                self.cache.check_v_saturation()
                 latents[:, :, lo : lo + frames_per_block] = x
                 reads.append(block_reads if record_reads else [])
                 if on_block is not None:

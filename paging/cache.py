@@ -473,6 +473,28 @@ class PagedKVCache:
                 "chooses), or close the sessions that hold them"
             )
 
+    def check_v_saturation(self) -> None:
+        """``ValueError`` when a k8v8 layer stored V elements its frozen channel scales cannot
+        hold (``v_saturated``: saturated beyond 448 codes, ``v_headroom`` times the first
+        write's largest, or nonzero in a row stored all zeros, far below them): attention over
+        that layer reads values that were not written. One device sync (the per-layer counts);
+        nothing to check for other formats. ``write_slots`` counts rather than refuses, so that
+        a write needs no sync; a caller checks where a sync is cheap (``PagedWanRollout``: once
+        a block)."""
+        if not self.v_saturated.numel():
+            return
+        from paged_video.kernels.value_channels import V_HEADROOM
+
+        counts = self.v_saturated.tolist()
+        layers = {layer: count for layer, count in enumerate(counts) if count}
+        if layers:
+            raise ValueError(
+                f"k8v8 stored {sum(layers.values())} V elements its frozen channel scales cannot "
+                f"hold (layer: count {layers}): beyond {V_HEADROOM:g}x the first "
+                "write's largest, or rows far below the scales, which read as zeros; attention "
+                "over them is not over what was written. kv_format='k8v16' keeps V unquantized"
+            )
+
     def scratch_blocks(self, session: Session, branch: str) -> range:
         """The scratch blocks of ``session``'s sequence on ``branch``, outside the pool."""
         return self._scratch_lane(session.lane, branch)

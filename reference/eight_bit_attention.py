@@ -143,13 +143,16 @@ def round_codes(ratio: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.round(clamped).to(dtype) if dtype == torch.int8 else clamped.to(dtype)
 
 
-def _codes_by_group(x32: Tensor, amax: Tensor, dtype: torch.dtype, expand: int) -> Codes:
+def _codes_by_group(
+    x32: Tensor, amax: Tensor, dtype: torch.dtype, expand: int, rounded: bool = True
+) -> Codes:
     """Codes of float32 ``x32 (L, H, D)`` under ``scale = amax / qmax`` (float32, per group of
-    ``expand`` consecutive rows and head: ``amax (groups, H)``)."""
+    ``expand`` consecutive rows and head: ``amax (groups, H)``); ``rounded=False``: the float32
+    quotients as they are (float64), the codes a format without this rounding would hold."""
     scale = amax / QMAX[dtype]  # float32 division, correctly rounded as div_rn
     divisor = scale.repeat_interleave(expand, dim=0)[: x32.shape[0]].unsqueeze(-1)
     ratio = torch.where(divisor > 0, x32 / torch.where(divisor > 0, divisor, 1.0), 0.0)
-    return Codes(round_codes(ratio, dtype), scale)
+    return Codes(round_codes(ratio, dtype) if rounded else ratio.to(torch.float64), scale)
 
 
 def _group_amax(x32: Tensor, rows: int) -> Tensor:
@@ -157,16 +160,19 @@ def _group_amax(x32: Tensor, rows: int) -> Tensor:
     return _pad_keys(x32.abs(), 0, rows).unflatten(0, (-1, rows)).amax(dim=(1, 3))
 
 
-def quantize_queries(q: Tensor, fmt: EightBitFormat, k_factor: Tensor | None = None) -> Codes:
+def quantize_queries(
+    q: Tensor, fmt: EightBitFormat, k_factor: Tensor | None = None, *, rounded: bool = True
+) -> Codes:
     """``q (Lq, H, D)`` as codes of ``fmt.k_dtype`` and scales ``(ceil(Lq / R), H)``, one per
     block of ``R = fmt.q_rows_per_scale`` rows and head. ``k_factor (Hkv, D)``: K's
-    equalization factors, multiplied into q first (float32)."""
+    equalization factors, multiplied into q first (float32). ``rounded=False``: the codes
+    unrounded (float64), to tell the queries' rounding from the rest of the format's error."""
     q32 = q.to(torch.float32)
     if k_factor is not None:
         group = q.shape[1] // k_factor.shape[0]
         q32 = q32 * k_factor.to(torch.float32).repeat_interleave(group, dim=0)
     rows = fmt.q_rows_per_scale
-    return _codes_by_group(q32, _group_amax(q32, rows), fmt.k_dtype, rows)
+    return _codes_by_group(q32, _group_amax(q32, rows), fmt.k_dtype, rows, rounded)
 
 
 def quantize_keys(
@@ -175,17 +181,19 @@ def quantize_keys(
     *,
     smooth: Tensor | None = None,
     factor: Tensor | None = None,
+    rounded: bool = True,
 ) -> Codes:
     """``k (Lk, Hkv, D)`` minus ``smooth``, divided by ``factor`` (both ``(Hkv, D)``; float32,
     as ``write_slots``) as codes of ``fmt.k_dtype`` and scales ``(ceil(Lk / G), Hkv)``, one per
-    ``G = fmt.k_keys_per_scale`` consecutive keys and KV head."""
+    ``G = fmt.k_keys_per_scale`` consecutive keys and KV head. ``rounded=False``: the codes
+    unrounded (float64), as :func:`quantize_queries`'."""
     k32 = k.to(torch.float32)
     if smooth is not None:
         k32 = k32 - smooth.to(torch.float32)
     if factor is not None:
         k32 = k32 / factor.to(torch.float32)
     keys = fmt.k_keys_per_scale
-    return _codes_by_group(k32, _group_amax(k32, keys), fmt.k_dtype, keys)
+    return _codes_by_group(k32, _group_amax(k32, keys), fmt.k_dtype, keys, rounded)
 
 
 def quantize_values(v: Tensor, fmt: EightBitFormat, first_write: int | None = None) -> Codes:

@@ -1442,10 +1442,34 @@ MUTANTS = [
     _m(
         "eight-bit-float64-quotient",
         "reference/eight_bit_attention.py",
-        "    return Codes(round_codes(ratio, dtype), scale)",
+        "    return Codes(round_codes(ratio, dtype) if rounded else",
         "    exact = x32.double() / divisor.double().clamp_min(1e-300)\n"
-        "    return Codes(torch.round(exact.clamp(-127, 127)).to(dtype), scale)",
+        "    return Codes(torch.round(exact.clamp(-127, 127)).to(dtype) if rounded else",
         f"{EIGHT_BIT}::test_int8_codes_round_the_float32_quotient_half_to_even",
+    ),
+    _m(
+        "rollout-skips-the-v-saturation-check",
+        "models/wan_paged.py",
+        "                self.cache.check_v_saturation()\n",
+        "\n",
+        "tests/models/test_wan_quantized.py::"
+        "test_a_k8v8_block_whose_v_was_not_held_raises_at_its_end",
+    ),
+    _m(
+        "cache-v-saturation-never-raises",
+        "paging/cache.py",
+        "        if layers:\n            raise ValueError(",
+        "        if False:\n            raise ValueError(",
+        "tests/paging/test_k8v8_cache.py::"
+        "test_v_its_frozen_scales_cannot_hold_is_an_error_when_checked",
+    ),
+    _m(
+        "eight-bit-choice-keys-always-rounded",
+        "bench/eight_bit_choice.py",
+        'rounded = "k" not in candidate.unrounded',
+        "rounded = True",
+        "tests/bench/test_eight_bit_choice.py::"
+        "test_the_accurate_formats_error_budget_tells_q_and_k_rounding_apart",
     ),
     _m(
         "eight-bit-accumulator-exact",

@@ -86,6 +86,35 @@ def test_verdicts_are_the_issues_goals() -> None:
     assert "| fast | 3.90 | 3.30 | fast |" in printed
 
 
+def test_the_accurate_formats_error_budget_tells_q_and_k_rounding_apart() -> None:
+    """With K's outlier channels and q unscaled, leaving both operands' codes unrounded leaves
+    only P's bf16 rounding; leaving either one unrounded takes its share off."""
+    config = AccuracyConfig(**{**TINY.__dict__, "data": ("k-outliers-q-unscaled",)})
+    every = choice.candidates()
+    accurate = "int8-slot/bf16/bf16/exact/q-row"
+    names = [accurate] + [f"{accurate}/unrounded-{ops}" for ops in ("q", "k", "qk")]
+    both = every[names[3]]
+    assert both.unrounded == {"q", "k"} and both.format == every[accurate].format
+    table = choice.measure(config, {name: every[name] for name in names})
+    full, q_off, k_off, both_off = (table[name]["k-outliers-q-unscaled"] for name in names)
+    assert max(q_off, k_off) < full
+    assert both_off < 0.1 * min(q_off, k_off)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        pytest.param({"unrounded": frozenset("v")}, "operands 'q' and 'k'", id="unknown-operand"),
+        pytest.param(
+            {"unrounded": frozenset("k"), "regrow": True}, "cannot leave them", id="regrown-k"
+        ),
+    ],
+)
+def test_unrounded_operands_are_q_and_k_of_a_frozen_k(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        choice.Candidate(eba.ACCURATE_FORMAT, **fields)
+
+
 # The formats docs/quantization.md chose ("Choosing the 8-bit format"), with K's factors frozen
 # at the first write and regrowing as the cache's do (kernels.regrow), and, per data kind, how
 # far over today's pool's error the cache's may be: the fast one 1.1x today's e4m3 pool (the

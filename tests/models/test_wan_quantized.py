@@ -15,9 +15,17 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from paged_video.models.wan_paged import PagedWanRollout
+from paged_video.paging import PagingConfig
 from paged_video.reference.wan_rollout import reference_rollout
 from tests.models.test_wan_rollout import BLOCKS, CFG, run_both
-from tests.models.tiny import ATOL, assert_close_to_quantized_oracle, rollout_inputs, tiny_wan
+from tests.models.tiny import (
+    ATOL,
+    TOKENS_PER_FRAME,
+    assert_close_to_quantized_oracle,
+    rollout_inputs,
+    tiny_wan,
+)
 
 QUANTIZED = [torch.int8]
 # The quantized rollout against the unquantized reference (same model and inputs), measured on
@@ -137,3 +145,31 @@ def test_reference_refuses_an_unknown_kv_dtype():
             window_frames=2,
             kv_dtype=torch.float16,
         )
+
+
+def test_a_k8v8_block_whose_v_was_not_held_raises_at_its_end():
+    # The rollout checks the cache's count of V its frozen scales could not hold after each
+    # block (PagedKVCache.check_v_saturation); a count appearing after block 0 (as a write
+    # saturating it would leave it) stops the rollout at the end of block 1.
+    config = PagingConfig(
+        block_size=16,
+        chunk_size=TOKENS_PER_FRAME,
+        sink_chunks=1,
+        window_chunks=2,
+        max_forward_chunks=1,
+        kv_format="k8v8",
+    )
+    inputs = rollout_inputs(1, blocks=3)
+    done = []
+
+    def on_block(block: int) -> None:
+        done.append(block)
+        rollout.cache.v_saturated[1] = 5
+
+    with PagedWanRollout(tiny_wan(0), config, guidance=False) as rollout:
+        free = rollout.cache.pool.num_free
+        with pytest.raises(ValueError, match=r"k8v8 stored 5 V elements .*\{1: 5\}"):
+            rollout.generate(inputs.noise, inputs.prompt, frames_per_block=1, sigmas=(1.0,),
+                             on_block=on_block)  # fmt: skip
+        assert rollout.cache.pool.num_free == free  # the session was closed
+    assert done == [0]

@@ -209,3 +209,40 @@ def test_keys_that_grow_after_the_first_write_regrow_the_factors(kv_format: str)
         for call in calls:
             call.commit()
     assert (caches[0].k_equalizers[0, 0, :4] == 8).all()
+
+
+def test_v_its_frozen_scales_cannot_hold_is_an_error_when_checked() -> None:
+    # Forwards through the fused op: the first chooses layer 0's frozen V channel scales; a
+    # later one writing V 1000x wider (past the headroom of 256) saturates, and one writing a
+    # row 1e-7 of the first's loses it (every code rounds to zero). The cache counts them on
+    # the device at the write and raises where a caller checks, naming the layers.
+    cache = k8v8_cache()
+    session = cache.open_session()
+    gen = torch.Generator().manual_seed(3)
+    n = CONFIG.chunk_size
+
+    def forward(v_gain: dict[int, float]) -> None:
+        call = ForwardCall(cache, cache.plan(session, "main", n), softmax_scale=0.3)
+        for layer in range(LAYERS):
+            q = torch.randn(n, HEADS, DIM, generator=gen)
+            k = torch.randn(n, KV_HEADS, DIM, generator=gen)
+            v = torch.randn(n, KV_HEADS, DIM, generator=gen) * v_gain.get(layer, 1.0)
+            call.attend(layer, q, k, v)
+        call.commit()
+
+    forward({})
+    forward({})
+    cache.check_v_saturation()  # V as wide as the first write's: held
+    forward({0: 1000.0})
+    with pytest.raises(ValueError, match=r"k8v8 stored \d+ V elements .*\{0: \d+\}.*k8v16"):
+        cache.check_v_saturation()
+    saturated = int(cache.v_saturated[0])
+    assert saturated > 0 and int(cache.v_saturated[1:].sum()) == 0
+    forward({LAYERS - 1: 1e-7})
+    lost = n * KV_HEADS * DIM  # every element of the rows written
+    with pytest.raises(ValueError, match=rf"\{{0: {saturated}, {LAYERS - 1}: {lost}\}}"):
+        cache.check_v_saturation()
+    float_cache = PagedKVCache(
+        CONFIG, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.float32
+    )
+    float_cache.check_v_saturation()  # nothing to check

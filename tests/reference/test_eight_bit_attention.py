@@ -126,6 +126,29 @@ def test_smoothing_and_factors_apply_before_the_key_codes() -> None:
     assert (codes.int() - expected.int()).abs().max() <= 1  # float32 vs float64 quotient ties
 
 
+@pytest.mark.parametrize("k_dtype", [torch.int8, E4M3], ids=["int8", "e4m3"])
+def test_unrounded_codes_are_the_quotients_the_codes_round(k_dtype: torch.dtype) -> None:
+    """``rounded=False`` (``bench.eight_bit_choice``'s error budget) keeps the float32 quotient
+    that rounding takes, under the same scales, for both operands of ``Q K^T``."""
+    fmt = eba.EightBitFormat(k_dtype=k_dtype, q_rows_per_scale=4)
+    k = bf16_normal(40, 2, 32, seed=9) + 3
+    smooth = torch.full((2, 32), 3.0)
+    factor = torch.ones(2, 32)
+    factor[:, 5] = 8
+    q = bf16_normal(12, 4, 32, seed=10)
+    for rounded, exact in (
+        (
+            eba.quantize_keys(k, fmt, smooth=smooth, factor=factor),
+            eba.quantize_keys(k, fmt, smooth=smooth, factor=factor, rounded=False),
+        ),
+        (eba.quantize_queries(q, fmt, factor), eba.quantize_queries(q, fmt, factor, rounded=False)),
+    ):
+        assert exact.codes.dtype == torch.float64
+        assert torch.equal(exact.scale, rounded.scale)
+        assert torch.equal(eba.round_codes(exact.codes, k_dtype), rounded.codes)
+        assert not torch.equal(exact.codes, rounded.codes.to(torch.float64))
+
+
 def test_frozen_value_scales_take_the_first_write_with_headroom_and_saturate_beyond() -> None:
     v = bf16_normal(100, 2, 16, seed=5)
     v[:, 1, 3] = 0.0
