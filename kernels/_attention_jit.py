@@ -983,24 +983,30 @@ def _attend_k8v8_ahead(
         PIECE_OFFSET, PIECE_SIZE, False, False,
     )  # fmt: skip
     v_id0, v_id1, v_ids = k_id0, k_id1, k_ids
+    k_slot = PIECE_OFFSET + first_tile % PIECE_SIZE
+    v_slot = k_slot
     for j in range(num_tiles + (num_tiles > 0)):
         k_start = first_tile + tl.minimum(j, last) * BLOCK_N
         v_start = first_tile + BLOCK_N * tl.maximum(j - 1, 0)
+        next_k_start = first_tile + tl.minimum(j + 1, last) * BLOCK_N
         next_k_id0, next_k_id1, next_k_ids = _tile_block_ids(
-            table_row, stride_table_col, first_tile + tl.minimum(j + 1, last) * BLOCK_N,
-            positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, False,
+            table_row, stride_table_col, next_k_start, positions_end, BLOCK_N, BLOCK_SIZE,
+            KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, False,
         )  # fmt: skip
-        v_next = first_tile + j * BLOCK_N
-        next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(
-            table_row, stride_table_col, v_next, positions_end, BLOCK_N, BLOCK_SIZE, KV_PATH,
-            PIECE_OFFSET, PIECE_SIZE, False, False,
-        )  # fmt: skip
-        if DESCRIPTOR_LOADS:
-            v_slot = PIECE_OFFSET + v_start % PIECE_SIZE
-            k, v = _k8v8_descriptor_tiles(
-                descs, k_id0, PIECE_OFFSET + k_start % PIECE_SIZE, v_id0, v_slot, BLOCK_SIZE,
-                BLOCK_N, BLOCK_D, V_KEYS_MAJOR,
+        # (Beside the block index of the same position: one division for both.)
+        next_k_slot = PIECE_OFFSET + next_k_start % PIECE_SIZE
+        if SCALAR_BASE:
+            # V's next tile is this K's (tile j, or the last): its one id carried.
+            next_v_id0, next_v_id1, next_v_ids = k_id0, k_id1, k_ids
+        else:
+            next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(
+                table_row, stride_table_col, first_tile + j * BLOCK_N, positions_end, BLOCK_N,
+                BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, False,
             )  # fmt: skip
+        if DESCRIPTOR_LOADS:
+            k, v = _k8v8_descriptor_tiles(
+                descs, k_id0, k_slot, v_id0, v_slot, BLOCK_SIZE, BLOCK_N, BLOCK_D, V_KEYS_MAJOR
+            )
             k_col = descs[4].load([v_id0 * k_scales[1] + descs[6] + v_slot])
         else:
             k = _unmasked_tile(
@@ -1032,6 +1038,9 @@ def _attend_k8v8_ahead(
         )  # fmt: skip
         k_id0, k_id1, k_ids = next_k_id0, next_k_id1, next_k_ids
         v_id0, v_id1, v_ids = (next_v_id0, next_v_id1, next_v_ids)
+        # V's next tile is this K's (as its ids): its slot carried, not computed again.
+        v_slot = k_slot
+        k_slot = next_k_slot
     return acc, row_max, row_sum
 
 

@@ -1661,6 +1661,23 @@ MUTANTS = [
         "    if len(devices) > 2:",
         f"{REFUSALS}[float-attend-query-device]",
     ),
+    # -- k8v8's scores-ahead loop: V's tile ids and slot carried from K's ---------------------
+    _m(
+        "k8v8-ahead-v-ids-of-the-next-tile",
+        "kernels/_attention_jit.py",
+        "            # V's next tile is this K's (tile j, or the last): its one id carried.\n"
+        "            next_v_id0, next_v_id1, next_v_ids = k_id0, k_id1, k_ids",
+        "            # V's next tile is this K's (tile j, or the last): its one id carried.\n"
+        "            next_v_id0, next_v_id1, next_v_ids = next_k_id0, next_k_id1, next_k_ids",
+        f"{K8}::test_k8v8_descriptor_loop",
+    ),
+    _m(
+        "k8v8-ahead-v-slot-of-the-next-tile",
+        "kernels/_attention_jit.py",
+        "        v_slot = k_slot\n        k_slot = next_k_slot\n",
+        "        v_slot = next_k_slot\n        k_slot = next_k_slot\n",
+        f"{K8}::test_k8v8_descriptor_loop",
+    ),
     # -- k8v8's row sums by MMA (the rounded probabilities over a column of ones) -----------
     _m(
         "k8v8-row-sums-unrescaled",
@@ -1719,15 +1736,21 @@ MUTANTS = [
     _m(
         "pv-behind-v-of-the-scores-tile",
         "kernels/_attention_jit.py",
+        "            # V's next tile is this K's: its one id carried.\n"
         "            next_v_id0, next_v_id1, next_v_ids = k_id0, k_id1, k_ids\n",
+        "            # V's next tile is this K's: its one id carried.\n"
         "            next_v_id0, next_v_id1, next_v_ids = next_k_id0, next_k_id1, next_k_ids\n",
         f"{K8}::test_k8v8_p_v_under_the_next_softmax",
     ),
     _m(
         "pv-behind-gathered-v-of-the-scores-tile",
         "kernels/_attention_jit.py",
+        "            # cost Triton 3.9's pipeliner the K tile's prefetch (stored through"
+        " registers).\n"
         "            next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(\n"
         "                table_row, stride_table_col, first_tile + j * BLOCK_N,",
+        "            # cost Triton 3.9's pipeliner the K tile's prefetch (stored through"
+        " registers).\n"
         "            next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(\n"
         "                table_row, stride_table_col, first_tile + tl.minimum(j + 1, last)"
         " * BLOCK_N,",
