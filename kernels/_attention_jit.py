@@ -999,6 +999,8 @@ def _attend_k8v8_ahead(
             # V's next tile is this K's (tile j, or the last): its one id carried.
             next_v_id0, next_v_id1, next_v_ids = k_id0, k_id1, k_ids
         else:
+            # A gathered tile's per-row ids read apart for V: carried from K's, block 16's
+            # loop spilled on both Tritons (112 and 75 spill stores).
             next_v_id0, next_v_id1, next_v_ids = _tile_block_ids(
                 table_row, stride_table_col, first_tile + j * BLOCK_N, positions_end, BLOCK_N,
                 BLOCK_SIZE, KV_PATH, PIECE_OFFSET, PIECE_SIZE, False, False,
