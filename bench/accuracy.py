@@ -75,7 +75,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -99,6 +99,7 @@ from paged_video.kernels.value_channels import V_HEADROOM, frozen_channel_scales
 from paged_video.reference import regrow
 from paged_video.reference.eight_bit_attention import (
     FP8_MMA_ACC_BITS,
+    K8V8_FORMAT,
     Codes,
     EightBitFormat,
     attend_codes_by_rows,
@@ -602,13 +603,10 @@ def eight_bit_emulation(variant: Variant, config: AccuracyConfig) -> EightBitFor
     over 28,080 random keys)."""
     on_gpu = torch.device(config.device).type == "cuda"
     if variant.format == "k8v8":
-        return EightBitFormat(
-            q_rows_per_scale=1,
-            v_scales="frozen",
+        return replace(
+            K8V8_FORMAT,
             v_headroom=V_HEADROOM,
-            normalizer="rounded",
             acc_bits=FP8_MMA_ACC_BITS if on_gpu else None,
-            flush_tiles=1,
             tile_keys=kernel_tile_keys(variant, config),
         )
     # k8v16's P V is 16-bit in V's dtype, q's (probs.to(v.dtype)); float32 queries and the

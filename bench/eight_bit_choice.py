@@ -17,7 +17,9 @@ per ``tile64``; V ``frozen16`` (per channel frozen at the first write with headr
 probability) or ``bf16`` (16-bit V); P ``e4m3`` (at 448), ``exact``, ``bf16``/``fp16``;
 accumulator ``acc13`` (Hopper's FP8 MMA), ``acc22``, ``exact``, with ``flushN`` (every N tiles of
 64 keys). The accurate format ending ``/unrounded-q``, ``-k`` or ``-qk`` leaves those operands'
-codes unrounded: which rounding its error comes from. Goals (issue 45): the fast format <=
+codes unrounded: which rounding its error comes from. ``k8v8`` and ``k8v8/regrow``: k8v8 as it
+ships (``reference.eight_bit_attention.K8V8_FORMAT``: V's channel scales frozen at headroom 256,
+128-key tiles). Goals (issue 45): the fast format <=
 ``FAST_RANDOM_GOAL`` on random data and on every kind <= ``FAST_VS_E4M3`` x today's e4m3 pool;
 the accurate one <= ``ACCURATE_GOAL`` everywhere.
 """
@@ -92,7 +94,8 @@ def _name(k: str, v: str, p: str = "e4m3", acc: str = "acc13", flush: int = 1) -
 
 def candidates() -> dict[str, Candidate]:
     """The grid: K x V at P e4m3, acc13, flush 1; then P, normalizer, accumulator and flush
-    around int8 per slot; the accurate formats (16-bit V); frozen K choices switched off."""
+    around int8 per slot; the accurate formats (16-bit V); frozen K choices switched off;
+    k8v8 as it ships."""
     grid = [
         (k, v)
         for k in ("int8-slot", "e4m3-slot", "int8-tile64", "e4m3-tile64")
@@ -130,6 +133,9 @@ def candidates() -> dict[str, Candidate]:
         out[f"int8-slot/bf16/bf16/exact/q-row/unrounded-{operands}"] = replace(
             accurate, unrounded=unrounded
         )
+    # k8v8 as it ships, its K factors frozen or regrowing (the cache's).
+    out["k8v8"] = Candidate(eba.K8V8_FORMAT)
+    out["k8v8/regrow"] = Candidate(eba.K8V8_FORMAT, regrow=True)
     return out
 
 
@@ -258,6 +264,9 @@ def format_table(table: dict[str, dict[str, float]], *, markdown: bool = False) 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paged_video.bench.eight_bit_choice")
     parser.add_argument("--queries", type=int, default=128, help="query rows (default 128)")
+    parser.add_argument(
+        "--heads", type=int, default=1, help="heads (default 1; each adds its own outlier channels)"
+    )
     parser.add_argument("--window-chunks", type=int, default=9, help="window frames (default 9)")
     parser.add_argument("--sink-chunks", type=int, default=9, help="sink frames (default 9)")
     parser.add_argument(
@@ -273,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--only: unknown candidates {sorted(unknown)}; known: {sorted(every)}")
     chosen = {n: c for n, c in every.items() if not args.only or n in args.only}
     config = AccuracyConfig(
-        heads=1,
+        heads=args.heads,
         q_rows=args.queries,
         sink_chunks=args.sink_chunks,
         window_chunks=args.window_chunks,
@@ -282,8 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"rel L1 (%) against float64 attention: {config.rows} queries over {config.kv_tokens} "
-        f"keys, 1 head of {config.head_dim}, bf16-rounded data (seed {config.seed}); "
-        "float64 emulations, no kernels"
+        f"keys, {config.heads} head(s) of {config.head_dim}, bf16-rounded data "
+        f"(seed {config.seed}); float64 emulations, no kernels"
     )
     print(format_table(measure(config, chosen, log=True), markdown=args.markdown))
     return 0

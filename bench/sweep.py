@@ -22,7 +22,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -74,7 +74,7 @@ from paged_video.bench.workload import (
     oracle_stage,
 )
 from paged_video.reference.attention import gather_sequence
-from paged_video.reference.eight_bit_attention import Codes, EightBitFormat, attend_codes
+from paged_video.reference.eight_bit_attention import K8V8_FORMAT, Codes, attend_codes
 
 # An attention result passes when its error (relative to the oracle's largest magnitude) is at
 # most TORCH_ERROR_FACTOR times torch SDPA's error in the same dtype plus this floor: about one
@@ -260,9 +260,7 @@ def _dequantizing_oracle(workload: Workload, quant: Quant) -> Output:
 # The k8v8 format's arithmetic as the kernel does it (the row sums of the rounded probabilities,
 # by MMA), P V's accumulator exact (the interpreter's float32; the GPU's FP8 MMA keeps ~22 bits,
 # inside the allowance).
-K8V8_EMULATION = EightBitFormat(
-    q_rows_per_scale=1, v_scales="frozen", normalizer="rounded", acc_bits=None
-)
+K8V8_EMULATION = replace(K8V8_FORMAT, acc_bits=None)
 
 
 def eight_bit_oracle(workload: Workload, kv_format: str) -> Tensor:

@@ -44,7 +44,7 @@ Keys are in sequence order; tiles, K tiles and V blocks are consecutive runs fro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -126,6 +126,12 @@ FAST_FORMAT = EightBitFormat(
 ACCURATE_FORMAT = EightBitFormat(
     q_rows_per_scale=1, v_scales="none", p_dtype=torch.bfloat16, acc_bits=None
 )
+# k8v8 as it ships (``PagingConfig(kv_format="k8v8")``): the fast format with V's channel scales
+# frozen at the layer's first write, headroom 256 (``kernels.value_channels.V_HEADROOM``), each
+# FP8 ``P V`` sum added into float32 once a key tile of the launch (128 keys at frame-sized
+# blocks). The kernel's oracles (``bench.sweep``, ``bench.accuracy``) and ``bench.eight_bit_choice``
+# take it, replacing what their run sets (the accumulator, the tile).
+K8V8_FORMAT = replace(FAST_FORMAT, v_scales="frozen", v_headroom=256.0, tile_keys=128)
 
 
 class Codes(NamedTuple):

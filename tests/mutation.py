@@ -2576,8 +2576,8 @@ MUTANTS = [
     _m(
         "sweep-k8v8-oracle-p-unrounded",
         "bench/sweep.py",
-        'v_scales="frozen", normalizer="rounded", acc_bits=None',
-        'v_scales="frozen", normalizer="rounded", acc_bits=None, p_dtype=None',
+        "K8V8_EMULATION = replace(K8V8_FORMAT, acc_bits=None)",
+        "K8V8_EMULATION = replace(K8V8_FORMAT, acc_bits=None, p_dtype=None)",
         "tests/bench/test_quantized.py::test_the_one_switch_oracles_are_their_formats_arithmetic",
     ),
     _m(
@@ -2591,8 +2591,8 @@ MUTANTS = [
     _m(
         "accuracy-k8v8-floor-without-p-rounding",
         "bench/accuracy.py",
-        '            v_scales="frozen",\n',
-        '            v_scales="frozen",\n            p_dtype=None,\n',
+        "            v_headroom=V_HEADROOM,\n",
+        "            v_headroom=V_HEADROOM,\n            p_dtype=None,\n",
         "tests/bench/test_accuracy.py::test_the_one_switch_formats_at_the_small_preset",
     ),
     _m(

@@ -9,16 +9,19 @@ import pytest
 import torch
 
 from paged_video.bench import eight_bit_choice as choice
+from paged_video.bench import sweep
 from paged_video.bench.accuracy import (
     AccuracyConfig,
     Data,
     FloorCache,
     Prepared,
     Variant,
+    eight_bit_emulation,
     make_data,
     prepare,
     reference_output,
 )
+from paged_video.kernels.value_channels import V_HEADROOM
 from paged_video.reference import eight_bit_attention as eba
 from paged_video.reference import regrow
 
@@ -150,6 +153,19 @@ def test_the_chosen_formats_meet_their_goals_on_small_data(seed: int) -> None:
         assert fast[kind] >= 1.5 * accurate[kind], kind
 
 
+def test_k8v8_as_it_ships_is_one_format_for_every_oracle() -> None:
+    """The choice's k8v8 rows, the sweep's oracle and ``bench accuracy``'s floor are one
+    format (``K8V8_FORMAT``), with the cache's V headroom; each run sets only its accumulator
+    and tile."""
+    every = choice.candidates()
+    assert every["k8v8"] == choice.Candidate(eba.K8V8_FORMAT)
+    assert every["k8v8/regrow"] == choice.Candidate(eba.K8V8_FORMAT, regrow=True)
+    assert eba.K8V8_FORMAT.v_scales == "frozen" and eba.K8V8_FORMAT.v_headroom == V_HEADROOM
+    assert dataclasses.replace(eba.K8V8_FORMAT, acc_bits=None) == sweep.K8V8_EMULATION
+    floor = eight_bit_emulation(Variant("k8v8", "k8v8", smooth=True), TINY)
+    assert floor == dataclasses.replace(eba.K8V8_FORMAT, acc_bits=None, tile_keys=floor.tile_keys)
+
+
 @pytest.mark.parametrize(
     "name", ["int8-slot/frozen16/e4m3/acc13", "e4m3-tile64/block256/e4m3/acc13"]
 )
@@ -205,3 +221,20 @@ def test_regrowing_keys_are_the_replayed_frames_codes() -> None:
     assert not torch.equal(first, frozen_keys.codes[:64])
     with pytest.raises(ValueError, match="regrow needs equalize_k"):
         dataclasses.replace(candidate, equalize_k=False)
+
+
+def test_the_command_measures_the_heads_and_candidates_it_names(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = {}
+
+    def measure(config: AccuracyConfig, chosen: dict, *, log: bool = False) -> dict:
+        seen.update(config=config, chosen=chosen)
+        return {row: {"random": 0.01} for row in (*choice.TODAY, *chosen)}
+
+    monkeypatch.setattr(choice, "measure", measure)
+    assert choice.main(["--heads", "8", "--data", "random", "--only", "k8v8/regrow"]) == 0
+    assert seen["config"].heads == 8 and list(seen["chosen"]) == ["k8v8/regrow"]
+    assert "8 head(s) of 128" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        choice.main(["--only", "k8v9"])
