@@ -220,12 +220,16 @@ def _configs_both() -> list[compile_report.Config]:
 
 def _compile_all() -> list[dict]:
     rows = compile_report.compile_rows(
-        list(dict.fromkeys(_configs_39() + _eight_bit_configs())), "cuda:90", workers=2
+        list(dict.fromkeys(_configs_39() + _eight_bit_configs() + _awkward_eight_bit_configs())),
+        "cuda:90",
+        workers=2,
     )
     python36 = _triton36()
     if python36 is not None:
         rows += compile_report.compile_rows(
-            list(dict.fromkeys(_configs_both() + _eight_bit_configs())),
+            list(
+                dict.fromkeys(_configs_both() + _eight_bit_configs() + _awkward_eight_bit_configs())
+            ),
             "cuda:90",
             workers=2,
             pythons=[python36],
@@ -1390,10 +1394,55 @@ def test_eight_bit_formats_build_on_both_tritons(
     [codes] = [
         r
         for r in report.rows
-        if (r["kernel"], r["triton"], r["kv_mode"], r["block_size"], r["variant"])
-        == ("query_codes", triton, mode, block, "default")
+        if (r["kernel"], r["triton"], r["kv_mode"], r["block_size"], r["variant"], r["head_dim"])
+        == ("query_codes", triton, mode, block, "default", 128)
     ]
     assert codes["error"] == "" and codes["mma"] == "none", codes
+
+
+# The CUDA tests' shapes beyond the shipped geometry, in both 8-bit formats: head_dim 80 (a
+# padded head), GQA 2 and every masked feature (causal, per-row key limits, a key gap), at a block
+# cut into pieces (7 = 4 + 2 + 1) and at the frame block. A kernel path that only a GPU compiles
+# fails here, as the FP8 MMA's 16-key tiles did on the H200 (bench/RESULTS.md).
+AWKWARD_EIGHT_BIT = ((7, "k8v8_keys"), (1560, "k8v16_keys"))
+AWKWARD_HEAD_DIM = 80
+
+
+def _awkward_eight_bit_configs() -> list[compile_report.Config]:
+    return [
+        config
+        for block, mode in AWKWARD_EIGHT_BIT
+        for config in compile_report.configs_for(
+            kernels=("paged_attention",),
+            block_sizes=(block,),
+            head_dims=(AWKWARD_HEAD_DIM,),
+            heads=4,
+            gqa_group=2,
+            max_seqlen_q=100,
+            causal=True,
+            key_limits=True,
+            gaps=1,
+            kv_modes=(mode,),
+        )
+    ]
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("block, mode", AWKWARD_EIGHT_BIT)
+def test_eight_bit_formats_build_at_the_tests_awkward_shapes(
+    report: Report, minor: str, block: int, mode: str
+) -> None:
+    triton = report.version(minor)
+    [row] = [
+        r
+        for r in report.rows
+        if r["kernel"] == "paged_attention"
+        and (r["triton"], r["block_size"], r["head_dim"], r["kv_mode"])
+        == (triton, block, AWKWARD_HEAD_DIM, mode)
+    ]
+    assert row["error"] == "", row
+    assert (row["features"], row["kv_heads"]) == ("causal+key_limits+gaps=1", 2), row
+    assert row["mma"] == EIGHT_BIT_MMAS[mode], row
 
 
 @pytest.mark.parametrize("minor", _versions())

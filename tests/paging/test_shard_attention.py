@@ -5,13 +5,14 @@ All in one process, with the real kernels (Triton's interpreter on a CPU): a sin
 pools; each rank writes the K/V of its own blocks and attends every query over its own keys
 (``return_lse``), and ``merge_stacked_attention_states`` of the ranks' partials must equal the
 single process's ``ForwardCall.attend`` (float32: the merge reorders the softmax's sums, a few
-roundings, so 2e-5). Blocks of 7 tokens over frames of 5 (chunks start mid-block), GQA, head_dim
-80, action tokens, two CFG rows in one call, the window sliding; with 3 ranks some rows leave a
-rank no key (its LSE is -inf and the merge skips it). Over int8 pools (equalized by default)
-every rank quantizes with the K mean and the channel equalization factors of every key of the
-first forward, as one process does, so the codes are the same and the merged attention still
-equals the single process's. There K and V have a few channels whose width varies from token to
-token (up to 2**6), so factors chosen from one rank's tokens would differ from one process's.
+roundings of the values averaged: ``assert_merge_is_one_process``). Blocks of 7 tokens over
+frames of 5 (chunks start mid-block), GQA, head_dim 80, action tokens, two CFG rows in one call,
+the window sliding; with 3 ranks some rows leave a rank no key (its LSE is -inf and the merge
+skips it). Over int8 pools (equalized by default) every rank quantizes with the K mean and the
+channel equalization factors of every key of the first forward, as one process does, so the
+codes are the same and the merged attention still equals the single process's. There K and V
+have a few channels whose width varies from token to token (up to 2**6), so factors chosen from
+one rank's tokens would differ from one process's.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def test_merged_partials_equal_one_process(degree, exact_window, staged, kv_dtyp
     sessions = [cache.open_session() for cache in caches]
     generator = torch.Generator().manual_seed(degree)
     empty_rows = 0
+    widest = torch.zeros(KV_HEADS, HEAD_DIM)  # of every V written so far
     for chunks, commit, actions, rows in STEPS:
         branches = ("positive", "negative")[:rows]
         n = chunks * config.chunk_size * rows
@@ -102,7 +104,8 @@ def test_merged_partials_equal_one_process(degree, exact_window, staged, kv_dtyp
             empty_rows += int((call.local_inputs.seq_lens_k == 0).sum())
         merged, _ = merge_stacked_attention_states(torch.stack(outs), torch.stack(lses))
         assert not merged.isnan().any()
-        torch.testing.assert_close(merged, want, atol=2e-5, rtol=2e-5)
+        widest = torch.maximum(widest, torch.cat([v, av]).abs().amax(dim=0))
+        assert_merge_is_one_process(merged, want, widest)
         for call in calls:
             call.commit()
     if degree == 3:
@@ -121,6 +124,19 @@ def plain():
     """The kernels' plain-PyTorch path (the rule that chooses is the same on every path)."""
     with plain_torch_kernels():
         yield
+
+
+def assert_merge_is_one_process(merged: torch.Tensor, want: torch.Tensor, widest: torch.Tensor):
+    """The ranks' merged partials equal one process's output to float32 rounding. The merge
+    reorders the softmax's sums, so an output moves by a few roundings of the values it
+    averages, not of its own size: with V's channels up to 2**6 wider, a few float32 ulps of
+    the channel's widest V written (``widest (KV heads, D)``; 16 allowed) beside 2e-5 of the
+    output (numpy 2.4's sums moved one output by 1.6e-4, 5 ulps of its channel's widest V)."""
+    group = merged.shape[1] // widest.shape[0]
+    ulps = 16 * torch.finfo(torch.float32).eps * widest.repeat_interleave(group, dim=0)
+    allowed = torch.maximum(ulps, torch.tensor(2e-5)) + 2e-5 * want.abs()
+    excess = (merged - want).abs() - allowed
+    assert (excess <= 0).all(), f"{int((excess > 0).sum())} outputs over, worst by {excess.max()}"
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -191,6 +207,7 @@ def test_ranks_store_the_single_process_codes(degree, pools, staged, grow):
     offsets = 8 * torch.randn(KV_HEADS, 16, generator=generator)  # what smoothing removes
     growth = torch.ones(KV_HEADS, 16)
     first_choice = None
+    widest = torch.zeros(2, KV_HEADS, 16)  # per layer, of every V written so far
     for step, (chunks, commit, rows) in enumerate(
         [(2, False, 2), (2, True, 2), (1, True, 1), (2, True, 1)]
     ):
@@ -225,7 +242,8 @@ def test_ranks_store_the_single_process_codes(degree, pools, staged, grow):
                 rel = ((merged - want).abs().sum() / want.abs().sum()).item()
                 assert rel < 5e-3, rel
             else:
-                torch.testing.assert_close(merged, want, atol=2e-5, rtol=2e-5)
+                widest[layer] = torch.maximum(widest[layer], v.abs().amax(dim=0))
+                assert_merge_is_one_process(merged, want, widest[layer])
         for call in calls:
             call.commit()
     # k8v8: V channel scales in place of V's factors and scales; k8v16: V stored as it is.
