@@ -220,16 +220,12 @@ def _configs_both() -> list[compile_report.Config]:
 
 def _compile_all() -> list[dict]:
     rows = compile_report.compile_rows(
-        list(dict.fromkeys(_configs_39() + _eight_bit_configs() + _awkward_eight_bit_configs())),
-        "cuda:90",
-        workers=2,
+        list(dict.fromkeys(_configs_39() + _eight_bit_configs())), "cuda:90", workers=2
     )
     python36 = _triton36()
     if python36 is not None:
         rows += compile_report.compile_rows(
-            list(
-                dict.fromkeys(_configs_both() + _eight_bit_configs() + _awkward_eight_bit_configs())
-            ),
+            list(dict.fromkeys(_configs_both() + _eight_bit_configs())),
             "cuda:90",
             workers=2,
             pythons=[python36],
@@ -1371,12 +1367,31 @@ SCORE_BITS_LAUNCH = {"SCORE_BITS": True}
 
 
 def _eight_bit_configs() -> list[compile_report.Config]:
-    return compile_report.configs_for(
+    """Both Tritons: the shipped geometry with and without ``SCORE_BITS``, then the tests'
+    awkward shapes (``AWKWARD_EIGHT_BIT``)."""
+    shipped = compile_report.configs_for(
         kernels=("paged_attention",),
         block_sizes=EIGHT_BIT_BLOCKS,
         kv_modes=tuple(EIGHT_BIT_MMAS),
         launches=({}, SCORE_BITS_LAUNCH),
     )
+    awkward = [
+        config
+        for block, mode in AWKWARD_EIGHT_BIT
+        for config in compile_report.configs_for(
+            kernels=("paged_attention",),
+            block_sizes=(block,),
+            head_dims=(AWKWARD_HEAD_DIM,),
+            heads=4,
+            gqa_group=2,
+            max_seqlen_q=100,
+            causal=True,
+            key_limits=True,
+            gaps=1,
+            kv_modes=(mode,),
+        )
+    ]
+    return shipped + awkward
 
 
 @pytest.mark.parametrize("minor", _versions())
@@ -1406,25 +1421,7 @@ def test_eight_bit_formats_build_on_both_tritons(
 # fails here, as the FP8 MMA's 16-key tiles did on the H200 (bench/RESULTS.md).
 AWKWARD_EIGHT_BIT = ((7, "k8v8_keys"), (1560, "k8v16_keys"))
 AWKWARD_HEAD_DIM = 80
-
-
-def _awkward_eight_bit_configs() -> list[compile_report.Config]:
-    return [
-        config
-        for block, mode in AWKWARD_EIGHT_BIT
-        for config in compile_report.configs_for(
-            kernels=("paged_attention",),
-            block_sizes=(block,),
-            head_dims=(AWKWARD_HEAD_DIM,),
-            heads=4,
-            gqa_group=2,
-            max_seqlen_q=100,
-            causal=True,
-            key_limits=True,
-            gaps=1,
-            kv_modes=(mode,),
-        )
-    ]
+AWKWARD_FEATURES = "causal+key_limits+gaps=1"
 
 
 @pytest.mark.parametrize("minor", _versions())
@@ -1433,16 +1430,8 @@ def test_eight_bit_formats_build_at_the_tests_awkward_shapes(
     report: Report, minor: str, block: int, mode: str
 ) -> None:
     triton = report.version(minor)
-    [row] = [
-        r
-        for r in report.rows
-        if r["kernel"] == "paged_attention"
-        and (r["triton"], r["block_size"], r["head_dim"], r["kv_mode"])
-        == (triton, block, AWKWARD_HEAD_DIM, mode)
-    ]
-    assert row["error"] == "", row
-    assert (row["features"], row["kv_heads"]) == ("causal+key_limits+gaps=1", 2), row
-    assert row["mma"] == EIGHT_BIT_MMAS[mode], row
+    row = report.paged(triton, block, head_dim=AWKWARD_HEAD_DIM, kv=mode, features=AWKWARD_FEATURES)
+    assert row["kv_heads"] == 2 and row["mma"] == EIGHT_BIT_MMAS[mode], row
 
 
 @pytest.mark.parametrize("minor", _versions())
