@@ -1366,14 +1366,27 @@ def check_spills(row: dict, minor: str, mode: str, block: int, variant: str = "d
 SCORE_BITS_LAUNCH = {"SCORE_BITS": True}
 
 
+# The 64-key loop that runs each tile's P V MMA under the next tile's softmax
+# (_attend_pv_behind), at the frame block: the launch the GPU probe times beside the table's
+# 128-key loop there.
+PV_BEHIND_LAUNCH = {"block_n": 64}
+PV_BEHIND_BLOCK = 1560
+
+
 def _eight_bit_configs() -> list[compile_report.Config]:
-    """Both Tritons: the shipped geometry with and without ``SCORE_BITS``, then the tests'
-    awkward shapes (``AWKWARD_EIGHT_BIT``)."""
+    """Both Tritons: the shipped geometry with and without ``SCORE_BITS``, the 64-key
+    P-V-behind loop at the frame block, then the tests' awkward shapes (``AWKWARD_EIGHT_BIT``)."""
     shipped = compile_report.configs_for(
         kernels=("paged_attention",),
         block_sizes=EIGHT_BIT_BLOCKS,
         kv_modes=tuple(EIGHT_BIT_MMAS),
         launches=({}, SCORE_BITS_LAUNCH),
+    )
+    pv_behind = compile_report.configs_for(
+        kernels=("paged_attention",),
+        block_sizes=(PV_BEHIND_BLOCK,),
+        kv_modes=tuple(EIGHT_BIT_MMAS),
+        launches=(PV_BEHIND_LAUNCH,),
     )
     awkward = [
         config
@@ -1391,7 +1404,7 @@ def _eight_bit_configs() -> list[compile_report.Config]:
             kv_modes=(mode,),
         )
     ]
-    return shipped + awkward
+    return shipped + pv_behind + awkward
 
 
 @pytest.mark.parametrize("minor", _versions())
@@ -1413,6 +1426,28 @@ def test_eight_bit_formats_build_on_both_tritons(
         == ("query_codes", triton, mode, block, "default", 128)
     ]
     assert codes["error"] == "" and codes["mma"] == "none", codes
+
+
+@pytest.mark.parametrize("minor", _versions())
+@pytest.mark.parametrize("mode", EIGHT_BIT_MMAS)
+def test_p_v_under_the_next_softmax_meets_the_serial_goal(
+    report: Report, minor: str, mode: str
+) -> None:
+    # Issue 45's compile goal: per key, at most 1.1x the instructions bf16's default loop
+    # issues with no MMA in flight. The 64-key loop meets it at the frame block on both
+    # Tritons (2026-12-07: 0.71-0.82x); the table's 128-key loop does not (k8v8: 1.23x on 3.9,
+    # 1.30x on 3.6) but issues fewer instructions in all, which bounds an 8-bit loop too
+    # (docs/quantization.md, "What bounds an 8-bit loop"): which of the two is faster is the
+    # GPU probe's question.
+    triton = report.version(minor)
+    row = report.paged(triton, PV_BEHIND_BLOCK, kv=mode, variant="block_n=64")
+    bf16 = report.paged(triton, PV_BEHIND_BLOCK, variant="default")
+    assert (row["mma"], row["tile"]) == (EIGHT_BIT_MMAS[mode], "128x64"), row
+    assert row["loop_shared_stores"] == 0, row
+    check_spills(row, minor, mode, PV_BEHIND_BLOCK, "block_n=64")
+    serial_per_key = row["loop_serial_instructions"] / 64
+    bf16_per_key = bf16["loop_serial_instructions"] / int(bf16["tile"].split("x")[1])
+    assert serial_per_key <= 1.1 * bf16_per_key, (row, bf16)
 
 
 # The CUDA tests' shapes beyond the shipped geometry, in both 8-bit formats: head_dim 80 (a
